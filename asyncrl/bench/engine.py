@@ -1,0 +1,120 @@
+"""``asyncrl bench engine``: the built-in engine against ``model.generate``, same model,
+batch and response lengths, measured side by side in one run.
+
+Two workloads. ``uniform``: every request wants the same number of tokens, the case
+``generate`` is built for. ``longtail``: most responses are short and a few are many
+times longer; ``generate`` must decode every static batch until its longest row ends,
+while continuous batching refills freed rows. Only requested tokens count as useful.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import statistics
+import time
+from typing import Any
+
+import torch
+from pydantic import Field
+from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+from asyncrl.config import _Section, apply_overrides, validate
+from asyncrl.engine import TorchEngine
+from asyncrl.types import SamplingParams
+
+
+class EngineBenchSettings(_Section):
+    hidden_size: int = Field(256, ge=8)
+    num_layers: int = Field(4, ge=1)
+    vocab_size: int = Field(128, ge=16)
+    batch_size: int = Field(64, ge=1)
+    prompt_tokens: int = Field(16, ge=1)
+    uniform_tokens: int = Field(32, ge=1)
+    longtail_requests: int = Field(256, ge=1)
+    short_tokens: tuple[int, int] = (8, 24)
+    long_tokens: tuple[int, int] = (128, 256)
+    long_fraction: float = Field(0.06, ge=0, le=1)
+    threads: int = Field(1, ge=1)
+    repeats: int = Field(3, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    seed: int = 0
+
+
+def bench_model(s: EngineBenchSettings) -> PreTrainedModel:
+    torch.manual_seed(s.seed)
+    config = Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+                         num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * s.hidden_size,
+                         max_position_embeddings=s.prompt_tokens + s.long_tokens[1] + 8, tie_word_embeddings=True)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def run_generate(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int], batch_size: int,
+                 temperature: float) -> float:
+    """Static batches in order; each runs until its longest request is done. Returns s."""
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for i in range(0, len(lengths), batch_size):
+            chunk = prompts[i:i + batch_size]
+            n = max(lengths[i:i + batch_size])
+            model.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=True, temperature=temperature, top_k=0, top_p=1.0, eos_token_id=None,
+                           pad_token_id=0)
+    return time.perf_counter() - start
+
+
+def run_engine(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int], batch_size: int,
+               temperature: float) -> float:
+    async def main() -> float:
+        engine = TorchEngine(model, max_batch_size=batch_size)
+        try:
+            start = time.perf_counter()
+            done = await asyncio.gather(*[
+                engine.generate(p, SamplingParams(max_tokens=n, temperature=temperature))
+                for p, n in zip(prompts.tolist(), lengths)])
+            elapsed = time.perf_counter() - start
+        finally:
+            await engine.shutdown()
+        assert [len(c.token_ids) for c in done] == lengths
+        return elapsed
+
+    return asyncio.run(main())
+
+
+def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
+    s = validate(EngineBenchSettings, apply_overrides({}, overrides))
+    torch.set_num_threads(s.threads)
+    model = bench_model(s)
+    rng = random.Random(s.seed)
+    workloads = {
+        "uniform": [s.uniform_tokens] * s.batch_size,
+        "longtail": [rng.randint(*s.long_tokens) if rng.random() < s.long_fraction else rng.randint(*s.short_tokens)
+                     for _ in range(s.longtail_requests)],
+    }
+    systems = {"generate": run_generate, "torch": run_engine}
+    run_engine(model, torch.randint(4, s.vocab_size, (4, s.prompt_tokens)), [4] * 4, 4, 1.0)  # warm-up
+    tokens_per_s: dict[str, dict[str, float]] = {name: {} for name in systems}
+    for workload, lengths in workloads.items():
+        prompts = torch.randint(4, s.vocab_size, (len(lengths), s.prompt_tokens),
+                                generator=torch.Generator().manual_seed(s.seed))
+        times: dict[str, list[float]] = {name: [] for name in systems}
+        for _ in range(s.repeats):  # interleaved, so drifts in machine load hit both alike
+            for name, fn in systems.items():
+                times[name].append(fn(model, prompts, lengths, s.batch_size, s.temperature))
+        for name in systems:
+            tokens_per_s[name][workload] = sum(lengths) / statistics.median(times[name])
+        print(f"{workload:9s} requests={len(lengths):4d} tokens={sum(lengths):6d} max_len={max(lengths):4d}  " +
+              "  ".join(f"{n}={tokens_per_s[n][workload]:8.0f} tok/s" for n in systems))
+    result = {
+        "settings": s.model_dump(),
+        "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
+        "tokens_per_s": tokens_per_s,
+        "ratio_vs_generate_uniform": tokens_per_s["torch"]["uniform"] / tokens_per_s["generate"]["uniform"],
+        "ratio_vs_generate_longtail": tokens_per_s["torch"]["longtail"] / tokens_per_s["generate"]["longtail"],
+    }
+    from asyncrl.bench import machine
+
+    result["machine"] = machine()
+    print(f"ratio_vs_generate_uniform={result['ratio_vs_generate_uniform']:.2f}  "
+          f"ratio_vs_generate_longtail={result['ratio_vs_generate_longtail']:.2f}")
+    return result

@@ -1,0 +1,52 @@
+"""``asyncrl eval|bench``: thin dispatch; exit 2 for usage/config errors, 1 for failures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import traceback
+
+from asyncrl.config import ConfigError, load_config
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ev = sub.add_parser("eval", help="score a policy on a task's validation split")
+    ev.add_argument("config", help="YAML config file")
+    ev.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
+    bench.add_argument("suite", choices=["engine"])
+    bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
+    bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "eval":
+            from asyncrl.evaluation import run_eval
+
+            result = run_eval(load_config(args.config, args.overrides))
+            print(json.dumps(result.summary(), indent=2))
+        elif args.command == "bench":
+            from asyncrl.bench import run_bench
+
+            run_bench(args.suite, args.overrides, args.out)
+    except ConfigError as exc:
+        print(f"asyncrl: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asyncrl: interrupted", file=sys.stderr)
+        return 130
+    except Exception:
+        traceback.print_exc()
+        print(f"asyncrl {args.command}: failed (see the traceback above)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

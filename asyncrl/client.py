@@ -1,0 +1,152 @@
+"""The LLM client a workflow talks to: token in, token out.
+
+Three promises, because each one, when broken, silently corrupts off-policy training:
+- the trajectory holds exactly the ids the engine sampled — model output is never
+  re-tokenized, so behavior logprobs stay aligned with the trained tokens;
+- tool/environment text is appended as tokens with loss mask 0 (logprob 0, no version);
+- a generation the engine aborts for a weight update is resumed here with prompt +
+  partial tokens and the remaining budget, and stitched token for token; the workflow
+  never sees it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.engine.protocol import RolloutEngine
+from asyncrl.types import NO_VERSION, Completion, FinishReason, SamplingParams, Step, Trajectory
+
+Message = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Response:
+    text: str  # decoded without special tokens
+    token_ids: list[int]
+    finish_reason: FinishReason
+
+    @property
+    def message(self) -> Message:
+        """The assistant message to append to the conversation (a fresh dict each time)."""
+        return {"role": "assistant", "content": self.text}
+
+
+@dataclass
+class _Conversation:
+    """What the client remembers of the running chat, to append only the new turns."""
+
+    trajectory: Trajectory
+    messages: list[Message]  # own deep copy, ending with the assistant reply
+    tools: list[dict[str, Any]] | None
+    last_output_ids: list[int]
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """The ids that end a model turn: the tokenizer's EOS (and the generation config's, when
+    a caller adds them); sampling stops there and keeps the stop token in the trajectory."""
+    return (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+
+
+class LLMClient:
+    """One per episode. Each ``generate`` call, and each ``chat`` call that does not extend
+    the previous conversation, opens a new trajectory in ``self.trajectories``."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.sampling = sampling
+        self.trajectories: list[Trajectory] = []
+        self._conversation: _Conversation | None = None
+
+    async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Response:
+        prompt_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
+        trajectory = Trajectory(prompt_ids=list(prompt_ids))
+        self.trajectories.append(trajectory)
+        self._conversation = None
+        return await self._extend(trajectory, sampling or self.sampling, messages=None)
+
+    async def chat(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+        sampling: SamplingParams | None = None,
+    ) -> Response:
+        conv = self._conversation
+        if conv is not None and messages[: len(conv.messages)] == conv.messages and tools == conv.tools:
+            trajectory = conv.trajectory
+            new_ids = self._tokens_after_reply(conv, messages)
+            trajectory.response_ids += new_ids
+            trajectory.loss_mask += [0] * len(new_ids)
+            trajectory.logprobs += [0.0] * len(new_ids)
+            trajectory.versions += [NO_VERSION] * len(new_ids)
+        else:
+            trajectory = Trajectory(prompt_ids=self._render_ids(messages, tools))
+            self.trajectories.append(trajectory)
+        response = await self._extend(trajectory, sampling or self.sampling, messages=messages)
+        self._conversation = _Conversation(
+            trajectory, copy.deepcopy(messages) + [response.message], copy.deepcopy(tools), response.token_ids)
+        return response
+
+    # -------------------------------------------------------------------------
+    async def _extend(self, trajectory: Trajectory, sampling: SamplingParams, messages: list[Message] | None) -> Response:
+        context = trajectory.prompt_ids + trajectory.response_ids
+        completion, num_resumes = await self._complete(context, sampling)
+        n = len(completion.token_ids)
+        trajectory.response_ids += completion.token_ids
+        trajectory.loss_mask += [1] * n
+        trajectory.logprobs += completion.logprobs
+        trajectory.versions += completion.versions
+        trajectory.finish_reason = completion.finish_reason
+        trajectory.num_resumes += num_resumes
+        trajectory.steps.append(Step(copy.deepcopy(messages), len(context), n, completion.finish_reason, num_resumes))
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        return Response(text, list(completion.token_ids), completion.finish_reason)
+
+    async def _complete(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Completion, int]:
+        """Generate, resuming after every ``abort`` (a weight update) with prompt + partial
+        tokens and the remaining budget, until the sequence really ends."""
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        num_resumes = 0
+        while True:
+            remaining = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(ids))
+            part = await self.engine.generate(prompt_ids + ids, remaining)
+            ids += part.token_ids
+            logprobs += part.logprobs
+            versions += part.versions
+            if part.finish_reason != "abort":
+                return Completion(ids, logprobs, versions, part.finish_reason), num_resumes
+            if len(ids) >= sampling.max_tokens:
+                return Completion(ids, logprobs, versions, "length"), num_resumes
+            num_resumes += 1
+
+    def _render(self, messages: list[Message], tools: list[dict[str, Any]] | None, *, generation_prompt: bool) -> str:
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template; "
+                             "chat workflows need one (use generate() for plain prompts)")
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
+        return self.tokenizer.encode(self._render(messages, tools, generation_prompt=True), add_special_tokens=False)
+
+    def _tokens_after_reply(self, conv: _Conversation, messages: list[Message]) -> list[int]:
+        """Ids for what follows the model's last reply: the end-of-turn text the template
+        adds after the reply that the model did not sample, then the new messages and the
+        next generation prompt. Found by rendering the template and taking text suffixes,
+        so the reply's own ids are never re-tokenized."""
+        opened = self._render(conv.messages[:-1], conv.tools, generation_prompt=True)
+        closed = self._render(conv.messages, conv.tools, generation_prompt=False)
+        following = self._render(messages, conv.tools, generation_prompt=True)
+        sampled = self.tokenizer.decode(conv.last_output_ids, skip_special_tokens=False)
+        reply = closed[len(opened):]
+        if not (closed.startswith(opened) and following.startswith(closed) and reply.startswith(sampled)):
+            raise ValueError(
+                "the chat template does not render the conversation as a prefix of its continuation; "
+                "token-exact multi-turn needs a template that only appends (no rewriting of earlier turns)")
+        suffix = reply[len(sampled):] + following[len(closed):]
+        return self.tokenizer.encode(suffix, add_special_tokens=False)

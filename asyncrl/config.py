@@ -1,0 +1,165 @@
+"""Typed configuration: one source of truth for every key, its type, default and meaning.
+
+Loaded from YAML, then dotted ``key=value`` overrides (values parse as YAML). Any unknown
+key or wrong type raises ``ConfigError`` naming the key (and the closest valid one); the
+CLI turns that into exit status 2.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ConfigError(ValueError):
+    """A usage or configuration error: the CLI exits 2 with this message."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    path: str = "models/countdown-tiny"
+    """A Hugging Face model directory (causal LM + tokenizer)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: str = "auto"
+    """``auto`` = CUDA when available, else CPU."""
+
+
+class TaskConfig(_Section):
+    name: str = "countdown"
+    """``countdown``, ``arithmetic``, or ``jsonl`` (then ``path`` is the train file)."""
+    path: str | None = None
+    validation_path: str | None = None
+    num_train: int = Field(20000, ge=0)
+    """Generated tasks in the train split (a JSONL file: first N rows, 0 = all)."""
+    num_validation: int = Field(128, ge=1)
+    reward_fn: str | None = None
+    """``module:function`` taking (task, response_text) -> float; default: the task's own."""
+
+
+class SamplingConfig(_Section):
+    max_tokens: int = Field(24, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+
+
+class WorkflowConfig(_Section):
+    name: str = "single_turn"
+    """``single_turn`` or ``module:Class`` (constructed with no arguments)."""
+    use_chat_template: bool = True
+    timeout_s: float = Field(60.0, gt=0)
+    """An episode (generation + reward) running longer is cancelled and counted as an error."""
+    max_retries: int = Field(1, ge=0)
+    """Attempts after the first before an erroring episode is dropped."""
+
+
+class RolloutConfig(_Section):
+    max_batch_size: int = Field(64, ge=1)
+    """Sequences decoded together by one engine."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads; ``None`` leaves torch's default."""
+
+
+class EvalConfig(_Section):
+    num_tasks: int = Field(128, ge=1)
+    """Validation tasks scored (at most the split's size)."""
+    samples_per_task: int = Field(4, ge=1)
+    temperature: float = Field(1.0, ge=0)
+    success_threshold: float = 1.0
+    """A sample counts as solved for pass@k when its reward reaches this."""
+
+
+class Config(_Section):
+    output_dir: str = "runs/default"
+    seed: int = 0
+    engine: Literal["torch"] = "torch"
+    """Rollout engine: the built-in ``torch`` engine (vLLM is planned, see README)."""
+    runtime: Literal["local"] = "local"
+    """Where the parts run: in this process (Ray is planned, see README)."""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    workflow: WorkflowConfig = WorkflowConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = EvalConfig()
+
+
+def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    keys = []
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys += all_keys(sub, f"{prefix}{name}.")
+        else:
+            keys.append(prefix + name)
+    return keys
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def validate(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, all_keys(model))) from None
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted ``key=value`` overrides (values parse as YAML) to a nested dict."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+    return data
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    data: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
+    return validate(Config, apply_overrides(data, overrides))
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: i + 1])!r} is not a section")
+    node[parts[-1]] = value
+
+
+def _explain(exc: ValidationError, valid: list[str]) -> str:
+    lines = []
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) or \
+                difflib.get_close_matches(key.split(".")[-1], valid, n=1, cutoff=0.5)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            lines.append(f"unknown config key {key!r}{hint}")
+        else:
+            lines.append(f"config key {key!r}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)

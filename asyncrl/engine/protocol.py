@@ -1,0 +1,45 @@
+"""The rollout engine contract every implementation (built-in torch, vLLM) keeps.
+
+Verbs follow vLLM's RL hooks: ``pause(mode)``, ``update_weights(weights, version)``,
+``resume()``. All are async: the orchestrator and many workflow tasks call them from one
+event loop while the engine generates elsewhere (a thread, a process, another node).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Literal, Protocol
+
+import torch
+
+from asyncrl.types import Completion, SamplingParams
+
+PauseMode = Literal["keep", "abort"]
+
+
+class EngineClosedError(RuntimeError):
+    """The engine was shut down (or died) while a request was waiting on it."""
+
+
+class RolloutEngine(Protocol):
+    @property
+    def version(self) -> int: ...
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        """Sample one completion. Cancelling the awaiting task aborts the request."""
+        ...
+
+    async def pause(self, mode: PauseMode = "keep") -> None:
+        """Stop decoding between two steps. ``keep``: in-flight sequences wait with their
+        KV cache; ``abort``: they return now with finish reason ``abort`` and their partial
+        tokens (the client resumes them)."""
+        ...
+
+    async def resume(self) -> None: ...
+
+    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load new weights between two decode steps; tokens sampled afterwards carry
+        ``version``. Sequences still in flight continue with the new weights."""
+        ...
+
+    async def shutdown(self) -> None: ...

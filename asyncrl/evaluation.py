@@ -1,0 +1,131 @@
+"""Scoring a policy on a task's validation split: mean reward and pass@k.
+
+``evaluate`` is shared by ``asyncrl eval`` and by the trainer's periodic evaluation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.config import Config, save_config
+from asyncrl.engine import RolloutEngine, TorchEngine
+from asyncrl.policy import load_policy
+from asyncrl.tasks.base import Task
+from asyncrl.types import Episode, SamplingParams
+from asyncrl.workflows.base import Workflow, run_episode
+from asyncrl.workflows.registry import build_tasks, build_workflow
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c succeeded: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 < k <= n:
+        raise ValueError(f"pass@k needs 0 < k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass
+class EvalResult:
+    mean_reward: float
+    pass_at: dict[int, float]
+    num_tasks: int
+    samples_per_task: int
+    num_errors: int
+    episodes: list[Episode]
+
+    def summary(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"mean_reward": self.mean_reward}
+        out.update({f"pass@{k}": v for k, v in self.pass_at.items()})
+        out.update(num_tasks=self.num_tasks, samples_per_task=self.samples_per_task, num_errors=self.num_errors)
+        return out
+
+
+async def evaluate(
+    engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, workflow: Workflow, tasks: list[Task], *,
+    samples_per_task: int, sampling: SamplingParams, timeout_s: float, max_retries: int,
+    success_threshold: float = 1.0, on_episode: Callable[[Episode], None] | None = None,
+) -> EvalResult:
+    """Run every task ``samples_per_task`` times at once (the engine batches them)."""
+    async def one(task: Task) -> Episode:
+        episode = await run_episode(workflow, task, lambda: LLMClient(engine, tokenizer, sampling),
+                                    timeout_s=timeout_s, max_retries=max_retries)
+        if on_episode is not None:
+            on_episode(episode)
+        return episode
+
+    async with asyncio.TaskGroup() as tg:
+        futures = [[tg.create_task(one(task)) for _ in range(samples_per_task)] for task in tasks]
+    grouped = [[f.result() for f in row] for row in futures]
+    episodes = [e for row in grouped for e in row]
+    ks = sorted({1, *(k for k in (2, 4, 8, 16, 32, 64) if k <= samples_per_task), samples_per_task})
+    solved = [sum(e.reward >= success_threshold for e in row) for row in grouped]
+    return EvalResult(
+        mean_reward=sum(e.reward for e in episodes) / max(len(episodes), 1),
+        pass_at={k: sum(pass_at_k(samples_per_task, c, k) for c in solved) / max(len(tasks), 1) for k in ks},
+        num_tasks=len(tasks), samples_per_task=samples_per_task,
+        num_errors=sum(e.status == "error" for e in episodes), episodes=episodes,
+    )
+
+
+def write_eval(result: EvalResult, output_dir: Path) -> None:
+    (output_dir / "eval.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
+    with open(output_dir / "eval_samples.jsonl", "w") as f:
+        for episode in result.episodes:
+            f.write(json.dumps(_sample_row(episode)) + "\n")
+
+
+def _sample_row(episode: Episode) -> dict:
+    row = {"task_id": episode.task_id, "reward": episode.reward, "status": episode.status,
+           "finish_reason": episode.finish_reason, "response": episode.metadata.get("response")}
+    if episode.error:
+        row["error"] = episode.error
+    row["trajectories"] = [dataclasses.asdict(t) for t in episode.trajectories]
+    return row
+
+
+def run_eval(cfg: Config) -> EvalResult:
+    """``asyncrl eval``: everything is validated (model, tasks, workflow) before any
+    generation starts, so bad input fails fast with exit status 2."""
+    model, tokenizer = load_policy(cfg.model)
+    tasks = build_tasks(cfg).validation[: cfg.eval.num_tasks]
+    workflow = build_workflow(cfg)
+    output_dir = Path(cfg.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    save_config(cfg, output_dir / "config.yaml")
+    sampling = SamplingParams(max_tokens=cfg.sampling.max_tokens, temperature=cfg.eval.temperature,
+                              top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
+                              stop_token_ids=stop_token_ids(tokenizer))
+
+    async def main() -> EvalResult:
+        engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
+        total = len(tasks) * cfg.eval.samples_per_task
+        with tqdm(total=total, desc="eval", unit="sample", dynamic_ncols=True) as bar:
+            rewards: list[float] = []
+
+            def progress(episode: Episode) -> None:
+                rewards.append(episode.reward)
+                bar.update()
+                bar.set_postfix(reward=f"{sum(rewards) / len(rewards):.3f}", refresh=False)
+
+            try:
+                return await evaluate(
+                    engine, tokenizer, workflow, tasks, samples_per_task=cfg.eval.samples_per_task,
+                    sampling=sampling, timeout_s=cfg.workflow.timeout_s, max_retries=cfg.workflow.max_retries,
+                    success_threshold=cfg.eval.success_threshold, on_episode=progress)
+            finally:
+                await engine.shutdown()
+
+    result = asyncio.run(main())
+    write_eval(result, output_dir)
+    return result

@@ -1,0 +1,166 @@
+"""Task registry: turn a config's ``task`` name into train/validation splits, and a
+reward spec string (``module:function``) into a callable."""
+
+from __future__ import annotations
+
+import importlib
+import random
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from asyncrl.tasks.arithmetic import arithmetic_reward, generate_arithmetic, iter_arithmetic
+from asyncrl.tasks.base import RewardFn, Task, TaskDataError, TaskSplits
+from asyncrl.tasks.countdown import countdown_reward, generate_countdown, iter_countdown
+from asyncrl.tasks.jsonl import load_jsonl_tasks
+
+__all__ = [
+    "Task", "TaskSplits", "RewardFn", "TaskDataError", "load_tasks", "resolve_reward_fn",
+    "default_reward_fn", "generate_countdown", "countdown_reward", "generate_arithmetic",
+    "arithmetic_reward", "load_jsonl_tasks", "TASK_NAMES", "REWARD_FUNCTIONS",
+    "REWARD_SPECS",
+]
+
+# Generated tasks: name -> endless deterministic stream factory ``(seed, **options)``.
+_GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
+    "countdown": iter_countdown,
+    "arithmetic": iter_arithmetic,
+}
+TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl")
+REWARD_FUNCTIONS: dict[str, RewardFn] = {
+    "countdown": countdown_reward,
+    "arithmetic": arithmetic_reward,
+}
+REWARD_SPECS: dict[str, str] = {
+    "countdown": "asyncrl.tasks.countdown:countdown_reward",
+    "arithmetic": "asyncrl.tasks.arithmetic:arithmetic_reward",
+}
+# Cap on candidates drawn per wanted validation task, so a tiny task space (arithmetic
+# has 100 prompts) fails loudly instead of looping forever.
+_DRAWS_PER_VALIDATION_TASK = 200
+
+
+def _validation_seed(seed: int) -> int:
+    """A seed derived from, and never equal to, the train seed."""
+    derived = random.Random(f"asyncrl-validation-{seed}").getrandbits(31)
+    return derived if derived != seed else derived + 1
+
+
+def _take(stream: Iterator[Task], n: int) -> list[Task]:
+    return [next(stream) for _ in range(n)]
+
+
+def _generated_splits(
+    name: str, seed: int, num_train: int, num_validation: int, options: Mapping[str, Any]
+) -> TaskSplits:
+    make = _GENERATORS[name]
+    try:
+        train_stream = make(seed, **options)
+    except TypeError as exc:  # unknown option name: a config typo, so say which
+        raise ValueError(f"task {name!r}: bad generator options {dict(options)}: {exc}") from None
+    train = _take(train_stream, num_train)
+    seen = {t.prompt for t in train}
+    validation: list[Task] = []
+    stream = make(_validation_seed(seed), **options)
+    for _ in range(max(1, num_validation) * _DRAWS_PER_VALIDATION_TASK):
+        if len(validation) == num_validation:
+            break
+        task = next(stream)
+        if task.prompt not in seen:  # also de-duplicates validation against itself
+            seen.add(task.prompt)
+            validation.append(task)
+    if len(validation) < num_validation:
+        raise ValueError(
+            f"task {name!r}: found only {len(validation)} of {num_validation} validation "
+            f"prompts not already in the {num_train} train tasks; the task space is too "
+            "small, so lower num_train/num_validation or widen the generator options"
+        )
+    return TaskSplits(train=train, validation=validation)
+
+
+def _jsonl_splits(
+    path: str | Path | None, validation_path: str | Path | None, num_train: int, num_validation: int
+) -> TaskSplits:
+    if path is None:
+        raise ValueError("task 'jsonl' needs `path` pointing at a JSONL file of tasks")
+    rows = load_jsonl_tasks(path)
+    if validation_path is not None:
+        train, validation = rows, load_jsonl_tasks(validation_path)
+    else:
+        # Hold out the tail: deterministic, and independent of the seed on purpose so
+        # that changing the seed never leaks validation rows into training.
+        cut = len(rows) - num_validation
+        if cut < 1:
+            raise TaskDataError(
+                f"{path}: {len(rows)} tasks is too few to hold out {num_validation} for "
+                "validation and still train; add rows, lower num_validation, or pass "
+                "validation_path"
+            )
+        train, validation = rows[:cut], rows[cut:]
+    if num_train > 0:
+        train = train[:num_train]
+    return TaskSplits(train=train, validation=validation)
+
+
+def load_tasks(
+    name: str,
+    *,
+    path: str | Path | None = None,
+    seed: int,
+    num_train: int,
+    num_validation: int,
+    validation_path: str | Path | None = None,
+    options: Mapping[str, Any] | None = None,
+) -> TaskSplits:
+    """Train/validation splits for the task ``name``.
+
+    Generated tasks (countdown, arithmetic) draw train from ``seed`` and validation from
+    a derived seed, dropping any validation prompt seen in train so the validation
+    score measures generalisation. ``options`` go to the generator (e.g.
+    ``num_numbers``). For ``jsonl``, ``path`` is the train file; validation comes from
+    ``validation_path`` or else the last ``num_validation`` rows. There ``num_train``
+    caps the train rows taken from the front, and ``num_train <= 0`` means all rows.
+    """
+    if num_train < 0 or num_validation < 0:
+        raise ValueError(f"num_train and num_validation must be >= 0, got {num_train}, {num_validation}")
+    if name == "jsonl":
+        if options:
+            raise ValueError(f"task 'jsonl' takes no generator options, got {dict(options)}")
+        return _jsonl_splits(path, validation_path, num_train, num_validation)
+    if name not in _GENERATORS:
+        raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
+    if path is not None or validation_path is not None:
+        raise ValueError(f"task {name!r} is generated; `path`/`validation_path` only apply to 'jsonl'")
+    return _generated_splits(name, seed, num_train, num_validation, options or {})
+
+
+def default_reward_fn(name: str) -> RewardFn:
+    """The built-in reward for a built-in generated task. JSONL tasks have no default:
+    only the user knows how to score their data."""
+    if name in REWARD_FUNCTIONS:
+        return REWARD_FUNCTIONS[name]
+    if name == "jsonl":
+        raise ValueError("task 'jsonl' has no default reward; set a reward spec 'module:function'")
+    raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
+
+
+def resolve_reward_fn(spec: str) -> RewardFn:
+    """Import ``module:function`` (the attribute may be dotted, e.g. ``mod:Cls.fn``).
+    Errors name the spec, because it comes from a config file the user must edit."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path or ":" in attr_path:
+        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function'")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"reward spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    for part in attr_path.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(
+                f"reward spec {spec!r}: {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not callable(obj):
+        raise ValueError(f"reward spec {spec!r}: {attr_path!r} is not callable ({type(obj).__name__})")
+    return obj

@@ -1,0 +1,183 @@
+"""The data that crosses part boundaries: sampling requests, completions, trajectories.
+
+Every token a learner may train on carries three aligned per-token fields: the loss mask
+(1 = produced by the model, 0 = tool/environment text), the behavior logprob under the
+sampling distribution that produced it, and the policy version of the weights that
+produced it. Environment tokens carry logprob 0.0 and version ``NO_VERSION``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+NO_VERSION = -1  # version of a token no policy produced (prompt, tool output)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one completion. ``temperature == 0`` means greedy decoding."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k truncation
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class Completion:
+    """What an engine returns for one request.
+
+    ``logprobs[i]`` is log p(token_ids[i]) under softmax(logits / temperature) (raw logits
+    when greedy), before top-k/top-p truncation, so a learner holding the same weights
+    reproduces it from a plain forward pass. ``versions[i]`` is the engine's weight version
+    when token i was sampled.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: FinishReason
+
+
+@dataclass
+class Step:
+    """One model call inside a trajectory, with its own copy of the conversation so far."""
+
+    messages: list[dict[str, Any]] | None
+    prompt_tokens: int
+    response_tokens: int
+    finish_reason: FinishReason
+    num_resumes: int = 0
+
+
+@dataclass
+class Trajectory:
+    """One token sequence the learner can train on: ``prompt_ids + response_ids``.
+
+    ``response_ids`` holds model tokens (mask 1) interleaved with tool/environment tokens
+    (mask 0) in multi-turn conversations; the per-token lists are aligned with it.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    reward: float = 0.0
+    finish_reason: FinishReason = "stop"
+    num_resumes: int = 0
+    steps: list[Step] = field(default_factory=list)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.check_aligned()
+
+    def check_aligned(self) -> None:
+        n = len(self.response_ids)
+        lengths = (len(self.loss_mask), len(self.logprobs), len(self.versions))
+        if any(length != n for length in lengths):
+            raise ValueError(f"per-token fields misaligned: response {n}, mask/logprobs/versions {lengths}")
+
+    @property
+    def resumed(self) -> bool:
+        return self.num_resumes > 0
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def behavior_version_min(self) -> int:
+        return min((v for v, m in zip(self.versions, self.loss_mask) if m), default=NO_VERSION)
+
+    @property
+    def behavior_version_max(self) -> int:
+        return max((v for v, m in zip(self.versions, self.loss_mask) if m), default=NO_VERSION)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Trajectory:
+        d = dict(d)
+        d["steps"] = [Step(**s) for s in d.get("steps", [])]
+        return cls(**d)
+
+
+EpisodeStatus = Literal["ok", "error"]
+
+
+@dataclass
+class Episode:
+    """What a workflow returns for one task: its trajectories, one reward, how it ended.
+
+    ``status == "error"`` marks an episode whose workflow or reward function raised or
+    timed out; ``error`` keeps the exception and its traceback for the logs.
+    """
+
+    task_id: str
+    trajectories: list[Trajectory] = field(default_factory=list)
+    reward: float = 0.0
+    status: EpisodeStatus = "ok"
+    error: str | None = None
+    attempts: int = 1
+    timings: dict[str, float] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def finish_reason(self) -> FinishReason:
+        if self.status == "error":
+            return "error"
+        return self.trajectories[-1].finish_reason if self.trajectories else "stop"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Episode:
+        d = dict(d)
+        d["trajectories"] = [Trajectory.from_dict(t) for t in d.get("trajectories", [])]
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, line: str) -> Episode:
+        return cls.from_dict(json.loads(line))
+
+
+@dataclass
+class Group:
+    """The n episodes of one task, sampled under one prompt; advantages are per episode."""
+
+    task_id: str
+    episodes: list[Episode]
+    advantages: list[float] | None = None
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.episodes]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Group:
+        return cls(task_id=d["task_id"], episodes=[Episode.from_dict(e) for e in d["episodes"]],
+                   advantages=d.get("advantages"))

@@ -1,0 +1,78 @@
+"""The workflow contract and the runner that keeps a failing workflow from taking a run down.
+
+A workflow is one async method, ``run(task, llm) -> Episode``. ``run_episode`` wraps it:
+a workflow (or the reward function inside it) that raises or runs past its timeout is
+retried up to a limit, then returned as an episode with status ``error`` that keeps the
+exception and traceback. Only cancellation and a dead engine propagate: those are the
+run's failures, not the workflow's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
+
+from asyncrl.client import LLMClient
+from asyncrl.engine.protocol import EngineClosedError
+from asyncrl.tasks.base import Task
+from asyncrl.types import Episode
+
+T = TypeVar("T")
+
+
+class Workflow(Protocol):
+    async def run(self, task: Task, llm: LLMClient) -> Episode: ...
+
+
+async def run_episode(
+    workflow: Workflow, task: Task, make_client: Callable[[], LLMClient], *, timeout_s: float, max_retries: int
+) -> Episode:
+    """Run ``workflow`` on ``task`` with a fresh client per attempt; never raises for a
+    workflow's own failure."""
+    error = ""
+    for attempt in range(1, max_retries + 2):
+        start = time.perf_counter()
+        llm = make_client()
+        try:
+            async with asyncio.timeout(timeout_s):
+                episode = await workflow.run(task, llm)
+        except EngineClosedError:
+            raise
+        except Exception as exc:  # TimeoutError included; kept, counted, retried
+            kind = "timed out" if isinstance(exc, TimeoutError) else "raised"
+            error = f"workflow {type(workflow).__name__} {kind} on task {task.id} (attempt {attempt}):\n" + \
+                "".join(traceback.format_exception(exc))
+            continue
+        if not isinstance(episode, Episode):
+            error = f"workflow {type(workflow).__name__}.run returned {type(episode).__name__}, not Episode"
+            continue
+        episode.attempts = attempt
+        episode.timings.setdefault("total_s", time.perf_counter() - start)
+        return episode
+    return Episode(task_id=task.id, trajectories=llm.trajectories, status="error", error=error, attempts=max_retries + 1)
+
+
+async def call_in_thread(fn: Callable[..., T], *args: Any, timeout_s: float) -> T:
+    """Call blocking user code (a reward function) off the event loop, with a timeout.
+
+    A daemon thread per call rather than the shared executor: a function that never
+    returns is abandoned after the timeout without starving the pool for everyone else.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def target() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
+        else:
+            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
+    threading.Thread(target=target, daemon=True, name=f"asyncrl-call-{getattr(fn, '__name__', 'fn')}").start()
+    async with asyncio.timeout(timeout_s):
+        return await done

@@ -1,0 +1,47 @@
+"""Build what a config names: the task splits, the reward function, the workflow
+(built-in by name, or a user's ``module:Class``)."""
+
+from __future__ import annotations
+
+import importlib
+
+from asyncrl.config import ConfigError, Config
+from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
+from asyncrl.tasks.base import RewardFn, TaskSplits
+from asyncrl.workflows.base import Workflow
+from asyncrl.workflows.single_turn import SingleTurnWorkflow
+
+
+def build_tasks(cfg: Config) -> TaskSplits:
+    """The task splits, with any dataset problem reported as a config error (exit 2)."""
+    t = cfg.task
+    try:
+        return load_tasks(t.name, path=t.path, validation_path=t.validation_path, seed=cfg.seed,
+                          num_train=t.num_train, num_validation=t.num_validation)
+    except ValueError as exc:  # TaskDataError included: it names the file and line
+        raise ConfigError(f"task: {exc}") from None
+
+
+def build_reward_fn(cfg: Config) -> RewardFn:
+    try:
+        return resolve_reward_fn(cfg.task.reward_fn) if cfg.task.reward_fn else default_reward_fn(cfg.task.name)
+    except ValueError as exc:
+        raise ConfigError(f"task.reward_fn: {exc}") from None
+
+
+def build_workflow(cfg: Config) -> Workflow:
+    name = cfg.workflow.name
+    if name == "single_turn":
+        return SingleTurnWorkflow(build_reward_fn(cfg), use_chat_template=cfg.workflow.use_chat_template,
+                                  reward_timeout_s=cfg.workflow.timeout_s)
+    module_name, sep, attr = name.partition(":")
+    if not sep:
+        raise ConfigError(f"workflow.name {name!r}: expected 'single_turn' or 'module:Class'")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"workflow.name {name!r} cannot be loaded: {exc}") from None
+    workflow = cls()
+    if not callable(getattr(workflow, "run", None)):
+        raise ConfigError(f"workflow.name {name!r} has no run(task, llm) method")
+    return workflow

@@ -1,0 +1,43 @@
+"""One prompt, one answer, one reward: the workflow of Countdown-style tasks."""
+
+from __future__ import annotations
+
+import math
+import time
+
+from asyncrl.client import LLMClient
+from asyncrl.tasks.base import RewardFn, Task
+from asyncrl.types import Episode
+from asyncrl.workflows.base import call_in_thread
+
+
+class SingleTurnWorkflow:
+    """Ask once (through the chat template, or as a raw prompt), score the answer."""
+
+    def __init__(self, reward_fn: RewardFn, *, use_chat_template: bool = True, reward_timeout_s: float = 10.0):
+        self.reward_fn = reward_fn
+        self.use_chat_template = use_chat_template
+        self.reward_timeout_s = reward_timeout_s
+
+    async def run(self, task: Task, llm: LLMClient) -> Episode:
+        start = time.perf_counter()
+        if self.use_chat_template:
+            response = await llm.chat([{"role": "user", "content": task.prompt}])
+        else:
+            response = await llm.generate(task.prompt)
+        generated = time.perf_counter()
+        reward = await score(self.reward_fn, task, response.text, timeout_s=self.reward_timeout_s)
+        for trajectory in llm.trajectories:
+            trajectory.reward = reward
+        return Episode(task_id=task.id, trajectories=llm.trajectories, reward=reward,
+                       timings={"generate_s": generated - start, "reward_s": time.perf_counter() - generated},
+                       metadata={"response": response.text})
+
+
+async def score(reward_fn: RewardFn, task: Task, text: str, *, timeout_s: float) -> float:
+    """Run a user's reward function safely and insist on a finite number."""
+    value = await call_in_thread(reward_fn, task, text, timeout_s=timeout_s)
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"reward function {name} returned {value!r} for task {task.id}; expected a finite float")
+    return float(value)

@@ -1,0 +1,198 @@
+"""The built-in engine: exact logprobs, continuous batching, weight updates, failures."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from asyncrl.engine import EngineClosedError, TorchEngine
+from asyncrl.types import SamplingParams
+from conftest import make_model, reference_logprobs
+
+PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]  # ragged: exercises left padding
+
+
+async def wait_for_tokens(engine: TorchEngine, n: int) -> None:
+    while engine.stats.tokens < n:
+        await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_equal_model_log_softmax(model, temperature):
+    async def main():
+        engine = TorchEngine(model, max_batch_size=8)
+        # top-k/top-p change which tokens may be drawn, not the reported distribution
+        sampling = SamplingParams(max_tokens=30, temperature=temperature, top_k=20, top_p=0.9)
+        done = await asyncio.gather(*[engine.generate(p, sampling) for p in PROMPTS])
+        await engine.shutdown()
+        return done
+
+    for prompt, completion in zip(PROMPTS, asyncio.run(main())):
+        assert len(completion.token_ids) == 30 and completion.finish_reason == "length"
+        ref = reference_logprobs(model, prompt, completion.token_ids, temperature)
+        torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_greedy_matches_argmax(model):
+    async def main():
+        engine = TorchEngine(model)
+        c = await engine.generate(PROMPTS[1], SamplingParams(max_tokens=12, temperature=0))
+        await engine.shutdown()
+        return c
+
+    c = asyncio.run(main())
+    ids = PROMPTS[1] + c.token_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(PROMPTS[1]) - 1:-1]
+    assert c.token_ids == logits.argmax(-1).tolist()
+
+
+def test_short_request_submitted_later_finishes_first(model):
+    async def main():
+        engine = TorchEngine(model, max_batch_size=8)
+        long = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=300)))
+        await wait_for_tokens(engine, 5)  # the long one is decoding
+        short = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(max_tokens=5)))
+        done, _ = await asyncio.wait({long, short}, return_when=asyncio.FIRST_COMPLETED)
+        assert done == {short}
+        assert not long.done()  # it did not wait for the long one, nor the long one for it
+        assert len((await long).token_ids) == 300
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_stop_token_ends_sequence_and_is_kept(model):
+    async def main():
+        engine = TorchEngine(model)
+        free = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0))
+        stop = free.token_ids[10]
+        stopped = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0,
+                                                                   stop_token_ids=(stop,)))
+        await engine.shutdown()
+        return free, stopped, stop
+
+    free, stopped, stop = asyncio.run(main())
+    first = free.token_ids.index(stop)
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == free.token_ids[:first + 1]
+
+
+def test_abort_returns_partial_tokens_and_update_changes_version(model):
+    new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()
+                   if k in dict(model.named_parameters())}
+
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4)
+        task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=300)))
+        await wait_for_tokens(engine, 10)
+        await engine.pause("abort")
+        partial = await task
+        await engine.update_weights(new_weights, version=1)
+        await engine.resume()
+        after = await engine.generate(PROMPTS[0], SamplingParams(max_tokens=5))
+        await engine.shutdown()
+        return partial, after, engine.version
+
+    partial, after, version = asyncio.run(main())
+    assert partial.finish_reason == "abort"
+    assert 10 <= len(partial.token_ids) < 300
+    assert set(partial.versions) == {0} and set(after.versions) == {1} and version == 1
+    torch.testing.assert_close(model.state_dict()["model.norm.weight"], new_weights["model.norm.weight"])
+
+
+def test_pause_keep_holds_sequences_and_continue_updates_in_flight(model):
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4)
+        task = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=200)))
+        await wait_for_tokens(engine, 10)
+        await engine.pause("keep")
+        held = engine.stats.tokens
+        await asyncio.sleep(0.05)
+        assert engine.stats.tokens == held and not task.done()
+        weights = {k: v.clone() for k, v in model.named_parameters()}
+        await engine.update_weights(weights, version=3)
+        await engine.resume()
+        completion = await task
+        await engine.shutdown()
+        return completion
+
+    c = asyncio.run(main())
+    assert c.finish_reason == "length" and len(c.token_ids) == 200
+    switch = c.versions.index(3)
+    assert 10 <= switch and c.versions == [0] * switch + [3] * (200 - switch)
+
+
+def test_update_weights_rejects_unknown_names(model):
+    async def main():
+        engine = TorchEngine(model)
+        try:
+            with pytest.raises(KeyError, match="not.a.param"):
+                await engine.update_weights({"not.a.param": torch.zeros(1)}, version=1)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_cancelled_request_leaves_and_others_finish(model):
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4)
+        doomed = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=400)))
+        other = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(max_tokens=50)))
+        await wait_for_tokens(engine, 6)
+        doomed.cancel()
+        assert len((await other).token_ids) == 50
+        assert engine.num_in_flight == 0
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_shutdown_fails_pending_requests(model):
+    async def main():
+        engine = TorchEngine(model)
+        await engine.pause("keep")
+        pending = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=5)))
+        await asyncio.sleep(0.01)
+        await engine.shutdown()
+        with pytest.raises(EngineClosedError):
+            await pending
+        with pytest.raises(EngineClosedError):
+            await engine.generate(PROMPTS[0], SamplingParams(max_tokens=5))
+
+    asyncio.run(main())
+
+
+def test_engine_thread_failure_is_surfaced():
+    model = make_model()
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("boom in forward")
+
+    model.forward = broken_forward
+
+    async def main():
+        engine = TorchEngine(model)
+        with pytest.raises(EngineClosedError) as info:
+            await engine.generate(PROMPTS[0], SamplingParams(max_tokens=5))
+        assert "boom in forward" in str(info.value)
+        await engine.shutdown()
+
+    asyncio.run(main())
+
+
+def test_many_concurrent_callers_all_served(model):
+    async def main():
+        engine = TorchEngine(model, max_batch_size=5)  # fewer slots than requests: queueing
+        lengths = [3 + (i * 7) % 40 for i in range(23)]
+        done = await asyncio.gather(*[engine.generate([4 + i % 50, 7], SamplingParams(max_tokens=n))
+                                      for i, n in enumerate(lengths)])
+        await engine.shutdown()
+        return lengths, done
+
+    lengths, done = asyncio.run(main())
+    assert [len(c.token_ids) for c in done] == lengths
+    assert all(len(c.logprobs) == len(c.versions) == len(c.token_ids) for c in done)
