@@ -28,3 +28,39 @@ def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature:
     with torch.no_grad():
         logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
+
+
+@pytest.fixture(scope="session")
+def char_tokenizer():
+    from asyncrl.tiny import build_char_tokenizer
+
+    return build_char_tokenizer()
+
+
+@pytest.fixture
+def tiny_policy(char_tokenizer):
+    """A randomly initialised char-level Qwen2 with its chat-template tokenizer."""
+    from asyncrl.tiny import build_tiny_model
+
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    return model, tokenizer
+
+
+class SpyEngine:
+    """Wraps an engine and records every (prompt_ids, completion) it served."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.calls: list[tuple[list[int], object]] = []
+
+    @property
+    def version(self):
+        return self.engine.version
+
+    async def generate(self, prompt_ids, sampling):
+        completion = await self.engine.generate(prompt_ids, sampling)
+        self.calls.append((list(prompt_ids), completion))
+        return completion
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)

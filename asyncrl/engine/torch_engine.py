@@ -29,6 +29,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.engine.protocol import EngineClosedError, PauseMode
 from asyncrl.engine.sampling import RowParams, sample_tokens
+from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
 
@@ -177,9 +178,9 @@ class TorchEngine:
             try:
                 fn()
             except Exception as exc:  # handed to the caller, not swallowed
-                _deliver(loop, done, None, exc)
+                settle_threadsafe(loop, done, None, exc)
                 return
-            _deliver(loop, done, None, None)
+            settle_threadsafe(loop, done, None, None)
 
         self._post(run, done, loop)
         await done
@@ -207,7 +208,7 @@ class TorchEngine:
                 self._live.clear()
                 self._inbox.clear()
             for future, loop in pending:
-                _deliver(loop, future, None, error)
+                settle_threadsafe(loop, future, None, error)
             self._waiting.clear()
             self._batch = None
 
@@ -287,7 +288,7 @@ class TorchEngine:
         req.done = True
         self._live.discard(req)
         completion = Completion(req.token_ids, req.logprobs, req.versions, reason)
-        _deliver(req.loop, req.future, completion, None)
+        settle_threadsafe(req.loop, req.future, completion, None)
 
     def _drop(self, req: _Request) -> None:
         """A caller gave up on ``req`` (its task was cancelled)."""
@@ -325,19 +326,3 @@ def _closed_error(reason: BaseException) -> BaseException:
     err = EngineClosedError(f"the engine thread failed: {reason!r}")
     err.__cause__ = reason
     return err
-
-
-def _deliver(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], result: Any,
-             error: BaseException | None) -> None:
-    """Settle ``future`` on its own loop's thread; a caller whose loop is gone is ignored."""
-    with contextlib.suppress(RuntimeError):  # the loop was closed: nobody is waiting
-        loop.call_soon_threadsafe(_settle, future, result, error)
-
-
-def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)

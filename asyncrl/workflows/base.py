@@ -10,19 +10,15 @@ run's failures, not the workflow's.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar
+from typing import Protocol
 
 from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
-
-T = TypeVar("T")
-
 
 class Workflow(Protocol):
     async def run(self, task: Task, llm: LLMClient) -> Episode: ...
@@ -54,25 +50,3 @@ async def run_episode(
         episode.timings.setdefault("total_s", time.perf_counter() - start)
         return episode
     return Episode(task_id=task.id, trajectories=llm.trajectories, status="error", error=error, attempts=max_retries + 1)
-
-
-async def call_in_thread(fn: Callable[..., T], *args: Any, timeout_s: float) -> T:
-    """Call blocking user code (a reward function) off the event loop, with a timeout.
-
-    A daemon thread per call rather than the shared executor: a function that never
-    returns is abandoned after the timeout without starving the pool for everyone else.
-    """
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[T] = loop.create_future()
-
-    def target() -> None:
-        try:
-            result = fn(*args)
-        except BaseException as exc:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_exception(exc))
-        else:
-            loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
-
-    threading.Thread(target=target, daemon=True, name=f"asyncrl-call-{getattr(fn, '__name__', 'fn')}").start()
-    async with asyncio.timeout(timeout_s):
-        return await done

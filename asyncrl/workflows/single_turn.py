@@ -8,7 +8,7 @@ import time
 from asyncrl.client import LLMClient
 from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.types import Episode
-from asyncrl.workflows.base import call_in_thread
+from asyncrl.threads import call_in_thread
 
 
 class SingleTurnWorkflow:

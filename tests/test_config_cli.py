@@ -1,0 +1,111 @@
+"""Config errors exit 2 naming the key; `asyncrl eval` end to end on a tiny saved policy."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+
+from asyncrl.cli import main
+from asyncrl.config import ConfigError, load_config
+from asyncrl.tiny import build_tiny_model, save_tiny_policy
+
+
+def write(tmp_path, data, name="c.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("sampling.temprature=0.5", "unknown config key 'sampling.temprature'; did you mean 'sampling.temperature'?"),
+    ("eval.samples_per_tsk=3", "did you mean 'eval.samples_per_task'?"),
+    ("sampling.max_tokens=many", "config key 'sampling.max_tokens'"),
+    ("eval.samples_per_task=0", "config key 'eval.samples_per_task'"),
+    ("sampling.top_p=1.5", "config key 'sampling.top_p'"),
+    ("model=3", "config key 'model'"),
+    ("engine=tensorflow", "config key 'engine'"),
+    ("noequals", "not of the form key=value"),
+])
+def test_bad_overrides_name_the_key(override, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [override])
+    assert fragment in str(info.value)
+
+
+def test_yaml_and_overrides_merge(tmp_path):
+    path = write(tmp_path, {"seed": 3, "sampling": {"temperature": 0.5}})
+    cfg = load_config(path, ["sampling.max_tokens=7", "task.name=arithmetic"])
+    assert (cfg.seed, cfg.sampling.temperature, cfg.sampling.max_tokens, cfg.task.name) == (3, 0.5, 7, "arithmetic")
+    assert isinstance(cfg.sampling.temperature, float)
+
+
+def test_unknown_key_in_file_exits_2(tmp_path, capsys):
+    path = write(tmp_path, {"sampling": {"temprature": 0.5}})
+    assert main(["eval", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "sampling.temprature" in err and "sampling.temperature" in err
+
+
+@pytest.mark.parametrize("content, fragment", [("a: [1, 2", "not valid YAML"), ("- 1\n- 2\n", "must hold a mapping")])
+def test_malformed_files_exit_2(tmp_path, capsys, content, fragment):
+    path = tmp_path / "bad.yaml"
+    path.write_text(content)
+    assert main(["eval", str(path)]) == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_missing_config_and_model_exit_2(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nope.yaml")]) == 2
+    assert "config file not found" in capsys.readouterr().err
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "no-model")}})
+    assert main(["eval", str(path)]) == 2
+    assert "model.path" in capsys.readouterr().err
+
+
+def test_non_causal_lm_exits_2(tmp_path, capsys):
+    from transformers import BertConfig
+
+    BertConfig(architectures=["BertModel"]).save_pretrained(tmp_path / "bert")
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "bert")}})
+    assert main(["eval", str(path)]) == 2
+    assert "not a causal LM" in capsys.readouterr().err
+
+
+def test_bad_reward_fn_exits_2(tmp_path, char_tokenizer, capsys):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, tmp_path / "policy")
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "policy")}, "task": {"reward_fn": "nosuchmod:fn"}})
+    assert main(["eval", str(path)]) == 2
+    assert "task.reward_fn" in capsys.readouterr().err
+
+
+def test_eval_end_to_end(tmp_path, char_tokenizer):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, tmp_path / "policy")
+    out = tmp_path / "run"
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "policy")}, "output_dir": str(out),
+                            "task": {"name": "arithmetic", "num_train": 20, "num_validation": 10},
+                            "sampling": {"max_tokens": 4}, "eval": {"num_tasks": 5, "samples_per_task": 3}})
+    assert main(["eval", str(path), "eval.temperature=1.0"]) == 0
+    scores = json.loads((out / "eval.json").read_text())
+    assert {"mean_reward", "pass@1", "pass@3", "num_tasks", "samples_per_task"} <= set(scores)
+    assert scores["num_tasks"] == 5 and scores["samples_per_task"] == 3
+    rows = [json.loads(line) for line in (out / "eval_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 15
+    assert sum(r["reward"] for r in rows) / 15 == pytest.approx(scores["mean_reward"])
+    assert all(len(r["trajectories"][0]["response_ids"]) <= 4 for r in rows)
+    assert yaml.safe_load((out / "config.yaml").read_text())["eval"]["samples_per_task"] == 3
+
+
+def test_bad_dataset_row_exits_2_naming_the_line(tmp_path, char_tokenizer, capsys):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, tmp_path / "policy")
+    data = tmp_path / "mine.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": 5}\n')
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "policy")},
+                            "task": {"name": "jsonl", "path": str(data), "reward_fn": "asyncrl.tasks:arithmetic_reward"}})
+    assert main(["eval", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "mine.jsonl" in err and "line 2" in err
