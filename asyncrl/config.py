@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class ConfigError(ValueError):
@@ -76,9 +76,65 @@ class EvalConfig(_Section):
     """A sample counts as solved for pass@k when its reward reaches this."""
 
 
+class AlgorithmConfig(_Section):
+    advantage: str = "grpo"
+    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo`` or a registered name."""
+    policy_loss: str = "decoupled_ppo"
+    clip_low: float = Field(0.2, ge=0, lt=1)
+    """ε_low: the ratio is clipped below at 1 - ε_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """ε_high: the ratio is clipped above at 1 + ε_high (asymmetric clipping)."""
+    is_cap: float = Field(2.0, gt=0)
+    """C: the truncated importance weight min(π_prox / μ, C)."""
+    bypass: bool = False
+    """Skip the proximal recompute: π_prox := μ (plain PPO against the behavior policy)."""
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of the k3 KL to the frozen initial policy; 0 = no reference model."""
+    filter_zero_variance: bool = True
+    """Drop groups whose rewards are all equal (zero advantage) and release their quota."""
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """After warm-up: constant, or decay to 10 % of ``lr`` by ``total_steps``."""
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(64, ge=1)
+    """Trajectories per forward/backward; gradients accumulate to one step."""
+
+
+class LoggingConfig(_Section):
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_project: str = "asyncrl"
+
+
 class Config(_Section):
     output_dir: str = "runs/default"
     seed: int = 0
+    mode: Literal["sync", "one_step_off", "async"] = "async"
+    """``sync``: on-policy (η = 0); ``one_step_off``: η = 1, no partial rollout; ``async``: η = max_staleness."""
+    max_staleness: int = Field(2, ge=0)
+    """η for ``async``: no trained token is older than η versions."""
+    partial_rollout: Literal["abort", "continue", "off"] = "abort"
+    """At a weight sync, in-flight generation is aborted and resumed with the new weights
+    (``abort``), continues with them (``continue``), or finishes on the old ones first (``off``)."""
+    total_steps: int = Field(50, ge=1)
+    batch_size: int = Field(8, ge=1)
+    """Groups (tasks) per optimizer step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per task (n)."""
+    sync_every: int = Field(1, ge=1)
+    """Optimizer steps between weight syncs to the engines."""
+    eval_every: int = Field(10, ge=0)
+    """Steps between evaluations (0 = only before the first step)."""
+    save_every: int = Field(0, ge=0)
+    """Steps between checkpoints (0 = only at the end)."""
+    keep_last: int = Field(2, ge=1)
     engine: Literal["torch"] = "torch"
     """Rollout engine: the built-in ``torch`` engine (vLLM is planned, see README)."""
     runtime: Literal["local"] = "local"
@@ -89,6 +145,20 @@ class Config(_Section):
     workflow: WorkflowConfig = WorkflowConfig()
     rollout: RolloutConfig = RolloutConfig()
     eval: EvalConfig = EvalConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.mode == "sync" and self.partial_rollout != "off" and "partial_rollout" in self.model_fields_set:
+            raise ValueError("mode 'sync' has nothing in flight at a weight sync; set partial_rollout=off")
+        return self
+
+    @property
+    def staleness(self) -> int:
+        """The η the gate enforces."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
 
 def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
@@ -160,6 +230,8 @@ def _explain(exc: ValidationError, valid: list[str]) -> str:
                 difflib.get_close_matches(key.split(".")[-1], valid, n=1, cutoff=0.5)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             lines.append(f"unknown config key {key!r}{hint}")
+        elif not key:  # a rule across keys
+            lines.append(f"config: {err['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"config key {key!r}: {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)

@@ -196,3 +196,24 @@ def test_many_concurrent_callers_all_served(model):
     lengths, done = asyncio.run(main())
     assert [len(c.token_ids) for c in done] == lengths
     assert all(len(c.logprobs) == len(c.versions) == len(c.token_ids) for c in done)
+
+
+def test_pause_wait_drains_in_flight_on_old_weights(model):
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4)
+        running = asyncio.create_task(engine.generate(PROMPTS[0], SamplingParams(max_tokens=60)))
+        await wait_for_tokens(engine, 5)
+        pause = asyncio.create_task(engine.pause("wait"))
+        await asyncio.sleep(0.01)
+        queued = asyncio.create_task(engine.generate(PROMPTS[1], SamplingParams(max_tokens=5)))
+        await pause  # returns only once the running sequence is done
+        assert running.done() and not queued.done()
+        await engine.update_weights({k: v.clone() for k, v in model.named_parameters()}, version=1)
+        await engine.resume()
+        done = await running, await queued
+        await engine.shutdown()
+        return done
+
+    old, new = asyncio.run(main())
+    assert old.finish_reason == "length" and set(old.versions) == {0}
+    assert set(new.versions) == {1}

@@ -14,7 +14,7 @@ import torch
 
 from asyncrl.types import Completion, SamplingParams
 
-PauseMode = Literal["keep", "abort"]
+PauseMode = Literal["keep", "abort", "wait"]
 
 
 class EngineClosedError(RuntimeError):
@@ -30,9 +30,10 @@ class RolloutEngine(Protocol):
         ...
 
     async def pause(self, mode: PauseMode = "keep") -> None:
-        """Stop decoding between two steps. ``keep``: in-flight sequences wait with their
-        KV cache; ``abort``: they return now with finish reason ``abort`` and their partial
-        tokens (the client resumes them)."""
+        """Stop between two decode steps. ``keep``: in-flight sequences wait with their KV
+        cache; ``abort``: they return now with finish reason ``abort`` and their partial
+        tokens (the client resumes them); ``wait``: admit nothing new and return once the
+        in-flight sequences have finished on the current weights."""
         ...
 
     async def resume(self) -> None: ...

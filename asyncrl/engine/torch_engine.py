@@ -92,6 +92,8 @@ class TorchEngine:
         self._waiting: deque[_Request] = deque()
         self._batch: _Batch | None = None
         self._paused = False
+        self._admitting = True  # False while pause("wait") drains the running batch
+        self._drain_waiters: list[tuple[asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         self._closed = False
         self._error: BaseException | None = None
         self._inbox: list[tuple[Callable[[], None], asyncio.Future[Any], asyncio.AbstractEventLoop]] = []
@@ -106,7 +108,7 @@ class TorchEngine:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._waiting) + (len(self._batch.requests) if self._batch else 0)
+        return len(self._live)
 
     # ----------------------------------------------------------------- async verbs
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
@@ -123,8 +125,19 @@ class TorchEngine:
             raise
 
     async def pause(self, mode: PauseMode = "keep") -> None:
+        if mode == "wait":
+            loop = asyncio.get_running_loop()
+            drained: asyncio.Future[None] = loop.create_future()
+
+            def drain() -> None:
+                self._admitting = False
+                self._drain_waiters.append((drained, loop))
+
+            self._post(drain, drained, loop)
+            await drained
+
         def pause() -> None:
-            self._paused = True
+            self._paused, self._admitting = True, True
             if mode == "abort" and self._batch is not None:
                 for req in self._batch.requests:
                     self._finish(req, "abort")
@@ -198,6 +211,10 @@ class TorchEngine:
                     fn()
                 if not self._paused and self._has_work():
                     self._step()
+                if self._batch is None and self._drain_waiters:
+                    for future, loop in self._drain_waiters:
+                        settle_threadsafe(loop, future, None, None)
+                    self._drain_waiters.clear()
         except BaseException as exc:
             self._error = exc
         finally:
@@ -205,6 +222,7 @@ class TorchEngine:
                 self._closed = True
                 error = _closed_error(self._error or EngineClosedError("the engine is shut down"))
                 pending = [(r.future, r.loop) for r in self._live] + [(f, lp) for _, f, lp in self._inbox]
+                pending += self._drain_waiters
                 self._live.clear()
                 self._inbox.clear()
             for future, loop in pending:
@@ -213,7 +231,7 @@ class TorchEngine:
             self._batch = None
 
     def _has_work(self) -> bool:
-        return bool(self._waiting) or self._batch is not None
+        return (self._admitting and bool(self._waiting)) or self._batch is not None
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
@@ -221,7 +239,7 @@ class TorchEngine:
         """Schedule, run, postprocess: prefill newcomers if there is room, else decode."""
         start = time.perf_counter()
         room = self.max_batch_size - (len(self._batch.requests) if self._batch else 0)
-        if self._waiting and room > 0:
+        if self._admitting and self._waiting and room > 0:
             newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
             self._prefill(newcomers)
             self.stats.prefills += 1

@@ -1,0 +1,156 @@
+"""Policy losses for asynchronous RL, as pure functions on per-token tensors.
+
+Notation, per token: μ = behavior logprob (the engine's, possibly several versions old),
+π_prox = logprob under the learner's weights at the start of the optimizer step, π_θ =
+current logprob. Decoupled PPO (AReaL) separates the two jobs PPO's old policy does: the
+trust region is measured against π_prox, and the staleness of μ is corrected by a
+truncated importance weight ``w = min(π_prox / μ, C)``.
+
+Masks are 1 for model tokens and 0 for tool/environment tokens and padding. Masked
+positions are replaced by constants *before* any arithmetic, so a NaN or inf there can
+reach neither the loss nor the gradient (``0 · NaN`` is NaN, so multiplying by the mask
+after the fact would not be enough, even for the gradient of ``torch.where``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from asyncrl.algorithms.advantages import resolve
+
+PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+
+
+def _token_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Every masked-in token of the batch weighs the same; long answers weigh more."""
+    return values.sum() / mask.sum().clamp(min=1).to(values.dtype)
+
+
+def _seq_mean(values: Tensor, mask: Tensor) -> Tensor:
+    """Every sequence weighs the same, whatever its length; empty sequences are skipped."""
+    counts = mask.sum(dim=-1)  # (B,)
+    per_seq = values.sum(dim=-1) / counts.clamp(min=1).to(values.dtype)  # (B,)
+    return per_seq.sum() / (counts > 0).sum().clamp(min=1).to(values.dtype)
+
+
+AGGREGATIONS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"token_mean": _token_mean, "seq_mean": _seq_mean}
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: str = "token_mean") -> Tensor:
+    """Reduce per-token values (B, T) over the tokens where mask (B, T) is set, to a scalar.
+
+    ``token_mean``: sum over masked tokens / their number. ``seq_mean``: masked mean of each
+    sequence, then the mean over sequences with at least one masked token. An empty mask
+    gives 0, not NaN, so a batch of tool-only turns cannot poison the optimizer.
+    """
+    reduce = resolve(AGGREGATIONS, mode, "aggregation")
+    mask = mask.bool()
+    return reduce(torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device)), mask)
+
+
+def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator adding a loss with :func:`policy_loss`'s signature under ``name``."""
+
+    def decorator(fn: PolicyLossFn) -> PolicyLossFn:
+        if name in POLICY_LOSSES:
+            raise ValueError(f"policy loss {name!r} is already registered")
+        POLICY_LOSSES[name] = fn
+        return fn
+
+    return decorator
+
+
+def get_policy_loss(name: str) -> PolicyLossFn:
+    return resolve(POLICY_LOSSES, name, "policy loss")
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """k3 estimator of KL(π_θ ‖ π_ref) per token: ``exp(d) − d − 1`` with d = ref − lp.
+
+    Unbiased under samples from π_θ, never negative and low-variance (Schulman, "Approximating
+    KL divergence"). ``expm1`` keeps it accurate when d is tiny. (B, T) -> (B, T).
+    """
+    d = ref_logprobs - logprobs
+    return torch.expm1(d) - d
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) per position: ``logsumexp(z) − Σ p·z``. (B, T, V) -> (B, T).
+
+    Stable for large logits, and 0 rather than NaN when some logits are −inf (their p is 0).
+    """
+    probs = torch.softmax(logits, dim=-1)
+    finite = torch.where(probs > 0, logits, torch.zeros((), dtype=logits.dtype, device=logits.device))
+    return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)
+
+
+@register_policy_loss("decoupled_ppo")
+def policy_loss(
+    logprobs: Tensor,
+    behavior_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    proximal_logprobs: Tensor | None = None,
+    clip_low: float = 0.2,
+    clip_high: float = 0.28,
+    is_cap: float = 2.0,
+    aggregation: str = "token_mean",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Decoupled PPO: ``L_t = − w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``.
+
+    Shapes: logprobs, behavior_logprobs, proximal_logprobs, mask (B, T); advantages (B,)
+    (one per trajectory, broadcast over its tokens) or (B, T). Returns the scalar loss and
+    detached scalar metrics, all token means over masked tokens:
+
+    - ``clip_fraction``: tokens where the clipped term is strictly the smaller, i.e. the
+      token is outside the trust region on the side its advantage pushes, so its gradient
+      is zero (r > 1 + clip_high with A > 0, or r < 1 − clip_low with A < 0);
+    - ``is_weight_mean``, ``is_truncated_fraction`` (π_prox/μ > is_cap), ``ratio_mean``;
+    - ``approx_kl``: k3 estimate of KL(π_θ ‖ π_prox), ``kl_k3(logprobs, π_prox)``: never
+      negative, unlike the plain mean of ``log π_prox − log π_θ``.
+
+    ``proximal_logprobs=None`` is bypass mode (no recompute pass): π_prox := μ and w = 1,
+    which is exactly PPO against the behavior logprobs. The upper clip is wider than the
+    lower one (DAPO's clip-higher) so low-probability tokens can still grow.
+    """
+    if not is_cap > 0:
+        raise ValueError(f"is_cap must be a positive float, got {is_cap!r}")
+    mask = mask.bool()
+    if advantages.ndim == 1:
+        advantages = advantages.unsqueeze(-1)  # (B, 1), broadcast over T
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+
+    def clean(x: Tensor) -> Tensor:  # masked positions become 0 before any arithmetic
+        return torch.where(mask, x, zero)
+
+    logprobs = clean(logprobs)
+    behavior = clean(behavior_logprobs.detach())
+    advantages = clean(advantages.detach().expand_as(logprobs))
+    if proximal_logprobs is None:
+        proximal = behavior
+        raw_weight = torch.ones_like(behavior)
+    else:
+        proximal = clean(proximal_logprobs.detach())
+        raw_weight = torch.exp(proximal - behavior)
+    weight = raw_weight.clamp(max=is_cap)  # detached: its inputs are
+
+    ratio = torch.exp(logprobs - proximal)  # (B, T)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, aggregation)
+
+    with torch.no_grad():
+        metrics = {
+            "clip_fraction": (clipped < unclipped).to(logprobs.dtype),
+            "is_weight_mean": weight,
+            "is_truncated_fraction": (raw_weight > is_cap).to(logprobs.dtype),
+            "ratio_mean": ratio,
+            "approx_kl": kl_k3(logprobs, proximal),
+        }
+        metrics = {key: aggregate(value, mask, "token_mean") for key, value in metrics.items()}
+    return loss, metrics

@@ -1,0 +1,56 @@
+"""Packing trajectories into the padded tensors the learner trains on.
+
+Token j of ``prompt + response`` is predicted by the logits at position j - 1, so every
+per-token field is laid out on the *target* axis of length L - 1: entry j - 1 describes
+the token at position j. Prompt positions and padding have mask 0, like tool tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from asyncrl.types import Trajectory
+
+
+@dataclass
+class TrainBatch:
+    input_ids: torch.Tensor  # (B, L) right-padded with pad_id
+    attention_mask: torch.Tensor  # (B, L)
+    loss_mask: torch.Tensor  # (B, L-1) 1 where the target is a model token
+    behavior_logprobs: torch.Tensor  # (B, L-1) μ from the engine, 0 elsewhere
+    advantages: torch.Tensor  # (B,)
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        """Rows [start, stop), trimmed to their own longest sequence."""
+        length = int(self.attention_mask[start:stop].sum(-1).max())
+        return TrainBatch(self.input_ids[start:stop, :length], self.attention_mask[start:stop, :length],
+                          self.loss_mask[start:stop, :length - 1], self.behavior_logprobs[start:stop, :length - 1],
+                          self.advantages[start:stop])
+
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                                   self.behavior_logprobs, self.advantages)))
+
+
+def pack(trajectories: list[Trajectory], advantages: list[float], pad_id: int) -> TrainBatch:
+    if len(trajectories) != len(advantages):
+        raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages")
+    length = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
+    b = len(trajectories)
+    input_ids = torch.full((b, length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((b, length), dtype=torch.long)
+    loss_mask = torch.zeros((b, length - 1), dtype=torch.float32)
+    behavior = torch.zeros((b, length - 1), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        input_ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids)
+        attention_mask[i, :p + r] = 1
+        loss_mask[i, p - 1:p + r - 1] = torch.tensor(t.loss_mask, dtype=torch.float32)
+        behavior[i, p - 1:p + r - 1] = torch.tensor(t.logprobs, dtype=torch.float32)
+    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, torch.tensor(advantages, dtype=torch.float32))

@@ -1,0 +1,261 @@
+"""Staleness gate: decides when the rollout side may start another task group.
+
+The rule
+--------
+A group may start only while ``started < (η + v + 1) * B``, where ``v`` is the
+learner's current (published) version, ``B`` the groups consumed per optimizer
+step and ``η`` the maximum staleness (η = 0 is synchronous/on-policy, η = 1 is
+one-step-off). ``started`` counts groups that were started and not filtered
+out: groups in flight plus groups completed and accepted, whether still in the
+buffer or already consumed by the learner.
+
+Why this bounds staleness
+-------------------------
+Number the groups that are kept (never rejected) 0, 1, 2, ... in the order they
+were started. The learner consumes B groups per step, so when groups are
+consumed in start order, kept group ``i`` is consumed by the step that trains
+version ``floor(i / B)``. Every kept group started before group ``i`` was in
+flight or accepted when ``i`` started, so it was counted in ``started`` then;
+hence ``i <= started < (η + v_s + 1) * B`` where ``v_s`` is the version at
+which ``i`` started. So ``floor(i / B) - v_s <= η``.
+
+Why rejection must release quota
+--------------------------------
+A group that is filtered (all rewards equal -> zero advantage, too stale, all
+episodes errored) will never be consumed. If it kept counting as started, the
+learner would wait for B kept groups that can never be started: the run
+stalls. So ``on_reject`` decrements ``started`` whether the group was still
+running or already accepted into the buffer.
+
+What the gate does not guarantee
+--------------------------------
+Groups complete out of order: a slow group started at ``v_s`` can land in the
+buffer after many younger groups were consumed, and the argument above (which
+needs start-order consumption) no longer holds for it. The gate bounds the
+*count*; the buffer must assert the *age*: it checks each trajectory's version
+against the learner's and drops (calling ``on_reject(was_accepted=True)``, which
+releases the quota) any older than η.
+
+The core ``StalenessGate`` is plain counters, no asyncio, so it can be tested
+without a model or an event loop; ``AsyncStalenessGate`` adds waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+
+__all__ = ["StalenessGate", "AsyncStalenessGate"]
+
+
+def _check_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+class StalenessGate:
+    """Counts started groups against the quota ``(η + v + 1) * B``.
+
+    Lifecycle of one group: ``on_start`` -> ``on_accept`` or ``on_reject()``;
+    an accepted group may later be dropped by the buffer with
+    ``on_reject(was_accepted=True)``. Consumption by the learner is *not*
+    reported here: a consumed group still counts as started (it used its
+    quota), and only ``on_version`` grows the quota. Misuse (more accepts or
+    rejects than there are groups in that state, version going backwards)
+    raises instead of silently going negative, because a wrong count either
+    stalls the run or lets staleness exceed η.
+    """
+
+    __slots__ = ("_max_staleness", "_groups_per_step", "_version", "_running", "_accepted", "_rejected")
+
+    def __init__(self, max_staleness: int, groups_per_step: int, version: int = 0) -> None:
+        self._max_staleness = _check_int("max_staleness", max_staleness, 0)
+        self._groups_per_step = _check_int("groups_per_step", groups_per_step, 1)
+        self._version = _check_int("version", version, 0)
+        self._running = 0
+        self._accepted = 0
+        self._rejected = 0
+
+    # -- read-only state -------------------------------------------------
+    @property
+    def max_staleness(self) -> int:
+        return self._max_staleness
+
+    @property
+    def groups_per_step(self) -> int:
+        return self._groups_per_step
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def running(self) -> int:
+        """Groups started and not yet accepted or rejected."""
+        return self._running
+
+    @property
+    def accepted(self) -> int:
+        """Groups accepted and not later rejected (in the buffer or consumed)."""
+        return self._accepted
+
+    @property
+    def rejected(self) -> int:
+        """Cumulative rejections (informational: they no longer count as started)."""
+        return self._rejected
+
+    @property
+    def started(self) -> int:
+        """Groups holding quota: running + accepted."""
+        return self._running + self._accepted
+
+    @property
+    def limit(self) -> int:
+        """``(η + v + 1) * B``: the most groups that may hold quota at version v."""
+        return (self._max_staleness + self._version + 1) * self._groups_per_step
+
+    @property
+    def capacity(self) -> int:
+        """How many more groups may start now; clamped at 0 (a restore with a
+        smaller η can leave ``started`` above the limit)."""
+        return max(0, self.limit - self.started)
+
+    def can_start(self) -> bool:
+        return self.capacity > 0
+
+    # -- transitions -----------------------------------------------------
+    def on_start(self) -> None:
+        """Take one unit of quota. Callers must check ``can_start`` first."""
+        if not self.can_start():
+            raise RuntimeError(
+                f"no staleness capacity: started={self.started} limit={self.limit} (version={self._version})"
+            )
+        self._running += 1
+
+    def on_accept(self) -> None:
+        """A running group completed and was kept; it keeps its quota."""
+        if self._running <= 0:
+            raise RuntimeError("on_accept with no running group")
+        self._running -= 1
+        self._accepted += 1
+
+    def on_reject(self, was_accepted: bool = False) -> None:
+        """A group was filtered/dropped and releases its quota.
+
+        ``was_accepted=False``: a running group ended and was filtered before
+        acceptance. ``was_accepted=True``: an accepted group still in the
+        buffer was dropped (e.g. too stale). Rejecting a group the learner has
+        already consumed is a caller bug the gate cannot detect.
+        """
+        if was_accepted:
+            if self._accepted <= 0:
+                raise RuntimeError("on_reject(was_accepted=True) with no accepted group")
+            self._accepted -= 1
+        else:
+            if self._running <= 0:
+                raise RuntimeError("on_reject() with no running group")
+            self._running -= 1
+        self._rejected += 1
+
+    def on_version(self, version: int) -> None:
+        """The learner published ``version``; repeats are allowed, going back is not."""
+        version = _check_int("version", version, 0)
+        if version < self._version:
+            raise ValueError(f"version went backwards: {self._version} -> {version}")
+        self._version = version
+
+    # -- persistence -----------------------------------------------------
+    def snapshot(self) -> dict[str, int]:
+        return {
+            "max_staleness": self._max_staleness,
+            "groups_per_step": self._groups_per_step,
+            "version": self._version,
+            "running": self._running,
+            "accepted": self._accepted,
+            "rejected": self._rejected,
+        }
+
+    @classmethod
+    def from_snapshot(
+        cls,
+        snapshot: Mapping[str, int],
+        *,
+        keep_running: bool = False,
+        max_staleness: int | None = None,
+        groups_per_step: int | None = None,
+    ) -> StalenessGate:
+        """Restore after resume.
+
+        By default groups that were in flight at snapshot time are counted as
+        rejected: after a restart their rollouts are gone, and keeping their
+        quota would be exactly the leak that stalls a run. Pass
+        ``keep_running=True`` only if those rollouts really continue and will be
+        reported. Groups accepted into a buffer that was not checkpointed must
+        likewise be released by the caller with ``on_reject(was_accepted=True)``.
+        ``max_staleness``/``groups_per_step`` override the saved config.
+        """
+        gate = cls(
+            snapshot["max_staleness"] if max_staleness is None else max_staleness,
+            snapshot["groups_per_step"] if groups_per_step is None else groups_per_step,
+            snapshot["version"],
+        )
+        running = _check_int("running", snapshot["running"], 0)
+        gate._accepted = _check_int("accepted", snapshot["accepted"], 0)
+        gate._rejected = _check_int("rejected", snapshot.get("rejected", 0), 0)
+        if keep_running:
+            gate._running = running
+        else:
+            gate._rejected += running
+        return gate
+
+    def __repr__(self) -> str:
+        return (
+            f"StalenessGate(η={self._max_staleness}, B={self._groups_per_step}, v={self._version}, "
+            f"running={self._running}, accepted={self._accepted}, capacity={self.capacity})"
+        )
+
+
+class AsyncStalenessGate:
+    """A ``StalenessGate`` that rollout tasks can wait on.
+
+    Every change that can grow capacity (a rejection, a new version) notifies
+    all waiters; each re-checks under the lock. ``acquire`` takes quota only
+    after its wait returns, with no await in between, so a waiter cancelled
+    while waiting never holds quota.
+    """
+
+    def __init__(self, gate: StalenessGate) -> None:
+        self.gate = gate
+        self._cond = asyncio.Condition()
+
+    async def acquire(self) -> None:
+        """Wait until a group may start, then count it as started (running)."""
+        async with self._cond:
+            await self._cond.wait_for(self.gate.can_start)
+            self.gate.on_start()
+
+    def try_acquire(self) -> bool:
+        """Start a group now if allowed, without waiting."""
+        if not self.gate.can_start():
+            return False
+        self.gate.on_start()
+        return True
+
+    async def accept(self) -> None:
+        """A running group was kept. Does not change capacity, so no notify."""
+        self.gate.on_accept()
+
+    async def release_rejected(self, was_accepted: bool = False) -> None:
+        """A group was filtered/dropped: release its quota and wake waiters."""
+        async with self._cond:
+            self.gate.on_reject(was_accepted)
+            self._cond.notify_all()
+
+    async def set_version(self, version: int) -> None:
+        """The learner published ``version``: the quota grows, wake waiters."""
+        async with self._cond:
+            self.gate.on_version(version)
+            self._cond.notify_all()
