@@ -1,4 +1,4 @@
-"""``asyncrl eval|bench``: thin dispatch; exit 2 for usage/config errors, 1 for failures."""
+"""``asyncrl train|eval|bench``: thin dispatch; exit 2 for usage/config errors, 1 for failures."""
 
 from __future__ import annotations
 
@@ -13,6 +13,9 @@ from asyncrl.config import ConfigError, load_config
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="RL training (sync, one_step_off, async)")
+    train.add_argument("config", help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     ev = sub.add_parser("eval", help="score a policy on a task's validation split")
     ev.add_argument("config", help="YAML config file")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides")
@@ -25,8 +28,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bars show progress; theirs interleave
     try:
-        if args.command == "eval":
+        if args.command == "train":
+            from asyncrl.orchestrator.trainer import Trainer
+
+            checkpoint = Trainer(load_config(args.config, args.overrides)).run()
+            print(f"done; final checkpoint: {checkpoint}")
+        elif args.command == "eval":
             from asyncrl.evaluation import run_eval
 
             result = run_eval(load_config(args.config, args.overrides))

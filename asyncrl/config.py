@@ -64,7 +64,10 @@ class RolloutConfig(_Section):
     max_batch_size: int = Field(64, ge=1)
     """Sequences decoded together by one engine."""
     num_threads: int | None = Field(None, ge=1)
-    """torch intra-op threads; ``None`` leaves torch's default."""
+    """torch intra-op threads of the engine thread; ``None``: all cores when nothing
+    trains beside it (``sync``, ``eval``), half of them otherwise."""
+    learner_threads: int | None = Field(None, ge=1)
+    """torch intra-op threads of the learner thread; ``None``: as above."""
 
 
 class EvalConfig(_Section):

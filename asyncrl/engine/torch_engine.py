@@ -79,13 +79,15 @@ class TorchEngine:
     """Continuous-batching engine over a transformers causal LM (CPU or CUDA)."""
 
     def __init__(
-        self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0
+        self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,
+        num_threads: int | None = None,
     ) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = EngineStats()
+        self.num_threads = num_threads  # torch's thread count is per OS thread: set on ours
         self._version = version
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ids = itertools.count()
@@ -199,6 +201,8 @@ class TorchEngine:
         await done
 
     def _run(self) -> None:
+        if self.num_threads is not None:
+            torch.set_num_threads(self.num_threads)
         try:
             while True:
                 with self._wake:

@@ -1,0 +1,63 @@
+"""The group buffer between rollouts and the learner.
+
+Hands the learner the oldest-started ready groups first, and never a trajectory older
+than η: a group that aged past the bound while it waited (out-of-order completion) is
+dropped here and its quota released to the gate (see ``staleness.py`` for why the gate
+alone cannot promise the age).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from asyncrl.orchestrator.staleness import AsyncStalenessGate
+from asyncrl.types import Group, Trajectory
+
+
+@dataclass
+class ReadyGroup:
+    group: Group
+    start_order: int  # the gate admitted groups in this order
+
+    @property
+    def trajectories(self) -> list[Trajectory]:
+        return [t for e in self.group.episodes for t in e.trajectories]
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest policy version any of its model tokens came from."""
+        return min(t.behavior_version_min for t in self.trajectories)
+
+
+class GroupBuffer:
+    def __init__(self, gate: AsyncStalenessGate, max_staleness: int) -> None:
+        self.gate = gate
+        self.max_staleness = max_staleness
+        self.stale_dropped = 0
+        self._ready: list[ReadyGroup] = []
+        self._changed = asyncio.Condition()
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    async def put(self, ready: ReadyGroup) -> None:
+        await self.gate.accept()
+        async with self._changed:
+            self._ready.append(ready)
+            self._changed.notify_all()
+
+    async def take(self, n: int, trained_version: int) -> list[ReadyGroup]:
+        """Wait for ``n`` groups fresh enough to train version ``trained_version`` on."""
+        async with self._changed:
+            while True:
+                stale = [g for g in self._ready if trained_version - g.oldest_version > self.max_staleness]
+                for group in stale:
+                    self._ready.remove(group)
+                    self.stale_dropped += 1
+                    await self.gate.release_rejected(was_accepted=True)
+                if len(self._ready) >= n:
+                    self._ready.sort(key=lambda g: g.start_order)
+                    taken, self._ready = self._ready[:n], self._ready[n:]
+                    return taken
+                await self._changed.wait()

@@ -1,0 +1,256 @@
+"""One loop for ``sync``, ``one_step_off`` and ``async``: they differ only in η (the gate)
+and in what happens to in-flight generation at a weight sync.
+
+Two concurrent activities under one ``asyncio.TaskGroup``:
+- the rollout loop: the gate admits a task, n episodes run, the group is scored, filtered
+  or put in the buffer;
+- the train loop: take B groups, one optimizer step (on a worker thread, so the event
+  loop keeps feeding the engine), sync weights, evaluate, checkpoint, log.
+The engine decodes on its own thread; the learner computes on another, so generation
+and training overlap in wall-clock time (torch releases the GIL in its kernels).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.algorithms import compute_advantages
+from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.config import Config, save_config
+from asyncrl.engine import TorchEngine
+from asyncrl.evaluation import evaluate
+from asyncrl.learner import Learner, TrainBatch, pack
+from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
+from asyncrl.orchestrator.runlog import RunLog
+from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
+from asyncrl.policy import load_policy
+from asyncrl.tasks.base import Task
+from asyncrl.types import Group, SamplingParams
+from asyncrl.workflows.base import run_episode
+from asyncrl.workflows.registry import build_tasks, build_workflow
+
+
+class TaskStream:
+    """Train tasks in a fresh seeded order each epoch; the cursor is what a resume needs."""
+
+    def __init__(self, tasks: list[Task], seed: int) -> None:
+        self.tasks, self.seed = tasks, seed
+        self.epoch, self.index = 0, 0
+        self._order = self._shuffled()
+
+    def _shuffled(self) -> list[int]:
+        order = list(range(len(self.tasks)))
+        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        return order
+
+    def next(self) -> Task:
+        if self.index == len(self._order):
+            self.epoch, self.index = self.epoch + 1, 0
+            self._order = self._shuffled()
+        self.index += 1
+        return self.tasks[self._order[self.index - 1]]
+
+
+class Trainer:
+    def __init__(self, cfg: Config) -> None:
+        """Everything that can be wrong with the input fails here, before any work."""
+        self.cfg = cfg
+        model, self.tokenizer = load_policy(cfg.model)
+        self.splits = build_tasks(cfg)
+        if not self.splits.train:
+            raise ValueError("the task's train split is empty")
+        self.workflow = build_workflow(cfg)
+        self.output_dir = Path(cfg.output_dir)
+        shared = cfg.mode != "sync"
+        half = max(1, (torch.get_num_threads() or 2) // 2)
+        self.engine_threads = cfg.rollout.num_threads or (half if shared else None)
+        self.learner_threads = cfg.rollout.learner_threads or (half if shared else None)
+        self.learner = Learner(model, self.tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
+                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature)
+        self.rollout_model = copy.deepcopy(model).eval()  # the engine's own weights
+        self.sampling = SamplingParams(
+            max_tokens=cfg.sampling.max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
+            top_k=cfg.sampling.top_k, stop_token_ids=stop_token_ids(self.tokenizer))
+        self.eta = cfg.staleness
+        self.gate = AsyncStalenessGate(StalenessGate(self.eta, cfg.batch_size))
+        self.buffer = GroupBuffer(self.gate, self.eta)
+        self.stream = TaskStream(self.splits.train, cfg.seed)
+        self.counters = {"groups_filtered": 0, "groups_all_error": 0, "episodes_error": 0}
+        self._stop = asyncio.Event()
+        self._started = 0
+        self._latest_weights: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ main
+    def run(self) -> Path:
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        save_config(self.cfg, self.output_dir / "config.yaml")
+        return asyncio.run(self._main())
+
+    async def _main(self) -> Path:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # finish the step, checkpoint, exit 0
+            loop.add_signal_handler(sig, self._stop.set)
+        self.engine = TorchEngine(self.rollout_model, max_batch_size=self.cfg.rollout.max_batch_size,
+                                  seed=self.cfg.seed, num_threads=self.engine_threads)
+        self.log = RunLog(self.cfg, self.output_dir, self.cfg.total_steps)
+        self.start_time = time.perf_counter()
+        try:
+            self.log.metrics({"step": 0, "version": 0, **await self._evaluate()})
+            async with asyncio.TaskGroup() as tg:
+                rollout = tg.create_task(self._rollout_loop())
+                last = await self._train_loop()
+                rollout.cancel()
+            return self.learner.save_checkpoint(self.output_dir / "checkpoints" / f"step_{last}",
+                                                extra={"step": last})
+        finally:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await self.engine.shutdown()
+            self.log.close()
+
+    async def _train_loop(self) -> int:
+        step = 0
+        while step < self.cfg.total_steps and not self._stop.is_set():
+            step += 1
+            t0, busy0 = time.perf_counter(), self.engine.stats.busy_s
+            trained_version = self.learner.version
+            ready = await self.buffer.take(self.cfg.batch_size, trained_version)
+            waited = time.perf_counter() - t0
+            trajectories, advantages = [], []
+            for r in ready:
+                for episode, adv in zip(r.group.episodes, r.group.advantages or []):
+                    for t in episode.trajectories:
+                        staleness = trained_version - t.behavior_version_min
+                        assert 0 <= staleness <= self.eta, f"trajectory {staleness} versions old, bound {self.eta}"
+                        trajectories.append(t)
+                        advantages.append(adv)
+            batch = pack(trajectories, advantages, self.tokenizer.pad_token_id or 0)
+            sync = step % self.cfg.sync_every == 0
+            stats = await asyncio.to_thread(self._train_step, batch, sync)
+            if sync:
+                await self._sync_weights()
+            row = self._step_metrics(step, trained_version, ready, trajectories, stats, t0, waited, busy0)
+            if self.cfg.eval_every and step % self.cfg.eval_every == 0:
+                row.update(await self._evaluate())
+            self.log.metrics(row)
+            self.log.samples(self._sample_rows(step, trained_version, ready))
+            if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
+                await asyncio.to_thread(self._save, step)
+        return step
+
+    def _train_step(self, batch: TrainBatch, export: bool) -> dict[str, float]:
+        """Runs on a worker thread: the event loop keeps serving rollouts meanwhile."""
+        if self.learner_threads is not None:
+            torch.set_num_threads(self.learner_threads)
+        stats = self.learner.train_step(batch)
+        if export:  # snapshot now: the next step may start before the engine loads it
+            self._latest_weights = self.learner.export_weights()
+        return stats
+
+    def _save(self, step: int) -> None:
+        ckpt_dir = self.output_dir / "checkpoints"
+        self.learner.save_checkpoint(ckpt_dir / f"step_{step}", extra={"step": step})
+        kept = sorted((p for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+        for old in kept[: -self.cfg.keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+
+    async def _sync_weights(self) -> None:
+        """Publish the learner's weights to the engine and open the gate for the new version."""
+        weights, version = self._latest_weights, self.learner.version
+        mode = self.cfg.partial_rollout if self.cfg.mode == "async" else "off"
+        if mode == "continue":
+            await self.engine.update_weights(weights, version)  # in-flight rows keep going on the new weights
+        else:
+            await self.engine.pause("abort" if mode == "abort" else "wait")
+            await self.engine.update_weights(weights, version)
+            await self.engine.resume()
+        await self.gate.set_version(version)
+
+    # --------------------------------------------------------------- rollout
+    async def _rollout_loop(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                await self.gate.acquire()
+                self._started += 1
+                tg.create_task(self._run_group(self.stream.next(), self._started))
+
+    async def _run_group(self, task: Task, start_order: int) -> None:
+        def client() -> LLMClient:
+            return LLMClient(self.engine, self.tokenizer, self.sampling)
+
+        episodes = await asyncio.gather(*[
+            run_episode(self.workflow, task, client, timeout_s=self.cfg.workflow.timeout_s,
+                        max_retries=self.cfg.workflow.max_retries) for _ in range(self.cfg.group_size)])
+        ok = [e for e in episodes if e.status == "ok" and e.trajectories]
+        self.counters["episodes_error"] += len(episodes) - len(ok)
+        rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
+        if not ok:
+            self.counters["groups_all_error"] += 1
+            await self.gate.release_rejected()
+            return
+        if self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all()):
+            self.counters["groups_filtered"] += 1
+            await self.gate.release_rejected()
+            return
+        advantages = compute_advantages(self.cfg.algorithm.advantage, rewards)[0].tolist()
+        await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
+
+    # ------------------------------------------------------------ evaluation
+    async def _evaluate(self) -> dict[str, float]:
+        tasks = self.splits.validation[: self.cfg.eval.num_tasks]
+        sampling = SamplingParams(max_tokens=self.sampling.max_tokens, temperature=self.cfg.eval.temperature,
+                                  top_p=self.sampling.top_p, top_k=self.sampling.top_k,
+                                  stop_token_ids=self.sampling.stop_token_ids)
+        start = time.perf_counter()
+        result = await evaluate(self.engine, self.tokenizer, self.workflow, tasks,
+                                samples_per_task=self.cfg.eval.samples_per_task, sampling=sampling,
+                                timeout_s=self.cfg.workflow.timeout_s, max_retries=self.cfg.workflow.max_retries,
+                                success_threshold=self.cfg.eval.success_threshold)
+        return {"eval/reward_mean": result.mean_reward, "eval/pass@1": result.pass_at[1],
+                "eval/num_errors": result.num_errors, "time/eval": time.perf_counter() - start}
+
+    # --------------------------------------------------------------- metrics
+    def _step_metrics(self, step: int, trained_version: int, ready: list[ReadyGroup], trajectories: list,
+                      stats: dict[str, float], t0: float, waited: float, busy0: float) -> dict[str, Any]:
+        wall = time.perf_counter() - t0
+        staleness = [trained_version - t.behavior_version_min for t in trajectories]
+        rewards = [e.reward for r in ready for e in r.group.episodes]
+        tokens = sum(t.num_model_tokens for t in trajectories)
+        return {
+            "step": step, "version": self.learner.version,
+            "reward/mean": sum(rewards) / len(rewards),
+            "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
+            "time/step": wall, "time/elapsed": time.perf_counter() - self.start_time,
+            "trainer/idle_ratio": waited / wall,
+            "rollout/idle_ratio": max(0.0, 1 - (self.engine.stats.busy_s - busy0) / wall),
+            "throughput/samples_per_s": len(trajectories) / wall, "throughput/tokens_per_s": tokens / wall,
+            "rollout/resumed_fraction": sum(t.resumed for t in trajectories) / len(trajectories),
+            "rollout/response_tokens_mean": tokens / len(trajectories),
+            "buffer/groups_ready": len(self.buffer), "buffer/stale_dropped": self.buffer.stale_dropped,
+            **{f"rollout/{k}": v for k, v in self.counters.items()},
+            **stats,
+        }
+
+    def _sample_rows(self, step: int, trained_version: int, ready: list[ReadyGroup]) -> list[dict[str, Any]]:
+        rows = []
+        for r in ready:
+            for episode, adv in zip(r.group.episodes, r.group.advantages or []):
+                for t in episode.trajectories:
+                    rows.append({
+                        "step": step, "task_id": r.group.task_id, "reward": t.reward, "advantage": adv,
+                        "behavior_version_min": t.behavior_version_min,
+                        "behavior_version_max": t.behavior_version_max, "trained_version": trained_version,
+                        "response_tokens": t.num_model_tokens, "finish_reason": t.finish_reason,
+                        "resumed": t.resumed, "num_resumes": t.num_resumes,
+                        "response": self.tokenizer.decode(t.response_ids, skip_special_tokens=True),
+                    })
+        return rows
