@@ -1,0 +1,141 @@
+"""The learner and the one loop for all modes, end to end on CPU with a tiny random policy."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.cli import main
+from asyncrl.config import AlgorithmConfig, OptimConfig
+from asyncrl.learner import Learner, pack
+from asyncrl.tiny import build_tiny_model, save_tiny_policy
+from asyncrl.types import Trajectory
+from conftest import reference_logprobs
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, char_tokenizer):
+    path = tmp_path_factory.mktemp("policy")
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, path)
+    return path
+
+
+def train_run(tmp_path, policy_dir, name, *overrides):
+    out = tmp_path / name
+    args = ["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+            "total_steps=4", "batch_size=2", "group_size=4", "eval.num_tasks=4", "eval.samples_per_task=1",
+            "eval_every=0", "algorithm.filter_zero_variance=false", "task.num_train=64",
+            "task.num_validation=8", *overrides]
+    assert main(args) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return out, samples, metrics
+
+
+def staleness(samples):
+    return [s["trained_version"] - s["behavior_version_min"] for s in samples]
+
+
+def test_sync_is_on_policy(tmp_path, policy_dir):
+    out, samples, metrics = train_run(tmp_path, policy_dir, "sync", "mode=sync", "partial_rollout=off")
+    assert len(samples) == 4 * 2 * 4
+    assert set(staleness(samples)) == {0}
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4] and "eval/reward_mean" in metrics[0]
+    assert (out / "checkpoints" / "step_4" / "config.json").exists()
+
+
+def test_one_step_off_is_at_most_one_behind(tmp_path, policy_dir):
+    _, samples, _ = train_run(tmp_path, policy_dir, "one", "mode=one_step_off", "partial_rollout=off")
+    assert max(staleness(samples)) <= 1 and len(samples) == 32
+    assert all(not s["resumed"] for s in samples)
+
+
+def test_async_abort_resumes_and_respects_eta(tmp_path, policy_dir):
+    _, samples, metrics = train_run(tmp_path, policy_dir, "async", "mode=async", "max_staleness=2",
+                                    "partial_rollout=abort", "total_steps=6", "sampling.max_tokens=96")
+    assert max(staleness(samples)) <= 2
+    resumed = [s for s in samples if s["resumed"]]
+    assert resumed, "weight syncs mid-generation should abort and resume some trajectories"
+    assert any(s["behavior_version_max"] > s["behavior_version_min"] for s in resumed)
+    assert all(m["staleness/max"] <= 2 for m in metrics if m["step"] > 0)
+
+
+def make_learner(model, tokenizer, micro_batch_size=64, lr=0.01):
+    return Learner(model, tokenizer, algorithm=AlgorithmConfig(), total_steps=10, temperature=1.0,
+                   optim=OptimConfig(lr=lr, micro_batch_size=micro_batch_size))
+
+
+def fixed_batch(model, tokenizer):
+    """One prompt, a rewarded and an unrewarded completion, with on-policy behavior logprobs."""
+    prompt = tokenizer.encode("<|im_start|>user\n1 2 3 -> 6<|im_end|>\n<|im_start|>assistant\n")
+    good, bad = tokenizer.encode("1+2+3<|im_end|>"), tokenizer.encode("hello<|im_end|>")
+    trajectories = [Trajectory(prompt, ids, [1] * len(ids), reference_logprobs(model, prompt, ids).tolist(),
+                               [0] * len(ids), reward=r) for ids, r in ((good, 1.0), (bad, 0.0))]
+    return prompt, good, bad, pack(trajectories, [0.7071, -0.7071], tokenizer.pad_token_id)
+
+
+def test_one_step_raises_probability_of_rewarded_completion(char_tokenizer):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=1)
+    prompt, good, bad, batch = fixed_batch(model, tokenizer)
+    before_good = reference_logprobs(model, prompt, good).sum()
+    before_bad = reference_logprobs(model, prompt, bad).sum()
+    learner = make_learner(model, tokenizer)
+    stats = learner.train_step(batch)
+    assert learner.version == 1 and stats["actor/grad_norm"] > 0
+    after_good = reference_logprobs(model, prompt, good).sum()
+    after_bad = reference_logprobs(model, prompt, bad).sum()
+    assert after_good > before_good
+    assert after_good - after_bad > before_good - before_bad  # and more than the unrewarded one
+
+
+def test_micro_batching_gives_the_same_step(char_tokenizer):
+    base, tokenizer = build_tiny_model(char_tokenizer, seed=2)
+    *_, batch = fixed_batch(base, tokenizer)
+    whole, split = copy.deepcopy(base), copy.deepcopy(base)
+    make_learner(whole, tokenizer, micro_batch_size=2).train_step(batch)
+    make_learner(split, tokenizer, micro_batch_size=1).train_step(batch)
+    for (name, a), (_, b) in zip(whole.named_parameters(), split.named_parameters()):
+        # Adam divides by sqrt(v): float noise on near-zero gradients moves ~1e-6, a real
+        # difference moves a weight by ~lr (1e-2)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=name)
+
+
+def test_checkpoint_loads_with_same_logits(tmp_path, char_tokenizer):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=3)
+    *_, batch = fixed_batch(model, tokenizer)
+    learner = make_learner(model, tokenizer)
+    learner.train_step(batch)
+    path = learner.save_checkpoint(tmp_path / "step_1")
+    loaded = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert (path / "trainer_state.pt").exists() and not (tmp_path / "step_1.tmp").exists()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(batch.input_ids).logits, model.eval()(batch.input_ids).logits)
+
+
+def test_sigint_finishes_step_checkpoints_and_exits_0(tmp_path, policy_dir):
+    out = tmp_path / "interrupted"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "train", "examples/countdown/async.yaml", f"model.path={policy_dir}",
+         f"output_dir={out}", "total_steps=100000", "batch_size=2", "group_size=2", "eval.num_tasks=2",
+         "eval.samples_per_task=1", "eval_every=0", "task.num_train=64", "task.num_validation=4",
+         "algorithm.filter_zero_variance=false"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    deadline = time.time() + 120
+    metrics = out / "metrics.jsonl"
+    while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, output.decode()[-2000:]
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert (out / "checkpoints" / f"step_{steps[-1]}" / "model.safetensors").exists()
