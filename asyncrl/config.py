@@ -161,6 +161,10 @@ class Config(_Section):
     def _consistent(self) -> Config:
         if self.mode == "sync" and self.partial_rollout != "off" and "partial_rollout" in self.model_fields_set:
             raise ValueError("mode 'sync' has nothing in flight at a weight sync; set partial_rollout=off")
+        if self.sync_every - 1 > self.staleness:
+            raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
+                             f"beyond the staleness bound {self.staleness} of mode {self.mode!r}; "
+                             f"use sync_every <= {self.staleness + 1}")
         return self
 
     @property

@@ -109,3 +109,20 @@ def test_bad_dataset_row_exits_2_naming_the_line(tmp_path, char_tokenizer, capsy
     assert main(["eval", str(path)]) == 2
     err = capsys.readouterr().err
     assert "mine.jsonl" in err and "line 2" in err
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["mode=sync", "partial_rollout=abort"], "set partial_rollout=off"),
+    (["mode=sync", "sync_every=2"], "use sync_every <= 1"),
+    (["mode=async", "max_staleness=-1"], "config key 'max_staleness'"),
+    (["mode=async", "max_staleness=1", "sync_every=3"], "use sync_every <= 2"),
+])
+def test_contradictions_are_refused(overrides, fragment):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert fragment in str(info.value)
+
+
+def test_yaml_off_means_off(tmp_path):
+    cfg = load_config(write(tmp_path, {"mode": "one_step_off", "partial_rollout": False}))
+    assert cfg.partial_rollout == "off" and cfg.staleness == 1

@@ -1,0 +1,40 @@
+"""The buffer hands out oldest-started groups first and never one older than η."""
+
+from __future__ import annotations
+
+import asyncio
+
+from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
+from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
+from asyncrl.types import Episode, Group, Trajectory
+
+
+def ready(task_id: str, version: int, order: int) -> ReadyGroup:
+    t = Trajectory([1], [2, 3], [1, 1], [-1.0, -1.0], [version, version + 1])
+    return ReadyGroup(Group(task_id, [Episode(task_id, [t], reward=1.0)], [0.5]), order)
+
+
+def test_oldest_started_first_and_stale_dropped_with_quota_released():
+    async def main():
+        gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=2))
+        buffer = GroupBuffer(gate, max_staleness=1)
+        for _ in range(4):
+            await gate.acquire()
+        await gate.set_version(2)
+        await buffer.put(ready("young-late", 2, order=4))
+        await buffer.put(ready("stale", 0, order=1))
+        await buffer.put(ready("young-early", 1, order=3))
+        started_before = gate.gate.started
+        taken = await buffer.take(2, trained_version=2)
+        assert [r.group.task_id for r in taken] == ["young-early", "young-late"]
+        assert buffer.stale_dropped == 1 and len(buffer) == 0
+        assert gate.gate.started == started_before - 1  # the stale group's quota came back
+
+        waiter = asyncio.create_task(buffer.take(1, trained_version=2))
+        await asyncio.sleep(0.01)
+        assert not waiter.done()  # waits for a fresh group
+        await gate.acquire()
+        await buffer.put(ready("fresh", 2, order=5))
+        assert [r.group.task_id for r in await waiter] == ["fresh"]
+
+    asyncio.run(main())
