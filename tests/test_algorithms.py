@@ -244,3 +244,11 @@ def test_entropy_from_logits():
     # large and −inf logits: [1000, 1000, −inf] is uniform over 2 → log 2; one-hot → 0
     close(entropy_from_logits(t([[[1000.0, 1000.0, -math.inf], [0.0, -math.inf, -math.inf]]])),
           [[math.log(2), 0.0]])
+
+
+def test_module_function_names_a_user_estimator():
+    from asyncrl.algorithms import compute_advantages
+
+    # a user's function, named module:function in the config, with no registration
+    out = compute_advantages("asyncrl.algorithms.advantages:dr_grpo", torch.tensor([[1.0, 0.0]]))
+    assert out.tolist() == [[0.5, -0.5]]

@@ -126,3 +126,12 @@ def test_contradictions_are_refused(overrides, fragment):
 def test_yaml_off_means_off(tmp_path):
     cfg = load_config(write(tmp_path, {"mode": "one_step_off", "partial_rollout": False}))
     assert cfg.partial_rollout == "off" and cfg.staleness == 1
+
+
+def test_unknown_algorithm_exits_2(tmp_path, char_tokenizer, capsys):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, tmp_path / "policy")
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "policy")}, "algorithm": {"advantage": "grpoo"}})
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "algorithm.advantage" in err and "grpo" in err

@@ -6,6 +6,7 @@ from asyncrl.algorithms.advantages import (
     dr_grpo,
     grpo,
     register_advantage,
+    resolve,
     rloo,
 )
 from asyncrl.algorithms.losses import (
@@ -33,5 +34,6 @@ __all__ = [
     "policy_loss",
     "register_advantage",
     "register_policy_loss",
+    "resolve",
     "rloo",
 ]

@@ -8,6 +8,8 @@ is how the orchestrator recognises (and may drop) groups that carry no signal.
 
 from __future__ import annotations
 
+import importlib
+
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -21,11 +23,20 @@ _T = TypeVar("_T")
 
 
 def resolve(registry: dict[str, _T], name: str, kind: str) -> _T:
-    """The one place a name becomes a function; an unknown name lists the valid ones."""
+    """The one place a name becomes a function; an unknown name lists the valid ones.
+
+    ``module:function`` names a user's function without registering it first."""
+    if name not in registry and ":" in name:
+        module, _, attr = name.partition(":")
+        try:
+            registry[name] = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise KeyError(f"{kind} {name!r} cannot be loaded: {exc}") from None
     try:
         return registry[name]
     except KeyError:
-        raise KeyError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))}") from None
+        raise KeyError(f"unknown {kind} {name!r}; valid: {', '.join(sorted(registry))} "
+                       "or module:function") from None
 
 
 def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from asyncrl.algorithms import compute_advantages
+from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, compute_advantages, resolve
 from asyncrl.client import LLMClient, stop_token_ids
-from asyncrl.config import Config, save_config
+from asyncrl.config import Config, ConfigError, save_config
 from asyncrl.engine import TorchEngine
 from asyncrl.evaluation import evaluate
 from asyncrl.learner import Learner, TrainBatch, pack
@@ -69,6 +69,12 @@ class Trainer:
         if not self.splits.train:
             raise ValueError("the task's train split is empty")
         self.workflow = build_workflow(cfg)
+        for key, registry, kind in (("advantage", ADVANTAGE_ESTIMATORS, "advantage estimator"),
+                                    ("policy_loss", POLICY_LOSSES, "policy loss")):
+            try:
+                resolve(registry, getattr(cfg.algorithm, key), kind)
+            except KeyError as exc:
+                raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
         self.output_dir = Path(cfg.output_dir)
         shared = cfg.mode != "sync"
         half = max(1, (torch.get_num_threads() or 2) // 2)

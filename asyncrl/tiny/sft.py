@@ -45,8 +45,8 @@ DEFAULT_MODEL: dict[str, int] = dict(
     intermediate_size=384,
     max_position_embeddings=128,
 )
-DEFAULT_STEPS = 900
-DEFAULT_MINUTES = 5.0
+DEFAULT_STEPS = 1500
+DEFAULT_MINUTES = 6.0
 DEFAULT_NUM_TRAIN = 20_000
 DEFAULT_NUM_VALIDATION = 256
 
