@@ -12,6 +12,7 @@ from asyncrl.tasks import (
     Task,
     TaskDataError,
     arithmetic_reward,
+    is_validation_prompt,
     countdown_reward,
     default_reward_fn,
     generate_arithmetic,
@@ -219,24 +220,27 @@ def test_load_tasks_jsonl_splits(tmp_path):
 
 # ---- registry ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["countdown", "arithmetic"])
-def test_generated_splits_are_disjoint_and_deterministic(name):
-    splits = load_tasks(name, seed=5, num_train=60, num_validation=20)
-    assert len(splits.train) == 60 and len(splits.validation) == 20
+@pytest.mark.parametrize("name, num_validation", [("countdown", 20), ("arithmetic", 8)])
+def test_generated_splits_are_disjoint_and_deterministic(name, num_validation):
+    splits = load_tasks(name, seed=5, num_train=60, num_validation=num_validation)
+    assert len(splits.train) == 60 and len(splits.validation) == num_validation
     train_prompts = {t.prompt for t in splits.train}
     val_prompts = [t.prompt for t in splits.validation]
     assert not train_prompts & set(val_prompts)
     assert len(set(val_prompts)) == len(val_prompts)
     assert not {t.id for t in splits.train} & {t.id for t in splits.validation}
-    assert splits == load_tasks(name, seed=5, num_train=60, num_validation=20)
-    assert splits.train == (generate_countdown if name == "countdown" else generate_arithmetic)(60, 5)
+    assert splits == load_tasks(name, seed=5, num_train=60, num_validation=num_validation)
+    # train is the seeded stream minus the validation-only eighth of the prompt space
+    stream = (generate_countdown if name == "countdown" else generate_arithmetic)(600, 5)
+    assert splits.train == [t for t in stream if not is_validation_prompt(t.prompt)][:60]
+    assert all(is_validation_prompt(p) for p in val_prompts)
 
 
 def test_load_tasks_errors():
     with pytest.raises(ValueError, match="countdown.*arithmetic.*jsonl"):
         load_tasks("sudoku", seed=0, num_train=1, num_validation=1)
-    with pytest.raises(ValueError, match="too small"):  # only 100 distinct a+b prompts
-        load_tasks("arithmetic", seed=0, num_train=2000, num_validation=10)
+    with pytest.raises(ValueError, match="too small"):  # 100 a+b prompts, about 1/8 for validation
+        load_tasks("arithmetic", seed=0, num_train=20, num_validation=50)
     with pytest.raises(ValueError, match="options"):
         load_tasks("countdown", seed=0, num_train=1, num_validation=1, options={"nums": 4})
     four = load_tasks("countdown", seed=0, num_train=3, num_validation=1, options={"num_numbers": 4})

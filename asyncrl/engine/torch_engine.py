@@ -122,6 +122,7 @@ class TorchEngine:
         try:
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
+            req.future.cancel()  # nobody will read it: settling it later must not warn
             with contextlib.suppress(EngineClosedError):
                 self._post(lambda: self._drop(req), req.future, loop)
             raise

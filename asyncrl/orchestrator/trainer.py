@@ -94,6 +94,7 @@ class Trainer:
         self._stop = asyncio.Event()
         self._started = 0
         self._latest_weights: dict[str, torch.Tensor] = {}
+        self._finished_rewards: list[float] = []
 
     # ------------------------------------------------------------------ main
     def run(self) -> Path:
@@ -198,6 +199,7 @@ class Trainer:
                         max_retries=self.cfg.workflow.max_retries) for _ in range(self.cfg.group_size)])
         ok = [e for e in episodes if e.status == "ok" and e.trajectories]
         self.counters["episodes_error"] += len(episodes) - len(ok)
+        self._finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
         rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
         if not ok:
             self.counters["groups_all_error"] += 1
@@ -231,9 +233,13 @@ class Trainer:
         staleness = [trained_version - t.behavior_version_min for t in trajectories]
         rewards = [e.reward for r in ready for e in r.group.episodes]
         tokens = sum(t.num_model_tokens for t in trajectories)
+        finished, self._finished_rewards = self._finished_rewards, []
         return {
             "step": step, "version": self.learner.version,
             "reward/mean": sum(rewards) / len(rewards),
+            # every episode finished since the last step, filtered groups included
+            "rollout/reward_mean": sum(finished) / len(finished) if finished else float("nan"),
+            "rollout/episodes": len(finished),
             "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
             "time/step": wall, "time/elapsed": time.perf_counter() - self.start_time,
             "trainer/idle_ratio": waited / wall,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from asyncrl.tasks.countdown import countdown_reward, generate_countdown, iter_c
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 
 __all__ = [
+    "is_validation_prompt",
     "Task", "TaskSplits", "RewardFn", "TaskDataError", "load_tasks", "resolve_reward_fn",
     "default_reward_fn", "generate_countdown", "countdown_reward", "generate_arithmetic",
     "arithmetic_reward", "load_jsonl_tasks", "TASK_NAMES", "REWARD_FUNCTIONS",
@@ -35,8 +37,8 @@ REWARD_SPECS: dict[str, str] = {
     "countdown": "asyncrl.tasks.countdown:countdown_reward",
     "arithmetic": "asyncrl.tasks.arithmetic:arithmetic_reward",
 }
-# Cap on candidates drawn per wanted validation task, so a tiny task space (arithmetic
-# has 100 prompts) fails loudly instead of looping forever.
+# Cap on candidates drawn per wanted task, so a tiny task space (arithmetic has 100
+# prompts) fails loudly instead of looping forever.
 _DRAWS_PER_VALIDATION_TASK = 200
 
 
@@ -50,6 +52,18 @@ def _take(stream: Iterator[Task], n: int) -> list[Task]:
     return [next(stream) for _ in range(n)]
 
 
+def is_validation_prompt(prompt: str) -> bool:
+    """A fixed 1/8 of the prompt space is validation-only, chosen by a stable hash.
+
+    Why not "validation = prompts the train draw missed": when the train draw nearly
+    exhausts a small space (Countdown with numbers 1-9), the leftovers are the rare
+    prompts, so validation would measure a different, harder distribution and RL that
+    sharpens the common case would look like it hurts. A hash split keeps both splits
+    samples of the same distribution and never lets a validation prompt into training.
+    """
+    return zlib.crc32(prompt.encode()) % 8 == 0
+
+
 def _generated_splits(
     name: str, seed: int, num_train: int, num_validation: int, options: Mapping[str, Any]
 ) -> TaskSplits:
@@ -58,22 +72,28 @@ def _generated_splits(
         train_stream = make(seed, **options)
     except TypeError as exc:  # unknown option name: a config typo, so say which
         raise ValueError(f"task {name!r}: bad generator options {dict(options)}: {exc}") from None
-    train = _take(train_stream, num_train)
-    seen = {t.prompt for t in train}
+    train: list[Task] = []
+    for _ in range(max(1, num_train) * _DRAWS_PER_VALIDATION_TASK):
+        if len(train) == num_train:
+            break
+        task = next(train_stream)
+        if not is_validation_prompt(task.prompt):
+            train.append(task)
     validation: list[Task] = []
+    seen: set[str] = set()
     stream = make(_validation_seed(seed), **options)
     for _ in range(max(1, num_validation) * _DRAWS_PER_VALIDATION_TASK):
         if len(validation) == num_validation:
             break
         task = next(stream)
-        if task.prompt not in seen:  # also de-duplicates validation against itself
+        if is_validation_prompt(task.prompt) and task.prompt not in seen:  # distinct validation prompts
             seen.add(task.prompt)
             validation.append(task)
-    if len(validation) < num_validation:
+    if len(validation) < num_validation or len(train) < num_train:
         raise ValueError(
-            f"task {name!r}: found only {len(validation)} of {num_validation} validation "
-            f"prompts not already in the {num_train} train tasks; the task space is too "
-            "small, so lower num_train/num_validation or widen the generator options"
+            f"task {name!r}: found only {len(train)} train / {len(validation)} validation prompts "
+            f"of the {num_train} / {num_validation} asked; the task space is too small, so lower "
+            "num_train/num_validation or widen the generator options"
         )
     return TaskSplits(train=train, validation=validation)
 
