@@ -35,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "train":
             from asyncrl.orchestrator.trainer import Trainer
 
-            checkpoint = Trainer(load_config(args.config, args.overrides)).run()
+            trainer = Trainer(load_config(args.config, args.overrides))
+            try:
+                checkpoint = trainer.run()
+            except BaseException:
+                last = trainer.last_checkpoint
+                print(f"asyncrl train: the run failed; last good checkpoint: {last or 'none yet'}", file=sys.stderr)
+                raise
             print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
             from asyncrl.evaluation import run_eval

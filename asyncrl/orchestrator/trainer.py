@@ -95,6 +95,7 @@ class Trainer:
         self._started = 0
         self._latest_weights: dict[str, torch.Tensor] = {}
         self._finished_rewards: list[float] = []
+        self.last_checkpoint: Path | None = None
 
     # ------------------------------------------------------------------ main
     def run(self) -> Path:
@@ -116,8 +117,8 @@ class Trainer:
                 rollout = tg.create_task(self._rollout_loop())
                 last = await self._train_loop()
                 rollout.cancel()
-            return self.learner.save_checkpoint(self.output_dir / "checkpoints" / f"step_{last}",
-                                                extra={"step": last})
+            self._save(last)
+            return self.last_checkpoint
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
@@ -165,7 +166,7 @@ class Trainer:
 
     def _save(self, step: int) -> None:
         ckpt_dir = self.output_dir / "checkpoints"
-        self.learner.save_checkpoint(ckpt_dir / f"step_{step}", extra={"step": step})
+        self.last_checkpoint = self.learner.save_checkpoint(ckpt_dir / f"step_{step}", extra={"step": step})
         kept = sorted((p for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
         for old in kept[: -self.cfg.keep_last]:
             shutil.rmtree(old, ignore_errors=True)

@@ -28,7 +28,7 @@ _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _MAX_RESAMPLES = 10_000
 
 
-def _apply(op: str, a: Fraction, b: Fraction) -> Fraction:
+def apply_op(op: str, a: Fraction, b: Fraction) -> Fraction:
     if op == "+":
         return a + b
     if op == "-":
@@ -45,7 +45,7 @@ def _random_value(nums: list[int], ops: str, rng: random.Random) -> Fraction:
     k = rng.randint(1, len(nums) - 1)
     left = _random_value(nums[:k], ops, rng)
     right = _random_value(nums[k:], ops, rng)
-    return _apply(rng.choice(ops), left, right)
+    return apply_op(rng.choice(ops), left, right)
 
 
 def iter_countdown(
@@ -114,7 +114,7 @@ def _evaluate(node: ast.AST, leaves: list[int]) -> Fraction | None:
         if left is None or right is None:
             return None
         try:
-            return _apply(_OPS[type(node.op)], left, right)
+            return apply_op(_OPS[type(node.op)], left, right)
         except ZeroDivisionError:
             return None
     raise ValueError(f"disallowed syntax: {type(node).__name__}")
