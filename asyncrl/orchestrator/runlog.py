@@ -1,6 +1,7 @@
 """Where a run's numbers go: ``metrics.jsonl`` (one object per optimizer step),
-``samples.jsonl`` (one per trained trajectory), TensorBoard or W&B when asked, and a
-live progress bar."""
+``samples.jsonl`` (one per trained trajectory), ``timeline.jsonl`` (when each group was
+generated, each step trained, each weight sync and evaluation ran: what the report's
+overlap timeline draws), TensorBoard or W&B when asked, and a live progress bar."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ class RunLog:
     def __init__(self, cfg: Config, output_dir: Path, total_steps: int) -> None:
         self.metrics_file = open(output_dir / "metrics.jsonl", "a")
         self.samples_file = open(output_dir / "samples.jsonl", "a")
+        self.timeline_file = open(output_dir / "timeline.jsonl", "a")
         self.bar = tqdm(total=total_steps, desc=f"train[{cfg.mode}]", unit="step", dynamic_ncols=True)
         self.tensorboard = None
         self.wandb = None
@@ -50,8 +52,13 @@ class RunLog:
         self.samples_file.writelines(json.dumps(r) + "\n" for r in rows)
         self.samples_file.flush()
 
+    def event(self, kind: str, start: float, end: float, **extra: Any) -> None:
+        """An interval of work; times are seconds since the run started."""
+        self.timeline_file.write(json.dumps({"kind": kind, "start": start, "end": end, **extra}) + "\n")
+
     def close(self) -> None:
         self.bar.close()
+        self.timeline_file.close()
         self.metrics_file.close()
         self.samples_file.close()
         if self.tensorboard is not None:

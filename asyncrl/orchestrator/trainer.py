@@ -143,9 +143,13 @@ class Trainer:
                         advantages.append(adv)
             batch = pack(trajectories, advantages, self.tokenizer.pad_token_id or 0)
             sync = step % self.cfg.sync_every == 0
+            t_train = self._now()
             stats = await asyncio.to_thread(self._train_step, batch, sync)
+            self.log.event("train", t_train, self._now(), step=step)
             if sync:
+                t_sync = self._now()
                 await self._sync_weights()
+                self.log.event("sync", t_sync, self._now(), version=self.learner.version)
             row = self._step_metrics(step, trained_version, ready, trajectories, stats, t0, waited, busy0)
             if self.cfg.eval_every and step % self.cfg.eval_every == 0:
                 row.update(await self._evaluate())
@@ -191,13 +195,19 @@ class Trainer:
                 self._started += 1
                 tg.create_task(self._run_group(self.stream.next(), self._started))
 
+    def _now(self) -> float:
+        return time.perf_counter() - self.start_time
+
     async def _run_group(self, task: Task, start_order: int) -> None:
+        started = self._now()
+
         def client() -> LLMClient:
             return LLMClient(self.engine, self.tokenizer, self.sampling)
 
         episodes = await asyncio.gather(*[
             run_episode(self.workflow, task, client, timeout_s=self.cfg.workflow.timeout_s,
                         max_retries=self.cfg.workflow.max_retries) for _ in range(self.cfg.group_size)])
+        self.log.event("generate", started, self._now(), group=start_order)
         ok = [e for e in episodes if e.status == "ok" and e.trajectories]
         self.counters["episodes_error"] += len(episodes) - len(ok)
         self._finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
@@ -220,10 +230,12 @@ class Trainer:
                                   top_p=self.sampling.top_p, top_k=self.sampling.top_k,
                                   stop_token_ids=self.sampling.stop_token_ids)
         start = time.perf_counter()
+        t_eval = self._now()
         result = await evaluate(self.engine, self.tokenizer, self.workflow, tasks,
                                 samples_per_task=self.cfg.eval.samples_per_task, sampling=sampling,
                                 timeout_s=self.cfg.workflow.timeout_s, max_retries=self.cfg.workflow.max_retries,
                                 success_threshold=self.cfg.eval.success_threshold)
+        self.log.event("eval", t_eval, self._now())
         return {"eval/reward_mean": result.mean_reward, "eval/pass@1": result.pass_at[1],
                 "eval/num_errors": result.num_errors, "time/eval": time.perf_counter() - start}
 
