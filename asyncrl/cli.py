@@ -1,4 +1,4 @@
-"""``asyncrl train|eval|bench``: thin dispatch; exit 2 for usage/config errors, 1 for failures."""
+"""``asyncrl train|eval|bench|report``: thin dispatch; exit 2 for usage/config errors, 1 for failures."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("suite", choices=["engine"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
+    report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")
+    report.add_argument("run_dir", help="output directory of an asyncrl train run")
     return parser
 
 
@@ -52,6 +54,14 @@ def main(argv: list[str] | None = None) -> int:
             from asyncrl.bench import run_bench
 
             run_bench(args.suite, args.overrides, args.out)
+        elif args.command == "report":
+            from asyncrl.report import load_run, write_report
+
+            try:
+                run = load_run(args.run_dir)
+            except (FileNotFoundError, ValueError) as exc:  # not a usable run dir: a usage error
+                raise ConfigError(str(exc)) from None
+            print(write_report(run))
     except ConfigError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2

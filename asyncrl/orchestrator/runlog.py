@@ -16,9 +16,10 @@ from asyncrl.config import Config
 
 class RunLog:
     def __init__(self, cfg: Config, output_dir: Path, total_steps: int) -> None:
-        self.metrics_file = open(output_dir / "metrics.jsonl", "a")
-        self.samples_file = open(output_dir / "samples.jsonl", "a")
-        self.timeline_file = open(output_dir / "timeline.jsonl", "a")
+        # A fresh run starts fresh files: appending would splice two runs under one config.
+        self.metrics_file = open(output_dir / "metrics.jsonl", "w")
+        self.samples_file = open(output_dir / "samples.jsonl", "w")
+        self.timeline_file = open(output_dir / "timeline.jsonl", "w")
         self.bar = tqdm(total=total_steps, desc=f"train[{cfg.mode}]", unit="step", dynamic_ncols=True)
         self.tensorboard = None
         self.wandb = None
@@ -55,6 +56,7 @@ class RunLog:
     def event(self, kind: str, start: float, end: float, **extra: Any) -> None:
         """An interval of work; times are seconds since the run started."""
         self.timeline_file.write(json.dumps({"kind": kind, "start": start, "end": end, **extra}) + "\n")
+        self.timeline_file.flush()
 
     def close(self) -> None:
         self.bar.close()

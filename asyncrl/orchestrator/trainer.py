@@ -131,14 +131,18 @@ class Trainer:
             step += 1
             t0, busy0 = time.perf_counter(), self.engine.stats.busy_s
             trained_version = self.learner.version
-            ready = await self.buffer.take(self.cfg.batch_size, trained_version)
+            ready = await self._take_unless_stopped(trained_version)
+            if ready is None:  # asked to stop while waiting for data: nothing half-done to finish
+                return step - 1
             waited = time.perf_counter() - t0
             trajectories, advantages = [], []
             for r in ready:
                 for episode, adv in zip(r.group.episodes, r.group.advantages or []):
                     for t in episode.trajectories:
                         staleness = trained_version - t.behavior_version_min
-                        assert 0 <= staleness <= self.eta, f"trajectory {staleness} versions old, bound {self.eta}"
+                        if not 0 <= staleness <= self.eta:  # a bug, not a statistic (kept under -O too)
+                            raise RuntimeError(f"trajectory of task {r.group.task_id} is {staleness} versions "
+                                               f"old at version {trained_version}; the bound is {self.eta}")
                         trajectories.append(t)
                         advantages.append(adv)
             batch = pack(trajectories, advantages, self.tokenizer.pad_token_id or 0)
@@ -158,6 +162,16 @@ class Trainer:
             if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
                 await asyncio.to_thread(self._save, step)
         return step
+
+    async def _take_unless_stopped(self, trained_version: int) -> list[ReadyGroup] | None:
+        take = asyncio.ensure_future(self.buffer.take(self.cfg.batch_size, trained_version))
+        stop = asyncio.ensure_future(self._stop.wait())
+        await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        if take.done():
+            return take.result()
+        take.cancel()
+        return None
 
     def _train_step(self, batch: TrainBatch, export: bool) -> dict[str, float]:
         """Runs on a worker thread: the event loop keeps serving rollouts meanwhile."""
@@ -260,8 +274,8 @@ class Trainer:
             "throughput/samples_per_s": len(trajectories) / wall, "throughput/tokens_per_s": tokens / wall,
             "rollout/resumed_fraction": sum(t.resumed for t in trajectories) / len(trajectories),
             "rollout/response_tokens_mean": tokens / len(trajectories),
-            "buffer/groups_ready": len(self.buffer), "buffer/stale_dropped": self.buffer.stale_dropped,
-            **{f"rollout/{k}": v for k, v in self.counters.items()},
+            "buffer/groups_ready": len(self.buffer), "buffer/stale_dropped_total": self.buffer.stale_dropped,
+            **{f"rollout/{k}_total": v for k, v in self.counters.items()},  # since the run began
             **stats,
         }
 

@@ -1,0 +1,131 @@
+"""``asyncrl report``: the page of a real (tiny) run is self-contained and shows that run's numbers."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("matplotlib")
+
+from asyncrl.cli import main  # noqa: E402
+from asyncrl.report import Run, format_value, load_run, overlap_fraction, summarize  # noqa: E402
+from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+TOTAL_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """One short real async run (random policy), shared by the tests of this module."""
+    root = tmp_path_factory.mktemp("report")
+    model, tokenizer = build_tiny_model(build_char_tokenizer(), seed=0)
+    policy = save_tiny_policy(model, tokenizer, root / "policy")
+    out = root / "run"
+    assert main(["train", "examples/countdown/async.yaml", f"model.path={policy}", f"output_dir={out}",
+                 f"total_steps={TOTAL_STEPS}", "batch_size=2", "group_size=4", "eval.num_tasks=4",
+                 "eval.samples_per_task=1", "eval_every=2", "task.num_train=64", "task.num_validation=8",
+                 "algorithm.filter_zero_variance=false", "sampling.max_tokens=12"]) == 0
+    return out
+
+
+def _metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _row(label: str, value: str) -> str:
+    return f'<tr><th>{label}</th><td class="num">{value}</td></tr>'
+
+
+def test_report_of_a_real_run(run_dir, capsys):
+    capsys.readouterr()
+    assert main(["report", str(run_dir)]) == 0
+    html_path = run_dir / "report.html"
+    assert capsys.readouterr().out.strip() == str(html_path)
+    page = html_path.read_text()
+    assert 'src="http' not in page and "<link" not in page and "<script" not in page
+    assert page.count('src="data:image/png;base64,') >= 4
+    pngs = sorted(run_dir.glob("report_*.png"))
+    assert {p.name for p in pngs} >= {"report_reward.png", "report_staleness.png", "report_timeline.png",
+                                      "report_throughput.png"}
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in pngs)
+
+    # the numbers are this run's, recomputed here from its files
+    metrics = _metrics(run_dir / "metrics.jsonl")
+    last_eval = [r for r in metrics if r["step"] > 0 and "eval/reward_mean" in r][-1]
+    assert last_eval["step"] == TOTAL_STEPS
+    assert _row("eval reward after (last eval)", f"{last_eval['eval/reward_mean']:.3f}") in page
+    assert _row("eval reward before (step 0)", f"{metrics[0]['eval/reward_mean']:.3f}") in page
+    assert _row("steps", str(TOTAL_STEPS)) in page
+    assert _row("mode", "async") in page and f"asyncrl report: {run_dir} (async)</h1>" in page
+    samples = _metrics(run_dir / "samples.jsonl")
+    assert _row("trained samples", str(len(samples))) in page and len(samples) == TOTAL_STEPS * 2 * 4
+    stale = [s["trained_version"] - s["behavior_version_min"] for s in samples]
+    assert _row("staleness max", str(max(stale))) in page and max(stale) <= 2
+    mean_rate = sum(r["throughput/samples_per_s"] for r in metrics[1:]) / TOTAL_STEPS
+    assert _row("mean samples/s", f"{mean_rate:.3f}") in page
+    assert "max_staleness: 2" in page  # the config block
+
+    summary = summarize(load_run(run_dir))
+    assert summary["samples beyond η"] == 0
+    assert 0.0 <= summary["train/generate overlap"] <= 1.0
+    assert summary["mean samples/s"] == pytest.approx(mean_rate)
+
+
+def test_missing_or_foreign_directory_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "nope")]) == 2
+    assert "run directory not found" in capsys.readouterr().err
+    (tmp_path / "config.yaml").write_text("mode: async\n")
+    assert main(["report", str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
+    assert main(["report", str(tmp_path)]) == 2
+    assert "metrics.jsonl line 2" in capsys.readouterr().err
+
+
+def test_truncated_last_line_still_reports(run_dir, tmp_path):
+    """A run killed mid-write: its half-written last rows are skipped, the rest reported."""
+    killed = tmp_path / "killed"
+    shutil.copytree(run_dir, killed, ignore=shutil.ignore_patterns("checkpoints", "report*"))
+    for name in ("metrics.jsonl", "timeline.jsonl"):
+        text = (killed / name).read_text()
+        (killed / name).write_text(text[: text.rstrip("\n").rfind("\n") + 1] + '{"step": 4, "rewa')
+    with pytest.warns(UserWarning, match="truncated last line"):
+        assert main(["report", str(killed)]) == 0
+    page = (killed / "report.html").read_text()
+    metrics = _metrics(run_dir / "metrics.jsonl")
+    eval_2 = next(r for r in metrics if r["step"] == 2)
+    assert _row("steps", str(TOTAL_STEPS - 1)) in page
+    assert _row("eval reward after (last eval)", f"{eval_2['eval/reward_mean']:.3f}") in page
+
+
+def test_reused_output_dir_reports_the_last_run(tmp_path):
+    """The trainer appends to an existing output dir: only the last run is reported."""
+    (tmp_path / "config.yaml").write_text("mode: sync\n")
+    rows = [{"step": 0, "eval/reward_mean": 0.1}, {"step": 1, "time/elapsed": 5.0},
+            {"step": 0, "eval/reward_mean": 0.2}, {"step": 1, "time/elapsed": 1.0}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    events = [{"kind": "train", "start": 1.0, "end": 5.0}, {"kind": "eval", "start": 0.0, "end": 0.2},
+              {"kind": "train", "start": 0.5, "end": 1.0}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (tmp_path / "samples.jsonl").write_text("")
+    with pytest.warns(UserWarning, match="2 runs"):
+        run = load_run(tmp_path)
+    assert [r["step"] for r in run.metrics] == [0, 1] and run.metrics[0]["eval/reward_mean"] == 0.2
+    assert run.timeline == events[1:]
+    assert run.eta == 0
+
+
+def test_overlap_fraction():
+    def run(events):
+        return Run(Path("."), {"mode": "async"}, [{"step": 0}], [], events)
+
+    train = {"kind": "train", "start": 0.0, "end": 2.0}
+    gens = [{"kind": "generate", "start": 1.0, "end": 1.5}, {"kind": "generate", "start": 1.2, "end": 3.0}]
+    assert overlap_fraction(run([train, *gens])) == pytest.approx(0.5)
+    assert overlap_fraction(run([train, {"kind": "generate", "start": 2.0, "end": 3.0}])) == 0.0
+    assert overlap_fraction(run(gens)) is None
+    assert format_value(None) == format_value(float("nan")) == "n/a"
