@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(args.suite, args.overrides, args.out)
         elif args.command == "report":
-            from asyncrl.report import load_run, write_report
+            try:
+                from asyncrl.report import load_run, write_report
+            except ImportError as exc:
+                print(f"asyncrl report needs matplotlib: pip install -e '.[report]' ({exc})", file=sys.stderr)
+                return 1
 
             try:
                 run = load_run(args.run_dir)
