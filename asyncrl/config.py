@@ -101,7 +101,7 @@ class AlgorithmConfig(_Section):
 class OptimConfig(_Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.99)
+    betas: tuple[float, float] = Field((0.9, 0.99), strict=False)  # YAML gives a list
     warmup_steps: int = Field(0, ge=0)
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     """After warm-up: constant, or decay to 10 % of ``lr`` by ``total_steps``."""

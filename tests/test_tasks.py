@@ -261,3 +261,18 @@ def test_reward_fn_resolution():
         with pytest.raises(ValueError) as info:
             resolve_reward_fn(bad)
         assert repr(bad) in str(info.value)
+
+
+def test_longtail_task_lengths_and_reward():
+    from asyncrl.tasks.longtail import iter_longtail, longtail_reward
+
+    stream = iter_longtail(0)
+    tasks = [next(stream) for _ in range(2000)]
+    lengths = sorted(t.data["length"] for t in tasks)
+    median = lengths[len(lengths) // 2]
+    assert lengths[-1] >= 6 * median  # a tail many times longer than the median
+    assert all(t.data["max_tokens"] == t.data["length"] for t in tasks)
+    task = Task(id="x", prompt="4 digits 1", data={"length": 4, "max_tokens": 4})
+    assert longtail_reward(task, "12a4") == 0.75  # 3 of the 4 asked-for chars are digits
+    assert longtail_reward(task, "1234567") == 1.0  # beyond the length does not count
+    assert longtail_reward(task, "") == 0.0

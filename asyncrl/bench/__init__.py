@@ -23,8 +23,7 @@ def machine() -> dict[str, Any]:
             "cpus": os.cpu_count(), "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
 
 
-def write_result(suite: str, result: dict[str, Any], out: str | None) -> Path:
-    out_dir = Path(out or f"bench/{suite}-{time.strftime('%Y%m%d-%H%M%S')}")
+def write_result(result: dict[str, Any], out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "bench.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
@@ -33,11 +32,17 @@ def write_result(suite: str, result: dict[str, Any], out: str | None) -> Path:
 
 
 def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, Any]:
+    out_dir = Path(out or f"bench/{suite}-{time.strftime('%Y%m%d-%H%M%S')}")
     if suite == "engine":
         from asyncrl.bench.engine import run_engine_bench
 
         result = run_engine_bench(overrides)
+    elif suite == "modes":
+        from asyncrl.bench.modes import run_modes_bench
+
+        result = run_modes_bench(overrides, out_dir)
     else:
-        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine")
-    write_result(suite, result, out)
+        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes")
+    result["machine"] = machine()
+    write_result(result, out_dir)
     return result

@@ -14,6 +14,7 @@ from asyncrl.tasks.arithmetic import arithmetic_reward, generate_arithmetic, ite
 from asyncrl.tasks.base import RewardFn, Task, TaskDataError, TaskSplits
 from asyncrl.tasks.countdown import countdown_reward, generate_countdown, iter_countdown
 from asyncrl.tasks.jsonl import load_jsonl_tasks
+from asyncrl.tasks.longtail import iter_longtail, longtail_reward
 
 __all__ = [
     "is_validation_prompt",
@@ -27,15 +28,18 @@ __all__ = [
 _GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
     "countdown": iter_countdown,
     "arithmetic": iter_arithmetic,
+    "longtail": iter_longtail,
 }
 TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl")
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "arithmetic": arithmetic_reward,
+    "longtail": longtail_reward,
 }
 REWARD_SPECS: dict[str, str] = {
     "countdown": "asyncrl.tasks.countdown:countdown_reward",
     "arithmetic": "asyncrl.tasks.arithmetic:arithmetic_reward",
+    "longtail": "asyncrl.tasks.longtail:longtail_reward",
 }
 # Cap on candidates drawn per wanted task, so a tiny task space (arithmetic has 100
 # prompts) fails loudly instead of looping forever.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -21,10 +22,13 @@ class SingleTurnWorkflow:
 
     async def run(self, task: Task, llm: LLMClient) -> Episode:
         start = time.perf_counter()
+        sampling = llm.sampling
+        if "max_tokens" in task.data:  # a task may cap its own response length
+            sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, int(task.data["max_tokens"])))
         if self.use_chat_template:
-            response = await llm.chat([{"role": "user", "content": task.prompt}])
+            response = await llm.chat([{"role": "user", "content": task.prompt}], sampling=sampling)
         else:
-            response = await llm.generate(task.prompt)
+            response = await llm.generate(task.prompt, sampling=sampling)
         generated = time.perf_counter()
         reward = await score(self.reward_fn, task, response.text, timeout_s=self.reward_timeout_s)
         for trajectory in llm.trajectories:

@@ -1,0 +1,144 @@
+"""``asyncrl bench modes``: sync, one_step_off and async (η ∈ {1, 2, 4}, abort and
+continue) side by side in one run, on the long-tail workload (``tasks/longtail.py``),
+the same policy, samples and steps for each.
+
+Besides each mode's wall time and idle ratios it measures, with nothing else running,
+the pure generation time T_gen of the same number of samples and the pure training time
+T_train of the same number of steps. Perfect overlap would take max(T_gen, T_train)
+instead of T_gen + T_train, so the ideal speedup is (T_gen + T_train) / max(...), and
+``overlap_efficiency`` is the achieved async speedup over sync divided by that bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+
+from asyncrl.client import stop_token_ids
+from asyncrl.config import _Section, apply_overrides, load_config, validate
+from asyncrl.engine import TorchEngine
+from asyncrl.evaluation import evaluate
+from asyncrl.learner import Learner, pack
+from asyncrl.orchestrator.trainer import Trainer
+from asyncrl.policy import load_policy
+from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
+from asyncrl.types import SamplingParams
+from asyncrl.workflows.registry import build_tasks, build_workflow
+
+
+class ModesBenchSettings(_Section):
+    steps: int = Field(30, ge=1)
+    batch_size: int = Field(4, ge=1)
+    group_size: int = Field(8, ge=1)
+    max_tokens: int = Field(160, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    stalenesses: list[int] = [1, 2, 4]
+    partial_rollouts: list[str] = ["abort", "continue"]
+    seed: int = 0
+
+
+def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int, partial: str) -> Any:
+    return load_config(None, [
+        f"output_dir={out}", f"seed={s.seed}", f"model.path={policy}", "task.name=longtail",
+        f"task.num_train={s.steps * s.batch_size * 4}", "task.num_validation=16", f"mode={mode}",
+        f"max_staleness={eta}", f"partial_rollout={partial}", f"total_steps={s.steps}",
+        f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0", "eval.num_tasks=16",
+        "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}", f"optim.lr={s.lr}",
+        "algorithm.filter_zero_variance=false", "workflow.use_chat_template=false",
+    ])
+
+
+def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    staleness = [s["trained_version"] - s["behavior_version_min"] for s in samples]
+    wall = rows[-1]["time/elapsed"] - rows[0]["time/elapsed"] + rows[0]["time/step"]
+    return {
+        "wall_s": wall, "samples": len(samples), "samples_per_s": len(samples) / wall,
+        "trainer_idle_ratio": statistics.mean(r["trainer/idle_ratio"] for r in rows),
+        "rollout_idle_ratio": statistics.mean(r["rollout/idle_ratio"] for r in rows),
+        "staleness_max": max(staleness), "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
+        "staleness_bound": eta_bound, "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
+        "final_reward": statistics.mean(r["reward/mean"] for r in rows[-max(1, len(rows) // 5):]),
+    }
+
+
+def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, float]:
+    """T_gen and T_train for the same samples and steps, each alone on all cores."""
+    cfg = _config(s, policy, out / "pure", "sync", 0, "off")
+    model, tokenizer = load_policy(cfg.model)
+    tasks = build_tasks(cfg).train[: s.steps * s.batch_size]
+    sampling = SamplingParams(max_tokens=s.max_tokens, stop_token_ids=stop_token_ids(tokenizer))
+
+    async def generate():
+        engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=s.seed)
+        try:
+            start = time.perf_counter()
+            result = await evaluate(engine, tokenizer, build_workflow(cfg), tasks, samples_per_task=s.group_size,
+                                    sampling=sampling, timeout_s=600, max_retries=0)
+            return time.perf_counter() - start, result
+        finally:
+            await engine.shutdown()
+
+    t_gen, result = asyncio.run(generate())
+    learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim, total_steps=s.steps,
+                      temperature=1.0)
+    episodes = result.episodes
+    per_step = s.batch_size * s.group_size
+    start = time.perf_counter()
+    for i in range(s.steps):
+        chunk = episodes[i * per_step:(i + 1) * per_step]
+        trajectories = [t for e in chunk for t in e.trajectories]
+        learner.train_step(pack(trajectories, [0.5 - (j % 2) for j in range(len(trajectories))],
+                                tokenizer.pad_token_id or 0))
+    return t_gen, time.perf_counter() - start
+
+
+def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
+    s = validate(ModesBenchSettings, apply_overrides({}, overrides))
+    out.mkdir(parents=True, exist_ok=True)
+    policy = out / "policy"  # random init: it rarely stops, so response lengths follow the task's tail
+    model, tokenizer = build_tiny_model(build_char_tokenizer(), seed=s.seed, max_position_embeddings=256)
+    save_tiny_policy(model, tokenizer, policy)
+    runs = [("sync", "sync", 0, "off"), ("one_step_off", "one_step_off", 1, "off")]
+    runs += [(f"async_eta{eta}_{p}", "async", eta, p) for eta in s.stalenesses for p in s.partial_rollouts]
+    modes: dict[str, Any] = {}
+    for name, mode, eta, partial in runs:
+        print(f"[bench modes] {name} ...", flush=True)
+        Trainer(_config(s, policy, out / name, mode, eta, partial)).run()
+        modes[name] = _summarise(out / name, eta)
+        print(f"[bench modes] {name}: wall {modes[name]['wall_s']:.1f}s, {modes[name]['samples_per_s']:.1f} samples/s")
+    torch.set_num_threads(torch.get_num_threads())
+    t_gen, t_train = _pure_times(s, policy, out)
+    best_async = min((v["wall_s"], k) for k, v in modes.items() if k.startswith("async"))
+    speedup = modes["sync"]["wall_s"] / best_async[0]
+    bound = (t_gen + t_train) / max(t_gen, t_train)
+    result = {
+        "settings": s.model_dump(), "modes": modes, "pure_generation_s": t_gen, "pure_training_s": t_train,
+        "best_async": best_async[1], "async_speedup_vs_sync": speedup, "ideal_overlap_bound": bound,
+        "overlap_efficiency": speedup / bound,
+        # sync generates each step's groups alone and waits for the longest response: the
+        # part of its wall time beyond T_gen + T_train is that bubble, which async also
+        # removes, so the speedup can exceed the overlap bound. The other view: how close
+        # the best async run came to perfect overlap of the pure times.
+        "sync_bubble_s": modes["sync"]["wall_s"] - (t_gen + t_train),
+        "ideal_async_wall_s": max(t_gen, t_train),
+        "async_vs_ideal": max(t_gen, t_train) / best_async[0],
+    }
+    print(f"{'mode':24s} {'wall_s':>8s} {'samples/s':>10s} {'trainer idle':>12s} {'rollout idle':>12s} "
+          f"{'stale max':>9s} {'reward':>7s}")
+    for name, m in modes.items():
+        print(f"{name:24s} {m['wall_s']:8.1f} {m['samples_per_s']:10.1f} {m['trainer_idle_ratio']:12.2f} "
+              f"{m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} {m['final_reward']:7.3f}")
+    print(f"T_gen={t_gen:.1f}s T_train={t_train:.1f}s ideal_overlap_bound={bound:.2f} "
+          f"async_speedup_vs_sync={speedup:.2f} ({best_async[1]}) overlap_efficiency={speedup / bound:.2f}")
+    print(f"sync bubble (wall beyond T_gen + T_train) = {result['sync_bubble_s']:.1f}s; best async reached "
+          f"{result['async_vs_ideal']:.2f} of perfect overlap (max(T_gen, T_train) / its wall)")
+    return result
