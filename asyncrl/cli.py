@@ -20,7 +20,7 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("config", help="YAML config file")
     ev.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
-    bench.add_argument("suite", choices=["engine", "modes"])
+    bench.add_argument("suite", choices=["engine", "modes", "trl"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")

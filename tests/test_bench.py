@@ -35,3 +35,17 @@ def test_bench_modes_smoke(tmp_path):
 def test_bench_rejects_unknown_setting(capsys):
     assert main(["bench", "modes", "stepz=2"]) == 2
     assert "did you mean 'steps'" in capsys.readouterr().err
+
+
+def test_bench_trl_smoke(tmp_path):
+    import pytest
+
+    pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
+    out = tmp_path / "trl"
+    assert main(["bench", "trl", "steps=2", "batch_size=2", "group_size=2", "max_tokens=8", "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result["systems"]) == {"trl", "asyncrl_sync", "asyncrl_async"}
+    assert {"sync_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched"} <= set(result)
+    for system in result["systems"].values():
+        assert {"samples_per_s", "wall_s", "final_reward", "time_to_target_s"} <= set(system)
+        assert len(system["curve"]) == 2
