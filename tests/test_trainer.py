@@ -139,3 +139,14 @@ def test_sigint_finishes_step_checkpoints_and_exits_0(tmp_path, policy_dir):
     assert proc.returncode == 0, output.decode()[-2000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert (out / "checkpoints" / f"step_{steps[-1]}" / "model.safetensors").exists()
+
+
+def test_on_policy_step_equals_recomputed_step(char_tokenizer):
+    """Skipping the recompute when μ came from the current weights changes nothing."""
+    base, tokenizer = build_tiny_model(char_tokenizer, seed=4)
+    *_, batch = fixed_batch(base, tokenizer)
+    recomputed, skipped = copy.deepcopy(base), copy.deepcopy(base)
+    make_learner(recomputed, tokenizer).train_step(batch)
+    make_learner(skipped, tokenizer).train_step(batch, on_policy=True)
+    for (name, a), (_, b) in zip(recomputed.named_parameters(), skipped.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=name)

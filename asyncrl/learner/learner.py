@@ -75,12 +75,17 @@ class Learner:
             out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``; the learner's version becomes version + 1."""
+    def train_step(self, batch: TrainBatch, *, on_policy: bool = False) -> dict[str, float]:
+        """One optimizer step on ``batch``; the learner's version becomes version + 1.
+
+        ``on_policy``: every token was sampled by the current weights, so π_prox = μ and
+        the recompute (a full extra forward pass) is skipped; the step is then exactly
+        the bypass form."""
         batch = batch.to(self.device)
         self.model.train()
         # π_prox: the weights at the start of this step (decoupled PPO), or μ itself (bypass).
-        proximal = None if self.algorithm.bypass else self.logprobs(self.model, batch)
+        recompute = not (self.algorithm.bypass or on_policy)
+        proximal = self.logprobs(self.model, batch) if recompute else None
         reference = self.logprobs(self.reference, batch) if self.reference is not None else None
         tokens = batch.loss_mask.sum().clamp(min=1)
         sequences = (batch.loss_mask.sum(-1) > 0).sum().clamp(min=1)

@@ -148,7 +148,8 @@ class Trainer:
             batch = pack(trajectories, advantages, self.tokenizer.pad_token_id or 0)
             sync = step % self.cfg.sync_every == 0
             t_train = self._now()
-            stats = await asyncio.to_thread(self._train_step, batch, sync)
+            on_policy = all(t.behavior_version_max == trained_version for t in trajectories)
+            stats = await asyncio.to_thread(self._train_step, batch, sync, on_policy)
             self.log.event("train", t_train, self._now(), step=step)
             if sync:
                 t_sync = self._now()
@@ -173,11 +174,11 @@ class Trainer:
         take.cancel()
         return None
 
-    def _train_step(self, batch: TrainBatch, export: bool) -> dict[str, float]:
+    def _train_step(self, batch: TrainBatch, export: bool, on_policy: bool) -> dict[str, float]:
         """Runs on a worker thread: the event loop keeps serving rollouts meanwhile."""
         if self.learner_threads is not None:
             torch.set_num_threads(self.learner_threads)
-        stats = self.learner.train_step(batch)
+        stats = self.learner.train_step(batch, on_policy=on_policy)
         if export:  # snapshot now: the next step may start before the engine loads it
             self._latest_weights = self.learner.export_weights()
         return stats
