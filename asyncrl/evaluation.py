@@ -23,7 +23,7 @@ from asyncrl.policy import load_policy
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import Workflow, run_episode
-from asyncrl.workflows.registry import build_tasks, build_workflow
+from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokenizer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -98,6 +98,7 @@ def run_eval(cfg: Config) -> EvalResult:
     """``asyncrl eval``: everything is validated (model, tasks, workflow) before any
     generation starts, so bad input fails fast with exit status 2."""
     model, tokenizer = load_policy(cfg.model)
+    check_tokenizer(cfg, tokenizer)
     tasks = build_tasks(cfg).validation[: cfg.eval.num_tasks]
     workflow = build_workflow(cfg)
     output_dir = Path(cfg.output_dir)

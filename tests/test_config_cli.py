@@ -135,3 +135,19 @@ def test_unknown_algorithm_exits_2(tmp_path, char_tokenizer, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "algorithm.advantage" in err and "grpo" in err
+
+
+def test_tokenizer_without_chat_template_is_refused(tmp_path, char_tokenizer, capsys):
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, tmp_path / "policy")
+    config = tmp_path / "policy" / "tokenizer_config.json"
+    data = json.loads(config.read_text())
+    data.pop("chat_template", None)
+    config.write_text(json.dumps(data))
+    (tmp_path / "policy" / "chat_template.jinja").unlink(missing_ok=True)
+    path = write(tmp_path, {"model": {"path": str(tmp_path / "policy")}})
+    for command in ("train", "eval"):
+        assert main([command, str(path)]) == 2
+        assert "no chat template" in capsys.readouterr().err
+    assert main(["eval", str(path), "workflow.use_chat_template=false", "eval.num_tasks=2",
+                 "eval.samples_per_task=1", f"output_dir={tmp_path / 'raw'}"]) == 0

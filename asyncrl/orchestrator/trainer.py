@@ -36,7 +36,7 @@ from asyncrl.policy import load_policy
 from asyncrl.tasks.base import Task
 from asyncrl.types import Group, SamplingParams
 from asyncrl.workflows.base import run_episode
-from asyncrl.workflows.registry import build_tasks, build_workflow
+from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokenizer
 
 
 class TaskStream:
@@ -65,6 +65,7 @@ class Trainer:
         """Everything that can be wrong with the input fails here, before any work."""
         self.cfg = cfg
         model, self.tokenizer = load_policy(cfg.model)
+        check_tokenizer(cfg, self.tokenizer)
         self.splits = build_tasks(cfg)
         if not self.splits.train:
             raise ValueError("the task's train split is empty")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib
 
-from asyncrl.config import ConfigError, Config
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.config import Config, ConfigError
 from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
 from asyncrl.tasks.base import RewardFn, TaskSplits
 from asyncrl.workflows.base import Workflow
@@ -45,3 +47,10 @@ def build_workflow(cfg: Config) -> Workflow:
     if not callable(getattr(workflow, "run", None)):
         raise ConfigError(f"workflow.name {name!r} has no run(task, llm) method")
     return workflow
+
+
+def check_tokenizer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Refuse, before any work, a chat workflow over a tokenizer that cannot render chats."""
+    if cfg.workflow.name == "single_turn" and cfg.workflow.use_chat_template and tokenizer.chat_template is None:
+        raise ConfigError(f"model.path {cfg.model.path!r}: its tokenizer has no chat template, which "
+                          "workflow.use_chat_template=true needs (set it to false to send raw prompts)")
