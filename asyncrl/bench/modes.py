@@ -34,7 +34,7 @@ from asyncrl.workflows.registry import build_tasks, build_workflow
 
 
 class ModesBenchSettings(_Section):
-    steps: int = Field(30, ge=1)
+    steps: int = Field(60, ge=1)
     batch_size: int = Field(4, ge=1)
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(160, ge=1)
