@@ -19,11 +19,11 @@ class ConfigError(ValueError):
     """A usage or configuration error: the CLI exits 2 with this message."""
 
 
-class _Section(BaseModel):
+class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_assignment=True)
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     path: str = "models/countdown-tiny"
     """A Hugging Face model directory (causal LM + tokenizer)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -31,7 +31,7 @@ class ModelConfig(_Section):
     """``auto`` = CUDA when available, else CPU."""
 
 
-class TaskConfig(_Section):
+class TaskConfig(Section):
     name: str = "countdown"
     """``countdown``, ``arithmetic``, or ``jsonl`` (then ``path`` is the train file)."""
     path: str | None = None
@@ -43,14 +43,14 @@ class TaskConfig(_Section):
     """``module:function`` taking (task, response_text) -> float; default: the task's own."""
 
 
-class SamplingConfig(_Section):
+class SamplingConfig(Section):
     max_tokens: int = Field(24, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=0)
 
 
-class WorkflowConfig(_Section):
+class WorkflowConfig(Section):
     name: str = "single_turn"
     """``single_turn`` or ``module:Class`` (constructed with no arguments)."""
     use_chat_template: bool = True
@@ -60,7 +60,7 @@ class WorkflowConfig(_Section):
     """Attempts after the first before an erroring episode is dropped."""
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     max_batch_size: int = Field(64, ge=1)
     """Sequences decoded together by one engine."""
     num_threads: int | None = Field(None, ge=1)
@@ -70,7 +70,7 @@ class RolloutConfig(_Section):
     """torch intra-op threads of the learner thread; ``None``: as above."""
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     num_tasks: int = Field(128, ge=1)
     """Validation tasks scored (at most the split's size)."""
     samples_per_task: int = Field(4, ge=1)
@@ -79,7 +79,7 @@ class EvalConfig(_Section):
     """A sample counts as solved for pass@k when its reward reaches this."""
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     advantage: str = "grpo"
     """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo`` or a registered name."""
     policy_loss: str = "decoupled_ppo"
@@ -98,7 +98,7 @@ class AlgorithmConfig(_Section):
     """Drop groups whose rewards are all equal (zero advantage) and release their quota."""
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99), strict=False)  # YAML gives a list
@@ -110,13 +110,13 @@ class OptimConfig(_Section):
     """Trajectories per forward/backward; gradients accumulate to one step."""
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "asyncrl"
 
 
-class Config(_Section):
+class Config(Section):
     output_dir: str = "runs/default"
     seed: int = 0
     mode: Literal["sync", "one_step_off", "async"] = "async"

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import math
 from collections.abc import Callable
@@ -90,7 +89,7 @@ def _sample_row(episode: Episode) -> dict:
            "finish_reason": episode.finish_reason, "response": episode.metadata.get("response")}
     if episode.error:
         row["error"] = episode.error
-    row["trajectories"] = [dataclasses.asdict(t) for t in episode.trajectories]
+    row["trajectories"] = [t.to_dict() for t in episode.trajectories]
     return row
 
 

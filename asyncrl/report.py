@@ -101,33 +101,6 @@ def _read_jsonl(path: Path, required: tuple[str, ...] = ()) -> list[dict[str, An
     return rows
 
 
-def _last_run_metrics(path: Path, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
-    """The trainer appends to an existing output directory, so a re-used directory holds
-    several runs one after another; report the last (its config.yaml is the one on disk)."""
-    start, starts = 0, 0
-    for i in range(1, len(rows)):
-        if rows[i]["step"] <= rows[i - 1]["step"]:
-            start, starts = i, starts + 1
-    if starts:
-        warnings.warn(f"{path} holds {starts + 1} runs appended to one another (the output "
-                      f"directory was re-used); reporting the last one", stacklevel=3)
-    return rows[start:], starts
-
-
-def _last_run_rows(rows: list[dict[str, Any]], restarts: int, key: Callable[[dict], float]) -> list[dict]:
-    """Cut ``rows`` after its last restart: where ``key`` (a step, or an end time since the
-    run started, both non-decreasing within one run) drops."""
-    if not restarts:
-        return rows
-    start, high = 0, -math.inf
-    for i, row in enumerate(rows):
-        value = key(row)
-        if value < high - 0.05:
-            start, high = i, -math.inf
-        high = max(high, value)
-    return rows[start:]
-
-
 def load_run(run_dir: str | Path) -> Run:
     """Parse a run directory; FileNotFoundError / ValueError name the missing or bad file."""
     run_dir = Path(run_dir)
@@ -155,7 +128,6 @@ def load_run(run_dir: str | Path) -> Run:
         raise ValueError(f"{metrics_path} has no rows: the run stopped before its first evaluation")
     if any(_num(r["step"]) is None for r in metrics):
         raise ValueError(f"{metrics_path} has a non-numeric 'step'")
-    metrics, restarts = _last_run_metrics(metrics_path, metrics)
 
     samples: list[dict[str, Any]] = []
     timeline: list[dict[str, Any]] = []
@@ -164,13 +136,11 @@ def load_run(run_dir: str | Path) -> Run:
             warnings.warn(f"{run_dir} has no {name}; its figures will be empty", stacklevel=2)
     if (run_dir / "samples.jsonl").is_file():
         samples = _read_jsonl(run_dir / "samples.jsonl", required=("step",))
-        samples = _last_run_rows(samples, restarts, lambda r: _num(r["step"]) or 0.0)
     if (run_dir / "timeline.jsonl").is_file():
         timeline_path = run_dir / "timeline.jsonl"
         timeline = _read_jsonl(timeline_path, required=("kind", "start", "end"))
         if any(_num(r["start"]) is None or _num(r["end"]) is None for r in timeline):
             raise ValueError(f"{timeline_path} has an interval with a non-numeric start or end")
-        timeline = _last_run_rows(timeline, restarts, lambda r: float(r["end"]))
     return Run(run_dir, config, metrics, samples, timeline, config_text)
 
 

@@ -102,23 +102,6 @@ def test_truncated_last_line_still_reports(run_dir, tmp_path):
     assert _row("eval reward after (last eval)", f"{eval_2['eval/reward_mean']:.3f}") in page
 
 
-def test_reused_output_dir_reports_the_last_run(tmp_path):
-    """The trainer appends to an existing output dir: only the last run is reported."""
-    (tmp_path / "config.yaml").write_text("mode: sync\n")
-    rows = [{"step": 0, "eval/reward_mean": 0.1}, {"step": 1, "time/elapsed": 5.0},
-            {"step": 0, "eval/reward_mean": 0.2}, {"step": 1, "time/elapsed": 1.0}]
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    events = [{"kind": "train", "start": 1.0, "end": 5.0}, {"kind": "eval", "start": 0.0, "end": 0.2},
-              {"kind": "train", "start": 0.5, "end": 1.0}]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (tmp_path / "samples.jsonl").write_text("")
-    with pytest.warns(UserWarning, match="2 runs"):
-        run = load_run(tmp_path)
-    assert [r["step"] for r in run.metrics] == [0, 1] and run.metrics[0]["eval/reward_mean"] == 0.2
-    assert run.timeline == events[1:]
-    assert run.eta == 0
-
-
 def test_overlap_fraction():
     def run(events):
         return Run(Path("."), {"mode": "async"}, [{"step": 0}], [], events)

@@ -150,3 +150,14 @@ def test_on_policy_step_equals_recomputed_step(char_tokenizer):
     make_learner(skipped, tokenizer).train_step(batch, on_policy=True)
     for (name, a), (_, b) in zip(recomputed.named_parameters(), skipped.named_parameters()):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=name)
+
+
+def test_reused_output_dir_holds_only_the_new_run(tmp_path, policy_dir):
+    """A fresh run starts fresh files: appending would splice two runs under one config."""
+    train_run(tmp_path, policy_dir, "again", "mode=sync", "partial_rollout=off", "total_steps=3")
+    out, samples, metrics = train_run(tmp_path, policy_dir, "again", "mode=sync", "partial_rollout=off",
+                                      "total_steps=2")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert {s["step"] for s in samples} == {1, 2}
+    events = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "train"] == [1, 2]

@@ -19,12 +19,12 @@ import torch
 from pydantic import Field
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
-from asyncrl.config import _Section, apply_overrides, validate
+from asyncrl.config import Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
 from asyncrl.types import SamplingParams
 
 
-class EngineBenchSettings(_Section):
+class EngineBenchSettings(Section):
     hidden_size: int = Field(256, ge=8)
     num_layers: int = Field(4, ge=1)
     vocab_size: int = Field(128, ge=16)

@@ -18,11 +18,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from pydantic import Field
 
 from asyncrl.client import stop_token_ids
-from asyncrl.config import _Section, apply_overrides, load_config, validate
+from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.engine import TorchEngine
 from asyncrl.evaluation import evaluate
 from asyncrl.learner import Learner, pack
@@ -33,7 +32,7 @@ from asyncrl.types import SamplingParams
 from asyncrl.workflows.registry import build_tasks, build_workflow
 
 
-class ModesBenchSettings(_Section):
+class ModesBenchSettings(Section):
     steps: int = Field(60, ge=1)
     batch_size: int = Field(4, ge=1)
     group_size: int = Field(8, ge=1)
@@ -115,7 +114,6 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
         Trainer(_config(s, policy, out / name, mode, eta, partial)).run()
         modes[name] = _summarise(out / name, eta)
         print(f"[bench modes] {name}: wall {modes[name]['wall_s']:.1f}s, {modes[name]['samples_per_s']:.1f} samples/s")
-    torch.set_num_threads(torch.get_num_threads())
     t_gen, t_train = _pure_times(s, policy, out)
     best_async = min((v["wall_s"], k) for k, v in modes.items() if k.startswith("async"))
     speedup = modes["sync"]["wall_s"] / best_async[0]

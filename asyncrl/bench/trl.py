@@ -21,14 +21,14 @@ from typing import Any
 
 from pydantic import Field
 
-from asyncrl.config import _Section, apply_overrides, load_config, validate
+from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.orchestrator.trainer import TaskStream, Trainer
 from asyncrl.tasks import countdown_reward
 from asyncrl.tasks.base import Task
 from asyncrl.workflows.registry import build_tasks
 
 
-class TrlBenchSettings(_Section):
+class TrlBenchSettings(Section):
     model_path: str = "models/countdown-tiny"
     steps: int = Field(40, ge=2)
     batch_size: int = Field(8, ge=1)

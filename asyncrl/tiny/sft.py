@@ -21,7 +21,6 @@ import time
 from collections.abc import Callable, Sequence
 from fractions import Fraction
 from itertools import permutations
-from pathlib import Path
 from typing import Any
 
 import torch
