@@ -138,6 +138,10 @@ class Config(Section):
     save_every: int = Field(0, ge=0)
     """Steps between checkpoints (0 = only at the end)."""
     keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted after each save."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``output_dir/checkpoints`` (a fresh start when
+    there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups."""
     engine: Literal["torch"] = "torch"
     """Rollout engine: the built-in ``torch`` engine (vLLM is planned, see README)."""
     runtime: Literal["local"] = "local"

@@ -64,3 +64,14 @@ class SpyEngine:
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+@pytest.fixture(scope="session")
+def policy_dir(tmp_path_factory, char_tokenizer):
+    """A random tiny policy saved as a Hugging Face directory (what ``model.path`` takes)."""
+    from asyncrl.tiny import build_tiny_model, save_tiny_policy
+
+    path = tmp_path_factory.mktemp("policy")
+    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
+    save_tiny_policy(model, tokenizer, path)
+    return path

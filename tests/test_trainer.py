@@ -10,24 +10,15 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
+from conftest import reference_logprobs
 from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner import Learner, pack
-from asyncrl.tiny import build_tiny_model, save_tiny_policy
+from asyncrl.tiny import build_tiny_model
 from asyncrl.types import Trajectory
-from conftest import reference_logprobs
-
-
-@pytest.fixture(scope="module")
-def policy_dir(tmp_path_factory, char_tokenizer):
-    path = tmp_path_factory.mktemp("policy")
-    model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
-    save_tiny_policy(model, tokenizer, path)
-    return path
 
 
 def train_run(tmp_path, policy_dir, name, *overrides):

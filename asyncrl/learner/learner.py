@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
 from asyncrl.config import AlgorithmConfig, OptimConfig
@@ -127,14 +127,17 @@ class Learner:
         """A snapshot the engines can load while the learner goes on training."""
         return {name: p.detach().clone() for name, p in self.model.named_parameters()}
 
-    def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None) -> Path:
-        """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` beside the
-        weights. Written to a temporary directory and renamed, so a crash mid-write never
-        leaves a half checkpoint under the final name."""
+    def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None,
+                        files: dict[str, str] | None = None) -> Path:
+        """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (and the
+        text ``files`` of other parts) beside the weights. Written to a temporary directory
+        and renamed, so a crash mid-write never leaves a half checkpoint under the final name."""
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         self.model.save_pretrained(tmp)
         self.tokenizer.save_pretrained(tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "rng": rng_state(), **(extra or {})},
                    tmp / "trainer_state.pt")
@@ -142,6 +145,27 @@ class Learner:
             shutil.rmtree(path)
         os.replace(tmp, path)
         return path
+
+
+    def load_checkpoint(self, path: Path) -> dict[str, Any]:
+        """Continue from ``path``: weights, optimizer, LR schedule, RNG streams, version.
+        (The KL reference, if any, stays the initial policy.) Returns the trainer state."""
+        state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
+        self.model.load_state_dict(saved.state_dict())
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        self.version = state["version"]
+        return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def rng_state() -> dict[str, Any]:

@@ -47,6 +47,14 @@ class GroupBuffer:
             self._ready.append(ready)
             self._changed.notify_all()
 
+    def snapshot(self) -> list[ReadyGroup]:
+        """The groups waiting now (for a checkpoint)."""
+        return list(self._ready)
+
+    def restore(self, groups: list[ReadyGroup]) -> None:
+        """Groups saved with a checkpoint; the restored gate already counts them as accepted."""
+        self._ready.extend(groups)
+
     async def take(self, n: int, trained_version: int) -> list[ReadyGroup]:
         """Wait for ``n`` groups fresh enough to train version ``trained_version`` on."""
         async with self._changed:

@@ -15,12 +15,15 @@ from asyncrl.config import Config
 
 
 class RunLog:
-    def __init__(self, cfg: Config, output_dir: Path, total_steps: int) -> None:
+    def __init__(self, cfg: Config, output_dir: Path, total_steps: int, resume_step: int | None = None) -> None:
         # A fresh run starts fresh files: appending would splice two runs under one config.
-        self.metrics_file = open(output_dir / "metrics.jsonl", "w")
-        self.samples_file = open(output_dir / "samples.jsonl", "w")
-        self.timeline_file = open(output_dir / "timeline.jsonl", "w")
-        self.bar = tqdm(total=total_steps, desc=f"train[{cfg.mode}]", unit="step", dynamic_ncols=True)
+        # A resumed one appends to files already rolled back to its checkpoint.
+        mode = "w" if resume_step is None else "a"
+        self.metrics_file = open(output_dir / "metrics.jsonl", mode)
+        self.samples_file = open(output_dir / "samples.jsonl", mode)
+        self.timeline_file = open(output_dir / "timeline.jsonl", mode)
+        self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
+                        dynamic_ncols=True)
         self.tensorboard = None
         self.wandb = None
         if cfg.logging.tensorboard:

@@ -15,21 +15,34 @@ from __future__ import annotations
 import asyncio
 import copy
 import random
-import shutil
 import signal
+import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, compute_advantages, resolve
+from asyncrl.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    POLICY_LOSSES,
+    compute_advantages,
+    resolve,
+)
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Config, ConfigError, save_config
 from asyncrl.engine import TorchEngine
 from asyncrl.evaluation import evaluate
 from asyncrl.learner import Learner, TrainBatch, pack
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
+from asyncrl.orchestrator.checkpoint import (
+    RUN_STATE_FILE,
+    RunState,
+    latest_checkpoint,
+    rollback_logs,
+    rotate,
+)
 from asyncrl.orchestrator.runlog import RunLog
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
 from asyncrl.policy import load_policy
@@ -40,11 +53,14 @@ from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokeni
 
 
 class TaskStream:
-    """Train tasks in a fresh seeded order each epoch; the cursor is what a resume needs."""
+    """Train tasks in a fresh seeded order each epoch. The cursor (epoch, index) and the
+    tasks to re-issue (handed out before a resume, never finished) are what a resume needs."""
 
-    def __init__(self, tasks: list[Task], seed: int) -> None:
+    def __init__(self, tasks: list[Task], seed: int, epoch: int = 0, index: int = 0,
+                 reissue: list[int] | None = None) -> None:
         self.tasks, self.seed = tasks, seed
-        self.epoch, self.index = 0, 0
+        self.epoch, self.index = epoch, index
+        self.reissue = deque(reissue or [])
         self._order = self._shuffled()
 
     def _shuffled(self) -> list[int]:
@@ -52,12 +68,17 @@ class TaskStream:
         random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
         return order
 
-    def next(self) -> Task:
+    def next_index(self) -> int:
+        if self.reissue:
+            return self.reissue.popleft()
         if self.index == len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._shuffled()
         self.index += 1
-        return self.tasks[self._order[self.index - 1]]
+        return self._order[self.index - 1]
+
+    def next(self) -> Task:
+        return self.tasks[self.next_index()]
 
 
 class Trainer:
@@ -83,20 +104,48 @@ class Trainer:
         self.learner_threads = cfg.rollout.learner_threads or (half if shared else None)
         self.learner = Learner(model, self.tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
                                total_steps=cfg.total_steps, temperature=cfg.sampling.temperature)
-        self.rollout_model = copy.deepcopy(model).eval()  # the engine's own weights
         self.sampling = SamplingParams(
             max_tokens=cfg.sampling.max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
             top_k=cfg.sampling.top_k, stop_token_ids=stop_token_ids(self.tokenizer))
         self.eta = cfg.staleness
-        self.gate = AsyncStalenessGate(StalenessGate(self.eta, cfg.batch_size))
-        self.buffer = GroupBuffer(self.gate, self.eta)
-        self.stream = TaskStream(self.splits.train, cfg.seed)
         self.counters = {"groups_filtered": 0, "groups_all_error": 0, "episodes_error": 0}
         self._stop = asyncio.Event()
-        self._started = 0
         self._latest_weights: dict[str, torch.Tensor] = {}
         self._finished_rewards: list[float] = []
+        self._in_flight: dict[int, int] = {}  # start order -> task index, until the group is done
         self.last_checkpoint: Path | None = None
+        self.resumed_from: RunState | None = None
+        checkpoint = latest_checkpoint(self.output_dir / "checkpoints") if cfg.resume else None
+        if checkpoint is not None:
+            self.learner.load_checkpoint(checkpoint)
+            self.resumed_from = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text())
+            self.last_checkpoint = checkpoint
+        elif cfg.resume:
+            print(f"asyncrl: resume=true but no checkpoint under {self.output_dir / 'checkpoints'}; starting fresh",
+                  file=sys.stderr)
+        self._restore(self.resumed_from)
+        self.rollout_model = copy.deepcopy(self.learner.model).eval()  # the engine's own weights
+
+    def _restore(self, state: RunState | None) -> None:
+        """The gate, buffer and data cursor of a fresh run, or of the checkpoint ``state``."""
+        version = self.learner.version
+        gate = StalenessGate(self.eta, self.cfg.batch_size, version)
+        if state is None:
+            self.stream = TaskStream(self.splits.train, self.cfg.seed)
+            self.gate = AsyncStalenessGate(gate)
+            self.buffer = GroupBuffer(self.gate, self.eta)
+            self._started = 0
+            return
+        groups = state.ready_groups()
+        # consumed groups and saved ones hold quota; the re-issued tasks start afresh
+        snapshot = {**gate.snapshot(), "accepted": state.step * self.cfg.batch_size + len(groups), "running": 0}
+        self.gate = AsyncStalenessGate(StalenessGate.from_snapshot(snapshot))
+        self.buffer = GroupBuffer(self.gate, self.eta)
+        self.buffer.restore(groups)
+        self.buffer.stale_dropped = state.stale_dropped
+        self.stream = TaskStream(self.splits.train, self.cfg.seed, state.epoch, state.index, state.reissue)
+        self._started = state.started
+        self.counters.update(state.counters)
 
     # ------------------------------------------------------------------ main
     def run(self) -> Path:
@@ -108,17 +157,26 @@ class Trainer:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # finish the step, checkpoint, exit 0
             loop.add_signal_handler(sig, self._stop.set)
+        state = self.resumed_from
+        first_step = state.step if state else 0
         self.engine = TorchEngine(self.rollout_model, max_batch_size=self.cfg.rollout.max_batch_size,
-                                  seed=self.cfg.seed, num_threads=self.engine_threads)
-        self.log = RunLog(self.cfg, self.output_dir, self.cfg.total_steps)
-        self.start_time = time.perf_counter()
+                                  seed=self.cfg.seed + 7919 * first_step, version=self.learner.version,
+                                  num_threads=self.engine_threads)
+        if state is not None:
+            removed = rollback_logs(self.output_dir, state)
+            print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
+                  f"written after it: {removed}", file=sys.stderr)
+        self.log = RunLog(self.cfg, self.output_dir, self.cfg.total_steps, resume_step=state and state.step)
+        self.start_time = time.perf_counter() - (state.elapsed_s if state else 0.0)
         try:
-            self.log.metrics({"step": 0, "version": 0, **await self._evaluate()})
+            if state is None:
+                self.log.metrics({"step": 0, "version": 0, **await self._evaluate()})
             async with asyncio.TaskGroup() as tg:
                 rollout = tg.create_task(self._rollout_loop())
-                last = await self._train_loop()
+                last = await self._train_loop(first_step)
                 rollout.cancel()
-            self._save(last)
+            if last > first_step or state is None:
+                self._save(last, self._run_state(last))
             return self.last_checkpoint
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
@@ -126,8 +184,7 @@ class Trainer:
             await self.engine.shutdown()
             self.log.close()
 
-    async def _train_loop(self) -> int:
-        step = 0
+    async def _train_loop(self, step: int) -> int:
         while step < self.cfg.total_steps and not self._stop.is_set():
             step += 1
             t0, busy0 = time.perf_counter(), self.engine.stats.busy_s
@@ -162,7 +219,7 @@ class Trainer:
             self.log.metrics(row)
             self.log.samples(self._sample_rows(step, trained_version, ready))
             if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
-                await asyncio.to_thread(self._save, step)
+                await asyncio.to_thread(self._save, step, self._run_state(step))
         return step
 
     async def _take_unless_stopped(self, trained_version: int) -> list[ReadyGroup] | None:
@@ -184,12 +241,22 @@ class Trainer:
             self._latest_weights = self.learner.export_weights()
         return stats
 
-    def _save(self, step: int) -> None:
+    def _run_state(self, step: int) -> RunState:
+        """Taken on the event loop between two awaits, so the buffer and the in-flight set
+        are one consistent picture even though rollouts go on while the files are written."""
+        buffered = self.buffer.snapshot()
+        in_buffer = {g.start_order for g in buffered}
+        unfinished = [i for order, i in sorted(self._in_flight.items()) if order not in in_buffer]
+        return RunState(step=step, elapsed_s=self._now(), started=self._started, epoch=self.stream.epoch,
+                        index=self.stream.index, reissue=list(self.stream.reissue) + unfinished,
+                        buffered=RunState.encode_groups(buffered), counters=dict(self.counters),
+                        stale_dropped=self.buffer.stale_dropped)
+
+    def _save(self, step: int, state: RunState) -> None:
         ckpt_dir = self.output_dir / "checkpoints"
-        self.last_checkpoint = self.learner.save_checkpoint(ckpt_dir / f"step_{step}", extra={"step": step})
-        kept = sorted((p for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-        for old in kept[: -self.cfg.keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
+        self.last_checkpoint = self.learner.save_checkpoint(
+            ckpt_dir / f"step_{step}", extra={"step": step}, files={RUN_STATE_FILE: state.to_json()})
+        rotate(ckpt_dir, self.cfg.keep_last)
 
     async def _sync_weights(self) -> None:
         """Publish the learner's weights to the engine and open the gate for the new version."""
@@ -209,12 +276,18 @@ class Trainer:
             while True:
                 await self.gate.acquire()
                 self._started += 1
-                tg.create_task(self._run_group(self.stream.next(), self._started))
+                index = self.stream.next_index()
+                self._in_flight[self._started] = index
+                tg.create_task(self._run_group(self.splits.train[index], self._started))
 
     def _now(self) -> float:
         return time.perf_counter() - self.start_time
 
     async def _run_group(self, task: Task, start_order: int) -> None:
+        await self._generate_group(task, start_order)
+        del self._in_flight[start_order]  # only now: a cancelled group is re-issued on resume
+
+    async def _generate_group(self, task: Task, start_order: int) -> None:
         started = self._now()
 
         def client() -> LLMClient:
@@ -284,10 +357,11 @@ class Trainer:
     def _sample_rows(self, step: int, trained_version: int, ready: list[ReadyGroup]) -> list[dict[str, Any]]:
         rows = []
         for r in ready:
-            for episode, adv in zip(r.group.episodes, r.group.advantages or []):
+            for index, (episode, adv) in enumerate(zip(r.group.episodes, r.group.advantages or [])):
                 for t in episode.trajectories:
                     rows.append({
-                        "step": step, "task_id": r.group.task_id, "reward": t.reward, "advantage": adv,
+                        "step": step, "task_id": r.group.task_id, "group": r.start_order, "episode": index,
+                        "reward": t.reward, "advantage": adv,
                         "behavior_version_min": t.behavior_version_min,
                         "behavior_version_max": t.behavior_version_max, "trained_version": trained_version,
                         "response_tokens": t.num_model_tokens, "finish_reason": t.finish_reason,

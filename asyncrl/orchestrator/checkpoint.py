@@ -1,0 +1,109 @@
+"""What a checkpoint holds beyond the learner's state, and how a run resumes from it.
+
+A checkpoint ``checkpoints/step_N/`` is a Hugging Face model directory plus
+``trainer_state.pt`` (optimizer, LR schedule, RNG, version: the learner's part) and
+``run_state.json`` (this module: the orchestrator's part). The orchestrator's part is
+what makes a resume one consistent history:
+
+- the data cursor (epoch, index in the epoch's order) and the tasks that were handed
+  out but whose groups had not finished: they are re-issued first after a resume, so
+  every task is consumed once per epoch across the interruption;
+- the groups generated but not yet trained (the buffer), saved whole: nothing
+  generated before the checkpoint is lost;
+- counters and the wall time so far, so metrics continue where they stopped.
+
+Rows that ``metrics.jsonl``, ``samples.jsonl`` and ``timeline.jsonl`` got after the
+checkpoint describe work the resumed run redoes; :func:`rollback_logs` removes them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from asyncrl.orchestrator.buffer import ReadyGroup
+from asyncrl.types import Group
+
+RUN_STATE_FILE = "run_state.json"
+LEARNER_STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class RunState:
+    step: int
+    elapsed_s: float
+    started: int  # groups the gate admitted so far (start order of the next one)
+    epoch: int
+    index: int
+    reissue: list[int]  # task indices handed out whose groups were not finished
+    buffered: list[dict[str, Any]]  # {"start_order", "group"} of groups not yet trained
+    counters: dict[str, int] = field(default_factory=dict)
+    stale_dropped: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> RunState:
+        return cls(**json.loads(text))
+
+    @staticmethod
+    def encode_groups(groups: list[ReadyGroup]) -> list[dict[str, Any]]:
+        return [{"start_order": g.start_order, "group": g.group.to_dict()} for g in groups]
+
+    def ready_groups(self) -> list[ReadyGroup]:
+        return [ReadyGroup(Group.from_dict(g["group"]), g["start_order"]) for g in self.buffered]
+
+
+def checkpoint_steps(ckpt_dir: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first. A ``.tmp`` directory (a crash mid-write) never counts."""
+    if not ckpt_dir.is_dir():
+        return []
+    found = [(int(p.name[5:]), p) for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit()]
+    return sorted((s, p) for s, p in found if (p / LEARNER_STATE_FILE).is_file() and (p / RUN_STATE_FILE).is_file())
+
+
+def latest_checkpoint(ckpt_dir: Path) -> Path | None:
+    steps = checkpoint_steps(ckpt_dir)
+    return steps[-1][1] if steps else None
+
+
+def rotate(ckpt_dir: Path, keep_last: int) -> None:
+    for _, old in checkpoint_steps(ckpt_dir)[:-keep_last]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _rewrite_jsonl(path: Path, keep) -> int:
+    """Keep the rows ``keep`` accepts; atomic, so a crash here leaves the old file. A torn
+    last line (the process was killed mid-write) is dropped. Returns rows removed."""
+    if not path.exists():
+        return 0
+    kept, removed = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            removed += 1
+            continue
+        if keep(row):
+            kept.append(line + "\n")
+        else:
+            removed += 1
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
+    return removed
+
+
+def rollback_logs(output_dir: Path, state: RunState) -> dict[str, int]:
+    """Remove what the logs got after the checkpoint; returns rows removed per file."""
+    return {
+        "metrics.jsonl": _rewrite_jsonl(output_dir / "metrics.jsonl", lambda r: r.get("step", 0) <= state.step),
+        "samples.jsonl": _rewrite_jsonl(output_dir / "samples.jsonl", lambda r: r.get("step", 0) <= state.step),
+        "timeline.jsonl": _rewrite_jsonl(output_dir / "timeline.jsonl",
+                                         lambda r: r.get("end", 0.0) <= state.elapsed_s),
+    }

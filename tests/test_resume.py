@@ -1,0 +1,142 @@
+"""Crash-safe checkpoints and ``resume=true``: a run killed with SIGKILL between two
+checkpoints and resumed describes one consistent history."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import torch
+
+from asyncrl.config import load_config
+from asyncrl.orchestrator.checkpoint import RunState, latest_checkpoint, rollback_logs
+from asyncrl.orchestrator.trainer import TaskStream
+from asyncrl.workflows.registry import build_tasks
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_task_stream_reissues_first_then_continues_the_epoch():
+    tasks = list(range(10))
+    full = TaskStream(tasks, seed=3)
+    order = [full.next_index() for _ in range(10)]
+    assert sorted(order) == tasks
+    # handed out 0..5; the tasks at positions 2 and 4 never finished before the crash
+    resumed = TaskStream(tasks, seed=3, epoch=0, index=6, reissue=[order[2], order[4]])
+    rest = [resumed.next_index() for _ in range(6)]
+    assert rest == [order[2], order[4], *order[6:]]
+    assert resumed.next_index() in tasks and resumed.epoch == 1
+
+
+def test_latest_checkpoint_ignores_half_written(tmp_path):
+    for step in (2, 4):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / "trainer_state.pt").write_bytes(b"x")
+        (tmp_path / f"step_{step}" / "run_state.json").write_text("{}")
+    (tmp_path / "step_6.tmp").mkdir()  # a crash while writing step 6
+    (tmp_path / "step_8").mkdir()  # weights without state: not a checkpoint
+    assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+
+
+def test_rollback_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)) + '{"step": 5, "rew')
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 3)))
+    (tmp_path / "timeline.jsonl").write_text(json.dumps({"end": 1.0}) + "\n" + json.dumps({"end": 9.0}) + "\n")
+    state = RunState(step=2, elapsed_s=5.0, started=0, epoch=0, index=0, reissue=[], buffered=[])
+    assert rollback_logs(tmp_path, state) == {"metrics.jsonl": 3, "samples.jsonl": 2, "timeline.jsonl": 1}
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [1, 2]
+
+
+def slow_reward(task, response: str) -> float:
+    """Slower than a train step: with η = 3 the groups started at the last sync are still
+    in flight when the next checkpoint is taken."""
+    time.sleep(0.5)
+    return float(len(response) % 2)
+
+
+def run_args(policy_dir, out, *extra):
+    return [sys.executable, "-m", "asyncrl.cli", "train", "examples/countdown/async.yaml", f"model.path={policy_dir}",
+            f"output_dir={out}", "mode=async", "max_staleness=3", "partial_rollout=abort", "total_steps=10", "save_every=3",
+            "keep_last=2", "batch_size=2", "group_size=4", "eval.num_tasks=2", "eval.samples_per_task=1",
+            "eval_every=0", "task.num_train=64", "task.num_validation=4", "algorithm.filter_zero_variance=false",
+            "task.reward_fn=test_resume:slow_reward", *extra]
+
+
+def test_kill_9_between_checkpoints_then_resume(tmp_path, policy_dir):
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}
+    proc = subprocess.Popen(run_args(policy_dir, out), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    metrics_file, deadline = out / "metrics.jsonl", time.time() + 180
+    # kill as soon as step 4 is logged: the checkpoint of step 3 exists, step 6's does not
+    while time.time() < deadline and proc.poll() is None:
+        if metrics_file.exists() and any(r.get("step") == 4 for r in read_jsonl_safe(metrics_file)):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == "step_3"
+    before = RunState.from_json((checkpoint / "run_state.json").read_text())
+    saved = shutil.copytree(checkpoint, tmp_path / "saved_step_3")  # rotation deletes it later
+    metrics_before = read_jsonl_safe(metrics_file)
+    samples_before = read_jsonl_safe(out / "samples.jsonl")
+    assert max(r["step"] for r in metrics_before) >= 4, "the kill must leave work past the checkpoint"
+    assert before.reissue, "generation is slower than training here: groups should be in flight at the checkpoint"
+
+    done = subprocess.run(run_args(policy_dir, out, "resume=true"), capture_output=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert b"resuming from" in done.stderr
+
+    metrics = read_jsonl(metrics_file)
+    samples = read_jsonl(out / "samples.jsonl")
+    # one history: every step once, versions without a gap
+    assert [m["step"] for m in metrics] == list(range(11))
+    assert [m["version"] for m in metrics] == list(range(11))
+    assert Counter(s["step"] for s in samples) == {step: 2 * 4 for step in range(1, 11)}
+    # nothing trained twice: each (group, episode) appears once
+    keys = [(s["group"], s["episode"]) for s in samples]
+    assert len(keys) == len(set(keys))
+    # the history up to the checkpoint is what was there before the crash
+    assert [s for s in samples if s["step"] <= 3] == [s for s in samples_before if s["step"] <= 3]
+    # nothing generated before the checkpoint is lost: its buffered groups were trained after it
+    trained_groups = {s["group"]: s["step"] for s in samples}
+    for g in before.buffered:
+        assert trained_groups.get(g["start_order"], 0) > 3, g["start_order"]
+    # the checkpoint's weights and optimizer carried on: version continues from 3
+    assert torch.load(saved / "trainer_state.pt", weights_only=False)["version"] == 3
+    final = latest_checkpoint(out / "checkpoints")
+    assert final.name == "step_10"
+    assert torch.load(final / "trainer_state.pt", weights_only=False)["version"] == 10
+    # every task handed out in this epoch is trained once, or still pending at the end, or dropped as stale
+    after = RunState.from_json((final / "run_state.json").read_text())
+    assert after.epoch == 0
+    cfg = load_config("examples/countdown/async.yaml", ["task.num_train=64", "task.num_validation=4"])
+    ids = [t.id for t in build_tasks(cfg).train]
+    stream = TaskStream(ids, cfg.seed)
+    handed_out = Counter(ids[stream.next_index()] for _ in range(after.index))
+    trained = Counter(s["task_id"] for s in samples if s["episode"] == 0)
+    pending = Counter([ids[i] for i in after.reissue] + [g["group"]["task_id"] for g in after.buffered])
+    assert max((trained + pending).values()) == 1
+    assert not (trained + pending) - handed_out
+    assert sum(handed_out.values()) - sum((trained + pending).values()) == metrics[-1]["buffer/stale_dropped_total"]
+
+
+def read_jsonl_safe(path):
+    """Rows of a file another process may be writing: a torn last line is skipped."""
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return rows
