@@ -116,6 +116,20 @@ class LoggingConfig(Section):
     wandb_project: str = "asyncrl"
 
 
+class RayConfig(Section):
+    address: str | None = None
+    """A running cluster's address; ``None`` starts a local one in this process."""
+    num_cpus: int | None = Field(None, ge=1)
+    """CPUs of the local cluster (``None``: the machine's)."""
+    num_rollout_workers: int = Field(2, ge=1)
+    worker_cpus: float = Field(0.5, ge=0)
+    worker_gpus: float = Field(0.0, ge=0)
+    learner_cpus: float = Field(1.0, ge=0)
+    learner_gpus: float = Field(0.0, ge=0)
+    max_worker_restarts: int = Field(10, ge=0)
+    """Rollout-worker replacements allowed in a run before it stops."""
+
+
 class Config(Section):
     output_dir: str = "runs/default"
     seed: int = 0
@@ -144,8 +158,9 @@ class Config(Section):
     there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups."""
     engine: Literal["torch"] = "torch"
     """Rollout engine: the built-in ``torch`` engine (vLLM is planned, see README)."""
-    runtime: Literal["local"] = "local"
-    """Where the parts run: in this process (Ray is planned, see README)."""
+    runtime: Literal["local", "ray"] = "local"
+    """Where the parts run: this process (engine and learner on their own threads), or Ray
+    actors (``ray`` section: rollout workers each with an engine replica, and the learner)."""
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
     sampling: SamplingConfig = SamplingConfig()
@@ -155,6 +170,7 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
     logging: LoggingConfig = LoggingConfig()
+    ray: RayConfig = RayConfig()
 
     @field_validator("partial_rollout", mode="before")
     @classmethod

@@ -43,6 +43,17 @@ class EvalResult:
     num_errors: int
     episodes: list[Episode]
 
+    @classmethod
+    def merge(cls, parts: list[EvalResult]) -> EvalResult:
+        """One result from disjoint shards of the tasks (scored by different workers)."""
+        episodes = [e for p in parts for e in p.episodes]
+        tasks = sum(p.num_tasks for p in parts)
+        return cls(
+            mean_reward=sum(e.reward for e in episodes) / max(len(episodes), 1),
+            pass_at={k: sum(p.pass_at[k] * p.num_tasks for p in parts) / max(tasks, 1) for k in parts[0].pass_at},
+            num_tasks=tasks, samples_per_task=parts[0].samples_per_task,
+            num_errors=sum(p.num_errors for p in parts), episodes=episodes)
+
     def summary(self) -> dict[str, float | int]:
         out: dict[str, float | int] = {"mean_reward": self.mean_reward}
         out.update({f"pass@{k}": v for k, v in self.pass_at.items()})

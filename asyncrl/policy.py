@@ -20,6 +20,14 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    tokenizer = check_policy(cfg)
+    model = AutoModelForCausalLM.from_pretrained(Path(cfg.path), dtype=_DTYPES[cfg.dtype])
+    return model.to(resolve_device(cfg.device)).eval(), tokenizer
+
+
+def check_policy(cfg: ModelConfig) -> PreTrainedTokenizerBase:
+    """Everything about ``model.path`` that can be checked without loading the weights
+    (what a process that only orchestrates needs); returns the tokenizer."""
     path = Path(cfg.path)
     if not path.is_dir():
         raise ConfigError(f"model.path {cfg.path!r} is not a directory (nothing is downloaded; "
@@ -34,5 +42,4 @@ def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"model.path {cfg.path!r} has no loadable tokenizer: {exc}") from None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype])
-    return model.to(resolve_device(cfg.device)).eval(), tokenizer
+    return tokenizer

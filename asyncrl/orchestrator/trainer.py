@@ -30,11 +30,8 @@ from asyncrl.algorithms import (
     compute_advantages,
     resolve,
 )
-from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Config, ConfigError, save_config
-from asyncrl.engine import TorchEngine
-from asyncrl.evaluation import evaluate
-from asyncrl.learner import Learner, TrainBatch, pack
+from asyncrl.learner import pack
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import (
     RUN_STATE_FILE,
@@ -45,10 +42,12 @@ from asyncrl.orchestrator.checkpoint import (
 )
 from asyncrl.orchestrator.runlog import RunLog
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
-from asyncrl.policy import load_policy
+from asyncrl.policy import check_policy, load_policy
+from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
+from asyncrl.runtime.ray_runtime import RayLearner, RayRollout, start_ray
+from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.tasks.base import Task
-from asyncrl.types import Group, SamplingParams
-from asyncrl.workflows.base import run_episode
+from asyncrl.types import Group
 from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokenizer
 
 
@@ -85,7 +84,10 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         """Everything that can be wrong with the input fails here, before any work."""
         self.cfg = cfg
-        model, self.tokenizer = load_policy(cfg.model)
+        if cfg.runtime == "ray":  # the learner and workers load the model in their own processes
+            self._model, self.tokenizer = None, check_policy(cfg.model)
+        else:
+            self._model, self.tokenizer = load_policy(cfg.model)
         check_tokenizer(cfg, self.tokenizer)
         self.splits = build_tasks(cfg)
         if not self.splits.train:
@@ -102,39 +104,51 @@ class Trainer:
         half = max(1, (torch.get_num_threads() or 2) // 2)
         self.engine_threads = cfg.rollout.num_threads or (half if shared else None)
         self.learner_threads = cfg.rollout.learner_threads or (half if shared else None)
-        self.learner = Learner(model, self.tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
-                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature)
-        self.sampling = SamplingParams(
-            max_tokens=cfg.sampling.max_tokens, temperature=cfg.sampling.temperature, top_p=cfg.sampling.top_p,
-            top_k=cfg.sampling.top_k, stop_token_ids=stop_token_ids(self.tokenizer))
         self.eta = cfg.staleness
         self.counters = {"groups_filtered": 0, "groups_all_error": 0, "episodes_error": 0}
         self._stop = asyncio.Event()
-        self._latest_weights: dict[str, torch.Tensor] = {}
         self._finished_rewards: list[float] = []
         self._in_flight: dict[int, int] = {}  # start order -> task index, until the group is done
         self.last_checkpoint: Path | None = None
         self.resumed_from: RunState | None = None
         checkpoint = latest_checkpoint(self.output_dir / "checkpoints") if cfg.resume else None
         if checkpoint is not None:
-            self.learner.load_checkpoint(checkpoint)
             self.resumed_from = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text())
             self.last_checkpoint = checkpoint
         elif cfg.resume:
             print(f"asyncrl: resume=true but no checkpoint under {self.output_dir / 'checkpoints'}; starting fresh",
                   file=sys.stderr)
+        self.version = self.resumed_from.step if self.resumed_from else 0  # one optimizer step, one version
         self._restore(self.resumed_from)
-        self.rollout_model = copy.deepcopy(self.learner.model).eval()  # the engine's own weights
+        self._owns_ray = start_ray(cfg) if cfg.runtime == "ray" else False  # refuses a layout it cannot place
+
+    async def _start_runtime(self) -> None:
+        """The learner (with the checkpoint's state) and the rollout side (with its weights)."""
+        checkpoint = self.last_checkpoint if self.resumed_from else None
+        if self.cfg.runtime == "ray":
+            self.learner = RayLearner(self.cfg)
+            weights = None
+            if checkpoint is not None:
+                await self.learner.call("load_checkpoint", checkpoint)
+                weights = await self.learner.publish()
+            self.rollout = RayRollout(self.cfg, weights=weights, version=self.version)
+            return
+        worker = LearnerWorker(self.cfg, model=self._model, tokenizer=self.tokenizer, num_threads=self.learner_threads)
+        self.learner = LocalLearner(worker)
+        if checkpoint is not None:
+            await self.learner.call("load_checkpoint", checkpoint)
+        self.rollout = RolloutWorker(self.cfg, model=copy.deepcopy(worker.learner.model), tokenizer=self.tokenizer,
+                                     version=self.version, seed=self.cfg.seed + 7919 * self.version,
+                                     num_threads=self.engine_threads)
 
     def _restore(self, state: RunState | None) -> None:
         """The gate, buffer and data cursor of a fresh run, or of the checkpoint ``state``."""
-        version = self.learner.version
-        gate = StalenessGate(self.eta, self.cfg.batch_size, version)
+        gate = StalenessGate(self.eta, self.cfg.batch_size, self.version)
         if state is None:
             self.stream = TaskStream(self.splits.train, self.cfg.seed)
             self.gate = AsyncStalenessGate(gate)
             self.buffer = GroupBuffer(self.gate, self.eta)
-            self._started = 0
+            self._started = self._restarts_before = 0
             return
         groups = state.ready_groups()
         # consumed groups and saved ones hold quota; the re-issued tasks start afresh
@@ -145,23 +159,23 @@ class Trainer:
         self.buffer.stale_dropped = state.stale_dropped
         self.stream = TaskStream(self.splits.train, self.cfg.seed, state.epoch, state.index, state.reissue)
         self._started = state.started
+        self._restarts_before = state.counters.pop("worker_restarts", 0)
         self.counters.update(state.counters)
 
     # ------------------------------------------------------------------ main
     def run(self) -> Path:
+        return asyncio.run(self.run_async())
+
+    async def run_async(self) -> Path:
+        """The whole run on the caller's event loop; returns the final checkpoint."""
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.output_dir / "config.yaml")
-        return asyncio.run(self._main())
-
-    async def _main(self) -> Path:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # finish the step, checkpoint, exit 0
             loop.add_signal_handler(sig, self._stop.set)
         state = self.resumed_from
         first_step = state.step if state else 0
-        self.engine = TorchEngine(self.rollout_model, max_batch_size=self.cfg.rollout.max_batch_size,
-                                  seed=self.cfg.seed + 7919 * first_step, version=self.learner.version,
-                                  num_threads=self.engine_threads)
+        await self._start_runtime()
         if state is not None:
             removed = rollback_logs(self.output_dir, state)
             print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
@@ -176,19 +190,24 @@ class Trainer:
                 last = await self._train_loop(first_step)
                 rollout.cancel()
             if last > first_step or state is None:
-                self._save(last, self._run_state(last))
+                await self._save(last, self._run_state(last))
             return self.last_checkpoint
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            await self.engine.shutdown()
+            await self.rollout.shutdown()
+            await self.learner.shutdown()
+            if self._owns_ray:
+                import ray
+
+                ray.shutdown()
             self.log.close()
 
     async def _train_loop(self, step: int) -> int:
         while step < self.cfg.total_steps and not self._stop.is_set():
             step += 1
-            t0, busy0 = time.perf_counter(), self.engine.stats.busy_s
-            trained_version = self.learner.version
+            t0, busy0 = time.perf_counter(), await self.rollout.busy_s()
+            trained_version = self.version
             ready = await self._take_unless_stopped(trained_version)
             if ready is None:  # asked to stop while waiting for data: nothing half-done to finish
                 return step - 1
@@ -207,19 +226,21 @@ class Trainer:
             sync = step % self.cfg.sync_every == 0
             t_train = self._now()
             on_policy = all(t.behavior_version_max == trained_version for t in trajectories)
-            stats = await asyncio.to_thread(self._train_step, batch, sync, on_policy)
+            stats = await self.learner.call("train_step", batch, on_policy)
+            self.version += 1
             self.log.event("train", t_train, self._now(), step=step)
             if sync:
                 t_sync = self._now()
-                await self._sync_weights()
-                self.log.event("sync", t_sync, self._now(), version=self.learner.version)
-            row = self._step_metrics(step, trained_version, ready, trajectories, stats, t0, waited, busy0)
+                await self._sync_weights(await self.learner.publish())
+                self.log.event("sync", t_sync, self._now(), version=self.version)
+            busy = await self.rollout.busy_s() - busy0
+            row = self._step_metrics(step, trained_version, ready, trajectories, stats, t0, waited, busy)
             if self.cfg.eval_every and step % self.cfg.eval_every == 0:
                 row.update(await self._evaluate())
             self.log.metrics(row)
             self.log.samples(self._sample_rows(step, trained_version, ready))
             if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
-                await asyncio.to_thread(self._save, step, self._run_state(step))
+                await self._save(step, self._run_state(step))
         return step
 
     async def _take_unless_stopped(self, trained_version: int) -> list[ReadyGroup] | None:
@@ -232,15 +253,6 @@ class Trainer:
         take.cancel()
         return None
 
-    def _train_step(self, batch: TrainBatch, export: bool, on_policy: bool) -> dict[str, float]:
-        """Runs on a worker thread: the event loop keeps serving rollouts meanwhile."""
-        if self.learner_threads is not None:
-            torch.set_num_threads(self.learner_threads)
-        stats = self.learner.train_step(batch, on_policy=on_policy)
-        if export:  # snapshot now: the next step may start before the engine loads it
-            self._latest_weights = self.learner.export_weights()
-        return stats
-
     def _run_state(self, step: int) -> RunState:
         """Taken on the event loop between two awaits, so the buffer and the in-flight set
         are one consistent picture even though rollouts go on while the files are written."""
@@ -249,26 +261,25 @@ class Trainer:
         unfinished = [i for order, i in sorted(self._in_flight.items()) if order not in in_buffer]
         return RunState(step=step, elapsed_s=self._now(), started=self._started, epoch=self.stream.epoch,
                         index=self.stream.index, reissue=list(self.stream.reissue) + unfinished,
-                        buffered=RunState.encode_groups(buffered), counters=dict(self.counters),
+                        buffered=RunState.encode_groups(buffered), counters=self._counters(),
                         stale_dropped=self.buffer.stale_dropped)
 
-    def _save(self, step: int, state: RunState) -> None:
+    async def _save(self, step: int, state: RunState) -> None:
         ckpt_dir = self.output_dir / "checkpoints"
-        self.last_checkpoint = self.learner.save_checkpoint(
-            ckpt_dir / f"step_{step}", extra={"step": step}, files={RUN_STATE_FILE: state.to_json()})
+        self.last_checkpoint = await self.learner.call(
+            "save_checkpoint", ckpt_dir / f"step_{step}", {"step": step}, {RUN_STATE_FILE: state.to_json()})
         rotate(ckpt_dir, self.cfg.keep_last)
 
-    async def _sync_weights(self) -> None:
-        """Publish the learner's weights to the engine and open the gate for the new version."""
-        weights, version = self._latest_weights, self.learner.version
+    def _counters(self) -> dict[str, int]:
+        """Since the run began (across resumes)."""
+        restarts = getattr(self.rollout, "restarts", 0)
+        return {**self.counters, "worker_restarts": self._restarts_before + restarts}
+
+    async def _sync_weights(self, weights: object) -> None:
+        """Publish the learner's weights to the engines and open the gate for the new version."""
         mode = self.cfg.partial_rollout if self.cfg.mode == "async" else "off"
-        if mode == "continue":
-            await self.engine.update_weights(weights, version)  # in-flight rows keep going on the new weights
-        else:
-            await self.engine.pause("abort" if mode == "abort" else "wait")
-            await self.engine.update_weights(weights, version)
-            await self.engine.resume()
-        await self.gate.set_version(version)
+        await self.rollout.sync_weights(weights, self.version, mode)
+        await self.gate.set_version(self.version)
 
     # --------------------------------------------------------------- rollout
     async def _rollout_loop(self) -> None:
@@ -289,13 +300,7 @@ class Trainer:
 
     async def _generate_group(self, task: Task, start_order: int) -> None:
         started = self._now()
-
-        def client() -> LLMClient:
-            return LLMClient(self.engine, self.tokenizer, self.sampling)
-
-        episodes = await asyncio.gather(*[
-            run_episode(self.workflow, task, client, timeout_s=self.cfg.workflow.timeout_s,
-                        max_retries=self.cfg.workflow.max_retries) for _ in range(self.cfg.group_size)])
+        episodes = await self.rollout.run_group(task, self.cfg.group_size)
         self.log.event("generate", started, self._now(), group=start_order)
         ok = [e for e in episodes if e.status == "ok" and e.trajectories]
         self.counters["episodes_error"] += len(episodes) - len(ok)
@@ -315,29 +320,23 @@ class Trainer:
     # ------------------------------------------------------------ evaluation
     async def _evaluate(self) -> dict[str, float]:
         tasks = self.splits.validation[: self.cfg.eval.num_tasks]
-        sampling = SamplingParams(max_tokens=self.sampling.max_tokens, temperature=self.cfg.eval.temperature,
-                                  top_p=self.sampling.top_p, top_k=self.sampling.top_k,
-                                  stop_token_ids=self.sampling.stop_token_ids)
         start = time.perf_counter()
         t_eval = self._now()
-        result = await evaluate(self.engine, self.tokenizer, self.workflow, tasks,
-                                samples_per_task=self.cfg.eval.samples_per_task, sampling=sampling,
-                                timeout_s=self.cfg.workflow.timeout_s, max_retries=self.cfg.workflow.max_retries,
-                                success_threshold=self.cfg.eval.success_threshold)
+        result = await self.rollout.evaluate(tasks)
         self.log.event("eval", t_eval, self._now())
         return {"eval/reward_mean": result.mean_reward, "eval/pass@1": result.pass_at[1],
                 "eval/num_errors": result.num_errors, "time/eval": time.perf_counter() - start}
 
     # --------------------------------------------------------------- metrics
     def _step_metrics(self, step: int, trained_version: int, ready: list[ReadyGroup], trajectories: list,
-                      stats: dict[str, float], t0: float, waited: float, busy0: float) -> dict[str, Any]:
+                      stats: dict[str, float], t0: float, waited: float, busy: float) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         staleness = [trained_version - t.behavior_version_min for t in trajectories]
         rewards = [e.reward for r in ready for e in r.group.episodes]
         tokens = sum(t.num_model_tokens for t in trajectories)
         finished, self._finished_rewards = self._finished_rewards, []
         return {
-            "step": step, "version": self.learner.version,
+            "step": step, "version": self.version,
             "reward/mean": sum(rewards) / len(rewards),
             # every episode finished since the last step, filtered groups included
             "rollout/reward_mean": sum(finished) / len(finished) if finished else float("nan"),
@@ -345,12 +344,12 @@ class Trainer:
             "staleness/mean": sum(staleness) / len(staleness), "staleness/max": max(staleness),
             "time/step": wall, "time/elapsed": time.perf_counter() - self.start_time,
             "trainer/idle_ratio": waited / wall,
-            "rollout/idle_ratio": max(0.0, 1 - (self.engine.stats.busy_s - busy0) / wall),
+            "rollout/idle_ratio": max(0.0, 1 - busy / wall),
             "throughput/samples_per_s": len(trajectories) / wall, "throughput/tokens_per_s": tokens / wall,
             "rollout/resumed_fraction": sum(t.resumed for t in trajectories) / len(trajectories),
             "rollout/response_tokens_mean": tokens / len(trajectories),
             "buffer/groups_ready": len(self.buffer), "buffer/stale_dropped_total": self.buffer.stale_dropped,
-            **{f"rollout/{k}_total": v for k, v in self.counters.items()},  # since the run began
+            **{f"rollout/{k}_total": v for k, v in self._counters().items()},
             **stats,
         }
 

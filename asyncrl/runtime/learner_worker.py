@@ -1,0 +1,63 @@
+"""The learner's side of the runtime: a :class:`~asyncrl.learner.Learner` behind calls
+that are plain values in, plain values out, so the same object serves in-process
+(``LocalLearner`` runs its calls on a worker thread) and as a Ray actor."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.config import Config
+from asyncrl.learner import Learner, TrainBatch
+from asyncrl.policy import load_policy
+
+
+class LearnerWorker:
+    def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, num_threads: int | None = None) -> None:
+        if model is None or tokenizer is None:
+            model, tokenizer = load_policy(cfg.model)
+        self.num_threads = num_threads
+        self.learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
+                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature)
+
+    def _threads(self) -> None:
+        if self.num_threads is not None:  # per OS thread in torch: set on whichever runs the call
+            torch.set_num_threads(self.num_threads)
+
+    def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
+        self._threads()
+        return self.learner.train_step(batch, on_policy=on_policy)
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        return self.learner.export_weights()
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
+        return self.learner.save_checkpoint(path, extra=extra, files=files)
+
+    def load_checkpoint(self, path: Path) -> int:
+        self._threads()
+        self.learner.load_checkpoint(path)
+        return self.learner.version
+
+
+class LocalLearner:
+    """Runs the worker's calls on a thread: the event loop keeps feeding the engine while
+    the learner computes (torch releases the GIL in its kernels)."""
+
+    def __init__(self, worker: LearnerWorker) -> None:
+        self.worker = worker
+
+    async def call(self, method: str, *args: Any) -> Any:
+        return await asyncio.to_thread(getattr(self.worker, method), *args)
+
+    async def publish(self) -> dict[str, torch.Tensor]:
+        """A snapshot of the weights: the next step may start before every engine loads it."""
+        return await self.call("export_weights")
+
+    async def shutdown(self) -> None:
+        pass
