@@ -181,6 +181,11 @@ class Config(Section):
     def _consistent(self) -> Config:
         if self.mode == "sync" and self.partial_rollout != "off" and "partial_rollout" in self.model_fields_set:
             raise ValueError("mode 'sync' has nothing in flight at a weight sync; set partial_rollout=off")
+        per_step, micro = self.batch_size * self.group_size, self.optim.micro_batch_size
+        if micro < per_step and per_step % micro:
+            raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of a step "
+                             f"(batch_size={self.batch_size} × group_size={self.group_size}): the last micro-batch "
+                             f"would be ragged; use a divisor of {per_step}")
         if self.sync_every - 1 > self.staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
                              f"beyond the staleness bound {self.staleness} of mode {self.mode!r}; "

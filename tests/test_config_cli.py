@@ -116,6 +116,7 @@ def test_bad_dataset_row_exits_2_naming_the_line(tmp_path, char_tokenizer, capsy
     (["mode=sync", "sync_every=2"], "use sync_every <= 1"),
     (["mode=async", "max_staleness=-1"], "config key 'max_staleness'"),
     (["mode=async", "max_staleness=1", "sync_every=3"], "use sync_every <= 2"),
+    (["batch_size=3", "group_size=4", "optim.micro_batch_size=5"], "optim.micro_batch_size=5 does not divide"),
 ])
 def test_contradictions_are_refused(overrides, fragment):
     with pytest.raises(ConfigError) as info:

@@ -1,0 +1,56 @@
+"""Faults during a run: a reward function that raises is retried, dropped and counted;
+a learner that fails stops the run with exit 1 and the last good checkpoint's path."""
+
+from __future__ import annotations
+
+import json
+
+from asyncrl.algorithms.losses import policy_loss
+from asyncrl.cli import main
+from asyncrl.tasks import default_reward_fn
+
+CALLS = {"loss": 0}
+
+
+def flaky_reward(task, response: str) -> float:
+    if len(response) % 3 == 0:
+        raise ValueError("reward service unavailable")
+    return default_reward_fn("countdown")(task, response)
+
+
+def exploding_loss(*args, **kwargs):
+    """The decoupled PPO loss, until the third optimizer step's micro-batch."""
+    CALLS["loss"] += 1
+    if CALLS["loss"] == 3:
+        raise FloatingPointError("loss exploded on the learner")
+    return policy_loss(*args, **kwargs)
+
+
+def run(tmp_path, policy_dir, name, *extra):
+    out = tmp_path / name
+    code = main(["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "total_steps=4", "batch_size=2", "group_size=4", "eval.num_tasks=2", "eval.samples_per_task=1",
+                 "eval_every=0", "task.num_train=64", "task.num_validation=4", "algorithm.filter_zero_variance=false",
+                 "workflow.max_retries=1", *extra])
+    return code, out
+
+
+def test_failing_reward_is_retried_dropped_and_counted(tmp_path, policy_dir):
+    code, out = run(tmp_path, policy_dir, "reward", "task.reward_fn=test_faults:flaky_reward")
+    assert code == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert metrics[-1]["rollout/episodes_error_total"] > 0  # dropped, counted, and the run went on
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert all(len(s["response"]) % 3 for s in samples)  # no errored episode was trained
+
+
+def test_learner_failure_exits_1_naming_the_last_checkpoint(tmp_path, policy_dir, capsys):
+    CALLS["loss"] = 0
+    code, out = run(tmp_path, policy_dir, "learner", "algorithm.policy_loss=test_faults:exploding_loss",
+                    "save_every=1")
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "loss exploded on the learner" in err
+    assert f"last good checkpoint: {out / 'checkpoints' / 'step_2'}" in err
+    assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
