@@ -5,13 +5,21 @@ Two workloads. ``uniform``: every request wants the same number of tokens, the c
 ``generate`` is built for. ``longtail``: most responses are short and a few are many
 times longer; ``generate`` must decode every static batch until its longest row ends,
 while continuous batching refills freed rows. Only requested tokens count as useful.
+
+Where vLLM is installed, ``VLLMEngine`` runs the same workloads (same weights, prompts and
+lengths) after the other two, with its own start-up and a warm-up batch left out of the
+timing: its worker processes stay up between runs, so interleaving it with the others would
+let them share the CPU with an idle vLLM.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
+import os
 import random
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -21,6 +29,7 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.config import Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
+from asyncrl.engine.vllm_engine import VLLMEngine
 from asyncrl.types import SamplingParams
 
 
@@ -39,6 +48,7 @@ class EngineBenchSettings(Section):
     repeats: int = Field(3, ge=1)
     temperature: float = Field(1.0, gt=0)
     seed: int = 0
+    vllm: bool = True  # also time VLLMEngine when vLLM is installed
 
 
 def bench_model(s: EngineBenchSettings) -> PreTrainedModel:
@@ -81,6 +91,49 @@ def run_engine(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int]
     return asyncio.run(main())
 
 
+def run_vllm(model: PreTrainedModel, inputs: dict[str, tuple[torch.Tensor, list[int]]],
+             s: EngineBenchSettings) -> dict[str, Any]:
+    """Tokens/s of ``VLLMEngine`` per workload (median of ``repeats``) and its start-up time.
+
+    vLLM's CPU worker binds its OpenMP threads to cores: ``threads`` of them, as the others
+    get, unless ``VLLM_CPU_OMP_THREADS_BIND`` says otherwise. Its engine-core and client
+    processes run beside the worker, so vLLM uses more CPU than ``threads`` in all.
+    """
+    async def main(path: str) -> dict[str, Any]:
+        start = time.perf_counter()
+        engine = await VLLMEngine.start(path, max_batch_size=s.batch_size, seed=s.seed)
+        startup_s = time.perf_counter() - start
+        try:
+            sampling = SamplingParams(max_tokens=4, temperature=s.temperature)
+            warm_up = next(iter(inputs.values()))[0][:4].tolist()
+            await asyncio.gather(*[engine.generate(p, sampling) for p in warm_up])
+            tokens_per_s = {}
+            for workload, (prompts, lengths) in inputs.items():
+                times = []
+                for _ in range(s.repeats):
+                    start = time.perf_counter()
+                    done = await asyncio.gather(*[
+                        engine.generate(p, SamplingParams(max_tokens=n, temperature=s.temperature))
+                        for p, n in zip(prompts.tolist(), lengths)])
+                    times.append(time.perf_counter() - start)
+                    assert [len(c.token_ids) for c in done] == lengths
+                tokens_per_s[workload] = sum(lengths) / statistics.median(times)
+        finally:
+            await engine.shutdown()
+        return {"tokens_per_s": tokens_per_s, "startup_s": startup_s,
+                "omp_threads_bind": os.environ["VLLM_CPU_OMP_THREADS_BIND"]}
+
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind or f"0-{s.threads - 1}"  # read when vLLM spawns
+    try:
+        with tempfile.TemporaryDirectory() as path:
+            model.save_pretrained(path)
+            return asyncio.run(main(path))
+    finally:
+        if bind is None:
+            del os.environ["VLLM_CPU_OMP_THREADS_BIND"]
+
+
 def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
     s = validate(EngineBenchSettings, apply_overrides({}, overrides))
     torch.set_num_threads(s.threads)
@@ -94,9 +147,10 @@ def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
     systems = {"generate": run_generate, "torch": run_engine}
     run_engine(model, torch.randint(4, s.vocab_size, (4, s.prompt_tokens)), [4] * 4, 4, 1.0)  # warm-up
     tokens_per_s: dict[str, dict[str, float]] = {name: {} for name in systems}
-    for workload, lengths in workloads.items():
-        prompts = torch.randint(4, s.vocab_size, (len(lengths), s.prompt_tokens),
-                                generator=torch.Generator().manual_seed(s.seed))
+    inputs = {workload: (torch.randint(4, s.vocab_size, (len(lengths), s.prompt_tokens),
+                                       generator=torch.Generator().manual_seed(s.seed)), lengths)
+              for workload, lengths in workloads.items()}
+    for workload, (prompts, lengths) in inputs.items():
         times: dict[str, list[float]] = {name: [] for name in systems}
         for _ in range(s.repeats):  # interleaved, so drifts in machine load hit both alike
             for name, fn in systems.items():
@@ -114,4 +168,21 @@ def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
     }
     print(f"ratio_vs_generate_uniform={result['ratio_vs_generate_uniform']:.2f}  "
           f"ratio_vs_generate_longtail={result['ratio_vs_generate_longtail']:.2f}")
+    if not s.vllm:
+        result["vllm"] = "off"
+    elif importlib.util.find_spec("vllm") is None:
+        result["vllm"] = "not installed"
+    else:
+        try:
+            vllm = result["vllm"] = run_vllm(model, inputs, s)
+        except (RuntimeError, ValueError) as exc:  # e.g. a head size vLLM's CPU attention lacks
+            result["vllm"] = f"failed: {exc!r}"
+            print(f"vllm: {result['vllm']}")
+            return result
+        for workload in workloads:
+            result[f"ratio_vllm_vs_generate_{workload}"] = (
+                vllm["tokens_per_s"][workload] / tokens_per_s["generate"][workload])
+        print(f"vllm: start-up {vllm['startup_s']:.1f} s  " + "  ".join(
+            f"{w}={vllm['tokens_per_s'][w]:8.0f} tok/s (x{result[f'ratio_vllm_vs_generate_{w}']:.2f} generate)"
+            for w in workloads))
     return result
