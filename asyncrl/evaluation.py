@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Config, save_config
 from asyncrl.engine import RolloutEngine, TorchEngine
-from asyncrl.policy import load_policy
+from asyncrl.policy import check_policy, load_policy
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import Workflow, run_episode
@@ -107,7 +107,10 @@ def _sample_row(episode: Episode) -> dict:
 def run_eval(cfg: Config) -> EvalResult:
     """``asyncrl eval``: everything is validated (model, tasks, workflow) before any
     generation starts, so bad input fails fast with exit status 2."""
-    model, tokenizer = load_policy(cfg.model)
+    if cfg.engine == "vllm":  # vLLM loads the weights itself
+        model, tokenizer = None, check_policy(cfg.model)
+    else:
+        model, tokenizer = load_policy(cfg.model)
     check_tokenizer(cfg, tokenizer)
     tasks = build_tasks(cfg).validation[: cfg.eval.num_tasks]
     workflow = build_workflow(cfg)
@@ -119,7 +122,13 @@ def run_eval(cfg: Config) -> EvalResult:
                               stop_token_ids=stop_token_ids(tokenizer))
 
     async def main() -> EvalResult:
-        engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
+        if model is None:
+            from asyncrl.engine.vllm_engine import VLLMEngine
+
+            engine = await VLLMEngine.start(cfg.model.path, seed=cfg.seed, max_batch_size=cfg.rollout.max_batch_size,
+                                            dtype=cfg.model.dtype)
+        else:
+            engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
         total = len(tasks) * cfg.eval.samples_per_task
         with tqdm(total=total, desc="eval", unit="sample", dynamic_ncols=True) as bar:
             rewards: list[float] = []
