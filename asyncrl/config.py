@@ -7,6 +7,7 @@ CLI turns that into exit status 2.
 
 from __future__ import annotations
 
+import re
 import difflib
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -216,6 +217,21 @@ def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 M = TypeVar("M", bound=BaseModel)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``3e-4`` (no dot) as a string; every learning rate someone types
+    looks like that, so floats follow YAML 1.2 here."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"),
+    list("-+0123456789."))
+
+
+def _load_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)
+
+
 def validate(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
@@ -229,7 +245,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         key, sep, raw = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {item!r} is not of the form key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw) if raw.strip() else None)
+        _set_dotted(data, key.strip(), _load_yaml(raw) if raw.strip() else None)
     return data
 
 
@@ -240,7 +256,7 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}")
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = _load_yaml(path.read_text()) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):

@@ -162,3 +162,13 @@ def test_vllm_engine_without_vllm_exits_2(tmp_path, policy_dir, capsys):
     path = write(tmp_path, {"model": {"path": str(policy_dir)}, "engine": "vllm"})
     assert main(["train", str(path), f"output_dir={tmp_path / 'run'}"]) == 2
     assert "engine=vllm needs vLLM" in capsys.readouterr().err
+
+
+def test_scientific_notation_is_a_float(tmp_path):
+    """YAML 1.1 would read 3e-4 as a string and the config would refuse it."""
+    assert load_config(None, ["optim.lr=3e-4"]).optim.lr == 3e-4
+    assert load_config(write(tmp_path, {}, "x.yaml").parent / "x.yaml", []).optim.lr == 1e-3
+    path = tmp_path / "lr.yaml"
+    path.write_text("optim:\n  lr: 5e-4\n  micro_batch_size: 8\n")
+    cfg = load_config(path, [])
+    assert cfg.optim.lr == 5e-4 and cfg.optim.micro_batch_size == 8
