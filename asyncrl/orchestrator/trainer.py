@@ -4,10 +4,12 @@ and in what happens to in-flight generation at a weight sync.
 Two concurrent activities under one ``asyncio.TaskGroup``:
 - the rollout loop: the gate admits a task, n episodes run, the group is scored, filtered
   or put in the buffer;
-- the train loop: take B groups, one optimizer step (on a worker thread, so the event
-  loop keeps feeding the engine), sync weights, evaluate, checkpoint, log.
-The engine decodes on its own thread; the learner computes on another, so generation
-and training overlap in wall-clock time (torch releases the GIL in its kernels).
+- the train loop: take B groups, one optimizer step, sync weights, evaluate,
+  checkpoint, log.
+Where the work runs is the runtime's business (``asyncrl/runtime``): locally the engine
+decodes on its own thread and the learner computes on another, so generation and
+training overlap in wall-clock time (torch releases the GIL in its kernels); on Ray both
+are actors. This loop only sees ``self.rollout`` and ``self.learner``.
 """
 
 from __future__ import annotations
@@ -179,14 +181,15 @@ class Trainer:
             loop.add_signal_handler(sig, self._stop.set)
         state = self.resumed_from
         first_step = state.step if state else 0
-        await self._start_runtime()
-        if state is not None:
-            removed = rollback_logs(self.output_dir, state)
-            print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
-                  f"written after it: {removed}", file=sys.stderr)
-        self.log = RunLog(self.cfg, self.output_dir, self.cfg.total_steps, resume_step=state and state.step)
-        self.start_time = time.perf_counter() - (state.elapsed_s if state else 0.0)
+        self.learner = self.rollout = self.log = None
         try:
+            await self._start_runtime()
+            if state is not None:
+                removed = rollback_logs(self.output_dir, state)
+                print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
+                      f"written after it: {removed}", file=sys.stderr)
+            self.log = RunLog(self.cfg, self.output_dir, self.cfg.total_steps, resume_step=state and state.step)
+            self.start_time = time.perf_counter() - (state.elapsed_s if state else 0.0)
             if state is None:
                 self.log.metrics({"step": 0, "version": 0, **await self._evaluate()})
             async with asyncio.TaskGroup() as tg:
@@ -199,13 +202,15 @@ class Trainer:
         finally:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
-            await self.rollout.shutdown()
-            await self.learner.shutdown()
+            for part in (self.rollout, self.learner):
+                if part is not None:
+                    await part.shutdown()
             if self._owns_ray:
                 import ray
 
                 ray.shutdown()
-            self.log.close()
+            if self.log is not None:
+                self.log.close()
 
     async def _train_loop(self, step: int) -> int:
         while step < self.cfg.total_steps and not self._stop.is_set():

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.engine import EngineClosedError
 from asyncrl.evaluation import EvalResult
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rollout_worker import RolloutWorker
@@ -121,6 +122,12 @@ class RayRollout:
         try:
             return await getattr(worker, method).remote(*args)
         except ray.exceptions.RayActorError as exc:
+            self._replace(i, worker, exc)
+            raise _WorkerLost from exc
+        except ray.exceptions.RayTaskError as exc:
+            if not isinstance(exc.cause, EngineClosedError):
+                raise
+            ray.kill(worker)  # the process lives on but its engine died: as good as dead
             self._replace(i, worker, exc)
             raise _WorkerLost from exc
 
