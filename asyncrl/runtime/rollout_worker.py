@@ -44,9 +44,21 @@ class RolloutWorker:
                                        top_k=s.top_k, stop_token_ids=stop_token_ids(tokenizer))
         self.engine: RolloutEngine | None = None
         self._ready = asyncio.Event()
+        self._start_error: BaseException | None = None
 
     async def start(self) -> None:
-        """Build the engine (vLLM starts its own processes, hence async and separate)."""
+        """Build the engine (vLLM starts its own processes, hence async and separate). A
+        failure here is raised to every call that waits for the engine, not just this one."""
+        try:
+            await self._build_engine()
+        except BaseException as exc:
+            self._start_error = exc
+            raise
+        finally:
+            self._model = self._weights = None  # the engine holds what it needs
+            self._ready.set()
+
+    async def _build_engine(self) -> None:
         if self.cfg.engine == "vllm":
             from asyncrl.engine.vllm_engine import VLLMEngine
 
@@ -61,11 +73,11 @@ class RolloutWorker:
                 model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
             self.engine = TorchEngine(model.eval(), max_batch_size=self.cfg.rollout.max_batch_size, seed=self._seed,
                                       version=self._version, num_threads=self._num_threads)
-        self._model = self._weights = None  # the engine holds what it needs
-        self._ready.set()
 
     async def _engine(self) -> RolloutEngine:
         await self._ready.wait()
+        if self._start_error is not None:
+            raise RuntimeError(f"the rollout engine failed to start: {self._start_error!r}") from self._start_error
         return self.engine
 
     async def pid(self) -> int:
