@@ -47,6 +47,8 @@ def test_killed_rollout_worker_is_replaced_and_the_run_completes(tmp_path, polic
         try:
             return await trainer.run_async()
         finally:
+            if killer.done():
+                killer.result()  # a failure to kill is the test's failure, not swallowed
             killer.cancel()
 
     checkpoint = asyncio.run(scenario())
@@ -58,6 +60,7 @@ def test_killed_rollout_worker_is_replaced_and_the_run_completes(tmp_path, polic
     assert [m["version"] for m in metrics] == list(range(7))
     assert metrics[-1]["rollout/worker_restarts_total"] >= 1
     assert len(samples) == 6 * 2 * 4
+    assert len({(s["group"], s["episode"]) for s in samples}) == len(samples)  # a re-issued group trained once
     assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 2
     assert "eval/reward_mean" in metrics[3] and "eval/reward_mean" in metrics[6]
     assert checkpoint.name == "step_6" and (checkpoint / "model.safetensors").exists()

@@ -84,13 +84,14 @@ def test_kill_9_between_checkpoints_then_resume(tmp_path, policy_dir):
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
-    checkpoint = latest_checkpoint(out / "checkpoints")
-    assert checkpoint is not None and checkpoint.name == "step_3"
+    checkpoint = latest_checkpoint(out / "checkpoints")  # step_3, unless this machine lagged the kill
+    assert checkpoint is not None
+    c = int(checkpoint.name[5:])
     before = RunState.from_json((checkpoint / "run_state.json").read_text())
-    saved = shutil.copytree(checkpoint, tmp_path / "saved_step_3")  # rotation deletes it later
+    saved = shutil.copytree(checkpoint, tmp_path / "saved_checkpoint")  # rotation deletes it later
     metrics_before = read_jsonl_safe(metrics_file)
     samples_before = read_jsonl_safe(out / "samples.jsonl")
-    assert max(r["step"] for r in metrics_before) >= 4, "the kill must leave work past the checkpoint"
+    assert max(r["step"] for r in metrics_before) > c, "the kill must leave work past the checkpoint"
     assert before.reissue, "generation is slower than training here: groups should be in flight at the checkpoint"
 
     done = subprocess.run(run_args(policy_dir, out, "resume=true"), capture_output=True, env=env, timeout=300)
@@ -107,13 +108,13 @@ def test_kill_9_between_checkpoints_then_resume(tmp_path, policy_dir):
     keys = [(s["group"], s["episode"]) for s in samples]
     assert len(keys) == len(set(keys))
     # the history up to the checkpoint is what was there before the crash
-    assert [s for s in samples if s["step"] <= 3] == [s for s in samples_before if s["step"] <= 3]
+    assert [s for s in samples if s["step"] <= c] == [s for s in samples_before if s["step"] <= c]
     # nothing generated before the checkpoint is lost: its buffered groups were trained after it
     trained_groups = {s["group"]: s["step"] for s in samples}
     for g in before.buffered:
-        assert trained_groups.get(g["start_order"], 0) > 3, g["start_order"]
-    # the checkpoint's weights and optimizer carried on: version continues from 3
-    assert torch.load(saved / "trainer_state.pt", weights_only=False)["version"] == 3
+        assert trained_groups.get(g["start_order"], 0) > c, g["start_order"]
+    # the checkpoint's weights and optimizer carried on: version continues from c
+    assert torch.load(saved / "trainer_state.pt", weights_only=False)["version"] == c
     final = latest_checkpoint(out / "checkpoints")
     assert final.name == "step_10"
     assert torch.load(final / "trainer_state.pt", weights_only=False)["version"] == 10

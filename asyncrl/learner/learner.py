@@ -141,9 +141,12 @@ class Learner:
         torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
                     "scheduler": self.scheduler.state_dict(), "rng": rng_state(), **(extra or {})},
                    tmp / "trainer_state.pt")
-        if path.exists():
-            shutil.rmtree(path)
+        old = path.with_name(path.name + ".old")
+        if path.exists():  # set aside, not deleted, until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
         os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
         return path
 
 

@@ -115,6 +115,7 @@ class Trainer:
         self._finished_rewards: list[float] = []
         self._in_flight: dict[int, int] = {}  # start order -> task index, until the group is done
         self.last_checkpoint: Path | None = None
+        self._saved_step: int | None = None
         self.resumed_from: RunState | None = None
         checkpoint = latest_checkpoint(self.output_dir / "checkpoints") if cfg.resume else None
         if checkpoint is not None:
@@ -126,6 +127,13 @@ class Trainer:
         self.version = self.resumed_from.step if self.resumed_from else 0  # one optimizer step, one version
         self._restore(self.resumed_from)
         self._owns_ray = start_ray(cfg) if cfg.runtime == "ray" else False  # refuses a layout it cannot place
+
+    def _on_signal(self, main: asyncio.Task) -> None:
+        """First signal: finish the step, checkpoint, exit 0. A second one: stop waiting
+        (for a worker that never starts, say) and fail with the last good checkpoint."""
+        if self._stop.is_set():
+            main.cancel("stopped by a second signal")
+        self._stop.set()
 
     async def _start_runtime(self) -> None:
         """The learner (with the checkpoint's state) and the rollout side (with its weights)."""
@@ -178,7 +186,7 @@ class Trainer:
         save_config(self.cfg, self.output_dir / "config.yaml")
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):  # finish the step, checkpoint, exit 0
-            loop.add_signal_handler(sig, self._stop.set)
+            loop.add_signal_handler(sig, self._on_signal, asyncio.current_task())
         state = self.resumed_from
         first_step = state.step if state else 0
         self.learner = self.rollout = self.log = None
@@ -196,7 +204,7 @@ class Trainer:
                 rollout = tg.create_task(self._rollout_loop())
                 last = await self._train_loop(first_step)
                 rollout.cancel()
-            if last > first_step or state is None:
+            if (last > first_step or state is None) and self._saved_step != last:
                 await self._save(last, self._run_state(last))
             return self.last_checkpoint
         finally:
@@ -277,6 +285,7 @@ class Trainer:
         ckpt_dir = self.output_dir / "checkpoints"
         self.last_checkpoint = await self.learner.call(
             "save_checkpoint", ckpt_dir / f"step_{step}", {"step": step}, {RUN_STATE_FILE: state.to_json()})
+        self._saved_step = step
         rotate(ckpt_dir, self.cfg.keep_last)
 
     def _counters(self) -> dict[str, int]:

@@ -101,7 +101,7 @@ class RayRollout:
     def _spawn(self, i: int):
         """A new worker, told to start its engine; calls made meanwhile wait for it."""
         worker = self._actor.remote(self.cfg, weights=self.weights, version=self.version,
-                                    seed=self.cfg.seed + 1009 * (i + 1) + 7919 * self.restarts,
+                                    seed=self.cfg.seed + 1009 * (i + 1) + 7919 * (self.restarts + self.version),
                                     num_threads=max(1, int(self.cfg.ray.worker_cpus)))
         worker.start.remote()
         return worker
@@ -121,7 +121,8 @@ class RayRollout:
         ray, worker = _ray(), self.workers[i]
         try:
             return await getattr(worker, method).remote(*args)
-        except ray.exceptions.RayActorError as exc:
+        except ray.exceptions.RayActorError as exc:  # dead, or unreachable: kill it to free its resources
+            ray.kill(worker)
             self._replace(i, worker, exc)
             raise _WorkerLost from exc
         except ray.exceptions.RayTaskError as exc:
@@ -144,13 +145,17 @@ class RayRollout:
 
     async def evaluate(self, tasks: list[Task]) -> EvalResult:
 
-        shards = [tasks[i::len(self.workers)] for i in range(len(self.workers))]
-        while True:
-            try:
-                parts = await asyncio.gather(*[self._call(i, "evaluate", s) for i, s in enumerate(shards) if s])
-                return EvalResult.merge(parts)
-            except _WorkerLost:
-                continue
+        shards = {i: tasks[i::len(self.workers)] for i in range(len(self.workers))}
+        parts: dict[int, EvalResult] = {}
+        while todo := [i for i, shard in shards.items() if shard and i not in parts]:
+            results = await asyncio.gather(*[self._call(i, "evaluate", shards[i]) for i in todo],
+                                           return_exceptions=True)
+            for i, result in zip(todo, results):
+                if isinstance(result, EvalResult):
+                    parts[i] = result
+                elif not isinstance(result, _WorkerLost):  # lost shards go round again
+                    raise result
+        return EvalResult.merge([parts[i] for i in sorted(parts)])
 
     async def sync_weights(self, weights: Mapping[str, torch.Tensor] | Any, version: int, partial_rollout: str) -> None:
 
@@ -169,6 +174,9 @@ class RayRollout:
 
         results = await asyncio.gather(*[self._call(i, "busy_s") for i in range(len(self.workers))],
                                        return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
+                raise result
         busy = [r for r in results if isinstance(r, float)]
         return sum(busy) / max(1, len(busy))
 

@@ -65,8 +65,10 @@ class RolloutWorker:
             self.engine = await VLLMEngine.start(self.cfg.model.path, seed=self._seed, version=self._version,
                                                  max_batch_size=self.cfg.rollout.max_batch_size,
                                                  dtype=self.cfg.model.dtype)
-            if self._weights is not None:
-                await self.engine.update_weights(self._weights, self._version)
+            applied = None
+            while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
+                applied = self._weights
+                await self.engine.update_weights(applied, self._version)
         else:
             model = self._model if self._model is not None else load_policy(self.cfg.model)[0]
             if self._weights is not None:
@@ -84,8 +86,8 @@ class RolloutWorker:
         return os.getpid()
 
     async def busy_s(self) -> float:
-        """Seconds the engine spent decoding (for the idle ratios)."""
-        return (await self._engine()).stats.busy_s
+        """Seconds the engine spent decoding (for the idle ratios); 0 while it starts."""
+        return self.engine.stats.busy_s if self._ready.is_set() and self.engine is not None else 0.0
 
     async def run_group(self, task: Task, n: int) -> list[Episode]:
         """``n`` episodes of ``task`` at once; a failing episode comes back as an error episode."""
@@ -107,6 +109,9 @@ class RolloutWorker:
         ``continue``: it goes on with the new weights (in-flight update); ``abort``: it
         returns now and the client resumes it with prompt + partial tokens; ``off``: it
         finishes on the old weights first."""
+        if not self._ready.is_set():  # still starting: it loads these when it is up
+            self._weights, self._version = weights, version
+            return
         engine = await self._engine()
         if partial_rollout == "continue":
             await engine.update_weights(weights, version)
