@@ -65,6 +65,16 @@ def test_killed_rollout_worker_is_replaced_and_the_run_completes(tmp_path, polic
     assert "eval/reward_mean" in metrics[3] and "eval/reward_mean" in metrics[6]
     assert checkpoint.name == "step_6" and (checkpoint / "model.safetensors").exists()
 
+    # resume on Ray: the learner actor loads the checkpoint, workers start from its weights
+    assert main(["train", "examples/countdown/async.yaml", *overrides(policy_dir, out, *RAY, "total_steps=8",
+                                                                      "resume=true")]) == 0
+    resumed = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == list(range(9)) and [m["version"] for m in resumed] == list(range(9))
+    assert resumed[:7] == metrics
+    after = read_jsonl(out / "samples.jsonl")
+    assert len({(s["group"], s["episode"]) for s in after}) == len(after) == 8 * 2 * 4
+    assert min(s["behavior_version_min"] for s in after if s["step"] > 6) >= 6 - 2
+
     # runtime=local writes the same outputs (the keys scripts read)
     local = tmp_path / "local"
     assert main(["train", "examples/countdown/async.yaml", *overrides(policy_dir, local, "total_steps=3")]) == 0
