@@ -156,9 +156,9 @@ def test_tokenizer_without_chat_template_is_refused(tmp_path, char_tokenizer, ca
                  "eval.samples_per_task=1", f"output_dir={tmp_path / 'raw'}"]) == 0
 
 
-def test_vllm_engine_without_vllm_exits_2(tmp_path, policy_dir, capsys):
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vLLM is installed here")
+def test_vllm_engine_without_vllm_exits_2(tmp_path, policy_dir, capsys, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
     path = write(tmp_path, {"model": {"path": str(policy_dir)}, "engine": "vllm"})
     assert main(["train", str(path), f"output_dir={tmp_path / 'run'}"]) == 2
     assert "engine=vllm needs vLLM" in capsys.readouterr().err

@@ -97,7 +97,7 @@ class Trainer:
         self.splits = build_tasks(cfg)
         if not self.splits.train:
             raise ValueError("the task's train split is empty")
-        self.workflow = build_workflow(cfg)
+        build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
         for key, registry, kind in (("advantage", ADVANTAGE_ESTIMATORS, "advantage estimator"),
                                     ("policy_loss", POLICY_LOSSES, "policy loss")):
             try:
