@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 import traceback
@@ -72,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("asyncrl: interrupted", file=sys.stderr)
         return 130
+    except asyncio.CancelledError as exc:  # a second SIGINT/SIGTERM while the run was stuck waiting
+        print(f"asyncrl {args.command}: {exc or 'cancelled'}", file=sys.stderr)
+        return 1
     except Exception:
         traceback.print_exc()
         print(f"asyncrl {args.command}: failed (see the traceback above)", file=sys.stderr)

@@ -4,6 +4,11 @@ a learner that fails stops the run with exit 1 and the last good checkpoint's pa
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 from asyncrl.algorithms.losses import policy_loss
 from asyncrl.cli import main
@@ -54,3 +59,32 @@ def test_learner_failure_exits_1_naming_the_last_checkpoint(tmp_path, policy_dir
     assert "loss exploded on the learner" in err
     assert f"last good checkpoint: {out / 'checkpoints' / 'step_2'}" in err
     assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
+
+
+def stuck_reward(task, response: str) -> float:
+    """Announces itself, then hangs far beyond the test (the run must not wait for it)."""
+    marker = os.environ["ASYNCRL_TEST_MARKER"]
+    open(marker, "a").close()
+    time.sleep(600)
+    return 0.0
+
+
+def test_second_signal_stops_a_stuck_run(tmp_path, policy_dir):
+    marker = tmp_path / "reward_called"
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "ASYNCRL_TEST_MARKER": str(marker)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "train", "examples/countdown/async.yaml", f"model.path={policy_dir}",
+         f"output_dir={tmp_path / 'stuck'}", "task.reward_fn=test_faults:stuck_reward", "eval.num_tasks=1",
+         "eval.samples_per_task=1", "workflow.timeout_s=600", "task.num_train=64", "task.num_validation=4"],
+        stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
+    deadline = time.time() + 120
+    while not marker.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    assert marker.exists(), "the reward function was never called"
+    proc.send_signal(signal.SIGINT)  # first: finish the step — but the step-0 evaluation is stuck
+    time.sleep(0.5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)  # second: stop waiting
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert b"stopped by a second signal" in err and b"last good checkpoint: none yet" in err
