@@ -15,14 +15,14 @@ from pathlib import Path
 from tqdm import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.client import LLMClient
 from asyncrl.config import Config, save_config
-from asyncrl.engine import RolloutEngine, TorchEngine
+from asyncrl.engine import RolloutEngine, require_engine
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import Workflow, run_episode
-from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokenizer
+from asyncrl.workflows.registry import build_tasks, check_tokenizer
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -107,28 +107,21 @@ def _sample_row(episode: Episode) -> dict:
 def run_eval(cfg: Config) -> EvalResult:
     """``asyncrl eval``: everything is validated (model, tasks, workflow) before any
     generation starts, so bad input fails fast with exit status 2."""
+    from asyncrl.runtime.rollout_worker import RolloutWorker  # it builds on this module
+
+    require_engine(cfg.engine)
     if cfg.engine == "vllm":  # vLLM loads the weights itself
         model, tokenizer = None, check_policy(cfg.model)
     else:
         model, tokenizer = load_policy(cfg.model)
     check_tokenizer(cfg, tokenizer)
     tasks = build_tasks(cfg).validation[: cfg.eval.num_tasks]
-    workflow = build_workflow(cfg)
+    worker = RolloutWorker(cfg, model=model, tokenizer=tokenizer, seed=cfg.seed)
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     save_config(cfg, output_dir / "config.yaml")
-    sampling = SamplingParams(max_tokens=cfg.sampling.max_tokens, temperature=cfg.eval.temperature,
-                              top_p=cfg.sampling.top_p, top_k=cfg.sampling.top_k,
-                              stop_token_ids=stop_token_ids(tokenizer))
 
     async def main() -> EvalResult:
-        if model is None:
-            from asyncrl.engine.vllm_engine import VLLMEngine
-
-            engine = await VLLMEngine.start(cfg.model.path, seed=cfg.seed, max_batch_size=cfg.rollout.max_batch_size,
-                                            dtype=cfg.model.dtype)
-        else:
-            engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=cfg.seed)
         total = len(tasks) * cfg.eval.samples_per_task
         with tqdm(total=total, desc="eval", unit="sample", dynamic_ncols=True) as bar:
             rewards: list[float] = []
@@ -139,12 +132,10 @@ def run_eval(cfg: Config) -> EvalResult:
                 bar.set_postfix(reward=f"{sum(rewards) / len(rewards):.3f}", refresh=False)
 
             try:
-                return await evaluate(
-                    engine, tokenizer, workflow, tasks, samples_per_task=cfg.eval.samples_per_task,
-                    sampling=sampling, timeout_s=cfg.workflow.timeout_s, max_retries=cfg.workflow.max_retries,
-                    success_threshold=cfg.eval.success_threshold, on_episode=progress)
+                await worker.start()
+                return await worker.evaluate(tasks, on_episode=progress)
             finally:
-                await engine.shutdown()
+                await worker.shutdown()
 
     result = asyncio.run(main())
     write_eval(result, output_dir)

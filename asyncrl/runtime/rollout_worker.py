@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -96,13 +96,14 @@ class RolloutWorker:
             run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, self.sampling),
                         timeout_s=w.timeout_s, max_retries=w.max_retries) for _ in range(n)]))
 
-    async def evaluate(self, tasks: list[Task]) -> EvalResult:
+    async def evaluate(self, tasks: list[Task], on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
         e, s = self.cfg.eval, self.sampling
         sampling = SamplingParams(max_tokens=s.max_tokens, temperature=e.temperature, top_p=s.top_p, top_k=s.top_k,
                                   stop_token_ids=s.stop_token_ids)
         return await evaluate(await self._engine(), self.tokenizer, self.workflow, tasks, samples_per_task=e.samples_per_task,
                               sampling=sampling, timeout_s=self.cfg.workflow.timeout_s,
-                              max_retries=self.cfg.workflow.max_retries, success_threshold=e.success_threshold)
+                              max_retries=self.cfg.workflow.max_retries, success_threshold=e.success_threshold,
+                              on_episode=on_episode)
 
     async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, partial_rollout: str) -> None:
         """Load ``weights`` as ``version``. What happens to generation under way:
