@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise
             print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
-            from asyncrl.evaluation import run_eval
+            from asyncrl.orchestrator.evaluator import run_eval
 
             result = run_eval(load_config(args.config, args.overrides))
             print(json.dumps(result.summary(), indent=2))

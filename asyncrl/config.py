@@ -7,13 +7,25 @@ CLI turns that into exit status 2.
 
 from __future__ import annotations
 
-import re
 import difflib
+import re
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from asyncrl.orchestrator.staleness import (
+    effective_max_staleness,
+    effective_partial_rollout,
+)
 
 
 class ConfigError(ValueError):
@@ -69,6 +81,9 @@ class RolloutConfig(Section):
     trains beside it (``sync``, ``eval``), half of them otherwise."""
     learner_threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the learner thread; ``None``: as above."""
+    max_concurrent_episodes: int = Field(256, ge=1)
+    """Episodes in flight at once per rollout worker, training and evaluation together:
+    what a retrieval or sandbox service behind a workflow sees at most."""
 
 
 class EvalConfig(Section):
@@ -78,6 +93,11 @@ class EvalConfig(Section):
     temperature: float = Field(1.0, ge=0)
     success_threshold: float = 1.0
     """A sample counts as solved for pass@k when its reward reaches this."""
+    background: bool = True
+    """In ``one_step_off`` and ``async`` with the torch engine, evaluate beside training on
+    an engine replica holding the evaluated version, so training does not wait (costs one
+    more copy of the weights per rollout worker). ``sync``, vLLM, or ``false``: training
+    waits for the evaluation."""
 
 
 class AlgorithmConfig(Section):
@@ -115,6 +135,31 @@ class LoggingConfig(Section):
     tensorboard: bool = False
     wandb: bool = False
     wandb_project: str = "asyncrl"
+    max_errors_per_step: int = Field(20, ge=0)
+    """Failed episode attempts written to ``errors.jsonl`` per step; the rest are only counted."""
+
+
+class WatchdogConfig(Section):
+    """Stops a run that cannot make progress, loudly, instead of letting it sit forever."""
+
+    stall_s: float = Field(300.0, gt=0)
+    """The learner waited this long for data with no group accepted: stop (exit 1)."""
+    window: int = Field(64, ge=1)
+    """Episodes (training and evaluation) over which the error rate is measured."""
+    max_error_rate: float = Field(0.5, ge=0, le=1)
+    """Stop when more than this fraction of the last ``window`` episodes failed (1 = never)."""
+
+
+class HooksConfig(Section):
+    """User callbacks, each ``module:function`` taking one :class:`asyncrl.orchestrator.hooks.HookEvent`
+    (plain or ``async def``). A hook that raises fails the run (exit 1)."""
+
+    on_policy_updated: str | None = None
+    """After the engines load a new version."""
+    on_step_end: str | None = None
+    """After each optimizer step is logged."""
+    on_epoch_end: str | None = None
+    """At the end of the step during which the last task of a train epoch was handed out."""
 
 
 class RayConfig(Section):
@@ -172,6 +217,8 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
     logging: LoggingConfig = LoggingConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
+    hooks: HooksConfig = HooksConfig()
     ray: RayConfig = RayConfig()
 
     @field_validator("partial_rollout", mode="before")
@@ -191,16 +238,26 @@ class Config(Section):
             raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of a step "
                              f"(batch_size={self.batch_size} × group_size={self.group_size}): the last micro-batch "
                              f"would be ragged; use a divisor of {per_step}")
-        if self.sync_every - 1 > self.staleness:
+        if self.sync_every - 1 > self.effective_max_staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
-                             f"beyond the staleness bound {self.staleness} of mode {self.mode!r}; "
-                             f"use sync_every <= {self.staleness + 1}")
+                             f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "
+                             f"use sync_every <= {self.effective_max_staleness + 1}")
         return self
 
     @property
-    def staleness(self) -> int:
-        """The η the gate enforces."""
-        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+    def effective_max_staleness(self) -> int:
+        """η the gate enforces in this mode."""
+        return effective_max_staleness(self.mode, self.max_staleness)
+
+    @property
+    def effective_partial_rollout(self) -> str:
+        """What a weight sync does to generation under way in this mode."""
+        return effective_partial_rollout(self.mode, self.partial_rollout)
+
+    @property
+    def background_eval(self) -> bool:
+        """Evaluation beside training (on its own engine replica) rather than blocking it."""
+        return self.eval.background and self.mode != "sync" and self.engine == "torch"
 
 
 def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:

@@ -1,6 +1,9 @@
-"""Scoring a policy on a task's validation split: mean reward and pass@k.
+"""Scoring a policy on tasks: mean reward and pass@k, with a bound on episodes in flight.
 
-``evaluate`` is shared by ``asyncrl eval`` and by the trainer's periodic evaluation.
+``evaluate`` knows nothing of engines or runtimes: it is handed a function that runs one
+episode of a task (the rollout worker binds the engine, the workflow and the shared
+episode bound into it). ``asyncrl eval``, the trainer's evaluations and the supervised
+warm-up's scoring all come through here.
 """
 
 from __future__ import annotations
@@ -8,21 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tqdm import tqdm
-from transformers import PreTrainedTokenizerBase
-
-from asyncrl.client import LLMClient
-from asyncrl.config import Config, save_config
-from asyncrl.engine import RolloutEngine, require_engine
-from asyncrl.policy import check_policy, load_policy
 from asyncrl.tasks.base import Task
-from asyncrl.types import Episode, SamplingParams
-from asyncrl.workflows.base import Workflow, run_episode
-from asyncrl.workflows.registry import build_tasks, check_tokenizer
+from asyncrl.types import Episode
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -62,21 +56,27 @@ class EvalResult:
 
 
 async def evaluate(
-    engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, workflow: Workflow, tasks: list[Task], *,
-    samples_per_task: int, sampling: SamplingParams, timeout_s: float, max_retries: int,
-    success_threshold: float = 1.0, on_episode: Callable[[Episode], None] | None = None,
+    run_episode: Callable[[Task], Awaitable[Episode]], tasks: list[Task], *, samples_per_task: int,
+    max_concurrent: int, success_threshold: float = 1.0, on_episode: Callable[[Episode], None] | None = None,
 ) -> EvalResult:
-    """Run every task ``samples_per_task`` times at once (the engine batches them)."""
-    async def one(task: Task) -> Episode:
-        episode = await run_episode(workflow, task, lambda: LLMClient(engine, tokenizer, sampling),
-                                    timeout_s=timeout_s, max_retries=max_retries)
-        if on_episode is not None:
-            on_episode(episode)
-        return episode
+    """Run every task ``samples_per_task`` times, never more than ``max_concurrent``
+    episodes at once: ``max_concurrent`` runners pull (task, sample) pairs in order, so a
+    service behind the workflow sees a bounded load however many tasks there are."""
+    if max_concurrent < 1:
+        raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
+    grouped: list[list[Episode]] = [[] for _ in tasks]
+    todo = iter([(i, task) for i, task in enumerate(tasks) for _ in range(samples_per_task)])
+
+    async def runner() -> None:
+        for i, task in todo:  # one shared iterator: each pair is taken by exactly one runner
+            episode = await run_episode(task)
+            grouped[i].append(episode)
+            if on_episode is not None:
+                on_episode(episode)
 
     async with asyncio.TaskGroup() as tg:
-        futures = [[tg.create_task(one(task)) for _ in range(samples_per_task)] for task in tasks]
-    grouped = [[f.result() for f in row] for row in futures]
+        for _ in range(min(max_concurrent, len(tasks) * samples_per_task)):
+            tg.create_task(runner())
     episodes = [e for row in grouped for e in row]
     ks = sorted({1, *(k for k in (2, 4, 8, 16, 32, 64) if k <= samples_per_task), samples_per_task})
     solved = [sum(e.reward >= success_threshold for e in row) for row in grouped]
@@ -89,6 +89,7 @@ async def evaluate(
 
 
 def write_eval(result: EvalResult, output_dir: Path) -> None:
+    """``eval.json`` (the scores) and ``eval_samples.jsonl`` (every episode)."""
     (output_dir / "eval.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
     with open(output_dir / "eval_samples.jsonl", "w") as f:
         for episode in result.episodes:
@@ -102,41 +103,3 @@ def _sample_row(episode: Episode) -> dict:
         row["error"] = episode.error
     row["trajectories"] = [t.to_dict() for t in episode.trajectories]
     return row
-
-
-def run_eval(cfg: Config) -> EvalResult:
-    """``asyncrl eval``: everything is validated (model, tasks, workflow) before any
-    generation starts, so bad input fails fast with exit status 2."""
-    from asyncrl.runtime.rollout_worker import RolloutWorker  # it builds on this module
-
-    require_engine(cfg.engine)
-    if cfg.engine == "vllm":  # vLLM loads the weights itself
-        model, tokenizer = None, check_policy(cfg.model)
-    else:
-        model, tokenizer = load_policy(cfg.model)
-    check_tokenizer(cfg, tokenizer)
-    tasks = build_tasks(cfg).validation[: cfg.eval.num_tasks]
-    worker = RolloutWorker(cfg, model=model, tokenizer=tokenizer, seed=cfg.seed)
-    output_dir = Path(cfg.output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, output_dir / "config.yaml")
-
-    async def main() -> EvalResult:
-        total = len(tasks) * cfg.eval.samples_per_task
-        with tqdm(total=total, desc="eval", unit="sample", dynamic_ncols=True) as bar:
-            rewards: list[float] = []
-
-            def progress(episode: Episode) -> None:
-                rewards.append(episode.reward)
-                bar.update()
-                bar.set_postfix(reward=f"{sum(rewards) / len(rewards):.3f}", refresh=False)
-
-            try:
-                await worker.start()
-                return await worker.evaluate(tasks, on_episode=progress)
-            finally:
-                await worker.shutdown()
-
-    result = asyncio.run(main())
-    write_eval(result, output_dir)
-    return result

@@ -122,6 +122,15 @@ class Trajectory:
 EpisodeStatus = Literal["ok", "error"]
 
 
+@dataclass(frozen=True)
+class AttemptError:
+    """One failed attempt of an episode (what ``errors.jsonl`` records)."""
+
+    attempt: int
+    exception: str  # "ValueError: reward service unavailable"
+    traceback: str
+
+
 @dataclass
 class Episode:
     """What a workflow returns for one task: its trajectories, one reward, how it ended.
@@ -136,6 +145,7 @@ class Episode:
     status: EpisodeStatus = "ok"
     error: str | None = None
     attempts: int = 1
+    errors: list[AttemptError] = field(default_factory=list)  # every failed attempt, also of an ok episode
     timings: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
 
@@ -155,6 +165,7 @@ class Episode:
     def from_dict(cls, d: dict[str, Any]) -> Episode:
         d = dict(d)
         d["trajectories"] = [Trajectory.from_dict(t) for t in d.get("trajectories", [])]
+        d["errors"] = [AttemptError(**e) for e in d.get("errors", [])]
         return cls(**d)
 
     @classmethod

@@ -128,7 +128,7 @@ def test_contradictions_are_refused(overrides, fragment):
 
 def test_yaml_off_means_off(tmp_path):
     cfg = load_config(write(tmp_path, {"mode": "one_step_off", "partial_rollout": False}))
-    assert cfg.partial_rollout == "off" and cfg.staleness == 1
+    assert cfg.partial_rollout == "off" and cfg.effective_max_staleness == 1
 
 
 def test_unknown_algorithm_exits_2(tmp_path, char_tokenizer, capsys):

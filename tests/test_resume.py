@@ -16,7 +16,7 @@ import torch
 
 from asyncrl.config import load_config
 from asyncrl.orchestrator.checkpoint import RunState, latest_checkpoint, rollback_logs
-from asyncrl.orchestrator.trainer import TaskStream
+from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.workflows.registry import build_tasks
 
 
@@ -50,8 +50,10 @@ def test_rollback_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)) + '{"step": 5, "rew')
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 3)))
     (tmp_path / "timeline.jsonl").write_text(json.dumps({"end": 1.0}) + "\n" + json.dumps({"end": 9.0}) + "\n")
+    (tmp_path / "errors.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 3)))
     state = RunState(step=2, elapsed_s=5.0, started=0, epoch=0, index=0, reissue=[], buffered=[])
-    assert rollback_logs(tmp_path, state) == {"metrics.jsonl": 3, "samples.jsonl": 2, "timeline.jsonl": 1}
+    assert rollback_logs(tmp_path, state) == {"metrics.jsonl": 3, "samples.jsonl": 2, "timeline.jsonl": 1,
+                                              "errors.jsonl": 1}
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [1, 2]
 

@@ -186,8 +186,9 @@ def test_evaluate_counts_errors_and_scores(tiny_policy):
         return arithmetic_reward(task, text)
 
     async def go(make_client, engine, tokenizer):
-        return await evaluate(engine, tokenizer, SingleTurnWorkflow(reward), tasks, samples_per_task=2,
-                              sampling=SAMPLING, timeout_s=30, max_retries=0)
+        workflow = SingleTurnWorkflow(reward)
+        return await evaluate(lambda task: run_episode(workflow, task, make_client, timeout_s=30, max_retries=0),
+                              tasks, samples_per_task=2, max_concurrent=4)
 
     result = run(tiny_policy, go)
     assert result.num_errors == 2 and len(result.episodes) == 6

@@ -8,13 +8,13 @@ is how the orchestrator recognises (and may drop) groups that carry no signal.
 
 from __future__ import annotations
 
-import importlib
-
 from collections.abc import Callable
 from typing import TypeVar
 
 import torch
 from torch import Tensor
+
+from asyncrl.plugins import load_named
 
 AdvantageFn = Callable[..., Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
@@ -27,11 +27,10 @@ def resolve(registry: dict[str, _T], name: str, kind: str) -> _T:
 
     ``module:function`` names a user's function without registering it first."""
     if name not in registry and ":" in name:
-        module, _, attr = name.partition(":")
         try:
-            registry[name] = getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as exc:
-            raise KeyError(f"{kind} {name!r} cannot be loaded: {exc}") from None
+            registry[name] = load_named(name, key=kind)
+        except ValueError as exc:
+            raise KeyError(str(exc)) from None
     try:
         return registry[name]
     except KeyError:

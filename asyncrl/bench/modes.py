@@ -12,7 +12,6 @@ instead of T_gen + T_train, so the ideal speedup is (T_gen + T_train) / max(...)
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -20,15 +19,18 @@ from typing import Any
 
 from pydantic import Field
 
-from asyncrl.client import stop_token_ids
+from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.engine import TorchEngine
 from asyncrl.evaluation import evaluate
+from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack
+from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.policy import load_policy
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
 from asyncrl.types import SamplingParams
+from asyncrl.workflows import run_episode
 from asyncrl.workflows.registry import build_tasks, build_workflow
 
 
@@ -55,9 +57,9 @@ def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int,
 
 
 def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()][1:]
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    staleness = [s["trained_version"] - s["behavior_version_min"] for s in samples]
+    rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    staleness = [trajectory_staleness(s["trained_version"], s["behavior_version_min"]) for s in samples]
     wall = rows[-1]["time/elapsed"] - rows[0]["time/elapsed"] + rows[0]["time/step"]
     return {
         "wall_s": wall, "samples": len(samples), "samples_per_s": len(samples) / wall,
@@ -80,8 +82,11 @@ def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, 
         engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=s.seed)
         try:
             start = time.perf_counter()
-            result = await evaluate(engine, tokenizer, build_workflow(cfg), tasks, samples_per_task=s.group_size,
-                                    sampling=sampling, timeout_s=600, max_retries=0)
+            workflow = build_workflow(cfg)
+            result = await evaluate(
+                lambda task: run_episode(workflow, task, lambda: LLMClient(engine, tokenizer, sampling), timeout_s=600,
+                                         max_retries=0),
+                tasks, samples_per_task=s.group_size, max_concurrent=cfg.rollout.max_concurrent_episodes)
             return time.perf_counter() - start, result
         finally:
             await engine.shutdown()

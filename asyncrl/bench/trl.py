@@ -13,7 +13,6 @@ engine's behavior logprobs with a truncated importance weight.
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
@@ -22,7 +21,9 @@ from typing import Any
 from pydantic import Field
 
 from asyncrl.config import Section, apply_overrides, load_config, validate
-from asyncrl.orchestrator.trainer import TaskStream, Trainer
+from asyncrl.jsonl import read_jsonl
+from asyncrl.orchestrator.task_stream import TaskStream
+from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tasks import countdown_reward
 from asyncrl.tasks.base import Task
 from asyncrl.workflows.registry import build_tasks
@@ -56,7 +57,7 @@ def _asyncrl_curve(s: TrlBenchSettings, out: Path, mode: str) -> list[tuple[floa
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
     ])
     Trainer(cfg).run()
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][1:]
+    rows = read_jsonl(out / "metrics.jsonl")[1:]
     t0 = rows[0]["time/elapsed"] - rows[0]["time/step"]  # the first step's start
     return [(r["time/elapsed"] - t0, r["reward/mean"]) for r in rows]
 

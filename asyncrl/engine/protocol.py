@@ -21,9 +21,21 @@ class EngineClosedError(RuntimeError):
     """The engine was shut down (or died) while a request was waiting on it."""
 
 
+class RolloutEngineStats(Protocol):
+    """What the orchestrator reads from an engine (the idle ratios)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Seconds spent generating so far."""
+        ...
+
+
 class RolloutEngine(Protocol):
     @property
     def version(self) -> int: ...
+
+    @property
+    def stats(self) -> RolloutEngineStats: ...
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         """Sample one completion. Cancelling the awaiting task aborts the request."""

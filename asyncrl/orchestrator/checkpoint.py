@@ -12,7 +12,7 @@ what makes a resume one consistent history:
   generated before the checkpoint is lost;
 - counters and the wall time so far, so metrics continue where they stopped.
 
-Rows that ``metrics.jsonl``, ``samples.jsonl`` and ``timeline.jsonl`` got after the
+Rows that ``metrics.jsonl``, ``samples.jsonl``, ``timeline.jsonl`` and ``errors.jsonl`` got after the
 checkpoint describe work the resumed run redoes; :func:`rollback_logs` removes them.
 """
 
@@ -21,10 +21,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.types import Group
 
@@ -77,26 +79,18 @@ def rotate(ckpt_dir: Path, keep_last: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _rewrite_jsonl(path: Path, keep) -> int:
+def _rewrite_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
     """Keep the rows ``keep`` accepts; atomic, so a crash here leaves the old file. A torn
     last line (the process was killed mid-write) is dropped. Returns rows removed."""
     if not path.exists():
         return 0
-    kept, removed = [], 0
-    for line in path.read_text().splitlines():
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            removed += 1
-            continue
-        if keep(row):
-            kept.append(line + "\n")
-        else:
-            removed += 1
+    rows = read_jsonl(path, torn_tail="drop")
+    kept = [row for row in rows if keep(row)]
+    lines = sum(1 for line in path.read_text().split("\n") if line.strip())
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(kept))
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
     os.replace(tmp, path)
-    return removed
+    return lines - len(kept)
 
 
 def rollback_logs(output_dir: Path, state: RunState) -> dict[str, int]:
@@ -106,4 +100,5 @@ def rollback_logs(output_dir: Path, state: RunState) -> dict[str, int]:
         "samples.jsonl": _rewrite_jsonl(output_dir / "samples.jsonl", lambda r: r.get("step", 0) <= state.step),
         "timeline.jsonl": _rewrite_jsonl(output_dir / "timeline.jsonl",
                                          lambda r: r.get("end", 0.0) <= state.elapsed_s),
+        "errors.jsonl": _rewrite_jsonl(output_dir / "errors.jsonl", lambda r: r.get("step", 0) <= state.step),
     }

@@ -1,28 +1,42 @@
-"""Where a run's numbers go: ``metrics.jsonl`` (one object per optimizer step),
-``samples.jsonl`` (one per trained trajectory), ``timeline.jsonl`` (when each group was
-generated, each step trained, each weight sync and evaluation ran: what the report's
-overlap timeline draws), TensorBoard or W&B when asked, and a live progress bar."""
+"""Where a run's numbers go — the one place a step is logged: ``metrics.jsonl`` (one
+object per optimizer step, in step order), ``samples.jsonl`` (one per trained
+trajectory), ``timeline.jsonl`` (when each group was generated, each step trained, each
+weight sync and evaluation ran: what the report's overlap timeline draws),
+``errors.jsonl`` (failed episode attempts, capped per step), TensorBoard or W&B when
+asked, and a live progress bar.
+
+A step whose evaluation runs in the background is queued until that evaluation ends;
+later steps queue behind it, so ``metrics.jsonl`` stays in step order and each step
+appears once, with its ``eval/*`` keys.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import json
+from collections import Counter, deque
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from asyncrl.config import Config
+from asyncrl.types import Episode
+
+LOG_FILES = ("metrics.jsonl", "samples.jsonl", "timeline.jsonl", "errors.jsonl")
 
 
 class RunLog:
-    def __init__(self, cfg: Config, output_dir: Path, total_steps: int, resume_step: int | None = None) -> None:
+    def __init__(self, cfg: Config, output_dir: Path, resume_step: int | None = None) -> None:
         # A fresh run starts fresh files: appending would splice two runs under one config.
         # A resumed one appends to files already rolled back to its checkpoint.
         mode = "w" if resume_step is None else "a"
-        self.metrics_file = open(output_dir / "metrics.jsonl", mode)
-        self.samples_file = open(output_dir / "samples.jsonl", mode)
-        self.timeline_file = open(output_dir / "timeline.jsonl", mode)
-        self.bar = tqdm(total=total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
+        self.files = {name: open(output_dir / name, mode) for name in LOG_FILES}
+        self.max_errors_per_step = cfg.logging.max_errors_per_step
+        self.errors_unlogged = 0
+        self._errors_at: Counter[int] = Counter()
+        self._queue: deque[tuple[dict[str, Any], asyncio.Future[dict[str, Any]] | None]] = deque()
+        self.bar = tqdm(total=cfg.total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
                         dynamic_ncols=True)
         self.tensorboard = None
         self.wandb = None
@@ -36,9 +50,33 @@ class RunLog:
             self.wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(output_dir),
                                     config=cfg.model_dump())
 
-    def metrics(self, row: dict[str, Any]) -> None:
-        self.metrics_file.write(json.dumps(row) + "\n")
-        self.metrics_file.flush()
+    # -- metrics, in step order -----------------------------------------------
+    def step(self, row: dict[str, Any], evaluation: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        """Queue a step's row; it is written once ``evaluation`` (if any) has its ``eval/*`` keys."""
+        self._queue.append((row, evaluation))
+        if evaluation is not None:
+            evaluation.add_done_callback(lambda _: self._drain())
+        self._drain()
+
+    async def flushed(self) -> None:
+        """Every queued row written (before a checkpoint, at the end of a run)."""
+        pending = [ev for _, ev in self._queue if ev is not None]
+        if pending:
+            await asyncio.wait(pending)
+        self._drain()
+
+    def _drain(self) -> None:
+        while self._queue:
+            row, evaluation = self._queue[0]
+            if evaluation is not None:
+                if not evaluation.done() or evaluation.cancelled() or evaluation.exception() is not None:
+                    return  # a failed evaluation fails the run through its task group
+                row = {**row, **evaluation.result()}
+            self._queue.popleft()
+            self._write_metrics(row)
+
+    def _write_metrics(self, row: dict[str, Any]) -> None:
+        self._write("metrics.jsonl", [row])
         step = row["step"]
         if self.tensorboard is not None:
             for key, value in row.items():
@@ -46,26 +84,41 @@ class RunLog:
                     self.tensorboard.add_scalar(key, value, step)
         if self.wandb is not None:
             self.wandb.log(row, step=step)
-        if step > 0:
+        if step > self.bar.n:
             self.bar.update(step - self.bar.n)
         shown = {"reward": "reward/mean", "eval": "eval/reward_mean", "stale": "staleness/mean",
-                 "samples/s": "throughput/samples_per_s"}
-        self.bar.set_postfix({k: f"{row[v]:.3g}" for k, v in shown.items() if v in row})
+                 "samples/s": "throughput/samples_per_s", "errors": "rollout/episodes_error_total",
+                 "filtered": "rollout/groups_filtered_total"}
+        self.bar.set_postfix({k: f"{row[v]:.3g}" for k, v in shown.items() if row.get(v)})
 
+    # -- the other files --------------------------------------------------------
     def samples(self, rows: list[dict[str, Any]]) -> None:
-        self.samples_file.writelines(json.dumps(r) + "\n" for r in rows)
-        self.samples_file.flush()
+        self._write("samples.jsonl", rows)
 
     def event(self, kind: str, start: float, end: float, **extra: Any) -> None:
         """An interval of work; times are seconds since the run started."""
-        self.timeline_file.write(json.dumps({"kind": kind, "start": start, "end": end, **extra}) + "\n")
-        self.timeline_file.flush()
+        self._write("timeline.jsonl", [{"kind": kind, "start": start, "end": end, **extra}])
+
+    def errors(self, step: int, phase: str, episode: Episode) -> None:
+        """Each failed attempt of ``episode`` (also of one a retry saved), up to the cap per step."""
+        for error in episode.errors:
+            if self._errors_at[step] >= self.max_errors_per_step:
+                self.errors_unlogged += 1
+                continue
+            self._errors_at[step] += 1
+            self._write("errors.jsonl", [{"step": step, "phase": phase, "task_id": episode.task_id,
+                                          "attempt": error.attempt, "exception": error.exception,
+                                          "traceback": error.traceback}])
+
+    def _write(self, name: str, rows: list[dict[str, Any]]) -> None:
+        f = self.files[name]
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.flush()
 
     def close(self) -> None:
         self.bar.close()
-        self.timeline_file.close()
-        self.metrics_file.close()
-        self.samples_file.close()
+        for f in self.files.values():
+            f.close()
         if self.tensorboard is not None:
             self.tensorboard.close()
         if self.wandb is not None:

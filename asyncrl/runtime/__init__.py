@@ -1,3 +1,87 @@
-"""Where the parts run. ``local``: one process, the engine and the learner on their own
-threads (``RolloutWorker`` + ``LocalLearner``). ``ray``: the same two objects as Ray
-actors (``ray_runtime``). The orchestrator talks to either through the same calls."""
+"""Where the parts run — chosen here, in :func:`start`, and nowhere else.
+
+``local``: one process; the engine decodes on its own thread and the learner computes on
+another (:class:`RolloutWorker`, :class:`LocalLearner`). ``ray``: the same two objects
+as Ray actors (``ray_runtime``). Either way the orchestrator gets a :class:`Runtime`
+holding a :class:`LearnerHandle` and a :class:`RolloutHandle`, and ``start`` owns their
+whole lifecycle — Ray's own included — so leaving its ``async with`` releases all.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.config import Config
+from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
+from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
+from asyncrl.runtime.rollout_worker import RolloutWorker
+
+__all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "Weights", "start"]
+
+
+@dataclass
+class Runtime:
+    learner: LearnerHandle | None  # None when only scoring (``asyncrl eval``)
+    rollout: RolloutHandle
+
+
+def _thread_split(cfg: Config) -> tuple[int | None, int | None]:
+    """torch threads for (engine, learner) in one process: when both compute at once
+    (every mode but ``sync``), half the cores each, unless the config says otherwise."""
+    shared = cfg.mode != "sync"
+    half = max(1, (torch.get_num_threads() or 2) // 2)
+    return (cfg.rollout.num_threads or (half if shared else None),
+            cfg.rollout.learner_threads or (half if shared else None))
+
+
+@asynccontextmanager
+async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase,
+                train: bool = True, checkpoint: Path | None = None, version: int = 0) -> AsyncIterator[Runtime]:
+    """Start the runtime ``cfg.runtime`` names. ``train``: a learner too (resumed from
+    ``checkpoint`` when given, at ``version``), else rollout workers only. ``model``: the
+    policy already loaded in this process (``None`` where the workers load their own).
+    Whatever was started is shut down on the way out, also when starting fails."""
+    eval_replica = train and cfg.background_eval
+    async with AsyncExitStack() as stack:  # callbacks run in reverse: rollout, learner, Ray
+        learner: LearnerHandle | None = None
+        if cfg.runtime == "ray":
+            from asyncrl.runtime.ray_runtime import (
+                RayLearner,
+                RayRollout,
+                start_ray,
+                stop_ray,
+            )
+
+            stack.callback(stop_ray, start_ray(cfg))  # refuses a layout the cluster cannot place
+            weights = None
+            if train:
+                learner = RayLearner(cfg)
+                stack.push_async_callback(learner.shutdown)
+                if checkpoint is not None:
+                    await learner.load_checkpoint(checkpoint)
+                    weights = await learner.publish()
+            rollout: RolloutHandle = RayRollout(cfg, weights=weights, version=version, eval_replica=eval_replica)
+            stack.push_async_callback(rollout.shutdown)
+        else:
+            engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
+            if train:
+                worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=learner_threads)
+                learner = LocalLearner(worker)
+                stack.push_async_callback(learner.shutdown)
+                if checkpoint is not None:
+                    await learner.load_checkpoint(checkpoint)
+                model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
+            local = RolloutWorker(cfg, model=model, tokenizer=tokenizer, version=version,
+                                  seed=cfg.seed + 7919 * version, num_threads=engine_threads,
+                                  eval_replica=eval_replica)
+            stack.push_async_callback(local.shutdown)
+            await local.start()
+            rollout = local
+        yield Runtime(learner, rollout)

@@ -1,6 +1,6 @@
 """The learner's side of the runtime: a :class:`~asyncrl.learner.Learner` behind calls
 that are plain values in, plain values out, so the same object serves in-process
-(``LocalLearner`` runs its calls on a worker thread) and as a Ray actor."""
+(:class:`LocalLearner` runs its calls on a worker thread) and as a Ray actor."""
 
 from __future__ import annotations
 
@@ -46,18 +46,24 @@ class LearnerWorker:
 
 
 class LocalLearner:
-    """Runs the worker's calls on a thread: the event loop keeps feeding the engine while
-    the learner computes (torch releases the GIL in its kernels)."""
+    """The learner handle in-process: each call runs on a thread, so the event loop keeps
+    feeding the engine while the learner computes (torch releases the GIL in its kernels)."""
 
     def __init__(self, worker: LearnerWorker) -> None:
         self.worker = worker
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await asyncio.to_thread(getattr(self.worker, method), *args)
+    async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
+        return await asyncio.to_thread(self.worker.train_step, batch, on_policy)
 
     async def publish(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights: the next step may start before every engine loads it."""
-        return await self.call("export_weights")
+        return await asyncio.to_thread(self.worker.export_weights)
+
+    async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
+        return await asyncio.to_thread(self.worker.save_checkpoint, path, extra, files)
+
+    async def load_checkpoint(self, path: Path) -> int:
+        return await asyncio.to_thread(self.worker.load_checkpoint, path)
 
     async def shutdown(self) -> None:
-        pass
+        """Nothing to release: the learner lives and dies with this process."""

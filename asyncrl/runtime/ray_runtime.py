@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ import torch
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import EngineClosedError
 from asyncrl.evaluation import EvalResult
+from asyncrl.learner import TrainBatch
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.tasks.base import Task
@@ -67,18 +69,32 @@ def start_ray(cfg: Config) -> bool:
     return started
 
 
+def stop_ray(started: bool) -> None:
+    """Shut Ray down if :func:`start_ray` started it (a cluster we joined stays up)."""
+    if started:
+        _ray().shutdown()
+
+
 class RayLearner:
+    """The learner handle on Ray: a :class:`LearnerWorker` actor."""
+
     def __init__(self, cfg: Config) -> None:
         ray, r = _ray(), cfg.ray
         actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(LearnerWorker)
         self.actor = actor.remote(cfg, num_threads=max(1, int(r.learner_cpus)))
 
-    async def call(self, method: str, *args: Any) -> Any:
-        return await getattr(self.actor, method).remote(*args)
+    async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
+        return await self.actor.train_step.remote(batch, on_policy)
 
     async def publish(self) -> Any:
         """An ObjectRef to the weights, left in the object store (not fetched here)."""
         return self.actor.export_weights.remote()
+
+    async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
+        return await self.actor.save_checkpoint.remote(path, extra, files)
+
+    async def load_checkpoint(self, path: Path) -> int:
+        return await self.actor.load_checkpoint.remote(path)
 
     async def shutdown(self) -> None:
         _ray().kill(self.actor)
@@ -89,11 +105,13 @@ class _WorkerLost(Exception):
 
 
 class RayRollout:
-    def __init__(self, cfg: Config, *, weights: Any, version: int) -> None:
+    """The rollout handle on Ray: ``ray.num_rollout_workers`` :class:`RolloutWorker` actors."""
+
+    def __init__(self, cfg: Config, *, weights: Any, version: int, eval_replica: bool = False) -> None:
         ray, r = _ray(), cfg.ray
         self.cfg = cfg
         self._actor = ray.remote(num_cpus=r.worker_cpus, num_gpus=r.worker_gpus)(RolloutWorker)
-        self.weights, self.version = weights, version
+        self.weights, self.version, self.eval_replica = weights, version, eval_replica
         self.restarts = 0
         self.workers = [self._spawn(i) for i in range(r.num_rollout_workers)]
         self.load = [0] * len(self.workers)
@@ -102,7 +120,8 @@ class RayRollout:
         """A new worker, told to start its engine; calls made meanwhile wait for it."""
         worker = self._actor.remote(self.cfg, weights=self.weights, version=self.version,
                                     seed=self.cfg.seed + 1009 * (i + 1) + 7919 * (self.restarts + self.version),
-                                    num_threads=max(1, int(self.cfg.ray.worker_cpus)))
+                                    num_threads=max(1, int(self.cfg.ray.worker_cpus)),
+                                    eval_replica=self.eval_replica)
         worker.start.remote()
         return worker
 
@@ -117,10 +136,12 @@ class RayRollout:
               f"{self.version}", file=sys.stderr)
         self.workers[i] = self._spawn(i)
 
-    async def _call(self, i: int, method: str, *args: Any) -> Any:
+    async def _call(self, i: int, invoke: Callable[[Any], Any]) -> Any:
+        """``invoke(actor)`` on worker ``i`` (it returns the ObjectRef of one actor method);
+        a dead worker is replaced and ``_WorkerLost`` raised."""
         ray, worker = _ray(), self.workers[i]
         try:
-            return await getattr(worker, method).remote(*args)
+            return await invoke(worker)
         except ray.exceptions.RayActorError as exc:  # dead, or unreachable: kill it to free its resources
             ray.kill(worker)
             self._replace(i, worker, exc)
@@ -137,19 +158,27 @@ class RayRollout:
             i = min(range(len(self.workers)), key=self.load.__getitem__)
             self.load[i] += 1
             try:
-                return await self._call(i, "run_group", task, n)
+                return await self._call(i, lambda w: w.run_group.remote(task, n))
             except _WorkerLost:
                 continue
             finally:
                 self.load[i] -= 1
 
-    async def evaluate(self, tasks: list[Task]) -> EvalResult:
-
+    async def evaluate(self, tasks: list[Task], *, version: int, weights: Any = None,
+                       on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
+        """Shards of ``tasks`` on every worker; a shard lost with its worker goes round
+        again. ``on_episode`` sees each shard's episodes when the shard returns."""
         shards = {i: tasks[i::len(self.workers)] for i in range(len(self.workers))}
         parts: dict[int, EvalResult] = {}
-        while todo := [i for i, shard in shards.items() if shard and i not in parts]:
-            results = await asyncio.gather(*[self._call(i, "evaluate", shards[i]) for i in todo],
-                                           return_exceptions=True)
+
+        async def shard(i: int) -> EvalResult:
+            result = await self._call(i, lambda w: w.evaluate.remote(shards[i], version, weights))
+            for episode in result.episodes if on_episode is not None else ():
+                on_episode(episode)
+            return result
+
+        while todo := [i for i, part in shards.items() if part and i not in parts]:
+            results = await asyncio.gather(*[shard(i) for i in todo], return_exceptions=True)
             for i, result in zip(todo, results):
                 if isinstance(result, EvalResult):
                     parts[i] = result
@@ -157,13 +186,12 @@ class RayRollout:
                     raise result
         return EvalResult.merge([parts[i] for i in sorted(parts)])
 
-    async def sync_weights(self, weights: Mapping[str, torch.Tensor] | Any, version: int, partial_rollout: str) -> None:
-
+    async def sync_weights(self, weights: Mapping[str, torch.Tensor] | Any, version: int, mode: str) -> None:
         ray = _ray()
         self.weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self.version = version  # a worker spawned from now on starts from these
         results = await asyncio.gather(
-            *[self._call(i, "sync_weights", self.weights, version, partial_rollout) for i in range(len(self.workers))],
+            *[self._call(i, lambda w: w.sync_weights.remote(self.weights, version, mode)) for i in range(len(self.workers))],
             return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
@@ -171,8 +199,7 @@ class RayRollout:
 
     async def busy_s(self) -> float:
         """Mean decode seconds per worker (a replaced worker starts again from 0)."""
-
-        results = await asyncio.gather(*[self._call(i, "busy_s") for i in range(len(self.workers))],
+        results = await asyncio.gather(*[self._call(i, lambda w: w.busy_s.remote()) for i in range(len(self.workers))],
                                        return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
@@ -181,8 +208,7 @@ class RayRollout:
         return sum(busy) / max(1, len(busy))
 
     async def pids(self) -> list[int]:
-
-        return list(await asyncio.gather(*[self._call(i, "pid") for i in range(len(self.workers))]))
+        return list(await asyncio.gather(*[self._call(i, lambda w: w.pid.remote()) for i in range(len(self.workers))]))
 
     async def shutdown(self) -> None:
         """Let each engine stop cleanly (vLLM has processes of its own), then end the actors."""

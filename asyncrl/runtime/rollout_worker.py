@@ -4,11 +4,16 @@ For ``runtime: local`` the trainer holds one in its own process; for ``runtime: 
 each is the body of a Ray actor (``ray_runtime.py``). Either way the orchestrator asks
 it for whole groups, evaluations and weight updates; the staleness gate stays with the
 orchestrator and every token's version is stamped by the engine inside the worker.
+
+Every episode, training or evaluation, takes a slot of one semaphore
+(``rollout.max_concurrent_episodes``): that is the load a service behind the workflow
+sees from this worker.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 from collections.abc import Callable, Mapping
 
@@ -29,20 +34,26 @@ from asyncrl.workflows.registry import build_workflow
 class RolloutWorker:
     def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, weights: Mapping[str, torch.Tensor] | None = None,
-                 version: int = 0, seed: int = 0, num_threads: int | None = None) -> None:
+                 version: int = 0, seed: int = 0, num_threads: int | None = None, eval_replica: bool = False) -> None:
         """``model``/``tokenizer`` given: use them (in-process). Otherwise load them from
         ``model.path`` here, in the worker's own process. ``weights``: the latest published,
-        loaded over ``model.path``'s. The engine itself is built by :meth:`start`."""
+        loaded over ``model.path``'s. ``eval_replica``: a second engine for evaluation beside
+        training (torch engine only). The engines themselves are built by :meth:`start`."""
         if tokenizer is None:
             tokenizer = check_policy(cfg.model)
         self.cfg, self.tokenizer = cfg, tokenizer
         self._model, self._weights, self._version = model, weights, version
-        self._seed, self._num_threads = seed, num_threads
+        self._seed, self._num_threads, self._eval_replica = seed, num_threads, eval_replica
         self.workflow = build_workflow(cfg)
-        s = cfg.sampling
+        s, e = cfg.sampling, cfg.eval
         self.sampling = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
                                        top_k=s.top_k, stop_token_ids=stop_token_ids(tokenizer))
+        self.eval_sampling = SamplingParams(max_tokens=s.max_tokens, temperature=e.temperature, top_p=s.top_p,
+                                            top_k=s.top_k, stop_token_ids=self.sampling.stop_token_ids)
+        self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent_episodes)
         self.engine: RolloutEngine | None = None
+        self.eval_engine: TorchEngine | None = None  # the replica that background evaluation uses
+        self._eval_lock = asyncio.Lock()  # one evaluation at a time holds the replica's weights
         self._ready = asyncio.Event()
         self._start_error: BaseException | None = None
 
@@ -50,15 +61,15 @@ class RolloutWorker:
         """Build the engine (vLLM starts its own processes, hence async and separate). A
         failure here is raised to every call that waits for the engine, not just this one."""
         try:
-            await self._build_engine()
+            await self._build_engines()
         except BaseException as exc:
             self._start_error = exc
             raise
         finally:
-            self._model = self._weights = None  # the engine holds what it needs
+            self._model = self._weights = None  # the engines hold what they need
             self._ready.set()
 
-    async def _build_engine(self) -> None:
+    async def _build_engines(self) -> None:
         if self.cfg.engine == "vllm":
             from asyncrl.engine.vllm_engine import VLLMEngine
 
@@ -69,18 +80,26 @@ class RolloutWorker:
             while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
                 applied = self._weights
                 await self.engine.update_weights(applied, self._version)
-        else:
-            model = self._model if self._model is not None else load_policy(self.cfg.model)[0]
-            if self._weights is not None:
-                model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
-            self.engine = TorchEngine(model.eval(), max_batch_size=self.cfg.rollout.max_batch_size, seed=self._seed,
-                                      version=self._version, num_threads=self._num_threads)
+            return
+        model = self._model if self._model is not None else load_policy(self.cfg.model)[0]
+        if self._weights is not None:
+            model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
+        make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
+                                           seed=seed, version=self._version, num_threads=self._num_threads)
+        if self._eval_replica:
+            self.eval_engine = make(copy.deepcopy(model), self._seed + 1)
+        self.engine = make(model, self._seed)
 
     async def _engine(self) -> RolloutEngine:
         await self._ready.wait()
         if self._start_error is not None:
             raise RuntimeError(f"the rollout engine failed to start: {self._start_error!r}") from self._start_error
         return self.engine
+
+    @property
+    def restarts(self) -> int:
+        """An in-process worker is never replaced (the Ray runtime's may be)."""
+        return 0
 
     async def pid(self) -> int:
         return os.getpid()
@@ -89,23 +108,35 @@ class RolloutWorker:
         """Seconds the engine spent decoding (for the idle ratios); 0 while it starts."""
         return self.engine.stats.busy_s if self._ready.is_set() and self.engine is not None else 0.0
 
+    async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams) -> Episode:
+        w = self.cfg.workflow
+        async with self.slots:
+            return await run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
+                                     timeout_s=w.timeout_s, max_retries=w.max_retries)
+
     async def run_group(self, task: Task, n: int) -> list[Episode]:
-        """``n`` episodes of ``task`` at once; a failing episode comes back as an error episode."""
-        engine, w = await self._engine(), self.cfg.workflow
-        return list(await asyncio.gather(*[
-            run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, self.sampling),
-                        timeout_s=w.timeout_s, max_retries=w.max_retries) for _ in range(n)]))
+        """``n`` episodes of ``task``; a failing episode comes back as an error episode."""
+        engine = await self._engine()
+        return list(await asyncio.gather(*[self._episode(task, engine, self.sampling) for _ in range(n)]))
 
-    async def evaluate(self, tasks: list[Task], on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
-        e, s = self.cfg.eval, self.sampling
-        sampling = SamplingParams(max_tokens=s.max_tokens, temperature=e.temperature, top_p=s.top_p, top_k=s.top_k,
-                                  stop_token_ids=s.stop_token_ids)
-        return await evaluate(await self._engine(), self.tokenizer, self.workflow, tasks, samples_per_task=e.samples_per_task,
-                              sampling=sampling, timeout_s=self.cfg.workflow.timeout_s,
-                              max_retries=self.cfg.workflow.max_retries, success_threshold=e.success_threshold,
-                              on_episode=on_episode)
+    async def evaluate(self, tasks: list[Task], version: int, weights: Mapping[str, torch.Tensor] | None = None,
+                       on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
+        """Score ``tasks`` on ``version``: on the evaluation replica, loading ``weights``
+        first when given, else on the rollout engine (which must serve ``version``)."""
+        engine = await self._engine()
+        async with self._eval_lock:
+            if self.eval_engine is not None:
+                engine = self.eval_engine
+                if weights is not None:
+                    await engine.update_weights(weights, version)
+            if engine.version != version:
+                raise RuntimeError(f"asked to evaluate version {version}, but the engine serves {engine.version}")
+            return await evaluate(lambda task: self._episode(task, engine, self.eval_sampling), tasks,
+                                  samples_per_task=self.cfg.eval.samples_per_task,
+                                  max_concurrent=self.cfg.rollout.max_concurrent_episodes,
+                                  success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
 
-    async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, partial_rollout: str) -> None:
+    async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> None:
         """Load ``weights`` as ``version``. What happens to generation under way:
         ``continue``: it goes on with the new weights (in-flight update); ``abort``: it
         returns now and the client resumes it with prompt + partial tokens; ``off``: it
@@ -114,13 +145,14 @@ class RolloutWorker:
             self._weights, self._version = weights, version
             return
         engine = await self._engine()
-        if partial_rollout == "continue":
+        if mode == "continue":
             await engine.update_weights(weights, version)
             return
-        await engine.pause("abort" if partial_rollout == "abort" else "wait")
+        await engine.pause("abort" if mode == "abort" else "wait")
         await engine.update_weights(weights, version)
         await engine.resume()
 
     async def shutdown(self) -> None:
-        if self.engine is not None:
-            await self.engine.shutdown()
+        for engine in (self.engine, self.eval_engine):
+            if engine is not None:
+                await engine.shutdown()

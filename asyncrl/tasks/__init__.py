@@ -3,13 +3,13 @@ reward spec string (``module:function``) into a callable."""
 
 from __future__ import annotations
 
-import importlib
 import random
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from asyncrl.plugins import load_named
 from asyncrl.tasks.arithmetic import arithmetic_reward, generate_arithmetic, iter_arithmetic
 from asyncrl.tasks.base import RewardFn, Task, TaskDataError, TaskSplits
 from asyncrl.tasks.countdown import countdown_reward, generate_countdown, iter_countdown
@@ -169,22 +169,5 @@ def default_reward_fn(name: str) -> RewardFn:
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:
-    """Import ``module:function`` (the attribute may be dotted, e.g. ``mod:Cls.fn``).
-    Errors name the spec, because it comes from a config file the user must edit."""
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(f"reward spec {spec!r} must look like 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward spec {spec!r}: cannot import module {module_name!r}: {exc}") from exc
-    for part in attr_path.split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise ValueError(
-                f"reward spec {spec!r}: {module_name!r} has no attribute {attr_path!r}"
-            ) from None
-    if not callable(obj):
-        raise ValueError(f"reward spec {spec!r}: {attr_path!r} is not callable ({type(obj).__name__})")
-    return obj
+    """Import the ``module:function`` a config names as ``task.reward_fn``."""
+    return load_named(spec, key="reward spec")

@@ -18,7 +18,8 @@ from typing import Protocol
 from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.tasks.base import Task
-from asyncrl.types import Episode
+from asyncrl.types import AttemptError, Episode
+
 
 class Workflow(Protocol):
     async def run(self, task: Task, llm: LLMClient) -> Episode: ...
@@ -29,7 +30,7 @@ async def run_episode(
 ) -> Episode:
     """Run ``workflow`` on ``task`` with a fresh client per attempt; never raises for a
     workflow's own failure."""
-    error = ""
+    error, errors = "", []
     for attempt in range(1, max_retries + 2):
         start = time.perf_counter()
         llm = make_client()
@@ -40,13 +41,17 @@ async def run_episode(
             raise
         except Exception as exc:  # TimeoutError included; kept, counted, retried
             kind = "timed out" if isinstance(exc, TimeoutError) else "raised"
-            error = f"workflow {type(workflow).__name__} {kind} on task {task.id} (attempt {attempt}):\n" + \
-                "".join(traceback.format_exception(exc))
+            trace = "".join(traceback.format_exception(exc))
+            error = f"workflow {type(workflow).__name__} {kind} on task {task.id} (attempt {attempt}):\n{trace}"
+            errors.append(AttemptError(attempt, f"{type(exc).__name__}: {exc}" if str(exc) else
+                                       f"{type(exc).__name__} ({kind})", trace))
             continue
         if not isinstance(episode, Episode):
             error = f"workflow {type(workflow).__name__}.run returned {type(episode).__name__}, not Episode"
+            errors.append(AttemptError(attempt, f"TypeError: {error}", ""))
             continue
-        episode.attempts = attempt
+        episode.attempts, episode.errors = attempt, errors
         episode.timings.setdefault("total_s", time.perf_counter() - start)
         return episode
-    return Episode(task_id=task.id, trajectories=llm.trajectories, status="error", error=error, attempts=max_retries + 1)
+    return Episode(task_id=task.id, trajectories=llm.trajectories, status="error", error=error,
+                   attempts=max_retries + 1, errors=errors)

@@ -3,11 +3,10 @@
 
 from __future__ import annotations
 
-import importlib
-
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.plugins import load_named
 from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
 from asyncrl.tasks.base import RewardFn, TaskSplits
 from asyncrl.workflows.base import Workflow
@@ -36,14 +35,12 @@ def build_workflow(cfg: Config) -> Workflow:
     if name == "single_turn":
         return SingleTurnWorkflow(build_reward_fn(cfg), use_chat_template=cfg.workflow.use_chat_template,
                                   reward_timeout_s=cfg.workflow.timeout_s)
-    module_name, sep, attr = name.partition(":")
-    if not sep:
+    if ":" not in name:
         raise ConfigError(f"workflow.name {name!r}: expected 'single_turn' or 'module:Class'")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"workflow.name {name!r} cannot be loaded: {exc}") from None
-    workflow = cls()
+        workflow = load_named(name, key="workflow.name")()
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     if not callable(getattr(workflow, "run", None)):
         raise ConfigError(f"workflow.name {name!r} has no run(task, llm) method")
     return workflow

@@ -8,8 +8,8 @@ import time
 
 from asyncrl.client import LLMClient
 from asyncrl.tasks.base import RewardFn, Task
-from asyncrl.types import Episode
 from asyncrl.threads import call_in_thread
+from asyncrl.types import Episode
 
 
 class SingleTurnWorkflow:

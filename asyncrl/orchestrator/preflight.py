@@ -1,0 +1,52 @@
+"""Everything that can be wrong with the input, checked before any work, for ``train``
+and ``eval`` alike: the engine is installed, ``model.path`` is a causal LM with a
+tokenizer that can render the workflow's prompts, the tasks load, the workflow and every
+name the config gives (algorithms, hooks) resolve. A failure is a ``ConfigError``
+naming the key (exit 2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
+from asyncrl.config import Config, ConfigError
+from asyncrl.engine import require_engine
+from asyncrl.orchestrator.hooks import Hooks
+from asyncrl.policy import check_policy, load_policy
+from asyncrl.tasks.base import TaskSplits
+from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokenizer
+
+
+@dataclass
+class Checked:
+    """What pre-flight loaded on the way, so nothing is loaded twice."""
+
+    tokenizer: PreTrainedTokenizerBase
+    model: PreTrainedModel | None  # None where the workers load their own (Ray, vLLM)
+    splits: TaskSplits
+    hooks: Hooks
+
+
+def preflight(cfg: Config, command: Literal["train", "eval"]) -> Checked:
+    if cfg.runtime == "local":  # on Ray the workers' environment is what counts
+        require_engine(cfg.engine)
+    # this process needs the weights only where it runs a learner or a torch engine itself
+    needs_model = cfg.runtime == "local" and (command == "train" or cfg.engine == "torch")
+    model, tokenizer = load_policy(cfg.model) if needs_model else (None, check_policy(cfg.model))
+    check_tokenizer(cfg, tokenizer)
+    splits = build_tasks(cfg)
+    if command == "train" and not splits.train:
+        raise ConfigError("task: the train split is empty")
+    build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
+    hooks = Hooks.from_config(cfg.hooks) if command == "train" else Hooks()
+    if command == "train":
+        for key, registry, kind in (("advantage", ADVANTAGE_ESTIMATORS, "advantage estimator"),
+                                    ("policy_loss", POLICY_LOSSES, "policy loss")):
+            try:
+                resolve(registry, getattr(cfg.algorithm, key), kind)
+            except KeyError as exc:
+                raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
+    return Checked(tokenizer, model, splits, hooks)
