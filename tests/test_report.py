@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -11,7 +14,7 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from asyncrl.cli import main  # noqa: E402
-from asyncrl.report import Run, format_value, load_run, overlap_fraction, summarize  # noqa: E402
+from asyncrl.report import Run, format_value, load_run, overlap_fraction, summarize, write_report  # noqa: E402
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy  # noqa: E402
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -38,6 +41,15 @@ def _metrics(path: Path) -> list[dict]:
 
 def _row(label: str, value: str) -> str:
     return f'<tr><th>{label}</th><td class="num">{value}</td></tr>'
+
+
+def _hand_written_run(root: Path, metrics: list[dict], timeline: list[dict] | None = None, mode: str = "async") -> Path:
+    """A run directory written by hand: the files a report reads, with chosen contents."""
+    root.mkdir()
+    (root / "config.yaml").write_text(f"mode: {mode}\nmax_staleness: 3\n")
+    for name, rows in (("metrics.jsonl", metrics), ("timeline.jsonl", timeline or []), ("samples.jsonl", [])):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root
 
 
 def test_report_of_a_real_run(run_dir, capsys):
@@ -83,7 +95,7 @@ def test_missing_or_foreign_directory_exits_2(tmp_path, capsys):
     assert "no metrics.jsonl" in capsys.readouterr().err
     (tmp_path / "metrics.jsonl").write_text('{"step": 0}\nnot json\n{"step": 1}\n')
     assert main(["report", str(tmp_path)]) == 2
-    assert "metrics.jsonl line 2" in capsys.readouterr().err
+    assert "metrics.jsonl, line 2" in capsys.readouterr().err
 
 
 def test_truncated_last_line_still_reports(run_dir, tmp_path):
@@ -112,3 +124,75 @@ def test_overlap_fraction():
     assert overlap_fraction(run([train, {"kind": "generate", "start": 2.0, "end": 3.0}])) == 0.0
     assert overlap_fraction(run(gens)) is None
     assert format_value(None) == format_value(float("nan")) == "n/a"
+
+
+def test_failed_attempts_are_summarised(tmp_path):
+    """errors.jsonl is optional (silent when absent); when present, the table counts the failed
+    attempts and names the most frequent exception."""
+    run_dir = _hand_written_run(tmp_path / "run", [{"step": 0, "eval/reward_mean": 0.25},
+                                                    {"step": 1, "time/elapsed": 1.0}])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no errors.jsonl: nothing to warn about
+        summary = summarize(load_run(run_dir))
+    assert summary["failed episode attempts (in errors.jsonl)"] == 0 and summary["most frequent exception"] is None
+
+    unavailable = "ValueError: reward service unavailable"
+    errors = [{"step": 1, "phase": "train", "task_id": "t3", "attempt": a, "exception": unavailable,
+               "traceback": "Traceback (most recent call last): ..."} for a in (1, 2)]
+    errors.append({"step": 0, "phase": "eval", "task_id": "v1", "attempt": 1,
+                   "exception": "TimeoutError: episode exceeded 30 s", "traceback": "..."})
+    (run_dir / "errors.jsonl").write_text("".join(json.dumps(e) + "\n" for e in errors))
+    summary = summarize(load_run(run_dir))
+    assert summary["failed episode attempts (in errors.jsonl)"] == 3
+    assert summary["most frequent exception"] == f"{unavailable} (×2)"
+    page = write_report(run_dir).read_text()
+    assert _row("failed episode attempts (in errors.jsonl)", "3") in page
+    assert _row("most frequent exception", f"{unavailable} (×2)") in page
+
+    (run_dir / "errors.jsonl").write_text('{"step": 1, "phase": "train"}\n')
+    with pytest.raises(ValueError, match=r"errors.jsonl, line 1 lacks 'exception'"):
+        load_run(run_dir)
+
+
+def test_eval_concurrent_with_training(tmp_path):
+    """Evaluation logged in a later row counts for the version it evaluated (``eval/version``), and
+    eval intervals overlapping training still make a report."""
+    metrics = [{"step": 0},
+               {"step": 1, "time/elapsed": 1.0, "eval/version": 0, "eval/reward_mean": 0.1},
+               {"step": 2, "time/elapsed": 2.0},
+               {"step": 3, "time/elapsed": 3.0, "eval/version": 2, "eval/reward_mean": 0.6}]
+    timeline = [{"kind": "eval", "start": 0.0, "end": 1.5}, {"kind": "train", "start": 0.2, "end": 1.0, "step": 1},
+                {"kind": "train", "start": 1.2, "end": 2.0, "step": 2}, {"kind": "eval", "start": 2.0, "end": 3.2},
+                {"kind": "train", "start": 2.2, "end": 3.0, "step": 3}]
+    run = load_run(_hand_written_run(tmp_path / "run", metrics, timeline))
+    summary = summarize(run)
+    assert summary["eval reward before (step 0)"] == 0.1
+    assert summary["eval reward after (last eval)"] == 0.6 and summary["last eval step"] == 2
+    assert summary["wall time (s)"] == 3.2
+    assert (write_report(run).parent / "report_timeline.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.parametrize(("mode", "max_staleness"), [("sync", 0), ("one_step_off", 1), ("async", 3)])
+def test_max_staleness_per_mode(tmp_path, mode, max_staleness):
+    run = load_run(_hand_written_run(tmp_path / "run", [{"step": 0}], mode=mode))
+    assert run.max_staleness == max_staleness == summarize(run)["staleness bound η"]
+
+
+def test_without_matplotlib_a_run_still_loads_and_summarises(tmp_path):
+    """matplotlib is optional: only drawing needs it, and ``write_report`` says how to install it."""
+    run_dir = _hand_written_run(tmp_path / "run", [{"step": 0, "eval/reward_mean": 0.5}])
+    code = f"""
+import sys
+sys.modules["matplotlib"] = None  # as if not installed
+from asyncrl.report import load_run, summarize, write_report
+run = load_run({str(run_dir)!r})
+assert summarize(run)["eval reward before (step 0)"] == 0.5
+try:
+    write_report(run)
+except ImportError as exc:
+    assert "pip install 'asyncrl[report]'" in str(exc), exc
+else:
+    raise AssertionError("write_report drew figures without matplotlib")
+"""
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert not list(run_dir.glob("report*"))
