@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.orchestrator.watchdog import WatchdogStop
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +32,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    failed_run: list[str] = []  # where a failed run's last good checkpoint is: said after the error
+    try:
+        return _run(args, failed_run)
+    finally:
+        for line in failed_run:
+            print(line, file=sys.stderr)
+
+
+def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bars show progress; theirs interleave
@@ -42,8 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 checkpoint = trainer.run()
             except BaseException:
-                last = trainer.last_checkpoint
-                print(f"asyncrl train: the run failed; last good checkpoint: {last or 'none yet'}", file=sys.stderr)
+                failed_run.append(f"asyncrl train: the run failed; last good checkpoint: "
+                                  f"{trainer.last_checkpoint or 'none yet'}")
                 raise
             print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
@@ -56,17 +66,17 @@ def main(argv: list[str] | None = None) -> int:
 
             run_bench(args.suite, args.overrides, args.out)
         elif args.command == "report":
-            try:
-                from asyncrl.report import load_run, write_report
-            except ImportError as exc:
-                print(f"asyncrl report needs matplotlib: pip install -e '.[report]' ({exc})", file=sys.stderr)
-                return 1
+            from asyncrl.report import load_run, write_report
 
             try:
                 run = load_run(args.run_dir)
             except (FileNotFoundError, ValueError) as exc:  # not a usable run dir: a usage error
                 raise ConfigError(str(exc)) from None
-            print(write_report(run))
+            try:
+                print(write_report(run))
+            except ImportError as exc:  # matplotlib is optional; the message says how to install it
+                print(f"asyncrl report: {exc}", file=sys.stderr)
+                return 1
     except ConfigError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
@@ -75,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except asyncio.CancelledError as exc:  # a second SIGINT/SIGTERM while the run was stuck waiting
         print(f"asyncrl {args.command}: {exc or 'cancelled'}", file=sys.stderr)
+        return 1
+    except WatchdogStop as exc:  # its message holds the evidence; our own stack would only hide it
+        print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1
     except Exception:
         traceback.print_exc()
