@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from asyncrl.orchestrator.staleness import AsyncStalenessGate
+from asyncrl.orchestrator.staleness import AsyncStalenessGate, check_staleness
 from asyncrl.types import Group, Trajectory
 
 
@@ -69,3 +69,18 @@ class GroupBuffer:
                     taken, self._ready = self._ready[:n], self._ready[n:]
                     return taken
                 await self._changed.wait()
+
+
+def trainable(groups: list[ReadyGroup], trained_version: int, max_staleness: int) -> tuple[list[Trajectory], list[float]]:
+    """The trajectories of ``groups`` with their episodes' advantages, each checked to be
+    at most ``max_staleness`` versions old at ``trained_version`` (the learner's side of
+    the bound: anything older is a bug upstream, and stops the run)."""
+    trajectories, advantages = [], []
+    for g in groups:
+        for episode, advantage in zip(g.group.episodes, g.group.advantages or []):
+            for t in episode.trajectories:
+                check_staleness(trained_version, t.behavior_version_min, max_staleness,
+                                f"a trajectory of task {g.group.task_id}")
+                trajectories.append(t)
+                advantages.append(advantage)
+    return trajectories, advantages

@@ -16,44 +16,25 @@ sees only a learner handle and a rollout handle.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from asyncrl.algorithms import compute_advantages
 from asyncrl.config import Config, save_config
 from asyncrl.learner import pack
-from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
-from asyncrl.orchestrator.checkpoint import (
-    RUN_STATE_FILE,
-    RunState,
-    latest_checkpoint,
-    rollback_logs,
-    rotate,
-)
+from asyncrl.orchestrator.buffer import ReadyGroup, trainable
+from asyncrl.orchestrator.checkpoint import RUN_STATE_FILE, RunState, latest_checkpoint, rollback_logs, rotate
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.metrics import StepTimes, eval_metrics, sample_rows, step_row
 from asyncrl.orchestrator.preflight import preflight
+from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
-from asyncrl.orchestrator.staleness import (
-    AsyncStalenessGate,
-    StalenessGate,
-    check_staleness,
-)
-from asyncrl.orchestrator.task_stream import TaskStream
+from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import Weights, start
-from asyncrl.tasks.base import Task
-from asyncrl.types import Episode, Group
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+from asyncrl.types import Episode
 
 
 class Trainer:
@@ -65,10 +46,7 @@ class Trainer:
                                                                 checked.hooks)
         self.max_staleness = cfg.effective_max_staleness
         self.watchdog = Watchdog(cfg.watchdog)
-        self._stop = asyncio.Event()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._finished_rewards: list[float] = []
-        self._in_flight: dict[int, int] = {}  # start order -> task index, until the group is done
+        self._stop = StopControl()
         self.last_checkpoint: Path | None = None
         self._saved_step: int | None = None
         self.resumed_from: RunState | None = None
@@ -81,27 +59,11 @@ class Trainer:
                   file=sys.stderr)
         self.step = self.version = self.resumed_from.step if self.resumed_from else 0  # a step makes a version
         self._served_version = self.version  # what the rollout engines hold
-        self._restore(self.resumed_from)
-
-    def _restore(self, state: RunState | None) -> None:
-        """The gate, buffer and data cursor of a fresh run, or of the checkpoint ``state``."""
-        gate = StalenessGate(self.max_staleness, self.cfg.batch_size, self.version)
-        self._restarts_before, self._started = 0, 0
-        if state is not None:  # consumed and saved groups hold quota; re-issued tasks start afresh
-            groups = state.ready_groups()
-            accepted = state.step * self.cfg.batch_size + len(groups)
-            gate = StalenessGate.from_snapshot({**gate.snapshot(), "accepted": accepted, "running": 0})
-            self._started, self._restarts_before = state.started, state.counters.pop("worker_restarts", 0)
-            self.watchdog.counts.update(state.counters)
-        self.gate = AsyncStalenessGate(gate)
-        self.buffer = GroupBuffer(self.gate, self.max_staleness)
-        if state is None:
-            self.stream = TaskStream(self.splits.train, self.cfg.seed)
-        else:
-            self.buffer.restore(groups)
-            self.buffer.stale_dropped = state.stale_dropped
-            self.stream = TaskStream(self.splits.train, self.cfg.seed, state.epoch, state.index, state.reissue)
-        self._epochs_reported = self.stream.epochs_handed_out
+        state = self.resumed_from
+        self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state)
+        self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
+        self.watchdog.counts.update(state.counters if state else {})
+        self._epochs_reported = self.rollouts.stream.epochs_handed_out
 
     # ------------------------------------------------------------- control
     def run(self) -> Path:
@@ -111,46 +73,15 @@ class Trainer:
     def stop(self) -> None:
         """Finish the current step, checkpoint and return, as a first Ctrl-C does. Safe from
         any thread, and from a hook."""
-        with contextlib.suppress(RuntimeError):  # no loop runs in this thread
-            if asyncio.get_running_loop() is self._loop:
-                self._stop.set()
-                return
-        if self._loop is None or self._loop.is_closed():  # not started, or over
-            self._stop.set()
-        else:
-            self._loop.call_soon_threadsafe(self._stop.set)
-
-    def _on_signal(self, main: asyncio.Task) -> None:
-        """First signal: finish the step, checkpoint, exit 0. A second one: stop waiting
-        (for a worker that never starts, say) and fail with the last good checkpoint."""
-        if self._stop.is_set():
-            main.cancel("stopped by a second signal")
-        self._stop.set()
-
-    @contextlib.contextmanager
-    def _signal_handlers(self) -> Iterator[None]:
-        """Only the main thread may own signals: elsewhere (a notebook's worker thread, an
-        embedding application) the caller stops the run with :meth:`stop`."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        loop = asyncio.get_running_loop()
-        for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, self._on_signal, asyncio.current_task())
-        try:
-            yield
-        finally:
-            for sig in STOP_SIGNALS:
-                loop.remove_signal_handler(sig)
+        self._stop.request()
 
     # ---------------------------------------------------------------- main
     async def run_async(self) -> Path:
         """The whole run on the caller's event loop; returns the final checkpoint."""
-        self._loop = asyncio.get_running_loop()
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.output_dir / "config.yaml")
         state, first_step = self.resumed_from, self.step
-        with self._signal_handlers():
+        with self._stop.installed():
             async with start(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
@@ -175,7 +106,9 @@ class Trainer:
                 side = [self._tasks.create_task(self.watchdog.watch())]
                 if evaluate_first:
                     self.log.step({"step": 0, "version": self.version}, await self._evaluation(0))
-                side.append(self._tasks.create_task(self._rollout_loop()))
+                side.append(self._tasks.create_task(self.rollouts.run(
+                    self.rollout, self._now, lambda episode: self._seen(episode, "train"),
+                    lambda start, end, order: self.log.event("generate", start, end, group=order))))
                 last = await self._train_loop()
                 await self.log.flushed()
                 for task in side:
@@ -195,14 +128,7 @@ class Trainer:
                 break
             waited = time.perf_counter() - t0
             trained_version, step = self.version, self.step + 1
-            trajectories, advantages = [], []
-            for g in groups:
-                for episode, advantage in zip(g.group.episodes, g.group.advantages or []):
-                    for t in episode.trajectories:
-                        check_staleness(trained_version, t.behavior_version_min, self.max_staleness,
-                                        f"a trajectory of task {g.group.task_id}")
-                        trajectories.append(t)
-                        advantages.append(advantage)
+            trajectories, advantages = trainable(groups, trained_version, self.max_staleness)
             t_train = self._now()
             on_policy = all(t.behavior_version_max == trained_version for t in trajectories)
             actor = await self.learner.train_step(pack(trajectories, advantages, self.tokenizer.pad_token_id or 0),
@@ -211,16 +137,16 @@ class Trainer:
             self.log.event("train", t_train, self._now(), step=step)
             weights = await self._sync_weights(actor) if step % self.cfg.sync_every == 0 else None
             busy = await self.rollout.busy_s() - busy0
-            finished, self._finished_rewards = self._finished_rewards, []
             times = StepTimes(time.perf_counter() - t0, waited, busy, self._now())
-            row = step_row(step, self.version, trained_version, groups, trajectories, actor, times, finished,
-                           self._counters(), {"groups_ready": len(self.buffer),
-                                              "stale_dropped_total": self.buffer.stale_dropped})
+            buffer = self.rollouts.buffer
+            row = step_row(step, self.version, trained_version, groups, trajectories, actor, times,
+                           self.rollouts.take_finished_rewards(), self._counters(),
+                           {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped})
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
             due = self.cfg.eval_every and step % self.cfg.eval_every == 0
             self.log.step(row, await self._evaluation(step, weights) if due else None)
             await self._hook("on_step_end", row)
-            while self._epochs_reported < self.stream.epochs_handed_out:
+            while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
                 await self._hook("on_epoch_end", row, epoch=self._epochs_reported)
                 self._epochs_reported += 1
             if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
@@ -228,7 +154,7 @@ class Trainer:
         return self.step
 
     async def _take_unless_stopped(self) -> list[ReadyGroup] | None:
-        take = asyncio.ensure_future(self.buffer.take(self.cfg.batch_size, self.version))
+        take = asyncio.ensure_future(self.rollouts.buffer.take(self.cfg.batch_size, self.version))
         stop = asyncio.ensure_future(self._stop.wait())
         self.watchdog.waiting(True)
         try:
@@ -246,7 +172,7 @@ class Trainer:
         t_sync = self._now()
         weights = await self.learner.publish()
         await self.rollout.sync_weights(weights, self.version, self.cfg.effective_partial_rollout)
-        await self.gate.set_version(self.version)
+        await self.rollouts.gate.set_version(self.version)
         self._served_version = self.version
         self.log.event("sync", t_sync, self._now(), version=self.version)
         await self._hook("on_policy_updated", actor)
@@ -269,55 +195,16 @@ class Trainer:
 
     async def _save(self, step: int) -> None:
         await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
-        state = self._run_state(step)
+        state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), **self.rollouts.snapshot())
         ckpt_dir = self.output_dir / "checkpoints"
         self.last_checkpoint = await self.learner.save_checkpoint(ckpt_dir / f"step_{step}", {"step": step},
                                                                   {RUN_STATE_FILE: state.to_json()})
         self._saved_step = step
         rotate(ckpt_dir, self.cfg.keep_last)
 
-    def _run_state(self, step: int) -> RunState:
-        """Taken on the event loop between two awaits, so the buffer and the in-flight set
-        are one consistent picture even though rollouts go on while the files are written."""
-        buffered = self.buffer.snapshot()
-        in_buffer = {g.start_order for g in buffered}
-        unfinished = [i for order, i in sorted(self._in_flight.items()) if order not in in_buffer]
-        return RunState(step=step, elapsed_s=self._now(), started=self._started, epoch=self.stream.epoch,
-                        index=self.stream.index, reissue=list(self.stream.reissue) + unfinished,
-                        buffered=RunState.encode_groups(buffered), counters=self._counters(),
-                        stale_dropped=self.buffer.stale_dropped)
-
     def _counters(self) -> dict[str, int]:
         """Since the run began (across resumes)."""
         return {**self.watchdog.counts, "worker_restarts": self._restarts_before + self.rollout.restarts}
-
-    # -------------------------------------------------------------- rollouts
-    async def _rollout_loop(self) -> None:
-        async with asyncio.TaskGroup() as tg:
-            while True:
-                await self.gate.acquire()
-                self._started += 1
-                index = self.stream.next_index()
-                self._in_flight[self._started] = index
-                tg.create_task(self._run_group(self.splits.train[index], self._started))
-
-    async def _run_group(self, task: Task, start_order: int) -> None:
-        started = self._now()
-        episodes = await self.rollout.run_group(task, self.cfg.group_size)
-        self.log.event("generate", started, self._now(), group=start_order)
-        for episode in episodes:
-            self._seen(episode, "train")
-        ok = [e for e in episodes if e.status == "ok" and e.trajectories]
-        self._finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
-        rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
-        if not ok or (self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all())):
-            self.watchdog.group("filtered" if ok else "all_error")
-            await self.gate.release_rejected()
-        else:
-            advantages = compute_advantages(self.cfg.algorithm.advantage, rewards)[0].tolist()
-            self.watchdog.group("accepted")
-            await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
-        del self._in_flight[start_order]  # only now: a cancelled group is re-issued on resume
 
     def _seen(self, episode: Episode, phase: str) -> None:
         self.watchdog.episode(episode, phase)

@@ -1,0 +1,94 @@
+"""The rollout side of the orchestrator: the gate admits a task, its n episodes run on the
+rollout handle, the group is scored and either filtered (its quota released) or put in
+the buffer for the learner. It owns what a checkpoint must keep of this side: the data
+cursor, the groups handed out and not finished, the groups generated and not trained."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.algorithms import compute_advantages
+from asyncrl.config import Config
+from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
+from asyncrl.orchestrator.checkpoint import RunState
+from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
+from asyncrl.orchestrator.task_stream import TaskStream
+from asyncrl.orchestrator.watchdog import Watchdog
+from asyncrl.runtime import RolloutHandle
+from asyncrl.tasks.base import Task
+from asyncrl.types import Episode, Group
+
+
+class RolloutLoop:
+    def __init__(self, cfg: Config, tasks: list[Task], version: int, watchdog: Watchdog,
+                 state: RunState | None = None) -> None:
+        """A fresh loop at ``version``, or the one checkpointed in ``state``."""
+        self.cfg, self.tasks, self.watchdog = cfg, tasks, watchdog
+        eta = cfg.effective_max_staleness
+        gate = StalenessGate(eta, cfg.batch_size, version)
+        self.started = 0  # groups admitted so far: the start order of the next is started + 1
+        self.in_flight: dict[int, int] = {}  # start order -> task index, until the group is done
+        self.finished_rewards: list[float] = []  # every episode's since the last step, filtered ones too
+        if state is not None:  # consumed and saved groups hold quota; re-issued tasks start afresh
+            groups = state.ready_groups()
+            accepted = state.step * cfg.batch_size + len(groups)
+            gate = StalenessGate.from_snapshot({**gate.snapshot(), "accepted": accepted, "running": 0})
+            self.started = state.started
+        self.gate = AsyncStalenessGate(gate)
+        self.buffer = GroupBuffer(self.gate, eta)
+        if state is None:
+            self.stream = TaskStream(tasks, cfg.seed)
+        else:
+            self.buffer.restore(groups)
+            self.buffer.stale_dropped = state.stale_dropped
+            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue)
+
+    async def run(self, rollout: RolloutHandle, now: Callable[[], float], on_episode: Callable[[Episode], None],
+                  on_generated: Callable[[float, float, int], None]) -> None:
+        """Until cancelled. ``on_episode``: every finished episode (errors, watchdog);
+        ``on_generated(start, end, start_order)``: a group's generation, on ``now``'s clock."""
+        async with asyncio.TaskGroup() as tg:
+            while True:
+                await self.gate.acquire()
+                self.started += 1
+                index = self.stream.next_index()
+                self.in_flight[self.started] = index
+                tg.create_task(self._group(rollout, self.tasks[index], self.started, now, on_episode, on_generated))
+
+    async def _group(self, rollout: RolloutHandle, task: Task, start_order: int, now: Callable[[], float],
+                     on_episode: Callable[[Episode], None], on_generated: Callable[[float, float, int], None]) -> None:
+        started = now()
+        episodes = await rollout.run_group(task, self.cfg.group_size)
+        on_generated(started, now(), start_order)
+        for episode in episodes:
+            on_episode(episode)
+        ok = [e for e in episodes if e.status == "ok" and e.trajectories]
+        self.finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
+        rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
+        if not ok or (self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all())):
+            self.watchdog.group("filtered" if ok else "all_error")
+            await self.gate.release_rejected()
+        else:
+            advantages = compute_advantages(self.cfg.algorithm.advantage, rewards)[0].tolist()
+            self.watchdog.group("accepted")
+            await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
+        del self.in_flight[start_order]  # only now: a cancelled group is re-issued on resume
+
+    def take_finished_rewards(self) -> list[float]:
+        finished, self.finished_rewards = self.finished_rewards, []
+        return finished
+
+    def snapshot(self) -> dict[str, Any]:
+        """This side's part of a :class:`RunState`. Taken on the event loop between two
+        awaits, so the buffer and the in-flight set are one consistent picture even though
+        rollouts go on while the checkpoint is written."""
+        buffered = self.buffer.snapshot()
+        in_buffer = {g.start_order for g in buffered}
+        unfinished = [i for order, i in sorted(self.in_flight.items()) if order not in in_buffer]
+        return {"started": self.started, "epoch": self.stream.epoch, "index": self.stream.index,
+                "reissue": list(self.stream.reissue) + unfinished, "buffered": RunState.encode_groups(buffered),
+                "stale_dropped": self.buffer.stale_dropped}
