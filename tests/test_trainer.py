@@ -143,12 +143,33 @@ def test_on_policy_step_equals_recomputed_step(char_tokenizer):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=name)
 
 
-def test_reused_output_dir_holds_only_the_new_run(tmp_path, policy_dir):
-    """A fresh run starts fresh files: appending would splice two runs under one config."""
-    train_run(tmp_path, policy_dir, "again", "mode=sync", "partial_rollout=off", "total_steps=3")
-    out, samples, metrics = train_run(tmp_path, policy_dir, "again", "mode=sync", "partial_rollout=off",
-                                      "total_steps=2")
-    assert [m["step"] for m in metrics] == [0, 1, 2]
-    assert {s["step"] for s in samples} == {1, 2}
-    events = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in events if e["kind"] == "train"] == [1, 2]
+def test_a_used_output_dir_is_refused_unchanged_unless_resumed(tmp_path, policy_dir, capsys):
+    """A fresh run into an earlier run's directory would truncate its logs and mix its
+    checkpoints with the old ones: refused (exit 2), every byte left as it was."""
+    out, _, _ = train_run(tmp_path, policy_dir, "again", "mode=sync", "partial_rollout=off", "total_steps=3")
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    code = main(["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "mode=sync", "partial_rollout=off", "total_steps=2"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "resume=true" in err and "not empty" in err
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    _, samples, metrics = train_run(tmp_path, policy_dir, "again", "mode=sync", "partial_rollout=off",
+                                    "total_steps=5", "resume=true", "keep_last=1")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4, 5]  # one history, every step once
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_5"]
+    final = capsys.readouterr().out.strip().splitlines()[-1]
+    assert final == f"done; final checkpoint: {out / 'checkpoints' / 'step_5'}"
+
+
+def test_rotation_never_removes_the_checkpoint_just_written(tmp_path):
+    from asyncrl.orchestrator.checkpoint import LEARNER_STATE_FILE, RUN_STATE_FILE, rotate
+
+    for step in (3, 10, 30):
+        (tmp_path / f"step_{step}").mkdir()
+        (tmp_path / f"step_{step}" / LEARNER_STATE_FILE).touch()
+        (tmp_path / f"step_{step}" / RUN_STATE_FILE).touch()
+    rotate(tmp_path, keep_last=2, newest=tmp_path / "step_3")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_10", "step_3", "step_30"]
+    rotate(tmp_path, keep_last=1, newest=tmp_path / "step_30")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_30"]

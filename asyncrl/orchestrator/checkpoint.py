@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from asyncrl.config import ConfigError
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.types import Group
@@ -74,9 +75,30 @@ def latest_checkpoint(ckpt_dir: Path) -> Path | None:
     return steps[-1][1] if steps else None
 
 
-def rotate(ckpt_dir: Path, keep_last: int) -> None:
+def starting_point(output_dir: Path, resume: bool) -> Path | None:
+    """The checkpoint a run continues from, or None for a fresh start. A fresh start needs
+    an empty (or new) ``output_dir``: a fresh run would otherwise truncate an earlier
+    run's logs and mix its checkpoints with the old ones. Nothing already produced is
+    ever overwritten, so both refusals are config errors (exit 2) that say what to do."""
+    found = sorted(p.name for p in output_dir.iterdir()) if output_dir.is_dir() else []
+    checkpoint = latest_checkpoint(output_dir / "checkpoints")
+    if resume and checkpoint is not None:
+        return checkpoint
+    if found:
+        shown = ", ".join(found[:6]) + (", …" if len(found) > 6 else "")
+        if resume:
+            raise ConfigError(f"output_dir {str(output_dir)!r} holds {shown} but no complete checkpoint to resume "
+                              "from; choose a new output_dir (nothing is overwritten)")
+        raise ConfigError(f"output_dir {str(output_dir)!r} is not empty ({shown}); continue that run with "
+                          "resume=true, or choose a new output_dir (nothing is overwritten)")
+    return None
+
+
+def rotate(ckpt_dir: Path, keep_last: int, newest: Path) -> None:
+    """Keep the ``keep_last`` latest checkpoints, and always ``newest``, the one just written."""
     for _, old in checkpoint_steps(ckpt_dir)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
+        if old != newest:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _rewrite_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 from asyncrl.config import Config, save_config
 from asyncrl.learner import pack
 from asyncrl.orchestrator.buffer import ReadyGroup, trainable
-from asyncrl.orchestrator.checkpoint import RUN_STATE_FILE, RunState, latest_checkpoint, rollback_logs, rotate
+from asyncrl.orchestrator.checkpoint import RUN_STATE_FILE, RunState, rollback_logs, rotate, starting_point
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.metrics import StepTimes, eval_metrics, sample_rows, step_row
 from asyncrl.orchestrator.preflight import preflight
@@ -41,6 +41,7 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         """Everything that can be wrong with the input fails here, before any work."""
         self.cfg, self.output_dir = cfg, Path(cfg.output_dir)
+        checkpoint = starting_point(self.output_dir, cfg.resume)
         checked = preflight(cfg, "train")
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
@@ -50,13 +51,9 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self._saved_step: int | None = None
         self.resumed_from: RunState | None = None
-        checkpoint = latest_checkpoint(self.output_dir / "checkpoints") if cfg.resume else None
         if checkpoint is not None:
             self.resumed_from = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text())
             self.last_checkpoint = checkpoint
-        elif cfg.resume:
-            print(f"asyncrl: resume=true but no checkpoint under {self.output_dir / 'checkpoints'}; starting fresh",
-                  file=sys.stderr)
         self.step = self.version = self.resumed_from.step if self.resumed_from else 0  # a step makes a version
         self._served_version = self.version  # what the rollout engines hold
         state = self.resumed_from
@@ -200,7 +197,7 @@ class Trainer:
         self.last_checkpoint = await self.learner.save_checkpoint(ckpt_dir / f"step_{step}", {"step": step},
                                                                   {RUN_STATE_FILE: state.to_json()})
         self._saved_step = step
-        rotate(ckpt_dir, self.cfg.keep_last)
+        rotate(ckpt_dir, self.cfg.keep_last, newest=self.last_checkpoint)
 
     def _counters(self) -> dict[str, int]:
         """Since the run began (across resumes)."""
