@@ -15,12 +15,13 @@ from asyncrl.orchestrator.watchdog import WatchdogStop
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="RL training (sync, one_step_off, async)")
-    train.add_argument("config", help="YAML config file")
-    train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    ev = sub.add_parser("eval", help="score a policy on a task's validation split")
-    ev.add_argument("config", help="YAML config file")
-    ev.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    for name, help_ in (("train", "RL training (sync, one_step_off, async)"),
+                        ("eval", "score a policy on a task's validation split")):
+        cmd = sub.add_parser(name, help=help_, epilog=KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        cmd.add_argument("config", help="YAML config file (e.g. examples/countdown/async.yaml)")
+        cmd.add_argument("overrides", nargs="*", metavar="key=value",
+                         help="optional overrides of the file's keys, dotted (e.g. optim.lr=1e-4 total_steps=100)")
+        cmd.add_argument("--keys", action=_ListKeys, help="list every config key with its default, and exit")
     bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
     bench.add_argument("suite", choices=["engine", "modes", "trl"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
@@ -28,6 +29,26 @@ def _parser() -> argparse.ArgumentParser:
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")
     report.add_argument("run_dir", help="output directory of an asyncrl train run")
     return parser
+
+
+KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/config.py;
+`asyncrl train --keys` lists them with their defaults"""
+
+
+class _ListKeys(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        from asyncrl.config import Config, all_keys
+
+        defaults = Config().model_dump()
+        for key in all_keys(Config):
+            value = defaults
+            for part in key.split("."):
+                value = value[part]
+            print(f"{key} = {value!r}")
+        parser.exit()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,15 +61,21 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
 
 
-def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
+def _quiet_transformers() -> None:
+    """Our own bars show progress; transformers' would interleave with them."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # our own bars show progress; theirs interleave
+    hf_logging.disable_progress_bar()
+
+
+def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
     try:
         if args.command == "train":
+            cfg = load_config(args.config, args.overrides)  # before torch loads: a typo fails in a blink
+            _quiet_transformers()
             from asyncrl.orchestrator.trainer import Trainer
 
-            trainer = Trainer(load_config(args.config, args.overrides))
+            trainer = Trainer(cfg)
             try:
                 checkpoint = trainer.run()
             except BaseException:
@@ -57,11 +84,14 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
                 raise
             print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
+            cfg = load_config(args.config, args.overrides)
+            _quiet_transformers()
             from asyncrl.orchestrator.evaluator import run_eval
 
-            result = run_eval(load_config(args.config, args.overrides))
+            result = run_eval(cfg)
             print(json.dumps(result.summary(), indent=2))
         elif args.command == "bench":
+            _quiet_transformers()
             from asyncrl.bench import run_bench
 
             run_bench(args.suite, args.overrides, args.out)

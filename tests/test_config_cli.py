@@ -172,3 +172,31 @@ def test_scientific_notation_is_a_float(tmp_path):
     path.write_text("optim:\n  lr: 5e-4\n  micro_batch_size: 8\n")
     cfg = load_config(path, [])
     assert cfg.optim.lr == 5e-4 and cfg.optim.micro_batch_size == 8
+
+
+def test_a_bad_key_fails_before_torch_loads():
+    """Checked in a fresh interpreter: the config is read and refused before torch (or
+    transformers) is imported, so a typo costs well under the import of torch alone."""
+    import subprocess
+    import sys
+    import time
+
+    probe = ("import sys; from asyncrl.cli import main; "
+             "code = main(['train', 'examples/countdown/async.yaml', 'task.num_validaton=3']); "
+             "sys.exit(10 + code if 'torch' in sys.modules or 'transformers' in sys.modules else code)")
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    bad_key_s = time.perf_counter() - start
+    assert done.returncode == 2, done.stderr  # 12 would mean: refused, but only after torch loaded
+    assert "'task.num_validaton'; did you mean 'task.num_validation'?" in done.stderr
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True, timeout=120)
+    assert bad_key_s < time.perf_counter() - start
+
+
+def test_keys_are_listed_with_defaults(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--keys"])
+    assert info.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "task.num_validation = 128" in lines and "watchdog.stall_s = 300.0" in lines
