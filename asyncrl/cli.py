@@ -61,6 +61,31 @@ def main(argv: list[str] | None = None) -> int:
             print(line, file=sys.stderr)
 
 
+def _ending(trainer) -> str:
+    """The run in one glance: where evaluation went, how long it took, what to run next."""
+    from asyncrl.jsonl import read_jsonl
+
+    out = trainer.output_dir
+    rows = read_jsonl(out / "metrics.jsonl")
+    evals = [r for r in rows if "eval/reward_mean" in r]
+    lines = []
+    if trainer.interrupted:
+        lines.append(f"asyncrl train: interrupted at step {trainer.step}; continue with the same command and "
+                     "resume=true")
+    if evals:
+        first, last = evals[0], evals[-1]
+        lines.append(f"asyncrl train: eval reward {first['eval/reward_mean']:.3f} → {last['eval/reward_mean']:.3f}, "
+                     f"pass@1 {first['eval/pass@1']:.3f} → {last['eval/pass@1']:.3f} (step {first['step']} → "
+                     f"{last['step']}); wall time {_duration(trainer.wall_s)}")
+    lines.append(f"report: asyncrl report {out}")
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
 def _quiet_transformers() -> None:
     """Our own bars show progress; transformers' would interleave with them."""
     from transformers.utils import logging as hf_logging
@@ -82,6 +107,7 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
                 failed_run.append(f"asyncrl train: the run failed; last good checkpoint: "
                                   f"{trainer.last_checkpoint or 'none yet'}")
                 raise
+            print(_ending(trainer), file=sys.stderr)
             print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
             cfg = load_config(args.config, args.overrides)

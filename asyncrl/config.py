@@ -65,7 +65,12 @@ class SamplingConfig(Section):
 
 class WorkflowConfig(Section):
     name: str = "single_turn"
-    """``single_turn`` or ``module:Class`` (constructed with no arguments)."""
+    """``single_turn``, or a class as ``module:Class`` or ``path/to/file.py:Class``, built as
+    ``Class(ctx, **options)`` (``ctx``: a ``WorkflowContext`` with the reward function) or,
+    when it takes no context, ``Class(**options)``; see ``asyncrl/workflows/registry.py``."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of a ``module:Class`` workflow's constructor (e.g. ``max_turns``);
+    ``single_turn`` takes none."""
     use_chat_template: bool = True
     timeout_s: float = Field(60.0, gt=0)
     """An episode (generation + reward) running longer is cancelled and counted as an error."""
@@ -194,7 +199,8 @@ class Config(Section):
     sync_every: int = Field(1, ge=1)
     """Optimizer steps between weight syncs to the engines."""
     eval_every: int = Field(10, ge=0)
-    """Steps between evaluations (0 = only before the first step)."""
+    """Steps between evaluations; evaluation also runs before the first and after the last
+    step (0 = only those two)."""
     save_every: int = Field(0, ge=0)
     """Steps between checkpoints (0 = only at the end)."""
     keep_last: int = Field(2, ge=1)

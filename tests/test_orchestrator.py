@@ -234,6 +234,7 @@ def test_a_run_in_another_thread_is_stopped_by_a_method(tmp_path, policy_dir):
     trainer.stop()
     thread.join(timeout=120)
     assert not thread.is_alive() and "error" not in result, result
+    assert trainer.interrupted
     checkpoint = result["checkpoint"]
     assert checkpoint.name == f"step_{trainer.step}" and (checkpoint / "model.safetensors").exists()
     assert [m["step"] for m in rows(out / "metrics.jsonl")] == list(range(trainer.step + 1))

@@ -45,6 +45,17 @@ def test_sync_is_on_policy(tmp_path, policy_dir):
     assert (out / "checkpoints" / "step_4" / "config.json").exists()
 
 
+def test_a_run_shorter_than_eval_every_still_ends_with_an_evaluation(tmp_path, policy_dir, capsys):
+    _, _, metrics = train_run(tmp_path, policy_dir, "short", "total_steps=3", "eval_every=10")
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3]
+    assert metrics[-1]["eval/version"] == 3 and "eval/reward_mean" not in metrics[1]
+    err = capsys.readouterr().err
+    first, last = metrics[0], metrics[-1]
+    assert (f"eval reward {first['eval/reward_mean']:.3f} → {last['eval/reward_mean']:.3f}, pass@1 "
+            f"{first['eval/pass@1']:.3f} → {last['eval/pass@1']:.3f} (step 0 → 3)") in err
+    assert f"report: asyncrl report {tmp_path / 'short'}" in err
+
+
 def test_one_step_off_is_at_most_one_behind(tmp_path, policy_dir):
     _, samples, _ = train_run(tmp_path, policy_dir, "one", "mode=one_step_off", "partial_rollout=off")
     assert max(staleness(samples)) <= 1 and len(samples) == 32
@@ -130,6 +141,7 @@ def test_sigint_finishes_step_checkpoints_and_exits_0(tmp_path, policy_dir):
     assert proc.returncode == 0, output.decode()[-2000:]
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert (out / "checkpoints" / f"step_{steps[-1]}" / "model.safetensors").exists()
+    assert f"interrupted at step {steps[-1]}; continue with the same command and resume=true" in output.decode()
 
 
 def test_on_policy_step_equals_recomputed_step(char_tokenizer):

@@ -34,6 +34,7 @@ class RunLog:
         self.files = {name: open(output_dir / name, mode) for name in LOG_FILES}
         self.max_errors_per_step = cfg.logging.max_errors_per_step
         self.errors_unlogged = 0
+        self._shown: dict[str, str] = {}  # the bar's figures: the latest of each, eval's kept between evals
         self._errors_at: Counter[int] = Counter()
         self._queue: deque[tuple[dict[str, Any], asyncio.Future[dict[str, Any]] | None]] = deque()
         self.bar = tqdm(total=cfg.total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
@@ -89,7 +90,8 @@ class RunLog:
         shown = {"reward": "reward/mean", "eval": "eval/reward_mean", "stale": "staleness/mean",
                  "samples/s": "throughput/samples_per_s", "errors": "rollout/episodes_error_total",
                  "filtered": "rollout/groups_filtered_total"}
-        self.bar.set_postfix({k: f"{row[v]:.3g}" for k, v in shown.items() if row.get(v)})
+        self._shown.update({k: f"{row[v]:.3g}" for k, v in shown.items() if row.get(v) is not None})
+        self.bar.set_postfix(self._shown)
 
     # -- the other files --------------------------------------------------------
     def samples(self, rows: list[dict[str, Any]]) -> None:

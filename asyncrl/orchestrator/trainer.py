@@ -67,6 +67,26 @@ class Trainer:
         """The whole run in a fresh event loop; returns the final checkpoint. Any thread."""
         return asyncio.run(self.run_async())
 
+    @property
+    def interrupted(self) -> bool:
+        """The run ended early because it was asked to stop (a signal, :meth:`stop`, a hook)."""
+        return self._stop.is_set() and self.step < self.cfg.total_steps
+
+    def banner(self) -> str:
+        """What a run is about to do, said before it starts."""
+        c, state = self.cfg, self.resumed_from
+        partial = c.effective_partial_rollout
+        evals = f"every {c.eval_every} steps" if c.eval_every else "before the first and after the last step"
+        return "\n".join([
+            f"asyncrl train → {self.output_dir}" + (f" (resuming from step {state.step})" if state else ""),
+            f"  mode {c.mode}, η = {self.max_staleness}, partial rollouts: {partial}; runtime {c.runtime}, "
+            f"engine {c.engine}",
+            f"  model {c.model.path}; task {c.task.name} ({len(self.splits.train)} train, "
+            f"{min(c.eval.num_tasks, len(self.splits.validation))} validation tasks scored)",
+            f"  {c.total_steps} steps × {c.batch_size} groups × {c.group_size} samples; evaluation {evals}"
+            + (" (beside training)" if c.background_eval else ""),
+            "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
+
     def stop(self) -> None:
         """Finish the current step, checkpoint and return, as a first Ctrl-C does. Safe from
         any thread, and from a hook."""
@@ -78,6 +98,7 @@ class Trainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         save_config(self.cfg, self.output_dir / "config.yaml")
         state, first_step = self.resumed_from, self.step
+        print(self.banner(), file=sys.stderr, flush=True)
         with self._stop.installed():
             async with start(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
@@ -93,6 +114,7 @@ class Trainer:
                     last = await self._loops(evaluate_first=state is None)
                     if (last > first_step or state is None) and self._saved_step != last:
                         await self._save(last)
+                    self.wall_s = self._now()
                 finally:
                     self.log.close()
         return self.last_checkpoint
@@ -140,7 +162,7 @@ class Trainer:
                            self.rollouts.take_finished_rewards(), self._counters(),
                            {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped})
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
-            due = self.cfg.eval_every and step % self.cfg.eval_every == 0
+            due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             self.log.step(row, await self._evaluation(step, weights) if due else None)
             await self._hook("on_step_end", row)
             while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
