@@ -1,6 +1,8 @@
 """``asyncrl bench SUITE``: benchmarks reported as ratios measured side by side in one run.
 
-Each suite prints a table and writes ``bench.json`` (keys in INTERFACE.md) to ``--out``.
+Each suite prints a line as each phase starts and ends (``progress.phase``: its figure and
+duration, a bar where it has countable units), then a table, and writes ``bench.json``
+(keys in INTERFACE.md) to ``--out``.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import torch
 from pydantic import Field
 from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
 from asyncrl.engine.vllm_engine import VLLMEngine
@@ -100,24 +101,30 @@ def run_vllm(model: PreTrainedModel, inputs: dict[str, tuple[torch.Tensor, list[
     processes run beside the worker, so vLLM uses more CPU than ``threads`` in all.
     """
     async def main(path: str) -> dict[str, Any]:
-        start = time.perf_counter()
-        engine = await VLLMEngine.start(path, max_batch_size=s.batch_size, seed=s.seed)
-        startup_s = time.perf_counter() - start
+        with phase("engine", "vLLM start-up") as progress:
+            start = time.perf_counter()
+            engine = await VLLMEngine.start(path, max_batch_size=s.batch_size, seed=s.seed)
+            startup_s = time.perf_counter() - start
+            progress.figure = f"started in {startup_s:.1f} s"
         try:
-            sampling = SamplingParams(max_tokens=4, temperature=s.temperature)
-            warm_up = next(iter(inputs.values()))[0][:4].tolist()
-            await asyncio.gather(*[engine.generate(p, sampling) for p in warm_up])
+            with phase("engine", "vLLM warm-up"):
+                sampling = SamplingParams(max_tokens=4, temperature=s.temperature)
+                warm_up = next(iter(inputs.values()))[0][:4].tolist()
+                await asyncio.gather(*[engine.generate(p, sampling) for p in warm_up])
             tokens_per_s = {}
             for workload, (prompts, lengths) in inputs.items():
                 times = []
-                for _ in range(s.repeats):
-                    start = time.perf_counter()
-                    done = await asyncio.gather(*[
-                        engine.generate(p, SamplingParams(max_tokens=n, temperature=s.temperature))
-                        for p, n in zip(prompts.tolist(), lengths)])
-                    times.append(time.perf_counter() - start)
-                    assert [len(c.token_ids) for c in done] == lengths
-                tokens_per_s[workload] = sum(lengths) / statistics.median(times)
+                with phase("engine", f"vLLM, {workload}", total=s.repeats) as progress:
+                    for _ in range(s.repeats):
+                        start = time.perf_counter()
+                        done = await asyncio.gather(*[
+                            engine.generate(p, SamplingParams(max_tokens=n, temperature=s.temperature))
+                            for p, n in zip(prompts.tolist(), lengths)])
+                        times.append(time.perf_counter() - start)
+                        progress.advance()  # outside the timed region
+                        assert [len(c.token_ids) for c in done] == lengths
+                    tokens_per_s[workload] = sum(lengths) / statistics.median(times)
+                    progress.figure = f"{tokens_per_s[workload]:,.0f} tok/s"
         finally:
             await engine.shutdown()
         return {"tokens_per_s": tokens_per_s, "startup_s": startup_s,
@@ -145,18 +152,24 @@ def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
                      for _ in range(s.longtail_requests)],
     }
     systems = {"generate": run_generate, "torch": run_engine}
-    run_engine(model, torch.randint(4, s.vocab_size, (4, s.prompt_tokens)), [4] * 4, 4, 1.0)  # warm-up
+    labels = {"generate": "model.generate", "torch": "TorchEngine"}
+    with phase("engine", "warm-up"):
+        run_engine(model, torch.randint(4, s.vocab_size, (4, s.prompt_tokens)), [4] * 4, 4, 1.0)
     tokens_per_s: dict[str, dict[str, float]] = {name: {} for name in systems}
     inputs = {workload: (torch.randint(4, s.vocab_size, (len(lengths), s.prompt_tokens),
                                        generator=torch.Generator().manual_seed(s.seed)), lengths)
               for workload, lengths in workloads.items()}
     for workload, (prompts, lengths) in inputs.items():
         times: dict[str, list[float]] = {name: [] for name in systems}
-        for _ in range(s.repeats):  # interleaved, so drifts in machine load hit both alike
-            for name, fn in systems.items():
-                times[name].append(fn(model, prompts, lengths, s.batch_size, s.temperature))
-        for name in systems:
-            tokens_per_s[name][workload] = sum(lengths) / statistics.median(times[name])
+        with phase("engine", workload, total=s.repeats * len(systems)) as progress:
+            for _ in range(s.repeats):  # interleaved, so drifts in machine load hit both alike
+                for name, fn in systems.items():
+                    times[name].append(fn(model, prompts, lengths, s.batch_size, s.temperature))
+                    progress.advance()  # between timed runs, never inside one
+            for name in systems:
+                tokens_per_s[name][workload] = sum(lengths) / statistics.median(times[name])
+            progress.figure = ", ".join(f"{labels[n]} {tokens_per_s[n][workload]:,.0f} tok/s" for n in systems)
+    for workload, lengths in workloads.items():
         print(f"{workload:9s} requests={len(lengths):4d} tokens={sum(lengths):6d} max_len={max(lengths):4d}  " +
               "  ".join(f"{n}={tokens_per_s[n][workload]:8.0f} tok/s" for n in systems))
     result = {

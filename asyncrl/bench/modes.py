@@ -19,6 +19,7 @@ from typing import Any
 
 from pydantic import Field
 
+from asyncrl.bench.progress import phase
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.engine import TorchEngine
@@ -91,18 +92,25 @@ def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, 
         finally:
             await engine.shutdown()
 
-    t_gen, result = asyncio.run(generate())
+    with phase("modes", "pure generation") as progress:
+        t_gen, result = asyncio.run(generate())
+        progress.figure = f"T_gen {t_gen:.1f} s, {len(result.episodes)} samples"
     learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim, total_steps=s.steps,
                       temperature=1.0)
     episodes = result.episodes
     per_step = s.batch_size * s.group_size
-    start = time.perf_counter()
-    for i in range(s.steps):
-        chunk = episodes[i * per_step:(i + 1) * per_step]
-        trajectories = [t for e in chunk for t in e.trajectories]
-        learner.train_step(pack(trajectories, [0.5 - (j % 2) for j in range(len(trajectories))],
-                                tokenizer.pad_token_id or 0))
-    return t_gen, time.perf_counter() - start
+    t_train = 0.0
+    with phase("modes", "pure training", total=s.steps, unit="step") as progress:
+        for i in range(s.steps):
+            start = time.perf_counter()  # per step, so that the bar advances outside the timing
+            chunk = episodes[i * per_step:(i + 1) * per_step]
+            trajectories = [t for e in chunk for t in e.trajectories]
+            learner.train_step(pack(trajectories, [0.5 - (j % 2) for j in range(len(trajectories))],
+                                    tokenizer.pad_token_id or 0))
+            t_train += time.perf_counter() - start
+            progress.advance()
+        progress.figure = f"T_train {t_train:.1f} s, {s.steps} steps"
+    return t_gen, t_train
 
 
 def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
@@ -114,11 +122,11 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     runs = [("sync", "sync", 0, "off"), ("one_step_off", "one_step_off", 1, "off")]
     runs += [(f"async_eta{eta}_{p}", "async", eta, p) for eta in s.stalenesses for p in s.partial_rollouts]
     modes: dict[str, Any] = {}
-    for name, mode, eta, partial in runs:
-        print(f"[bench modes] {name} ...", flush=True)
-        Trainer(_config(s, policy, out / name, mode, eta, partial)).run()
-        modes[name] = _summarise(out / name, eta)
-        print(f"[bench modes] {name}: wall {modes[name]['wall_s']:.1f}s, {modes[name]['samples_per_s']:.1f} samples/s")
+    for i, (name, mode, eta, partial) in enumerate(runs, 1):
+        with phase("modes", f"{name} (run {i}/{len(runs)})") as progress:  # the trainer shows its own bar
+            Trainer(_config(s, policy, out / name, mode, eta, partial)).run()
+            modes[name] = _summarise(out / name, eta)
+            progress.figure = f"{modes[name]['samples_per_s']:.1f} samples/s, wall {modes[name]['wall_s']:.1f} s"
     t_gen, t_train = _pure_times(s, policy, out)
     best_async = min((v["wall_s"], k) for k, v in modes.items() if k.startswith("async"))
     speedup = modes["sync"]["wall_s"] / best_async[0]

@@ -20,6 +20,7 @@ from typing import Any
 
 from pydantic import Field
 
+from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.task_stream import TaskStream
@@ -103,10 +104,17 @@ def _trl_curve(s: TrlBenchSettings, out: Path) -> list[tuple[float, float]]:
 
 def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     s = validate(TrlBenchSettings, apply_overrides({}, overrides))
-    curves = {"trl": _trl_curve(s, out / "trl"), "asyncrl_sync": _asyncrl_curve(s, out / "asyncrl_sync", "sync"),
-              "asyncrl_async": _asyncrl_curve(s, out / "asyncrl_async", "async")}
-    target = _smoothed(curves["trl"], s.smooth)[-1][1]  # TRL's final (smoothed) reward
+    runs = {"trl": lambda: _trl_curve(s, out / "trl"),  # TRL and the trainer show their own bars
+            "asyncrl_sync": lambda: _asyncrl_curve(s, out / "asyncrl_sync", "sync"),
+            "asyncrl_async": lambda: _asyncrl_curve(s, out / "asyncrl_async", "async")}
     samples = s.steps * s.batch_size * s.group_size
+    curves = {}
+    for i, (name, run) in enumerate(runs.items(), 1):
+        with phase("trl", f"{name} (run {i}/{len(runs)})") as progress:
+            curves[name] = curve = run()
+            progress.figure = (f"{samples / curve[-1][0]:.1f} samples/s, "
+                               f"final reward {_smoothed(curve, s.smooth)[-1][1]:.3f}")
+    target = _smoothed(curves["trl"], s.smooth)[-1][1]  # TRL's final (smoothed) reward
     systems = {}
     for name, curve in curves.items():
         wall = curve[-1][0]
