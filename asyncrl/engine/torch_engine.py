@@ -1,7 +1,7 @@
 """The built-in rollout engine: continuous batching over any Hugging Face causal LM.
 
 Why our own decode loop: on the 2-core CPU, transformers' continuous-batching manager ran
-at ~1/3 of ``model.generate`` (DESIGN.md), while a plain loop over ``model.forward`` with
+at ~1/3 of ``model.generate`` (docs/design.md), while a plain loop over ``model.forward`` with
 a ``DynamicCache`` matches ``generate`` and lets sequences join and leave between steps.
 
 Layout of the running batch: rows are left-padded to one cache length T; a 2-D attention
