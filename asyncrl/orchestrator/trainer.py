@@ -48,15 +48,12 @@ class Trainer:
         self.max_staleness = cfg.effective_max_staleness
         self.watchdog = Watchdog(cfg.watchdog)
         self._stop = StopControl()
-        self.last_checkpoint: Path | None = None
+        self.last_checkpoint: Path | None = checkpoint
         self._saved_step: int | None = None
-        self.resumed_from: RunState | None = None
-        if checkpoint is not None:
-            self.resumed_from = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text())
-            self.last_checkpoint = checkpoint
-        self.step = self.version = self.resumed_from.step if self.resumed_from else 0  # a step makes a version
+        state = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()) if checkpoint else None
+        self.resumed_from = state
+        self.step = self.version = state.step if state else 0  # one optimizer step makes one version
         self._served_version = self.version  # what the rollout engines hold
-        state = self.resumed_from
         self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state)
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
         self.watchdog.counts.update(state.counters if state else {})
