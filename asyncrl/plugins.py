@@ -1,31 +1,84 @@
 """User code that a config names as ``module:attribute`` — reward functions, workflow
 classes, advantage estimators, losses, hooks — is loaded here and nowhere else, so every
-such name fails the same way: before any work, naming the config key and what is wrong."""
+such name fails the same way: before any work, naming the config key and what is wrong.
+
+The module may also be a Python file, ``path/to/file.py:attribute`` (relative to the
+working directory, like ``task.path``), so that a reward module beside a data file works
+from ``asyncrl train`` without installing it or setting ``PYTHONPATH``: the console
+script's ``sys.path`` does not hold the working directory, so ``examples.jsonl.reward``
+would not import there.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 
 def load_named(spec: str, *, key: str, callable_: bool = True) -> Any:
-    """Import ``package.module:attr`` (``attr`` may be dotted: ``mod:Class.method``).
+    """Import ``package.module:attr`` or ``path/to/file.py:attr`` (``attr`` may be
+    dotted: ``mod:Class.method``).
 
     ``key`` is the config key the name came from; every error starts with it, because
     that is what the user must edit. Raises ``ValueError``.
     """
-    module_name, sep, attr_path = spec.partition(":")
-    if not sep or not module_name or not attr_path or ":" in attr_path:
-        raise ValueError(f"{key} {spec!r} must look like 'package.module:function'")
-    try:
-        obj: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+    target, sep, attr_path = spec.rpartition(":")
+    is_file = target.endswith(".py")
+    # one colon only, except inside a file path (a Windows drive letter)
+    if not sep or not target or not attr_path or (":" in target and not is_file):
+        raise ValueError(f"{key} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
+    obj: Any = _import_file(target, spec, key) if is_file else _import_module(target, spec, key)
     for part in attr_path.split("."):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"{key} {spec!r}: {module_name!r} has no attribute {attr_path!r}") from None
+            raise ValueError(f"{key} {spec!r}: {target!r} has no attribute {attr_path!r}") from None
     if callable_ and not callable(obj):
         raise ValueError(f"{key} {spec!r}: {attr_path!r} is not callable ({type(obj).__name__})")
     return obj
+
+
+def _import_module(module_name: str, spec: str, key: str) -> ModuleType:
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ValueError(f"{key} {spec!r}: cannot import module {module_name!r}: {exc}") from exc
+
+
+def _import_file(path: str, spec: str, key: str) -> ModuleType:
+    """Execute the file once per process as its own module, registered in ``sys.modules``
+    under a name derived from its absolute path: naming it twice (pre-flight, then each
+    worker; or as both ``task.reward_fn`` and inside a workflow) yields the same objects,
+    and pickling, dataclasses and ``typing.get_type_hints`` find the module. The file's
+    directory is not put on ``sys.path``: it imports installed packages, not its
+    neighbours (make a package and use ``module:function`` for that)."""
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ValueError(f"{key} {spec!r}: file not found: {file}")
+    digest = hashlib.sha1(str(file).encode()).hexdigest()[:10]
+    name = f"asyncrl_user_{_identifier(file.stem)}_{digest}"
+    if name in sys.modules:
+        return sys.modules[name]
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise ValueError(f"{key} {spec!r}: cannot load {file} as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except ImportError as exc:
+        del sys.modules[name]
+        raise ValueError(f"{key} {spec!r}: cannot import file {str(file)!r}: {exc}") from exc
+    except BaseException:
+        del sys.modules[name]  # a half-run module must not be reused; its own error propagates
+        raise
+    return module
+
+
+def _identifier(stem: str) -> str:
+    return "".join(c if c.isalnum() or c == "_" else "_" for c in stem)

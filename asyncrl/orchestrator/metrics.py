@@ -52,19 +52,51 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
 
 def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
                 decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+    """One row per trained trajectory. ``response`` is the decoded ``response_ids``: in a
+    multi-turn episode that mixes the model's replies with the environment's turns, so
+    ``response_segments`` splits it where ``loss_mask`` changes, in order:
+    ``{"role": "model" | "environment", "text", "tokens"}``; their texts joined are
+    ``response``."""
     rows = []
     for g in groups:
         for index, (episode, advantage) in enumerate(zip(g.group.episodes, g.group.advantages or [])):
             for t in episode.trajectories:
+                response, segments = _segments(t.response_ids, t.loss_mask, decode)
                 rows.append({
                     "step": step, "task_id": g.group.task_id, "group": g.start_order, "episode": index,
                     "reward": t.reward, "advantage": advantage,
                     "behavior_version_min": t.behavior_version_min,
                     "behavior_version_max": t.behavior_version_max, "trained_version": trained_version,
                     "response_tokens": t.num_model_tokens, "finish_reason": t.finish_reason,
-                    "resumed": t.resumed, "num_resumes": t.num_resumes, "response": decode(t.response_ids),
+                    "resumed": t.resumed, "num_resumes": t.num_resumes, "response": response,
+                    "response_segments": segments,
                 })
     return rows
+
+
+def _segments(ids: list[int], loss_mask: list[int],
+              decode: Callable[[list[int]], str]) -> tuple[str, list[dict[str, Any]]]:
+    """``(decode(ids), segments)``: one segment per run of equal mask values.
+
+    A segment's text is what its run adds to the decoded prefix rather than the run
+    decoded alone, which can differ at its start (SentencePiece drops a leading space),
+    so the texts join to exactly ``decode(ids)``. A single-turn response is one run:
+    no decode beyond the one it always had.
+    """
+    segments: list[dict[str, Any]] = []
+    text, start = "", 0
+    for end in range(1, len(ids) + 1):
+        if end < len(ids) and loss_mask[end] == loss_mask[start]:
+            continue
+        prefix = decode(ids[:end])
+        # a prefix that does not extend the last one (a byte-level tokenizer whose
+        # character is split between two runs): this segment is its run decoded alone,
+        # and only there may the joined texts differ from `response`
+        piece = prefix[len(text):] if prefix.startswith(text) else decode(ids[start:end])
+        segments.append({"role": "model" if loss_mask[start] else "environment", "text": piece,
+                         "tokens": end - start})
+        text, start = prefix, end
+    return text, segments
 
 
 def eval_metrics(result: EvalResult, version: int, seconds: float) -> dict[str, float | int]:

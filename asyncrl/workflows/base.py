@@ -13,16 +13,33 @@ import asyncio
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError
-from asyncrl.tasks.base import Task
+from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.types import AttemptError, Episode
 
 
 class Workflow(Protocol):
     async def run(self, task: Task, llm: LLMClient) -> Episode: ...
+
+
+@dataclass(frozen=True)
+class WorkflowContext:
+    """What a run hands a ``module:Class`` workflow besides its own ``workflow.options``:
+    ``Class(ctx, **options)``. One object rather than more keyword arguments, so a field
+    added here later breaks no user's constructor."""
+
+    reward_fn: RewardFn | None
+    """From ``task.reward_fn``, else the task's built-in reward; ``None`` for a ``jsonl``
+    task without ``task.reward_fn`` (then the workflow scores by itself, or refuses in
+    its constructor with a ``ValueError``, which exits 2)."""
+    reward_timeout_s: float
+    """``workflow.timeout_s``: pass it to ``score(ctx.reward_fn, task, text, timeout_s=...)``."""
+    use_chat_template: bool
+    """``workflow.use_chat_template``."""
 
 
 async def run_episode(

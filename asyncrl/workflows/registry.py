@@ -1,7 +1,30 @@
 """Build what a config names: the task splits, the reward function, the workflow
-(built-in by name, or a user's ``module:Class``)."""
+(built-in by name, or a user's class).
+
+The workflow constructor contract. ``workflow.name`` is ``single_turn`` or a class named
+``module:Class`` or ``path/to/file.py:Class``; the class is called
+
+- ``Class(ctx, **workflow.options)`` when its signature accepts that (``ctx`` its first
+  positional parameter): ``ctx`` is a :class:`WorkflowContext` (the reward function
+  resolved from ``task.reward_fn`` or the task's default, the reward timeout, the
+  chat-template switch); or else
+- ``Class(**workflow.options)``: a class that needs nothing from the run (a
+  ``MultiTurnWorkflow`` subclass that scores by itself, or any class with a
+  no-argument constructor when there are no options).
+
+Options are keyword arguments so that the class's own signature names, defaults and
+checks them: ``workflow.options.max_turn=3`` against ``__init__(self, ctx, *, max_turns=4)``
+exits 2 naming ``workflow.name`` and the stray keyword, before any work. A constructor may
+refuse its configuration by raising ``ValueError`` (also exit 2, with its message); any
+other exception is a bug in the class and fails the run with its traceback.
+See ``examples/retry/workflow.py`` for a complete multi-turn workflow.
+"""
 
 from __future__ import annotations
+
+import difflib
+import inspect
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -9,7 +32,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.plugins import load_named
 from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
 from asyncrl.tasks.base import RewardFn, TaskSplits
-from asyncrl.workflows.base import Workflow
+from asyncrl.workflows.base import Workflow, WorkflowContext
 from asyncrl.workflows.single_turn import SingleTurnWorkflow
 
 
@@ -30,20 +53,65 @@ def build_reward_fn(cfg: Config) -> RewardFn:
         raise ConfigError(f"task.reward_fn: {exc}") from None
 
 
+def build_context(cfg: Config) -> WorkflowContext:
+    """What a user's workflow class gets from the run (its ``ctx``)."""
+    has_reward = cfg.task.reward_fn is not None or cfg.task.name != "jsonl"
+    return WorkflowContext(reward_fn=build_reward_fn(cfg) if has_reward else None,
+                           reward_timeout_s=cfg.workflow.timeout_s, use_chat_template=cfg.workflow.use_chat_template)
+
+
 def build_workflow(cfg: Config) -> Workflow:
-    name = cfg.workflow.name
+    name, options = cfg.workflow.name, cfg.workflow.options
     if name == "single_turn":
+        if options:
+            raise ConfigError(f"workflow.options {options}: workflow 'single_turn' takes no options")
         return SingleTurnWorkflow(build_reward_fn(cfg), use_chat_template=cfg.workflow.use_chat_template,
                                   reward_timeout_s=cfg.workflow.timeout_s)
     if ":" not in name:
-        raise ConfigError(f"workflow.name {name!r}: expected 'single_turn' or 'module:Class'")
+        raise ConfigError(f"workflow.name {name!r}: expected 'single_turn', 'module:Class' or 'path/to/file.py:Class'")
     try:
-        workflow = load_named(name, key="workflow.name")()
+        cls = load_named(name, key="workflow.name")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    args = _constructor_args(cls, name, options, build_context(cfg))
+    try:
+        workflow = cls(*args, **options)
+    except ValueError as exc:  # the class refusing its configuration
+        raise ConfigError(f"workflow.name {name!r}: {exc}") from None
     if not callable(getattr(workflow, "run", None)):
         raise ConfigError(f"workflow.name {name!r} has no run(task, llm) method")
     return workflow
+
+
+def _constructor_args(cls: Any, name: str, options: dict[str, Any], ctx: WorkflowContext) -> tuple[Any, ...]:
+    """``(ctx,)`` or ``()``, whichever the class's signature accepts with ``options``; a
+    ``ConfigError`` naming ``workflow.name`` when neither does."""
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # no introspectable signature (a C type): the contract's first form
+        return (ctx,)
+    try:
+        signature.bind(ctx, **options)
+        return (ctx,)
+    except TypeError as with_ctx:
+        try:
+            signature.bind(**options)
+            return ()
+        except TypeError as without_ctx:
+            params = signature.parameters
+            positional = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+                             for p in params.values())
+            reason = with_ctx if positional else without_ctx  # the form the class was written for
+            hint = ""
+            if not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                for key in (k for k in options if k not in params):
+                    close = difflib.get_close_matches(key, list(params), n=1, cutoff=0.6)
+                    hint += f"; workflow.options.{key}: did you mean {close[0]!r}?" if close else ""
+            shown = signature.replace(return_annotation=inspect.Signature.empty)
+            raise ConfigError(
+                f"workflow.name {name!r}: cannot call {getattr(cls, '__qualname__', cls)}{shown} with "
+                f"workflow.options {options}: {reason}{hint}. A workflow class is called as Class(ctx, **options) "
+                "(ctx: asyncrl.workflows.WorkflowContext) or Class(**options)") from None
 
 
 def check_tokenizer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
