@@ -53,7 +53,8 @@ class TaskConfig(Section):
     """Generated tasks in the train split (a JSONL file: first N rows, 0 = all)."""
     num_validation: int = Field(128, ge=1)
     reward_fn: str | None = None
-    """``module:function`` taking (task, response_text) -> float; default: the task's own."""
+    """``module:function`` or ``path/to/file.py:function`` taking (task, response_text) -> float;
+    default: the task's own."""
 
 
 class SamplingConfig(Section):

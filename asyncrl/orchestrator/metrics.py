@@ -102,5 +102,5 @@ def _segments(ids: list[int], loss_mask: list[int],
 def eval_metrics(result: EvalResult, version: int, seconds: float) -> dict[str, float | int]:
     """``eval/version`` is the policy version scored: with evaluation in the background
     the row of step N is written when its evaluation ends, steps later."""
-    return {"eval/reward_mean": result.mean_reward, "eval/pass@1": result.pass_at[1],
+    return {"eval/reward_mean": result.mean_reward, **{f"eval/pass@{k}": v for k, v in result.pass_at.items()},
             "eval/num_errors": result.num_errors, "eval/version": version, "time/eval": seconds}
