@@ -12,16 +12,16 @@ from asyncrl.tasks import (
     Task,
     TaskDataError,
     arithmetic_reward,
-    is_validation_prompt,
     countdown_reward,
     default_reward_fn,
     generate_arithmetic,
     generate_countdown,
+    is_validation_prompt,
     load_jsonl_tasks,
     load_tasks,
     resolve_reward_fn,
 )
-from asyncrl.tasks.countdown import FORMAT_REWARD
+from asyncrl.tasks.countdown import FORMAT_REWARD, solve_countdown
 
 
 def cd(numbers: list[int], target: int) -> Task:
@@ -144,6 +144,35 @@ def test_countdown_generator_rejects_bad_args():
         generate_countdown(3, seed=0, low=5, high=1)
     with pytest.raises(ValueError):
         generate_countdown(3, seed=0, low=0, high=0, ops="/")  # no valid target exists
+
+
+# ---- countdown solver -------------------------------------------------------------
+
+@pytest.mark.parametrize("num_tasks, kwargs", [(600, {}), (600, {"ops": "+-*/"}), (100, {"num_numbers": 4, "high": 6}),
+                                               (600, {"num_numbers": 2, "ops": "-"}), (600, {"low": 0, "high": 3})])
+def test_solve_countdown_reaches_the_target(num_tasks, kwargs):
+    for t in generate_countdown(num_tasks, seed=11, **kwargs):
+        assert countdown_reward(t, solve_countdown(t)) == 1.0, t.prompt
+
+
+def test_solve_countdown_prefers_simple_canonical_form():
+    assert solve_countdown(cd([2, 3, 4], 9)) == "2+3+4"  # prompt order, left to right, no parentheses
+    assert solve_countdown(cd([2, 3, 4], 20)) == "(2+3)*4"  # parentheses only where precedence needs them
+    assert solve_countdown(cd([4, 3, 2], 20)) == "4*(3+2)"  # fewest parentheses first, then prompt order
+    assert solve_countdown(cd([7, 2, 3], 2)) == "7-2-3"  # left-heavy: no 7-(2+3)
+
+
+def test_solve_countdown_divides_only_when_needed():
+    assert solve_countdown(cd([6, 3, 2], 9)) == "6*2-3"  # 6/2*3 also works, but needs "/"
+    assert solve_countdown(cd([8, 4, 2], 4)) == "8/4+2"  # no +-* tree over 8 4 2 makes 4
+    assert solve_countdown(cd([8, 4, 2], 4), ops="+-*/") == "8/4+2"
+
+
+def test_solve_countdown_unsolvable_raises_and_recorded_expression_wins():
+    with pytest.raises(ValueError, match="no solution"):
+        solve_countdown(cd([1, 1, 1], 100))
+    t = Task(id="t", prompt="1 2 -> 3", data={"numbers": [1, 2], "target": 3, "expression": "2+1"})
+    assert solve_countdown(t) == "2+1"
 
 
 # ---- arithmetic -------------------------------------------------------------------

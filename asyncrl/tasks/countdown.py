@@ -1,7 +1,9 @@
 """Countdown: combine the given numbers with + - * / to hit the target.
 
 Tasks are generated locally from a seed, so runs are reproducible offline. Each target
-comes from an expression built over the numbers, so every task is solvable.
+comes from an expression built over the numbers, so every task is solvable, and
+``solve_countdown`` recovers one solution in a canonical form (the supervised warm-up's
+targets).
 
 Grammar accepted by the reward: non-negative integer literals, binary ``+ - * /``,
 parentheses and spaces. Unary plus/minus is rejected (scores 0.0): the numbers are
@@ -15,9 +17,9 @@ import ast
 import random
 import re
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
-from itertools import islice
+from itertools import islice, permutations
 
 from asyncrl.tasks.base import Task
 
@@ -26,6 +28,8 @@ MAX_RESPONSE_CHARS = 200
 _ALLOWED_CHARS = re.compile(r"[0-9+\-*/() ]+")
 _OPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 _MAX_RESAMPLES = 10_000
+_PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+_ATOM = 3  # precedence of a literal: never needs parentheses
 
 
 def apply_op(op: str, a: Fraction, b: Fraction) -> Fraction:
@@ -150,3 +154,59 @@ def countdown_reward(task: Task, response: str) -> float:
     if uses_numbers and value is not None and value == int(task.data["target"]):
         return 1.0
     return FORMAT_REWARD
+
+
+# ----------------------------------------------------------------------------- solver
+
+
+def _expressions(nums: Sequence[int], ops: str) -> Iterator[tuple[str, int, Fraction | None, int]]:
+    """Every ``(text, precedence, value, num_parens)`` tree over ``nums`` in this order.
+
+    Left-heavy splits come first, so "a+b+c" is produced as ((a+b)+c); the text carries
+    only the parentheses precedence requires, which keeps answers short. ``value`` is
+    None where a division by zero occurs anywhere in the tree.
+    """
+    if len(nums) == 1:
+        yield str(nums[0]), _ATOM, Fraction(nums[0]), 0
+        return
+    for k in range(len(nums) - 1, 0, -1):  # k = size of the left subtree, biggest first
+        for lt, lp, lv, lc in _expressions(nums[:k], ops):
+            for rt, rp, rv, rc in _expressions(nums[k:], ops):
+                for op in ops:
+                    prec = _PRECEDENCE[op]
+                    value = None
+                    if lv is not None and rv is not None:
+                        try:
+                            value = apply_op(op, lv, rv)
+                        except ZeroDivisionError:
+                            pass
+                    left_paren = lp < prec
+                    # a-(b+c), a-(b-c), a/(b*c) change meaning without parentheses.
+                    right_paren = rp < prec or (rp == prec and op in "-/")
+                    text = (f"({lt})" if left_paren else lt) + op + (f"({rt})" if right_paren else rt)
+                    yield text, prec, value, lc + rc + left_paren + right_paren
+
+
+def solve_countdown(task: Task, ops: str = "+-*") -> str:
+    """A correct expression for a Countdown ``task``, in one canonical simple form.
+
+    The generator does not keep the expression behind a target, and one consistent answer
+    style is far easier for a tiny model to learn than whichever random tree made it, so
+    this brute-forces (3 numbers: 6 orders x 2 shapes x 9 op pairs) and keeps the first by:
+    fewest parentheses, then the prompt's own number order, then left-heavy shape, then
+    ``ops`` order. Division is tried only when ``ops`` alone cannot reach the target.
+    A task whose data records an ``expression`` is answered with it.
+    """
+    if "expression" in task.data:
+        return str(task.data["expression"])
+    numbers = [int(n) for n in task.data["numbers"]]
+    target = Fraction(int(task.data["target"]))
+    for op_set in (ops, "+-*/"):
+        best: tuple[int, str] | None = None
+        for order in dict.fromkeys(permutations(numbers)):  # repeated numbers repeat orders
+            for text, _, value, parens in _expressions(order, op_set):
+                if value == target and (best is None or parens < best[0]):
+                    best = (parens, text)
+        if best is not None:
+            return best[1]
+    raise ValueError(f"countdown task {task.id!r} ({task.prompt}) has no solution")

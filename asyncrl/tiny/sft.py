@@ -4,6 +4,8 @@ RL from a random init never sees a reward on Countdown, and RL from a perfect mo
 nothing to learn. So the shipped base policy is made here, by the project's own code:
 a short supervised run on generated solutions, stopped early on purpose so greedy
 validation accuracy lands around 25-45 % and sampled rewards stay clearly below 1.
+The answers it teaches come from the task's own solver (``solve_countdown``); the scores
+it records come from the project's evaluation (``asyncrl.tiny.scoring``).
 
     python -m asyncrl.tiny.sft --out models/countdown-tiny
 """
@@ -19,17 +21,16 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
-from fractions import Fraction
-from itertools import permutations
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from asyncrl.tasks import Task, countdown_reward, load_tasks
-from asyncrl.tasks.countdown import apply_op
+from asyncrl.tasks import Task, load_tasks
+from asyncrl.tasks.countdown import solve_countdown
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
+from asyncrl.tiny.scoring import greedy_accuracy, mean_reward
 from asyncrl.tiny.tokenizer import build_char_tokenizer, chat_prompt_ids
 
 IGNORE_INDEX = -100
@@ -37,85 +38,14 @@ NUM_THREADS = 2
 # Defaults chosen (see base_policy.json of the shipped model) so a run on a 2-core CPU
 # stops with greedy validation accuracy in the 25-45 % band; the step count is the
 # reproducible stopping rule, the minutes only a cap for a slow, shared machine.
-DEFAULT_MODEL: dict[str, int] = dict(
-    hidden_size=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=384,
-    max_position_embeddings=128,
-)
+DEFAULT_MODEL: dict[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
+                                 "intermediate_size": 384, "max_position_embeddings": 128}
 DEFAULT_STEPS = 1000
 DEFAULT_MINUTES = 6.0
 # A small slice of the ~8.6k train-split prompts: RL then mostly meets prompts the warm-up
 # never saw, so what it learns must generalise (the validation split is unseen by both).
 DEFAULT_NUM_TRAIN = 4_000
 DEFAULT_NUM_VALIDATION = 256
-
-_PREC = {"+": 1, "-": 1, "*": 2, "/": 2}
-
-
-# ----------------------------------------------------------------------------- solutions
-
-
-def _apply(op: str, a: Fraction, b: Fraction) -> Fraction | None:
-    try:
-        return apply_op(op, a, b)
-    except ZeroDivisionError:
-        return None
-
-
-def _expressions(nums: Sequence[int], ops: str) -> list[tuple[str, int, Fraction | None, int]]:
-    """Every (text, precedence, value, paren_count) tree over ``nums`` in this order.
-
-    Left-heavy splits come first, so "a+b+c" is produced as ((a+b)+c); text uses only
-    the parentheses precedence requires, which keeps the target strings short.
-    """
-    if len(nums) == 1:
-        return [(str(nums[0]), 3, Fraction(nums[0]), 0)]
-    out = []
-    for k in range(len(nums) - 1, 0, -1):  # k = size of the left subtree, biggest first
-        for lt, lp, lv, lc in _expressions(nums[:k], ops):
-            for rt, rp, rv, rc in _expressions(nums[k:], ops):
-                for op in ops:
-                    prec = _PREC[op]
-                    value = None if lv is None or rv is None else _apply(op, lv, rv)
-                    left_paren = lp < prec
-                    # a-(b+c), a-(b-c), a/(b*c) change meaning without parentheses.
-                    right_paren = rp < prec or (rp == prec and op in "-/")
-                    text = (f"({lt})" if left_paren else lt) + op + (f"({rt})" if right_paren else rt)
-                    out.append((text, prec, value, lc + rc + left_paren + right_paren))
-    return out
-
-
-def solution_for(task: Task, ops: str = "+-*") -> str:
-    """A correct expression for a Countdown ``task``, in one canonical simple form.
-
-    The generator does not store its expression, and a consistent answer style is much
-    easier for a tiny model to learn than whatever random tree built the target, so we
-    brute-force (3 numbers: 6 orders x 2 shapes x 9 op pairs) and keep the best by:
-    fewest parentheses, then the prompt's own number order, then left-to-right shape,
-    then ``ops`` order. Division is tried only if ``ops`` fails.
-    """
-    if "expression" in task.data:  # a generator that records its expression wins
-        return str(task.data["expression"])
-    numbers = [int(n) for n in task.data["numbers"]]
-    target = Fraction(int(task.data["target"]))
-    for op_set in (ops, "+-*/"):
-        best: tuple[int, int, str] | None = None
-        rank = 0
-        seen: set[tuple[int, ...]] = set()
-        for order in permutations(numbers):
-            if order in seen:  # repeated numbers give identical orders
-                continue
-            seen.add(order)
-            for text, _, value, parens in _expressions(order, op_set):
-                if value == target and (best is None or parens < best[0]):
-                    best = (parens, rank, text)
-                rank += 1
-        if best is not None:
-            return best[2]
-    raise ValueError(f"countdown task {task.id!r} ({task.prompt}) has no solution")
 
 
 # ----------------------------------------------------------------------------- examples
@@ -131,7 +61,7 @@ def sft_examples(tokenizer: Any, tasks: Sequence[Task]) -> list[tuple[list[int],
     examples = []
     for task in tasks:
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": task.prompt}])
-        answer = list(tokenizer.encode(solution_for(task), add_special_tokens=False)) + [eos]
+        answer = list(tokenizer.encode(solve_countdown(task), add_special_tokens=False)) + [eos]
         examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
     return examples
 
@@ -260,71 +190,6 @@ def supervised_warmup(
     }
 
 
-# ----------------------------------------------------------------------------- evaluation
-
-
-@torch.no_grad()
-def generate_answers(
-    model: Any,
-    tokenizer: Any,
-    tasks: Sequence[Task],
-    *,
-    max_new_tokens: int = 24,
-    temperature: float = 0.0,
-    seed: int = 0,
-    batch_size: int = 128,
-) -> list[str]:
-    """Decode one answer per task with ``model.generate`` (left-padded batches).
-
-    ``temperature == 0`` is greedy; otherwise plain ancestral sampling (no top-k/top-p),
-    which is what an RL rollout at that temperature sees.
-    """
-    was_training = model.training
-    model.eval()
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-    sample = temperature > 0
-    gen_kwargs: dict[str, Any] = dict(
-        max_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=eos, do_sample=sample
-    )
-    if sample:
-        gen_kwargs.update(temperature=temperature, top_k=0, top_p=1.0)
-    texts: list[str] = []
-    with torch.random.fork_rng(devices=[]):  # sampling must not disturb the caller's RNG
-        torch.manual_seed(seed)
-        for lo in range(0, len(tasks), batch_size):
-            prompts = [
-                chat_prompt_ids(tokenizer, [{"role": "user", "content": t.prompt}])
-                for t in tasks[lo : lo + batch_size]
-            ]
-            width = max(map(len, prompts))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-            out = model.generate(input_ids=ids, attention_mask=mask, **gen_kwargs)
-            for row in out[:, width:].tolist():
-                if eos in row:
-                    row = row[: row.index(eos)]
-                texts.append(tokenizer.decode(row, skip_special_tokens=True))
-    model.train(was_training)
-    return texts
-
-
-def mean_reward(
-    model: Any, tokenizer: Any, tasks: Sequence[Task], *, temperature: float = 1.0, seed: int = 0,
-    max_new_tokens: int = 24,
-) -> float:
-    """Mean ``countdown_reward`` of one sampled answer per task."""
-    texts = generate_answers(
-        model, tokenizer, tasks, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed
-    )
-    return sum(countdown_reward(t, x) for t, x in zip(tasks, texts)) / max(1, len(tasks))
-
-
-def greedy_accuracy(model: Any, tokenizer: Any, tasks: Sequence[Task], max_new_tokens: int = 24) -> float:
-    """Fraction of tasks whose greedy answer is exactly correct (reward 1.0)."""
-    texts = generate_answers(model, tokenizer, tasks, max_new_tokens=max_new_tokens)
-    return sum(countdown_reward(t, x) == 1.0 for t, x in zip(tasks, texts)) / max(1, len(tasks))
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -344,12 +209,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-every-log", action="store_true", help="greedy accuracy on 64 val tasks at each log")
-    p.add_argument("--hidden-size", type=int, default=DEFAULT_MODEL["hidden_size"])
-    p.add_argument("--layers", type=int, default=DEFAULT_MODEL["num_layers"])
-    p.add_argument("--heads", type=int, default=DEFAULT_MODEL["num_heads"])
-    p.add_argument("--kv-heads", type=int, default=DEFAULT_MODEL["num_kv_heads"])
-    p.add_argument("--intermediate-size", type=int, default=DEFAULT_MODEL["intermediate_size"])
-    p.add_argument("--max-positions", type=int, default=DEFAULT_MODEL["max_position_embeddings"])
+    # Model flags keep their short CLI names; ``dest`` is the build_tiny_model keyword.
+    for flag, key in (("--hidden-size", "hidden_size"), ("--layers", "num_layers"), ("--heads", "num_heads"),
+                      ("--kv-heads", "num_kv_heads"), ("--intermediate-size", "intermediate_size"),
+                      ("--max-positions", "max_position_embeddings")):
+        p.add_argument(flag, dest=key, type=int, default=DEFAULT_MODEL[key])
     return p.parse_args(argv)
 
 
@@ -360,14 +224,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = _parse_args(argv)
     torch.set_num_threads(NUM_THREADS)
     command = "python -m asyncrl.tiny.sft " + shlex.join(sys.argv[1:] if argv is None else list(argv))
-    model_kwargs = dict(
-        hidden_size=args.hidden_size,
-        num_layers=args.layers,
-        num_heads=args.heads,
-        num_kv_heads=args.kv_heads,
-        intermediate_size=args.intermediate_size,
-        max_position_embeddings=args.max_positions,
-    )
+    model_kwargs = {key: getattr(args, key) for key in DEFAULT_MODEL}
     tokenizer = build_char_tokenizer()
     model, tokenizer = build_tiny_model(tokenizer, args.seed, **model_kwargs)
     n_params = sum(p.numel() for p in model.parameters())
@@ -379,19 +236,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     eval_fn = None
     if args.eval_every_log:
         quick = splits.validation[:64]
-        eval_fn = lambda m: greedy_accuracy(m, tokenizer, quick)  # noqa: E731
+        eval_fn = lambda m: greedy_accuracy(m, tokenizer, quick)
     history = supervised_warmup(
-        model,
-        tokenizer,
-        splits.train,
-        steps=args.steps,
-        time_budget_s=args.minutes * 60 if args.minutes else None,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        warmup_steps=args.warmup_steps,
-        seed=args.seed,
-        log_every=args.log_every,
-        eval_fn=eval_fn,
+        model, tokenizer, splits.train, steps=args.steps,
+        time_budget_s=args.minutes * 60 if args.minutes else None, batch_size=args.batch_size, lr=args.lr,
+        warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every, eval_fn=eval_fn,
     )
     model.eval()
     acc = greedy_accuracy(model, tokenizer, splits.validation)
