@@ -26,14 +26,19 @@ Message = dict[str, Any]
 
 @dataclass(frozen=True)
 class Response:
-    text: str  # decoded without special tokens
-    token_ids: list[int]
+    text: str  # decoded without special tokens, cut before a stop string
+    token_ids: list[int]  # what was sampled and recorded (through the token that completed a stop string)
     finish_reason: FinishReason
+    logprobs: tuple[float, ...] = ()  # behavior logprob of each token in token_ids
+    prompt_tokens: int = 0  # the context the model saw for this reply
+    recorded_text: str | None = None  # token_ids (less the end-of-turn token) decoded with special tokens,
+    # when that differs from text: a stop string cut it, or the model sampled a special token mid-reply
 
     @property
     def message(self) -> Message:
-        """The assistant message to append to the conversation (a fresh dict each time)."""
-        return {"role": "assistant", "content": self.text}
+        """The assistant message to append to the conversation (a fresh dict each time). It
+        holds what was recorded, so a later turn continues the trajectory token-exact."""
+        return {"role": "assistant", "content": self.text if self.recorded_text is None else self.recorded_text}
 
 
 @dataclass
@@ -63,17 +68,20 @@ class LLMClient:
         self.trajectories: list[Trajectory] = []
         self._conversation: _Conversation | None = None
 
-    async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None) -> Response:
+    async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
+                       stop: list[str] | None = None) -> Response:
         prompt_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         trajectory = Trajectory(prompt_ids=list(prompt_ids))
         self.trajectories.append(trajectory)
         self._conversation = None
-        return await self._extend(trajectory, sampling or self.sampling, messages=None)
+        return await self._extend(trajectory, sampling or self.sampling, messages=None, stop=stop)
 
     async def chat(
         self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | None = None, stop: list[str] | None = None,
     ) -> Response:
+        """One reply. ``stop`` strings end it early: the reply is recorded through the token
+        that completed the stop string (what the model sampled) and returned without it."""
         conv = self._conversation
         if conv is not None and messages[: len(conv.messages)] == conv.messages and tools == conv.tools:
             trajectory = conv.trajectory
@@ -85,15 +93,19 @@ class LLMClient:
         else:
             trajectory = Trajectory(prompt_ids=self._render_ids(messages, tools))
             self.trajectories.append(trajectory)
-        response = await self._extend(trajectory, sampling or self.sampling, messages=messages)
+        response = await self._extend(trajectory, sampling or self.sampling, messages=messages, stop=stop)
         self._conversation = _Conversation(
             trajectory, copy.deepcopy(messages) + [response.message], copy.deepcopy(tools), response.token_ids)
         return response
 
     # -------------------------------------------------------------------------
-    async def _extend(self, trajectory: Trajectory, sampling: SamplingParams, messages: list[Message] | None) -> Response:
+    async def _extend(self, trajectory: Trajectory, sampling: SamplingParams, messages: list[Message] | None,
+                      stop: list[str] | None = None) -> Response:
         context = trajectory.prompt_ids + trajectory.response_ids
         completion, num_resumes = await self._complete(context, sampling)
+        visible = None
+        if stop:
+            completion, visible = self._cut_at_stop(completion, stop)
         n = len(completion.token_ids)
         trajectory.response_ids += completion.token_ids
         trajectory.loss_mask += [1] * n
@@ -102,8 +114,27 @@ class LLMClient:
         trajectory.finish_reason = completion.finish_reason
         trajectory.num_resumes += num_resumes
         trajectory.steps.append(Step(copy.deepcopy(messages), len(context), n, completion.finish_reason, num_resumes))
-        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
-        return Response(text, list(completion.token_ids), completion.finish_reason)
+        text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if visible is None else visible
+        body = completion.token_ids
+        if body and body[-1] in sampling.stop_token_ids and body[-1] in self.tokenizer.all_special_ids:
+            body = body[:-1]  # the end-of-turn token: the template writes it back itself
+        recorded = self.tokenizer.decode(body, skip_special_tokens=False)
+        return Response(text, list(completion.token_ids), completion.finish_reason, tuple(completion.logprobs),
+                        len(context), None if recorded == text else recorded)
+
+    def _cut_at_stop(self, completion: Completion, stop: list[str]) -> tuple[Completion, str | None]:
+        """Keep the tokens through the first one whose text completes a stop string; the
+        text returned ends before the stop string. The tokens after it are never recorded,
+        and the ones kept keep their exact logprobs (a causal model's earlier tokens do
+        not depend on later ones)."""
+        ids = completion.token_ids
+        for n in range(1, len(ids) + 1):
+            text = self.tokenizer.decode(ids[:n], skip_special_tokens=True)
+            cut = min((i for i in (text.find(s) for s in stop if s) if i >= 0), default=-1)
+            if cut >= 0:
+                kept = Completion(ids[:n], completion.logprobs[:n], completion.versions[:n], "stop")
+                return kept, text[:cut]
+        return completion, None
 
     async def _complete(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Completion, int]:
         """Generate, resuming after every ``abort`` (a weight update) with prompt + partial

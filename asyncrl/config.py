@@ -72,6 +72,11 @@ class WorkflowConfig(Section):
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:Class`` workflow's constructor (e.g. ``max_turns``);
     ``single_turn`` takes none."""
+    agent: str | None = None
+    """For ``workflow.name=openai_agent``: your agent, ``module:function`` or
+    ``path/to/file.py:function`` — ``async def run(task, base_url) -> float`` (the reward),
+    a plain function of the same arguments (run on a thread), or a class with that ``run``
+    method. It talks to the model through the OpenAI API at ``base_url``."""
     use_chat_template: bool = True
     timeout_s: float = Field(60.0, gt=0)
     """An episode (generation + reward) running longer is cancelled and counted as an error."""
@@ -143,6 +148,20 @@ class LoggingConfig(Section):
     wandb_project: str = "asyncrl"
     max_errors_per_step: int = Field(20, ge=0)
     """Failed episode attempts written to ``errors.jsonl`` per step; the rest are only counted."""
+
+
+class GatewayConfig(Section):
+    """The OpenAI-compatible HTTP gateway: one per rollout worker for ``openai_agent``
+    (always on a free local port), or standalone with ``asyncrl serve``."""
+
+    host: str = "127.0.0.1"
+    """Where ``asyncrl serve`` listens."""
+    port: int = Field(8000, ge=0, le=65535)
+    """``asyncrl serve``'s port (0 = any free port)."""
+    tool_parser: str = "hermes"
+    """Model text → ``tool_calls``: ``hermes`` (``<tool_call>{...}</tool_call>``) or ``module:function``."""
+    max_tokens: int = Field(256, ge=1)
+    """``asyncrl serve``: the reply cap when a request names none (training uses ``sampling.max_tokens``)."""
 
 
 class WatchdogConfig(Section):
@@ -225,6 +244,7 @@ class Config(Section):
     optim: OptimConfig = OptimConfig()
     logging: LoggingConfig = LoggingConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
+    gateway: GatewayConfig = GatewayConfig()
     hooks: HooksConfig = HooksConfig()
     ray: RayConfig = RayConfig()
 

@@ -21,6 +21,15 @@ class EngineClosedError(RuntimeError):
     """The engine was shut down (or died) while a request was waiting on it."""
 
 
+class PromptTooLongError(ValueError):
+    """A prompt that leaves no room in the model's context for even one new token."""
+
+    def __init__(self, prompt_tokens: int, max_context: int) -> None:
+        super().__init__(f"the prompt has {prompt_tokens} tokens; the model's context holds {max_context}, "
+                         "and at least one must be left to generate")
+        self.prompt_tokens, self.max_context = prompt_tokens, max_context
+
+
 class RolloutEngineStats(Protocol):
     """What the orchestrator reads from an engine (the idle ratios)."""
 

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from asyncrl.engine.protocol import EngineClosedError, PauseMode
+from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError
 from asyncrl.engine.sampling import RowParams, sample_tokens
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, FinishReason, SamplingParams
@@ -116,6 +116,8 @@ class TorchEngine:
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
+        if len(prompt_ids) >= self.max_positions:  # position ids past the table would kill the decode thread
+            raise PromptTooLongError(len(prompt_ids), self.max_positions)
         loop = asyncio.get_running_loop()
         req = _Request(next(self._ids), list(prompt_ids), sampling, loop.create_future(), loop)
         self._post(lambda: self._waiting.append(req), req.future, loop, request=req)

@@ -24,6 +24,7 @@ from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.evaluation import EvalResult, evaluate
+from asyncrl.gateway import Gateway, get_parser
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, SamplingParams
@@ -52,6 +53,7 @@ class RolloutWorker:
                                             top_k=s.top_k, stop_token_ids=self.sampling.stop_token_ids)
         self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent_episodes)
         self.engine: RolloutEngine | None = None
+        self.gateway: Gateway | None = None  # for openai_agent: the sessions its agents talk to
         self.eval_engine: TorchEngine | None = None  # the replica that background evaluation uses
         self._eval_lock = asyncio.Lock()  # one evaluation at a time holds the replica's weights
         self._ready = asyncio.Event()
@@ -62,6 +64,11 @@ class RolloutWorker:
         failure here is raised to every call that waits for the engine, not just this one."""
         try:
             await self._build_engines()
+            if self.cfg.workflow.name == "openai_agent":  # a gateway on a free local port, for this worker's agents
+                self.gateway = Gateway(self.tokenizer, get_parser(self.cfg.gateway.tool_parser),
+                                       model_name=self.cfg.model.path)
+                await self.gateway.start("127.0.0.1", 0)
+                self.workflow = build_workflow(self.cfg, gateway=self.gateway)
         except BaseException as exc:
             self._start_error = exc
             raise
@@ -153,6 +160,8 @@ class RolloutWorker:
         await engine.resume()
 
     async def shutdown(self) -> None:
+        if self.gateway is not None:
+            await self.gateway.stop()
         for engine in (self.engine, self.eval_engine):
             if engine is not None:
                 await engine.shutdown()

@@ -30,14 +30,21 @@ _QWEN2_SPLIT = (
 )
 
 # Compact ChatML: every char is a token, so template overhead lengthens every prompt.
-# Tools are listed by name only on a leading system line; `tool` turns render like any role.
+# Tools are listed by name only on a leading system line; `tool` turns render like any role;
+# an assistant turn given as tool_calls renders as Hermes-style <tool_call>{...}</tool_call>.
 CHAT_TEMPLATE: str = (
     # All literal text lives inside {{ }} so Jinja whitespace control can't eat the "\n"s.
     "{% if tools %}{{ '<|im_start|>system\\ntools: ' }}"
     "{% for t in tools %}{{ t['function']['name'] if t['function'] is defined else t['name'] }}"
     "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ '<|im_end|>\\n' }}{% endif %}"
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% endif %}"
+    # an assistant turn written by the caller with tool_calls: the Hermes <tool_call> form
+    "{% if m['tool_calls'] is defined and m['tool_calls'] %}{% for c in m['tool_calls'] %}"
+    "{{ '<tool_call>{\"name\": \"' + c['function']['name'] + '\", \"arguments\": ' }}"
+    "{% if c['function']['arguments'] is string %}{{ c['function']['arguments'] }}"
+    "{% else %}{{ c['function']['arguments'] | tojson }}{% endif %}{{ '}</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 

@@ -29,10 +29,13 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.gateway.server import Gateway
+from asyncrl.gateway.tool_calls import get_parser
 from asyncrl.plugins import load_named
 from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
 from asyncrl.tasks.base import RewardFn, TaskSplits
 from asyncrl.workflows.base import Workflow, WorkflowContext
+from asyncrl.workflows.openai_agent import OpenAIAgentWorkflow
 from asyncrl.workflows.single_turn import SingleTurnWorkflow
 
 
@@ -60,15 +63,32 @@ def build_context(cfg: Config) -> WorkflowContext:
                            reward_timeout_s=cfg.workflow.timeout_s, use_chat_template=cfg.workflow.use_chat_template)
 
 
-def build_workflow(cfg: Config) -> Workflow:
+def build_workflow(cfg: Config, gateway: Gateway | None = None) -> Workflow:
+    """``gateway``: the rollout worker's, which ``openai_agent`` sessions run on (None
+    where the workflow is only being checked)."""
     name, options = cfg.workflow.name, cfg.workflow.options
+    if name == "openai_agent":
+        if not cfg.workflow.agent:
+            raise ConfigError("workflow.name 'openai_agent' needs workflow.agent: your agent as module:function "
+                              "or path/to/file.py:function, async def run(task, base_url) -> float")
+        if cfg.task.reward_fn is not None:
+            raise ConfigError("task.reward_fn: with workflow.name 'openai_agent' the agent returns the reward")
+        if options:
+            raise ConfigError(f"workflow.options {options}: workflow 'openai_agent' takes none (configure your agent "
+                              "in its own code)")
+        try:
+            get_parser(cfg.gateway.tool_parser)
+            return OpenAIAgentWorkflow(load_named(cfg.workflow.agent, key="workflow.agent"), gateway)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from None
     if name == "single_turn":
         if options:
             raise ConfigError(f"workflow.options {options}: workflow 'single_turn' takes no options")
         return SingleTurnWorkflow(build_reward_fn(cfg), use_chat_template=cfg.workflow.use_chat_template,
                                   reward_timeout_s=cfg.workflow.timeout_s)
     if ":" not in name:
-        raise ConfigError(f"workflow.name {name!r}: expected 'single_turn', 'module:Class' or 'path/to/file.py:Class'")
+        raise ConfigError(f"workflow.name {name!r}: expected 'single_turn', 'openai_agent', 'module:Class' or "
+                          "'path/to/file.py:Class'")
     try:
         cls = load_named(name, key="workflow.name")
     except ValueError as exc:

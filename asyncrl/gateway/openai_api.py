@@ -1,0 +1,143 @@
+"""The OpenAI wire format: requests as typed models, responses and errors as plain dicts.
+
+Only what the gateway serves is modelled; fields an SDK sends that we do not use are
+accepted and ignored (an SDK adds new ones every month), and the ones that would change
+the sampled distribution are reported back (see ``session.py``).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from asyncrl.gateway.tool_calls import ParsedReply
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _one(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError("n > 1 is not supported: ask n times (each call is one recorded sample)")
+        return n
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def token_cap(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    def plain(self) -> dict[str, Any]:
+        """The message as the chat template sees it: text content, no empty fields."""
+        content = self.content
+        if isinstance(content, list):  # content parts: the text ones, joined
+            content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class ChatRequest(_Request):
+    messages: list[Message] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+
+
+class CompletionRequest(_Request):
+    prompt: str
+    logprobs: int | None = Field(None, ge=0, le=5)
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "api_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def finish_reason(parsed: ParsedReply, engine_reason: str) -> str:
+    if parsed.tool_calls:
+        return "tool_calls"
+    return "length" if engine_reason == "length" else "stop"
+
+
+def assistant_message(parsed: ParsedReply) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
+    return message
+
+
+def token_logprobs(tokens: list[str], logprobs: tuple[float, ...]) -> dict[str, Any]:
+    """Chat ``logprobs``: the sampled token's own (no alternatives are kept)."""
+    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                        for t, lp in zip(tokens, logprobs)]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def chat_completion(model: str, fingerprint: str, message: dict[str, Any], reason: str,
+                    use: dict[str, int], logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": fingerprint,
+            "choices": [{"index": 0, "message": message, "finish_reason": reason, "logprobs": logprobs}],
+            "usage": use}
+
+
+def chat_chunks(model: str, fingerprint: str, message: dict[str, Any], reason: str,
+                use: dict[str, int]) -> list[dict[str, Any]]:
+    """The reply as stream chunks: role and content, each tool call, then the finish
+    reason with the usage. The reply is sent once generation ends (no token streaming)."""
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+            "model": model, "system_fingerprint": fingerprint}
+    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": message["content"] or ""}]
+    for i, call in enumerate(message.get("tool_calls") or []):
+        deltas.append({"tool_calls": [{"index": i, **call}]})
+    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
+    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}], "usage": use})
+    return chunks
+
+
+def text_completion(model: str, fingerprint: str, text: str, reason: str, use: dict[str, int],
+                    logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": model, "system_fingerprint": fingerprint,
+            "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}], "usage": use}

@@ -1,0 +1,212 @@
+"""The OpenAI-compatible HTTP gateway (aiohttp, on the event loop of its rollout worker).
+
+``/v1/...`` serves anyone (``asyncrl serve``: nothing recorded, the request's sampling);
+``/sessions/<id>/v1/...`` serves one episode's agent and records every call into that
+episode's trajectories (``session.py``). aiohttp rather than an ASGI stack: it runs in
+the worker's own event loop beside the engine and the agents, with no second thread or
+process between an agent and its session.
+
+Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
+unknown session, 400 for a body that is not JSON or not a valid request (``n`` > 1
+included) or a prompt that does not fit the context (both lengths named), 503 when the
+engine has stopped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+from pydantic import ValidationError
+from transformers import PreTrainedTokenizerBase
+
+import asyncrl.gateway.openai_api as api
+from asyncrl.client import LLMClient
+from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
+from asyncrl.gateway.session import CallResult, Session
+from asyncrl.gateway.tool_calls import ToolParser
+from asyncrl.types import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class _Refused(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+class Gateway:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser, *, model_name: str,
+                 engine: RolloutEngine | None = None, sampling: SamplingParams | None = None,
+                 default_max_tokens: int = 256) -> None:
+        """``engine``/``sampling``: what plain ``/v1`` requests use (``asyncrl serve``); a
+        session uses its own episode's client."""
+        self.tokenizer, self.parser, self.model_name = tokenizer, parser, model_name
+        self.engine, self.sampling, self.default_max_tokens = engine, sampling, default_max_tokens
+        self.sessions: dict[str, Session] = {}
+        self.counts = {"requests": 0, "tool_parse_errors": 0, "sampling_overrides": 0}
+        self.base_url = ""
+        self._runner: web.AppRunner | None = None
+
+    # -- lifecycle ------------------------------------------------------------
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen (``port`` 0: a free one); returns the base URL."""
+        app = web.Application(client_max_size=64 * 2**20)
+        for prefix in ("", "/sessions/{session}"):
+            app.router.add_post(prefix + "/v1/chat/completions", self._chat)
+            app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_get(prefix + "/v1/models", self._models)
+        app.router.add_get("/health", self._health)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = site._server.sockets[0].getsockname()[1]  # the port the OS gave for port 0
+        self.base_url = f"http://{host}:{bound}"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @contextlib.asynccontextmanager
+    async def session(self, client: LLMClient, *, training: bool = True) -> AsyncIterator[str]:
+        """A session over ``client`` for one episode; yields its OpenAI base URL and is
+        closed (404 from then on) when the episode ends, however it ends."""
+        session = Session(uuid.uuid4().hex, client, self.parser, training=training)
+        self.sessions[session.id] = session
+        try:
+            yield f"{self.base_url}/sessions/{session.id}/v1"
+        finally:
+            del self.sessions[session.id]
+            self.counts["tool_parse_errors"] += session.tool_parse_errors
+            self.counts["sampling_overrides"] += session.sampling_overrides
+
+    # -- handlers -------------------------------------------------------------
+    async def _health(self, _: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "sessions": len(self.sessions)})
+
+    async def _models(self, request: web.Request) -> web.Response:
+        try:
+            self._session_of(request)
+        except _Refused as exc:
+            return self._error(exc)
+        return web.json_response({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]})
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, api.ChatRequest)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, api.CompletionRequest)
+
+    async def _serve(self, request: web.Request, kind: type[api.ChatRequest] | type[api.CompletionRequest]
+                     ) -> web.StreamResponse:
+        self.counts["requests"] += 1
+        try:
+            session = self._session_of(request)
+            body = await self._body(request, kind)
+            if session is None:  # a plain request: a throwaway client, nothing recorded
+                if self.engine is None:
+                    raise _Refused(404, "this gateway serves sessions only: use the base URL of your session")
+                session = Session("", LLMClient(self.engine, self.tokenizer, self.sampling), self.parser,
+                                  training=False)
+            if isinstance(body, api.ChatRequest):
+                result = await session.chat(body, self.default_max_tokens)
+            else:
+                result = await session.complete(body, self.default_max_tokens)
+        except _Refused as exc:
+            return self._error(exc)
+        except PromptTooLongError as exc:
+            return self._error(_Refused(400, str(exc), "messages"))
+        except EngineClosedError as exc:
+            return self._error(_Refused(503, f"the engine has stopped: {exc}"))
+        except Exception as exc:  # a bug of ours: the agent gets an OpenAI-shaped 500, the log the traceback
+            logger.exception("gateway: %s %s failed", request.method, request.path)
+            return self._error(_Refused(500, f"{type(exc).__name__}: {exc}"))
+        fingerprint = self._fingerprint(session, result)
+        if isinstance(body, api.CompletionRequest):
+            return web.json_response(self._text_reply(body, result, fingerprint))
+        return await self._chat_reply(request, body, result, fingerprint)
+
+    # -- helpers ----------------------------------------------------------------
+    def _session_of(self, request: web.Request) -> Session | None:
+        sid = request.match_info.get("session")
+        if sid is None:
+            return None
+        if sid not in self.sessions:
+            raise _Refused(404, f"no session {sid!r}: it ended with its episode, or never existed", "session")
+        return self.sessions[sid]
+
+    async def _body(self, request: web.Request, kind: type[api._Request]) -> api._Request:
+        try:
+            data = json.loads(await request.text())
+        except json.JSONDecodeError as exc:
+            raise _Refused(400, f"the body is not JSON: {exc.msg} at column {exc.colno}") from None
+        if not isinstance(data, dict):
+            raise _Refused(400, f"the body must be a JSON object, got {type(data).__name__}")
+        try:
+            return kind.model_validate(data)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            param = ".".join(str(p) for p in err["loc"])
+            raise _Refused(400, f"{param}: {err['msg'].removeprefix('Value error, ')}", param) from None
+
+    @staticmethod
+    def _fingerprint(session: Session, result: CallResult) -> str:
+        """The policy version that answered, and what of the request was not honoured."""
+        notes = "; ".join(result.notes)
+        return f"asyncrl-v{session.client.engine.version}" + (f"; {notes}" if notes else "")
+
+    async def _chat_reply(self, request: web.Request, body: api.ChatRequest, result: CallResult,
+                          fingerprint: str) -> web.StreamResponse:
+        r = result.response
+        message = api.assistant_message(result.parsed)
+        reason = api.finish_reason(result.parsed, r.finish_reason)
+        use = api.usage(r.prompt_tokens, len(r.token_ids))
+        if body.stream:
+            return await self._stream(request, api.chat_chunks(self.model_name, fingerprint, message, reason, use),
+                                result.notes)
+        logprobs = None
+        if body.logprobs:
+            logprobs = api.token_logprobs([self.tokenizer.decode([t]) for t in r.token_ids], r.logprobs)
+        return _json(api.chat_completion(self.model_name, fingerprint, message, reason, use, logprobs), result.notes)
+
+    def _text_reply(self, body: api.CompletionRequest, result: CallResult, fingerprint: str) -> dict[str, Any]:
+        r = result.response
+        logprobs = None
+        if body.logprobs is not None:
+            tokens = [self.tokenizer.decode([t]) for t in r.token_ids]
+            logprobs = {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": None}
+        reason = "length" if r.finish_reason == "length" else "stop"
+        return api.text_completion(self.model_name, fingerprint, r.text, reason,
+                                   api.usage(r.prompt_tokens, len(r.token_ids)), logprobs)
+
+    async def _stream(self, request: web.Request, chunks: list[dict[str, Any]], notes: list[str]
+                      ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               **_note_header(notes)})
+        await response.prepare(request)
+        for chunk in chunks:
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    def _error(self, exc: _Refused) -> web.Response:
+        return web.json_response(api.error_body(exc.status, str(exc), exc.param), status=exc.status)
+
+
+def _note_header(notes: list[str]) -> dict[str, str]:
+    return {"x-asyncrl-sampling": "; ".join(notes)} if notes else {}
+
+
+def _json(body: dict[str, Any], notes: list[str]) -> web.Response:
+    return web.json_response(body, headers=_note_header(notes))

@@ -1,0 +1,93 @@
+"""One episode's conversation through the gateway, recorded token-exact.
+
+A session wraps the episode's :class:`~asyncrl.client.LLMClient`, so every call is
+recorded as a workflow's would be (prompt ids, sampled ids, behavior logprobs, versions,
+loss mask) and an abort for a weight sync is resumed inside the client, out of the
+agent's sight. What the session adds is the translation an OpenAI agent needs:
+
+- the agent sends our earlier replies back in OpenAI form (``content`` and/or
+  ``tool_calls``, in whatever JSON spacing its SDK writes). Each one that means the same
+  as a reply we gave is swapped for the reply exactly as it was sampled, so the client
+  sees a conversation that extends the recorded one and continues the trajectory with
+  the sampled ids untouched — model output is never re-tokenized;
+- in a training session the sampling the learner must reproduce is the run's: an
+  agent's ``temperature`` or ``top_p`` that would change the sampled distribution is
+  overridden, its ``seed`` ignored, and both said in the reply's ``system_fingerprint``
+  and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from asyncrl.client import LLMClient, Response
+from asyncrl.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
+from asyncrl.gateway.tool_calls import ParsedReply, ToolParser
+from asyncrl.types import SamplingParams
+
+
+def _canonical(message: dict[str, Any]) -> str:
+    """What an assistant message means: its text and its calls' names and parsed arguments."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        fn = call.get("function", {})
+        try:
+            arguments = json.loads(fn.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            arguments = fn.get("arguments")
+        calls.append([fn.get("name"), arguments])
+    return json.dumps([(message.get("content") or "").strip(), calls], sort_keys=True)
+
+
+@dataclasses.dataclass
+class CallResult:
+    response: Response
+    parsed: ParsedReply
+    notes: list[str]  # what of the request was not honoured, and why
+
+
+class Session:
+    def __init__(self, session_id: str, client: LLMClient, parser: ToolParser, *, training: bool) -> None:
+        self.id, self.client, self.parser, self.training = session_id, client, parser, training
+        self.replies: dict[str, dict[str, Any]] = {}  # canonical OpenAI form -> the reply as recorded
+        self.tool_parse_errors = 0
+        self.sampling_overrides = 0
+
+    def sampling(self, request: _Request, default_max_tokens: int) -> tuple[SamplingParams, list[str]]:
+        base, notes = self.client.sampling, []
+        if not self.training:  # nobody trains on it: the request's sampling, as asked
+            return dataclasses.replace(
+                base, temperature=base.temperature if request.temperature is None else request.temperature,
+                top_p=request.top_p or 1.0, max_tokens=request.token_cap or default_max_tokens), notes
+        for name, asked, run in (("temperature", request.temperature, base.temperature),
+                                 ("top_p", request.top_p, base.top_p)):
+            if asked is not None and asked != run:
+                notes.append(f"{name}={asked} overridden by the run's {run}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if getattr(request, name):
+                notes.append(f"{name} ignored")
+        if request.seed is not None:
+            notes.append("seed ignored")
+        self.sampling_overrides += bool(notes)
+        cap = min(request.token_cap or base.max_tokens, base.max_tokens)
+        return dataclasses.replace(base, max_tokens=cap), notes
+
+    def _recorded_form(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [self.replies.get(_canonical(m), m) if m["role"] == "assistant" else m for m in messages]
+
+    async def chat(self, request: ChatRequest, default_max_tokens: int) -> CallResult:
+        sampling, notes = self.sampling(request, default_max_tokens)
+        messages = self._recorded_form([m.plain() for m in request.messages])
+        response = await self.client.chat(messages, tools=request.tools or None, sampling=sampling,
+                                          stop=request.stops or None)
+        parsed = ParsedReply(response.text) if request.tool_choice == "none" else self.parser(response.text)
+        self.tool_parse_errors += parsed.error is not None
+        self.replies[_canonical(assistant_message(parsed))] = response.message
+        return CallResult(response, parsed, notes)
+
+    async def complete(self, request: CompletionRequest, default_max_tokens: int) -> CallResult:
+        sampling, notes = self.sampling(request, default_max_tokens)
+        response = await self.client.generate(request.prompt, sampling=sampling, stop=request.stops or None)
+        return CallResult(response, ParsedReply(response.text), notes)

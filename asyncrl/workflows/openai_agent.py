@@ -1,0 +1,47 @@
+"""``workflow.name: openai_agent``: train an agent written against the OpenAI API.
+
+The agent is the user's own code — ``async def run(task, base_url) -> float`` returning
+the episode's reward (a plain function is run on a thread, a class is built once and
+its ``run`` used) — named by ``workflow.agent``. Each episode gets its own gateway
+session; every model call the agent makes there is recorded into the episode's
+trajectories, which train like any other. An agent that raises or hangs is an error
+episode under the usual timeout and retry rules, and its session is closed either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import math
+from collections.abc import Callable
+from typing import Any
+
+from asyncrl.client import LLMClient
+from asyncrl.gateway.server import Gateway
+from asyncrl.tasks.base import Task
+from asyncrl.types import Episode
+
+
+class OpenAIAgentWorkflow:
+    def __init__(self, agent: Callable[[Task, str], Any], gateway: Gateway | None) -> None:
+        """``gateway`` is None where the workflow is only being checked (pre-flight)."""
+        if inspect.isclass(agent):
+            agent = agent().run
+        if not callable(agent):
+            raise ValueError(f"the agent {agent!r} is not callable")
+        self.agent, self.gateway = agent, gateway
+
+    async def run(self, task: Task, llm: LLMClient) -> Episode:
+        if self.gateway is None:
+            raise RuntimeError("openai_agent needs the rollout worker's gateway, which is not running")
+        async with self.gateway.session(llm) as base_url:
+            if inspect.iscoroutinefunction(self.agent):
+                reward = await self.agent(task, base_url)
+            else:  # a synchronous agent blocks: off the loop that serves its requests
+                reward = await asyncio.to_thread(self.agent, task, base_url)
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise TypeError(f"the agent returned {reward!r} for task {task.id}; expected a finite float reward")
+        for trajectory in llm.trajectories:
+            trajectory.reward = float(reward)
+        return Episode(task_id=task.id, trajectories=llm.trajectories, reward=float(reward),
+                       metadata={"calls": sum(len(t.steps) for t in llm.trajectories)})
