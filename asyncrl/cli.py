@@ -16,7 +16,8 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "RL training (sync, one_step_off, async)"),
-                        ("eval", "score a policy on a task's validation split")):
+                        ("eval", "score a policy on a task's validation split"),
+                        ("serve", "OpenAI-compatible gateway over model.path at gateway.host:gateway.port")):
         cmd = sub.add_parser(name, help=help_, epilog=KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("config", help="YAML config file (e.g. examples/countdown/async.yaml)")
         cmd.add_argument("overrides", nargs="*", metavar="key=value",
@@ -116,6 +117,12 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
 
             result = run_eval(cfg)
             print(json.dumps(result.summary(), indent=2))
+        elif args.command == "serve":
+            cfg = load_config(args.config, args.overrides)
+            _quiet_transformers()
+            from asyncrl.gateway.serve import serve
+
+            serve(cfg)
         elif args.command == "bench":
             _quiet_transformers()
             from asyncrl.bench import run_bench

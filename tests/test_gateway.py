@@ -268,3 +268,40 @@ def test_hermes_parser(text, content, calls, error):
     else:
         assert parsed.content == content and parsed.error is None
         assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == calls
+
+
+def test_a_broken_tool_call_is_plain_content_and_counted(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            llm = LLMClient(ScriptedFirstReply(engine, tokenizer, '<tool_call>{"name": "add", '), tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                reply = await sdk(base_url).chat.completions.create(
+                    model="tiny", messages=[{"role": "user", "content": "2 3 -> 5"}], tools=TOOLS)
+            return reply, gateway.counts
+
+    reply, counts = asyncio.run(main())
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == '<tool_call>{"name": "add", '
+    assert counts["tool_parse_errors"] == 1
+
+
+def test_training_sessions_keep_the_runs_sampling_and_say_so(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            llm = LLMClient(engine, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                raw = await sdk(base_url).chat.completions.with_raw_response.create(
+                    model="tiny", messages=[{"role": "user", "content": "1 2 -> 3"}], temperature=0.3, seed=7,
+                    max_tokens=4)
+            return raw.headers.get("x-asyncrl-sampling"), raw.parse(), gateway.counts, llm
+
+    header, reply, counts, llm = asyncio.run(main())
+    assert "temperature=0.3 overridden by the run's 1.0" in header and "seed ignored" in header
+    assert header in reply.system_fingerprint and counts["sampling_overrides"] == 1
+    assert reply.usage.completion_tokens <= 4  # max_tokens is honoured (up to the run's cap)
+    assert len(llm.trajectories[0].response_ids) == reply.usage.completion_tokens

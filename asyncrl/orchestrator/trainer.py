@@ -155,8 +155,9 @@ class Trainer:
             busy = await self.rollout.busy_s() - busy0
             times = StepTimes(time.perf_counter() - t0, waited, busy, self._now())
             buffer = self.rollouts.buffer
+            counters = {**self._counters(), **await self.rollout.gateway_counts()}
             row = step_row(step, self.version, trained_version, groups, trajectories, actor, times,
-                           self.rollouts.take_finished_rewards(), self._counters(),
+                           self.rollouts.take_finished_rewards(), counters,
                            {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped})
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
             due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)

@@ -66,4 +66,9 @@ class RolloutHandle(Protocol):
         """Seconds the engines spent generating (mean per worker), for the idle ratios."""
         ...
 
+    async def gateway_counts(self) -> dict[str, int]:
+        """What the workers' gateways counted (``tool_parse_errors``, ``sampling_overrides``),
+        summed; zeros where no gateway runs."""
+        ...
+
     async def shutdown(self) -> None: ...

@@ -207,6 +207,18 @@ class RayRollout:
         busy = [r for r in results if isinstance(r, float)]
         return sum(busy) / max(1, len(busy))
 
+    async def gateway_counts(self) -> dict[str, int]:
+        """Summed over the live workers (a replaced worker's counts start again from 0)."""
+        results = await asyncio.gather(*[self._call(i, lambda w: w.gateway_counts.remote())
+                                         for i in range(len(self.workers))], return_exceptions=True)
+        total: dict[str, int] = {}
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
+                raise result
+            for key, value in (result if isinstance(result, dict) else {}).items():
+                total[key] = total.get(key, 0) + value
+        return total
+
     async def pids(self) -> list[int]:
         return list(await asyncio.gather(*[self._call(i, lambda w: w.pid.remote()) for i in range(len(self.workers))]))
 

@@ -31,6 +31,8 @@ from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
 
+GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
+
 
 class RolloutWorker:
     def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
@@ -107,6 +109,10 @@ class RolloutWorker:
     def restarts(self) -> int:
         """An in-process worker is never replaced (the Ray runtime's may be)."""
         return 0
+
+    async def gateway_counts(self) -> dict[str, int]:
+        counts = self.gateway.counts if self.gateway is not None else {}
+        return {k: counts.get(k, 0) for k in GATEWAY_COUNTS}
 
     async def pid(self) -> int:
         return os.getpid()

@@ -1,0 +1,46 @@
+"""``asyncrl serve``: the gateway standalone over ``model.path``, for trying an agent by
+hand. Nothing is recorded or trained; requests sample as they ask."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+from asyncrl.client import stop_token_ids
+from asyncrl.config import Config, ConfigError
+from asyncrl.gateway.server import Gateway
+from asyncrl.gateway.tool_calls import get_parser
+from asyncrl.orchestrator.preflight import preflight
+from asyncrl.runtime.rollout_worker import RolloutWorker
+
+
+def serve(cfg: Config) -> None:
+    try:
+        parser = get_parser(cfg.gateway.tool_parser)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    checked = preflight(cfg, "eval")
+
+    async def main() -> None:
+        worker = RolloutWorker(cfg, model=checked.model, tokenizer=checked.tokenizer, seed=cfg.seed)
+        await worker.start()
+        sampling = worker.sampling
+        gateway = Gateway(checked.tokenizer, parser, model_name=cfg.model.path, engine=worker.engine,
+                          sampling=sampling, default_max_tokens=cfg.gateway.max_tokens)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            url = await gateway.start(cfg.gateway.host, cfg.gateway.port)
+            print(f"asyncrl serve: {cfg.model.path} at {url}/v1 (OpenAI API; stop tokens "
+                  f"{list(stop_token_ids(checked.tokenizer))}); Ctrl-C stops", file=sys.stderr, flush=True)
+            await stop.wait()
+        except OSError as exc:  # the port is taken, or the host is not ours
+            raise ConfigError(f"gateway.host/gateway.port {cfg.gateway.host}:{cfg.gateway.port}: {exc}") from None
+        finally:
+            await gateway.stop()
+            await worker.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,46 @@
+"""``asyncrl train`` with ``workflow.name=openai_agent``: agents written against the
+OpenAI SDK train unchanged, in the local and the Ray runtime."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asyncrl.cli import main
+
+SMALL = ["total_steps=2", "batch_size=2", "group_size=2", "eval.num_tasks=2", "eval.samples_per_task=1",
+         "task.num_train=16", "task.num_validation=4", "algorithm.filter_zero_variance=false"]
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_an_sdk_agent_trains_on_every_call_it_made(tmp_path, policy_dir):
+    out = tmp_path / "agent"
+    assert main(["train", "examples/openai_agent/train.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "workflow.agent=tests/agent_two_calls.py:run", *SMALL]) == 0
+    samples = rows(out / "samples.jsonl")
+    assert len(samples) == 2 * 2 * 2  # steps × groups × samples: one trajectory per episode
+    for s in samples:  # both calls in one trajectory: the model, the agent's turn (mask 0), the model
+        roles = [seg["role"] for seg in s["response_segments"]]
+        assert roles == ["model", "environment", "model"]
+        assert "user\ncheck again\nassistant\n" in s["response_segments"][1]["text"]  # specials are not shown
+    metrics = rows(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2] and metrics[-1]["rollout/tool_parse_errors_total"] >= 0
+
+
+def test_a_bad_agent_name_exits_2(tmp_path, policy_dir, capsys):
+    code = main(["train", "examples/openai_agent/train.yaml", f"model.path={policy_dir}",
+                 f"output_dir={tmp_path / 'x'}", "workflow.agent=tests/agent_two_calls.py:missing"])
+    assert code == 2 and "workflow.agent" in capsys.readouterr().err
+
+
+def test_the_example_agent_trains_on_ray(tmp_path, policy_dir):
+    pytest.importorskip("ray")
+    out = tmp_path / "ray"
+    assert main(["train", "examples/openai_agent/train.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "runtime=ray", "ray.num_cpus=2", "ray.num_rollout_workers=2", "ray.worker_cpus=0.5",
+                 "ray.learner_cpus=1", *SMALL]) == 0
+    assert len(rows(out / "samples.jsonl")) == 8
