@@ -137,9 +137,9 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
                 raise ConfigError(str(exc)) from None
             try:
                 print(write_report(run))
-            except ImportError as exc:  # matplotlib is optional; the message says how to install it
+            except ImportError as exc:  # a missing extra is a usage error: one line, how to install it
                 print(f"asyncrl report: {exc}", file=sys.stderr)
-                return 1
+                return 2
     except ConfigError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2

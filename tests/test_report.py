@@ -179,20 +179,18 @@ def test_max_staleness_per_mode(tmp_path, mode, max_staleness):
 
 
 def test_without_matplotlib_a_run_still_loads_and_summarises(tmp_path):
-    """matplotlib is optional: only drawing needs it, and ``write_report`` says how to install it."""
+    """matplotlib is optional: only drawing needs it, and ``asyncrl report`` says, in one
+    line and exit 2, the install command that works in a clone."""
     run_dir = _hand_written_run(tmp_path / "run", [{"step": 0, "eval/reward_mean": 0.5}])
     code = f"""
 import sys
 sys.modules["matplotlib"] = None  # as if not installed
-from asyncrl.report import load_run, summarize, write_report
-run = load_run({str(run_dir)!r})
-assert summarize(run)["eval reward before (step 0)"] == 0.5
-try:
-    write_report(run)
-except ImportError as exc:
-    assert "pip install 'asyncrl[report]'" in str(exc), exc
-else:
-    raise AssertionError("write_report drew figures without matplotlib")
+from asyncrl.report import load_run, summarize
+from asyncrl.cli import main
+assert summarize(load_run({str(run_dir)!r}))["eval reward before (step 0)"] == 0.5
+sys.exit(main(["report", {str(run_dir)!r}]))
 """
-    subprocess.run([sys.executable, "-c", code], check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == 'asyncrl report: asyncrl report needs matplotlib: pip install -e ".[report]"'
     assert not list(run_dir.glob("report*"))

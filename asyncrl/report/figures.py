@@ -28,7 +28,7 @@ FIGURE_DPI = 110
 def require_matplotlib() -> None:
     """Raise an ImportError that says how to install matplotlib, when it is missing."""
     if _MATPLOTLIB_MISSING is not None:
-        raise ImportError("asyncrl report needs matplotlib: pip install 'asyncrl[report]'") from _MATPLOTLIB_MISSING
+        raise ImportError('asyncrl report needs matplotlib: pip install -e ".[report]"') from _MATPLOTLIB_MISSING
 
 
 def new_figure(*args: Any, **kwargs: Any) -> Figure:
