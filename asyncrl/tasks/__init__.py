@@ -15,13 +15,14 @@ from asyncrl.tasks.base import RewardFn, Task, TaskDataError, TaskSplits
 from asyncrl.tasks.countdown import countdown_reward, generate_countdown, iter_countdown
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 from asyncrl.tasks.longtail import iter_longtail, longtail_reward
+from asyncrl.tasks.multihop import iter_multihop, multihop_corpus, multihop_reward
 
 __all__ = [
     "is_validation_prompt",
     "Task", "TaskSplits", "RewardFn", "TaskDataError", "load_tasks", "resolve_reward_fn",
     "default_reward_fn", "generate_countdown", "countdown_reward", "generate_arithmetic",
     "arithmetic_reward", "load_jsonl_tasks", "TASK_NAMES", "REWARD_FUNCTIONS",
-    "REWARD_SPECS",
+    "REWARD_SPECS", "multihop_corpus", "multihop_reward",
 ]
 
 # Generated tasks: name -> endless deterministic stream factory ``(seed, **options)``.
@@ -29,17 +30,22 @@ _GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
     "countdown": iter_countdown,
     "arithmetic": iter_arithmetic,
     "longtail": iter_longtail,
+    # The corpus depends on the options (corpus_seed, num_people), never on the seed, so
+    # train and validation ask about one corpus: multihop_corpus(**options).
+    "multihop": iter_multihop,
 }
 TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl")
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "arithmetic": arithmetic_reward,
     "longtail": longtail_reward,
+    "multihop": multihop_reward,
 }
 REWARD_SPECS: dict[str, str] = {
     "countdown": "asyncrl.tasks.countdown:countdown_reward",
     "arithmetic": "asyncrl.tasks.arithmetic:arithmetic_reward",
     "longtail": "asyncrl.tasks.longtail:longtail_reward",
+    "multihop": "asyncrl.tasks.multihop:multihop_reward",
 }
 # Cap on candidates drawn per wanted task, so a tiny task space (arithmetic has 100
 # prompts) fails loudly instead of looping forever.
