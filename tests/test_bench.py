@@ -86,3 +86,23 @@ def test_bench_trl_smoke(tmp_path, capsys):
     runs = r"[\d.]+ samples/s, final reward [\d.]+"
     assert_phases(capsys.readouterr().out, "trl", {
         "trl (run 1/3)": runs, "asyncrl_sync (run 2/3)": runs, "asyncrl_async (run 3/3)": runs})
+
+
+def test_bench_gateway_smoke(tmp_path, capsys, policy_dir):
+    out = tmp_path / "gateway"
+    assert main(["bench", "gateway", f"model_path={policy_dir}", "num_prompts=4", "requests=6", "concurrency=3",
+                 "latency_calls=2", "max_tokens=4", "repeats=1", "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert {"requests_per_s", "ratio_sdk_vs_direct", "ratio_session_vs_direct", "added_latency_ms", "settings",
+            "machine"} <= set(result)
+    assert set(result["requests_per_s"]) == {"direct", "sdk", "session"}
+    assert all(v > 0 for v in result["requests_per_s"].values())
+    assert result["ratio_sdk_vs_direct"] > 0 and result["ratio_session_vs_direct"] > 0
+    assert set(result["added_latency_ms"]) == {"mean", "median"}
+    # greedy, end-of-sequence ignored: every path generates max_tokens per call, no more, no less
+    assert result["tokens"]["throughput_run"] == {"direct": 6 * 4, "sdk": 6 * 4, "session": 6 * 4}
+    assert result["tokens"]["latency_calls"] == {"direct": 2 * 4, "sdk": 2 * 4, "session": 2 * 4}
+    req_s = r"direct [\d,.]+ req/s, sdk [\d,.]+ req/s, session [\d,.]+ req/s"
+    assert_phases(capsys.readouterr().out, "gateway", {
+        "warm-up": "done", "throughput, 6 requests, 3 in flight": req_s,
+        "latency, 2 sequential calls": r"direct [\d.]+ ms, sdk [+-][\d.]+ ms, session [+-][\d.]+ ms"})

@@ -267,3 +267,21 @@ def test_trainer_runs_async_with_the_vllm_engine(tmp_path):
     assert len(samples) == 4 * 2 * 4
     assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 2
     assert (out / "checkpoints" / "step_4" / "model.safetensors").exists()
+
+
+def test_an_sdk_agent_trains_with_the_vllm_engine(tmp_path):
+    """``engine=vllm`` under the gateway: an OpenAI-SDK agent's two calls in one session,
+    sampled by vLLM, recorded as one trajectory (the shipped policy, as above)."""
+    import json
+
+    from asyncrl.cli import main
+
+    out = tmp_path / "agent"
+    assert main(["train", "examples/openai_agent/train.yaml", "engine=vllm", f"output_dir={out}",
+                 "workflow.agent=tests/agent_two_calls.py:run", "total_steps=2", "batch_size=2", "group_size=2",
+                 "eval.num_tasks=2", "eval.samples_per_task=1", "task.num_train=16", "task.num_validation=4",
+                 "algorithm.filter_zero_variance=false"]) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 2 * 2  # steps × groups × samples: one trajectory per episode
+    for s in samples:  # the model, the agent's own user turn (mask 0), the model
+        assert [seg["role"] for seg in s["response_segments"]] == ["model", "environment", "model"]
