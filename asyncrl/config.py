@@ -46,7 +46,11 @@ class ModelConfig(Section):
 
 class TaskConfig(Section):
     name: str = "countdown"
-    """``countdown``, ``arithmetic``, or ``jsonl`` (then ``path`` is the train file)."""
+    """``countdown``, ``arithmetic``, ``longtail``, ``multihop``, or ``jsonl`` (then ``path``
+    is the train file)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Options of a generated task's generator (e.g. ``num_numbers`` for countdown,
+    ``num_people`` for multihop); an unknown one exits 2 naming it."""
     path: str | None = None
     validation_path: str | None = None
     num_train: int = Field(20000, ge=0)

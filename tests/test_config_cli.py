@@ -200,3 +200,13 @@ def test_keys_are_listed_with_defaults(capsys):
     assert info.value.code == 0
     lines = capsys.readouterr().out.splitlines()
     assert "task.num_validation = 128" in lines and "watchdog.stall_s = 300.0" in lines
+
+
+def test_task_options_reach_the_generator_and_typos_exit_2(tmp_path, policy_dir, capsys):
+    from asyncrl.workflows.registry import build_tasks
+
+    cfg = load_config(None, ["task.options={num_numbers: 4}", "task.num_train=5", "task.num_validation=2"])
+    assert all(len(t.data["numbers"]) == 4 for t in build_tasks(cfg).train)
+    code = main(["eval", "examples/countdown/eval.yaml", f"model.path={policy_dir}", f"output_dir={tmp_path}",
+                 "task.options={num_numbrs: 4}"])
+    assert code == 2 and "num_numbrs" in capsys.readouterr().err

@@ -44,7 +44,7 @@ def build_tasks(cfg: Config) -> TaskSplits:
     t = cfg.task
     try:
         return load_tasks(t.name, path=t.path, validation_path=t.validation_path, seed=cfg.seed,
-                          num_train=t.num_train, num_validation=t.num_validation)
+                          num_train=t.num_train, num_validation=t.num_validation, options=t.options)
     except ValueError as exc:  # TaskDataError included: it names the file and line
         raise ConfigError(f"task: {exc}") from None
 
