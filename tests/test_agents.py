@@ -44,3 +44,48 @@ def test_the_example_agent_trains_on_ray(tmp_path, policy_dir):
                  "runtime=ray", "ray.num_cpus=2", "ray.num_rollout_workers=2", "ray.worker_cpus=0.5",
                  "ray.learner_cpus=1", *SMALL]) == 0
     assert len(rows(out / "samples.jsonl")) == 8
+
+
+def test_an_agent_that_raises_or_hangs_is_an_error_episode_and_its_session_closes(tiny_policy):
+    import asyncio
+
+    from asyncrl.client import LLMClient
+    from asyncrl.engine import TorchEngine
+    from asyncrl.gateway import Gateway, hermes
+    from asyncrl.tasks.base import Task
+    from asyncrl.types import SamplingParams
+    from asyncrl.workflows import run_episode
+    from asyncrl.workflows.openai_agent import OpenAIAgentWorkflow
+
+    model, tokenizer = tiny_policy
+    seen: list[str] = []
+
+    async def raising(task, base_url):
+        seen.append(base_url)
+        raise ConnectionError("the agent's own service is down")
+
+    async def hanging(task, base_url):
+        seen.append(base_url)
+        await asyncio.sleep(3600)
+
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4)
+        gateway = Gateway(tokenizer, hermes, model_name="tiny")
+        await gateway.start()
+        try:
+            results = []
+            for agent, timeout_s in ((raising, 30), (hanging, 0.3)):
+                workflow = OpenAIAgentWorkflow(agent, gateway)
+                episode = await run_episode(workflow, Task("t", "1 2 -> 3"),
+                                            lambda: LLMClient(engine, tokenizer, SamplingParams(max_tokens=4)),
+                                            timeout_s=timeout_s, max_retries=1)
+                results.append(episode)
+            return results, dict(gateway.sessions)
+        finally:
+            await gateway.stop()
+            await engine.shutdown()
+
+    (raised, hung), open_sessions = asyncio.run(main())
+    assert raised.status == "error" and "the agent's own service is down" in raised.error and raised.attempts == 2
+    assert hung.status == "error" and "timed out" in hung.error
+    assert len(seen) == 4 and len(set(seen)) == 4 and open_sessions == {}  # a fresh session per attempt, all closed
