@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -117,6 +118,51 @@ class Trajectory:
         d = dict(d)
         d["steps"] = [Step(**s) for s in d.get("steps", [])]
         return cls(**d)
+
+
+@dataclass(frozen=True)
+class AgentDiagnostics:
+    """What a multi-turn or agent episode did, kept in ``Episode.metadata["agent"]`` (as
+    ``to_dict()``, so it survives the JSON checkpoint) and averaged per step into the
+    ``agent/*`` keys of ``metrics.jsonl``.
+
+    ``turns`` is model calls; ``tool_calls`` the tool/environment answers asked for;
+    ``tool_errors`` those answers marked as failures (:func:`is_tool_error`) plus the
+    model's tool calls too broken to parse; ``tool_latency_s`` the time spent outside the
+    model between its calls (tools, and the agent's own code around them);
+    ``cut_by_turn_limit``: the episode ended because its turn budget ran out while the
+    model still wanted to act.
+    """
+
+    turns: int
+    tool_calls: int
+    tool_errors: int
+    tool_latency_s: float
+    model_tokens: int
+    cut_by_turn_limit: bool
+
+    @property
+    def tokens_per_turn(self) -> float:
+        return self.model_tokens / self.turns if self.turns else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON types; ``tokens_per_turn`` included for whoever reads the file."""
+        return {**dataclasses.asdict(self), "tokens_per_turn": self.tokens_per_turn}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> AgentDiagnostics:
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+
+
+_TOOL_ERROR = re.compile(r"^\s*(error\b|\w+ failed:|unknown tool\b)", re.IGNORECASE)
+
+
+def is_tool_error(content: Any) -> bool:
+    """Whether a tool result says the tool failed. Tools answer a failure in text, for the
+    model to read, so this is a convention on that text: it starts with ``error``
+    (``"Error: timeout"``), ``<word> failed:`` (the retrieval client's ``"search failed:
+    …"``) or ``unknown tool``. A result that starts otherwise is a result."""
+    return isinstance(content, str) and _TOOL_ERROR.match(content) is not None
 
 
 EpisodeStatus = Literal["ok", "error"]

@@ -20,7 +20,7 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -32,7 +32,7 @@ from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser
-from asyncrl.types import SamplingParams
+from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -79,9 +79,11 @@ class Gateway:
             self._runner = None
 
     @contextlib.asynccontextmanager
-    async def session(self, client: LLMClient, *, training: bool = True) -> AsyncIterator[str]:
+    async def session(self, client: LLMClient, *, training: bool = True,
+                      on_close: Callable[[AgentDiagnostics], None] | None = None) -> AsyncIterator[str]:
         """A session over ``client`` for one episode; yields its OpenAI base URL and is
-        closed (404 from then on) when the episode ends, however it ends."""
+        closed (404 from then on) when the episode ends, however it ends. ``on_close``
+        then gets the episode's diagnostics (``Session.diagnostics``)."""
         session = Session(uuid.uuid4().hex, client, self.parser, training=training)
         self.sessions[session.id] = session
         try:
@@ -90,6 +92,8 @@ class Gateway:
             del self.sessions[session.id]
             self.counts["tool_parse_errors"] += session.tool_parse_errors
             self.counts["sampling_overrides"] += session.sampling_overrides
+            if on_close is not None:
+                on_close(session.diagnostics())
 
     # -- handlers -------------------------------------------------------------
     async def _health(self, _: web.Request) -> web.Response:
@@ -109,7 +113,7 @@ class Gateway:
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, api.CompletionRequest)
 
-    async def _serve(self, request: web.Request, kind: type[api.ChatRequest] | type[api.CompletionRequest]
+    async def _serve(self, request: web.Request, kind: type[api.ChatRequest | api.CompletionRequest]
                      ) -> web.StreamResponse:
         self.counts["requests"] += 1
         try:

@@ -14,18 +14,24 @@ agent's sight. What the session adds is the translation an OpenAI agent needs:
   agent's ``temperature`` or ``top_p`` that would change the sampled distribution is
   overridden, its ``seed`` ignored, and both said in the reply's ``system_fingerprint``
   and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always.
+
+It also keeps the episode's :class:`~asyncrl.types.AgentDiagnostics`, as far as the
+gateway can see them: calls, parsed tool calls, tool results the agent sends back marked
+as failures, and the time between handing out a reply and receiving the next call — the
+agent's tools and its own code, as seen from here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from typing import Any
 
 from asyncrl.client import LLMClient, Response
 from asyncrl.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.gateway.tool_calls import ParsedReply, ToolParser
-from asyncrl.types import SamplingParams
+from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
 
 
 def _canonical(message: dict[str, Any]) -> str:
@@ -54,6 +60,43 @@ class Session:
         self.replies: dict[str, dict[str, Any]] = {}  # canonical OpenAI form -> the reply as recorded
         self.tool_parse_errors = 0
         self.sampling_overrides = 0
+        self.calls = self.tool_calls = self.model_tokens = 0
+        self.tool_latency_s = 0.0
+        self.tool_results: set[tuple[str | None, str]] = set()  # (tool_call_id, content) seen in requests
+        self.failed_tool_results = 0
+        self.last_reply_called_tools = False
+        self._in_flight = 0
+        self._replied_at: float | None = None  # when the last reply was handed out, none in flight since
+
+    def diagnostics(self) -> AgentDiagnostics:
+        """The episode's diagnostics. ``cut_by_turn_limit``: the last reply asked for tools
+        and the agent stopped there — its turn budget (which only the agent knows) ran
+        out while the model still wanted to act. A tool result is only seen when the
+        agent sends it back, so those of that last reply are not counted."""
+        return AgentDiagnostics(
+            turns=self.calls, tool_calls=self.tool_calls,
+            tool_errors=self.failed_tool_results + self.tool_parse_errors,
+            tool_latency_s=self.tool_latency_s, model_tokens=self.model_tokens,
+            cut_by_turn_limit=self.last_reply_called_tools)
+
+    def _call_starts(self, messages: list[dict[str, Any]]) -> None:
+        now = time.monotonic()
+        if self._replied_at is not None and self._in_flight == 0:  # calls at once overlap: no gap
+            self.tool_latency_s += now - self._replied_at
+        self._in_flight += 1
+        for m in messages:  # the agent resends the conversation: count each tool result once
+            if m["role"] == "tool" and (key := (m.get("tool_call_id"), m["content"])) not in self.tool_results:
+                self.tool_results.add(key)
+                self.failed_tool_results += is_tool_error(m["content"])
+
+    def _call_ends(self, response: Response | None, parsed: ParsedReply | None) -> None:
+        self._in_flight -= 1
+        self._replied_at = time.monotonic() if self._in_flight == 0 else None
+        if response is not None and parsed is not None:
+            self.calls += 1
+            self.tool_calls += len(parsed.tool_calls)
+            self.model_tokens += len(response.token_ids)
+            self.last_reply_called_tools = bool(parsed.tool_calls)
 
     def sampling(self, request: _Request, default_max_tokens: int) -> tuple[SamplingParams, list[str]]:
         base, notes = self.client.sampling, []
@@ -79,15 +122,26 @@ class Session:
 
     async def chat(self, request: ChatRequest, default_max_tokens: int) -> CallResult:
         sampling, notes = self.sampling(request, default_max_tokens)
-        messages = self._recorded_form([m.plain() for m in request.messages])
-        response = await self.client.chat(messages, tools=request.tools or None, sampling=sampling,
-                                          stop=request.stops or None)
-        parsed = ParsedReply(response.text) if request.tool_choice == "none" else self.parser(response.text)
+        plain = [m.plain() for m in request.messages]
+        self._call_starts(plain)
+        response = parsed = None
+        try:
+            response = await self.client.chat(self._recorded_form(plain), tools=request.tools or None,
+                                              sampling=sampling, stop=request.stops or None)
+            parsed = ParsedReply(response.text) if request.tool_choice == "none" else self.parser(response.text)
+        finally:
+            self._call_ends(response, parsed)
         self.tool_parse_errors += parsed.error is not None
         self.replies[_canonical(assistant_message(parsed))] = response.message
         return CallResult(response, parsed, notes)
 
     async def complete(self, request: CompletionRequest, default_max_tokens: int) -> CallResult:
         sampling, notes = self.sampling(request, default_max_tokens)
-        response = await self.client.generate(request.prompt, sampling=sampling, stop=request.stops or None)
-        return CallResult(response, ParsedReply(response.text), notes)
+        self._call_starts([])
+        response = parsed = None
+        try:
+            response = await self.client.generate(request.prompt, sampling=sampling, stop=request.stops or None)
+            parsed = ParsedReply(response.text)
+        finally:
+            self._call_ends(response, parsed)
+        return CallResult(response, parsed, notes)

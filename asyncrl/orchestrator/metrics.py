@@ -11,7 +11,7 @@ from typing import Any
 from asyncrl.evaluation import EvalResult
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.orchestrator.staleness import trajectory_staleness
-from asyncrl.types import Trajectory
+from asyncrl.types import AgentDiagnostics, Episode, Trajectory
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,25 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/response_tokens_mean": tokens / n,
         **{f"buffer/{k}": v for k, v in buffer.items()},
         **{f"rollout/{k}_total": v for k, v in counters.items()},
+        **agent_metrics([e for g in groups for e in g.group.episodes]),
         **actor,
+    }
+
+
+def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
+    """The ``agent/*`` keys: means over the episodes that carry ``metadata["agent"]``
+    (multi-turn and agent workflows), none at all when no episode does (single-turn)."""
+    records = [AgentDiagnostics.from_dict(e.metadata["agent"]) for e in episodes if "agent" in e.metadata]
+    if not records:
+        return {}
+    n = len(records)
+    return {
+        "agent/turns_mean": sum(r.turns for r in records) / n,
+        "agent/tool_calls_mean": sum(r.tool_calls for r in records) / n,
+        "agent/tool_errors_total": sum(r.tool_errors for r in records),
+        "agent/tool_latency_s_mean": sum(r.tool_latency_s for r in records) / n,
+        "agent/tokens_per_turn_mean": sum(r.tokens_per_turn for r in records) / n,
+        "agent/cut_by_turn_limit_fraction": sum(r.cut_by_turn_limit for r in records) / n,
     }
 
 
@@ -56,7 +74,9 @@ def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
     multi-turn episode that mixes the model's replies with the environment's turns, so
     ``response_segments`` splits it where ``loss_mask`` changes, in order:
     ``{"role": "model" | "environment", "text", "tokens"}``; their texts joined are
-    ``response``."""
+    ``response``. Multi-turn and agent episodes (those with ``metadata["agent"]``) also
+    get ``conversation``: the trajectory's messages, read as the agent saw them
+    (:func:`conversation`)."""
     rows = []
     for g in groups:
         for index, (episode, advantage) in enumerate(zip(g.group.episodes, g.group.advantages or [])):
@@ -71,7 +91,39 @@ def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
                     "resumed": t.resumed, "num_resumes": t.num_resumes, "response": response,
                     "response_segments": segments,
                 })
+                if "agent" in episode.metadata:
+                    rows[-1]["conversation"] = conversation(episode, t, decode)
     return rows
+
+
+MAX_MESSAGE_CHARS = 2000
+"""Longer message contents are cut in ``samples.jsonl`` (a retrieved page can be long);
+the exact tokens are still in ``response``."""
+
+
+def conversation(episode: Episode, t: Trajectory, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+    """The messages of ``t``: the workflow's own record where it kept one
+    (``metadata["messages"]``, a multi-turn episode of one trajectory, the environment's
+    last answer included), else the messages of its last model call and that call's reply,
+    decoded. Each message keeps ``role``, ``content`` (cut at ``MAX_MESSAGE_CHARS``) and
+    the tool fields it has."""
+    messages = episode.metadata.get("messages")
+    if not (isinstance(messages, list) and len(episode.trajectories) == 1):
+        last = t.steps[-1] if t.steps else None
+        if last is None or last.messages is None:
+            return []
+        reply = decode(t.response_ids[len(t.response_ids) - last.response_tokens:])
+        messages = [*last.messages, {"role": "assistant", "content": reply}]
+    return [_brief(m) for m in messages]
+
+
+def _brief(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, str) and len(content) > MAX_MESSAGE_CHARS:
+        content = content[:MAX_MESSAGE_CHARS] + f"… [{len(content) - MAX_MESSAGE_CHARS} characters cut]"
+    out = {"role": message.get("role"), "content": content}
+    out.update({k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k)})
+    return out
 
 
 def _segments(ids: list[int], loss_mask: list[int],

@@ -1,4 +1,5 @@
-"""The report's figures about learning and speed: reward, staleness, throughput.
+"""The report's figures about learning and speed: reward, staleness, throughput, and
+what agents did (turns, tools).
 
 matplotlib is optional (``pip install 'asyncrl[report]'``): a run can be loaded and
 summarised without it, and ``require_matplotlib`` fails before any file is written.
@@ -182,5 +183,39 @@ def plot_throughput(run: Run, path: Path) -> Path:
     ax_idle.set_ylabel("fraction of the step")
     ax_idle.set_title("Idle ratios")
     ax_idle.grid(alpha=0.3)
+    fig.savefig(path, dpi=FIGURE_DPI)
+    return path
+
+
+AGENT_PANELS = (
+    ("agent/turns_mean", "turns (model calls) per episode"),
+    ("agent/tool_calls_mean", "tool calls per episode"),
+    ("agent/tool_errors_total", "tool errors in the step"),
+    ("agent/tool_latency_s_mean", "tool latency per episode (s)"),
+    ("agent/tokens_per_turn_mean", "model tokens per turn"),
+    ("agent/cut_by_turn_limit_fraction", "fraction cut by the turn limit"),
+)
+"""The ``agent/*`` keys of ``metrics.jsonl`` (multi-turn and agent runs), one panel each."""
+
+
+def has_agent_metrics(run: Run) -> bool:
+    return any(finite(r.get(key)) is not None for r in run.train_metrics for key, _ in AGENT_PANELS)
+
+
+def plot_agent(run: Run, path: Path) -> Path:
+    """What the agent did per optimizer step: more turns and tool calls as it learns to
+    use its tools, errors and cut episodes as what to fix, latency and tokens per turn as
+    where an episode's time goes."""
+    fig = new_figure(figsize=(13, 6), layout="constrained")
+    for ax, (key, title) in zip(fig.subplots(2, 3).flat, AGENT_PANELS):
+        xs, ys = _points(run.train_metrics, _step, key)
+        if xs:
+            ax.plot(xs, ys, marker=".", lw=1.2)
+        else:
+            mark_no_data(ax, key)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Agent diagnostics ({run.mode})")
     fig.savefig(path, dpi=FIGURE_DPI)
     return path

@@ -8,7 +8,14 @@ import base64
 import html
 from pathlib import Path
 
-from asyncrl.report.figures import plot_reward, plot_staleness, plot_throughput, require_matplotlib
+from asyncrl.report.figures import (
+    has_agent_metrics,
+    plot_agent,
+    plot_reward,
+    plot_staleness,
+    plot_throughput,
+    require_matplotlib,
+)
 from asyncrl.report.run import Run, load_run
 from asyncrl.report.summary import format_value, summarize
 from asyncrl.report.timeline import ZOOM_STEPS, plot_timeline, zoom_window
@@ -48,6 +55,13 @@ def _figures(run: Run, run_dir: Path) -> list[tuple[Path, str]]:
         zoom.unlink()  # left from an earlier, longer report of this directory
     figs.append((plot_throughput(run, run_dir / "report_throughput.png"),
                  "Trained samples and tokens per second, and the idle ratio of trainer and rollout."))
+    agent = run_dir / "report_agent.png"
+    if has_agent_metrics(run):
+        figs.append((plot_agent(run, agent),
+                     ("What the agent did per step: turns and tool calls per episode, tool errors, tool "
+                      "latency, model tokens per turn, and the fraction of episodes cut by the turn limit.")))
+    elif agent.exists():
+        agent.unlink()  # left from an earlier report of this directory
     return figs
 
 

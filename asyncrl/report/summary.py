@@ -108,6 +108,22 @@ def summarize(run: Run) -> dict[str, Any]:
         # a lower bound past ``logging.max_errors_per_step``: the trainer only counts the rest
         "failed episode attempts (in errors.jsonl)": len(run.errors),
         "most frequent exception": f"{common[0]} (×{common[1]})" if common else None,
+        **_agent_summary(train),
+    }
+
+
+def _agent_summary(train: list[Row]) -> dict[str, Any]:
+    """Agent rows, only for a run whose steps logged ``agent/*`` (multi-turn, agents)."""
+    turns = _mean(_column(train, "agent/turns_mean"))
+    if turns is None:
+        return {}
+    errors = [v for v in _column(train, "agent/tool_errors_total") if v is not None]
+    return {
+        "agent: mean turns per episode": turns,
+        "agent: mean tool calls per episode": _mean(_column(train, "agent/tool_calls_mean")),
+        "agent: tool errors (trained steps)": int(sum(errors)) if errors else None,
+        "agent: mean tool latency per episode (s)": _mean(_column(train, "agent/tool_latency_s_mean")),
+        "agent: mean fraction cut by the turn limit": _mean(_column(train, "agent/cut_by_turn_limit_fraction")),
     }
 
 

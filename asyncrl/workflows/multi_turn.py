@@ -4,12 +4,13 @@ does; the client keeps the tokens exact and masks the environment's turns."""
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from typing import Any
 
 from asyncrl.client import LLMClient, Message, Response
 from asyncrl.tasks.base import Task
-from asyncrl.types import Episode
+from asyncrl.types import AgentDiagnostics, Episode, is_tool_error
 
 
 class MultiTurnWorkflow(ABC):
@@ -31,20 +32,36 @@ class MultiTurnWorkflow(ABC):
     async def reward(self, task: Task, messages: list[Message]) -> float: ...
 
     async def run(self, task: Task, llm: LLMClient) -> Episode:
+        """``metadata["agent"]``: :class:`~asyncrl.types.AgentDiagnostics`, where a tool call
+        is an environment answer the conversation went on with (not the one that ended
+        it), its latency the time in ``env_step``, and the episode cut by the turn limit
+        when ``max_turns`` replies were made and the environment had not said done."""
         messages = self.initial_messages(task)
-        turns = 0
+        turns = tool_calls = tool_errors = 0
+        env_seconds, ended = 0.0, False
         while turns < self.max_turns:
             response = await llm.chat(messages, tools=self.tools)
             turns += 1
             messages = messages + [response.message]
             if response.finish_reason == "length":
+                ended = True
                 break
+            started = time.monotonic()
             new_messages, done = await self.env_step(task, messages, response)
+            env_seconds += time.monotonic() - started
             if done:
+                ended = True
                 break
             messages = messages + new_messages
+            tool_calls += 1
+            tool_errors += sum(m.get("role") != "assistant" and is_tool_error(m.get("content"))
+                               for m in new_messages)
         reward = await self.reward(task, messages)
         for trajectory in llm.trajectories:
             trajectory.reward = reward
+        agent = AgentDiagnostics(turns=turns, tool_calls=tool_calls, tool_errors=tool_errors,
+                                 tool_latency_s=env_seconds,
+                                 model_tokens=sum(t.num_model_tokens for t in llm.trajectories),
+                                 cut_by_turn_limit=not ended)
         return Episode(task_id=task.id, trajectories=llm.trajectories, reward=reward,
-                       metadata={"turns": turns, "messages": messages})
+                       metadata={"turns": turns, "messages": messages, "agent": agent.to_dict()})

@@ -6,6 +6,8 @@ its ``run`` used) — named by ``workflow.agent``. Each episode gets its own gat
 session; every model call the agent makes there is recorded into the episode's
 trajectories, which train like any other. An agent that raises or hangs is an error
 episode under the usual timeout and retry rules, and its session is closed either way.
+The episode's ``metadata["agent"]`` holds what the gateway saw of it
+(:class:`~asyncrl.types.AgentDiagnostics`; ``Session.diagnostics`` says how each is told).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from asyncrl.client import LLMClient
 from asyncrl.gateway.server import Gateway
 from asyncrl.tasks.base import Task
-from asyncrl.types import Episode
+from asyncrl.types import AgentDiagnostics, Episode
 
 
 class OpenAIAgentWorkflow:
@@ -34,7 +36,8 @@ class OpenAIAgentWorkflow:
     async def run(self, task: Task, llm: LLMClient) -> Episode:
         if self.gateway is None:
             raise RuntimeError("openai_agent needs the rollout worker's gateway, which is not running")
-        async with self.gateway.session(llm) as base_url:
+        diagnostics: list[AgentDiagnostics] = []
+        async with self.gateway.session(llm, on_close=diagnostics.append) as base_url:
             if inspect.iscoroutinefunction(self.agent):
                 reward = await self.agent(task, base_url)
             else:  # a synchronous agent blocks: off the loop that serves its requests
@@ -44,4 +47,5 @@ class OpenAIAgentWorkflow:
         for trajectory in llm.trajectories:
             trajectory.reward = float(reward)
         return Episode(task_id=task.id, trajectories=llm.trajectories, reward=float(reward),
-                       metadata={"calls": sum(len(t.steps) for t in llm.trajectories)})
+                       metadata={"calls": sum(len(t.steps) for t in llm.trajectories),
+                                 "agent": diagnostics[0].to_dict()})
