@@ -85,11 +85,6 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(None, ge=0, le=5)
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}.get(status, "api_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
-
-
 def finish_reason(parsed: ParsedReply, engine_reason: str) -> str:
     if parsed.tool_calls:
         return "tool_calls"

@@ -24,7 +24,6 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
-from pydantic import ValidationError
 from transformers import PreTrainedTokenizerBase
 
 import asyncrl.gateway.openai_api as api
@@ -32,15 +31,10 @@ from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser
+from asyncrl.json_api import Refused, error_response, read_body
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 class Gateway:
@@ -102,8 +96,8 @@ class Gateway:
     async def _models(self, request: web.Request) -> web.Response:
         try:
             self._session_of(request)
-        except _Refused as exc:
-            return self._error(exc)
+        except Refused as exc:
+            return error_response(exc)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]})
 
@@ -118,25 +112,25 @@ class Gateway:
         self.counts["requests"] += 1
         try:
             session = self._session_of(request)
-            body = await self._body(request, kind)
+            body = await read_body(request, kind)
             if session is None:  # a plain request: a throwaway client, nothing recorded
                 if self.engine is None:
-                    raise _Refused(404, "this gateway serves sessions only: use the base URL of your session")
+                    raise Refused(404, "this gateway serves sessions only: use the base URL of your session")
                 session = Session("", LLMClient(self.engine, self.tokenizer, self.sampling), self.parser,
                                   training=False)
             if isinstance(body, api.ChatRequest):
                 result = await session.chat(body, self.default_max_tokens)
             else:
                 result = await session.complete(body, self.default_max_tokens)
-        except _Refused as exc:
-            return self._error(exc)
+        except Refused as exc:
+            return error_response(exc)
         except PromptTooLongError as exc:
-            return self._error(_Refused(400, str(exc), "messages"))
+            return error_response(Refused(400, str(exc), "messages"))
         except EngineClosedError as exc:
-            return self._error(_Refused(503, f"the engine has stopped: {exc}"))
+            return error_response(Refused(503, f"the engine has stopped: {exc}"))
         except Exception as exc:  # a bug of ours: the agent gets an OpenAI-shaped 500, the log the traceback
             logger.exception("gateway: %s %s failed", request.method, request.path)
-            return self._error(_Refused(500, f"{type(exc).__name__}: {exc}"))
+            return error_response(Refused(500, f"{type(exc).__name__}: {exc}"))
         fingerprint = self._fingerprint(session, result)
         if isinstance(body, api.CompletionRequest):
             return web.json_response(self._text_reply(body, result, fingerprint))
@@ -148,22 +142,8 @@ class Gateway:
         if sid is None:
             return None
         if sid not in self.sessions:
-            raise _Refused(404, f"no session {sid!r}: it ended with its episode, or never existed", "session")
+            raise Refused(404, f"no session {sid!r}: it ended with its episode, or never existed", "session")
         return self.sessions[sid]
-
-    async def _body(self, request: web.Request, kind: type[api._Request]) -> api._Request:
-        try:
-            data = json.loads(await request.text())
-        except json.JSONDecodeError as exc:
-            raise _Refused(400, f"the body is not JSON: {exc.msg} at column {exc.colno}") from None
-        if not isinstance(data, dict):
-            raise _Refused(400, f"the body must be a JSON object, got {type(data).__name__}")
-        try:
-            return kind.model_validate(data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
-            raise _Refused(400, f"{param}: {err['msg'].removeprefix('Value error, ')}", param) from None
 
     @staticmethod
     def _fingerprint(session: Session, result: CallResult) -> str:
@@ -205,9 +185,6 @@ class Gateway:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
-
-    def _error(self, exc: _Refused) -> web.Response:
-        return web.json_response(api.error_body(exc.status, str(exc), exc.param), status=exc.status)
 
 
 def _note_header(notes: list[str]) -> dict[str, str]:

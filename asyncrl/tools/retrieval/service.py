@@ -32,14 +32,14 @@ event loop, so others go on) before its query joins a batch.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from asyncrl.json_api import Refused, error_response, read_body
 from asyncrl.tools.retrieval.index import BM25Index
 from asyncrl.tools.retrieval.types import Hit
 
@@ -67,12 +67,6 @@ class _Pending:
     query: str
     k: int
     future: asyncio.Future[list[Hit]]
-
-
-class _Refused(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.param = status, param
 
 
 class RetrievalService:
@@ -134,36 +128,22 @@ class RetrievalService:
     async def _search(self, request: web.Request) -> web.Response:
         self.counts["requests"] += 1
         try:
-            body = await self._body(request)
+            body = await read_body(request, SearchRequest)
             if self.latency_s:
                 await asyncio.sleep(self.latency_s)
             hits = await self._submit(body.query, body.k)
-        except _Refused as exc:
+        except Refused as exc:
             self.counts["refused"] += 1
-            return _error(exc.status, str(exc), exc.param)
+            return error_response(exc)
         except Exception as exc:  # a bug of ours: the client gets a 500 in our shape, the log the traceback
             logger.exception("retrieval: %s %s failed", request.method, request.path)
-            return _error(500, f"{type(exc).__name__}: {exc}")
+            return error_response(Refused(500, f"{type(exc).__name__}: {exc}"))
         return web.json_response({"results": hits})
-
-    async def _body(self, request: web.Request) -> SearchRequest:
-        try:
-            data = json.loads(await request.text())
-        except json.JSONDecodeError as exc:
-            raise _Refused(400, f"the body is not JSON: {exc.msg} at column {exc.colno}") from None
-        if not isinstance(data, dict):
-            raise _Refused(400, f"the body must be a JSON object, got {type(data).__name__}")
-        try:
-            return SearchRequest.model_validate(data)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            param = ".".join(str(p) for p in err["loc"])
-            raise _Refused(400, f"{param}: {err['msg'].removeprefix('Value error, ')} (got {err['input']!r:.80})", param) from None
 
     # -- batching ---------------------------------------------------------------
     async def _submit(self, query: str, k: int) -> list[Hit]:
         if self._queue is None or self._worker is None:
-            raise _Refused(503, "the service has stopped")
+            raise Refused(503, "the service has stopped")
         future: asyncio.Future[list[Hit]] = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(query, k, future))
         return await future
@@ -197,9 +177,3 @@ class RetrievalService:
             for p, hits in zip(batch, results, strict=True):
                 if not p.future.done():
                     p.future.set_result(hits[:p.k])
-
-
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    kind = {400: "invalid_request_error", 503: "service_unavailable"}.get(status, "api_error")
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                             status=status)

@@ -1,0 +1,49 @@
+"""JSON over HTTP, the one way our aiohttp services (the gateway, the retrieval service)
+read a request body into a typed model and refuse what they cannot serve: every refusal
+is OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``, naming the
+field at fault, and a refusal never takes a server down."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from aiohttp import web
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
+
+_KINDS = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+
+
+class Refused(Exception):
+    """A request the service will not serve: ``status`` and the ``param`` at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param = status, param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": _KINDS.get(status, "api_error"), "param": param, "code": status}}
+
+
+def error_response(refused: Refused) -> web.Response:
+    return web.json_response(error_body(refused.status, str(refused), refused.param), status=refused.status)
+
+
+async def read_body(request: web.Request, model: type[M]) -> M:
+    """The body as ``model``, or ``Refused(400)`` saying what is wrong with it."""
+    try:
+        data = json.loads(await request.text())
+    except json.JSONDecodeError as exc:
+        raise Refused(400, f"the body is not JSON: {exc.msg} at column {exc.colno}") from None
+    if not isinstance(data, dict):
+        raise Refused(400, f"the body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        raise Refused(400, f"{param}: {message} (got {err.get('input')!r:.80})", param) from None
