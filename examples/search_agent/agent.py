@@ -1,0 +1,163 @@
+"""A multi-hop search agent written against the official OpenAI SDK, as you would write your own.
+
+It asks the model the question, runs the ``search`` tool the model calls (BM25 over the
+``multihop`` task's fictional knowledge base, through ``asyncrl.tools.retrieval``), and
+stops at a reply with an ``Answer: <name>`` line or after ``MAX_TURNS`` model calls. A
+reply with neither a tool call nor an answer gets one short nudge (``NUDGE``) and the next
+turn, so even a policy that never calls tools gets several turns. The reward is
+``multihop_reward`` of the last reply. asyncrl trains it unchanged
+(``workflow.agent: examples/search_agent/agent.py:run``).
+
+Where the retrieval service comes from:
+
+- ``ASYNCRL_RETRIEVAL_URL`` set: that service (one started by hand; see the README).
+- otherwise the agent starts one itself, once per process, as its own subprocess
+  (``python -m asyncrl.tools.retrieval --docs <corpus> --port 0``), and terminates it at
+  interpreter exit. Each process runs its own: with ``runtime: ray``, one per rollout worker.
+  Its corpus is ``multihop_corpus(**options)`` written to the temp directory, with the
+  options read as JSON from ``ASYNCRL_MULTIHOP_OPTIONS`` (default ``{}``, the task's
+  defaults): set it to the config's ``task.options`` when those change the corpus
+  (``corpus_seed``, ``num_people``). ``ASYNCRL_RETRIEVAL_LATENCY_S`` (default 0.02) is
+  added to every search, to stand in for a real search backend.
+
+Context: the shipped tiny policies hold 128 (``countdown-tiny``) or 512 positions. Tool
+results are cut (``MAX_HIT_CHARS`` per hit, ``MAX_RESULT_CHARS`` in all) so a two-search
+episode fits in 512; a call the gateway refuses because the conversation no longer fits
+the model's context ends the episode like the turn limit does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import weakref
+from pathlib import Path
+
+import openai
+from openai import AsyncOpenAI
+
+from asyncrl.tasks.multihop import multihop_corpus, multihop_reward, write_corpus
+from asyncrl.tools.retrieval import RetrievalClient
+
+TOOLS = [{"type": "function", "function": {
+    "name": "search", "description": "Search the knowledge base; returns the best matching documents.",
+    "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
+MAX_TURNS = 4
+SEARCH_K = 3
+MAX_HIT_CHARS = 100  # a person's document (~85 characters) whole
+MAX_RESULT_CHARS = 160  # the top hit whole, the start of the next: two searches fit 512 positions
+_ANSWER_LINE = re.compile(r"\banswer\s*:", re.IGNORECASE)  # as multihop.extract_answer reads it
+NUDGE = "Search with the search tool, or reply 'Answer: <name>'."
+
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> (AsyncOpenAI, RetrievalClient)
+_service_lock = threading.Lock()
+_service_url: str | None = None
+
+
+def is_answer(text: str) -> bool:
+    """Whether a reply commits to an answer by the convention: an ``Answer:`` line."""
+    return _ANSWER_LINE.search(text) is not None
+
+
+def clients_for(base_url: str) -> tuple[AsyncOpenAI, RetrievalClient]:
+    """Both clients keep a connection pool tied to the event loop that first used it, and an
+    SDK client costs ~20 ms to make (more than a reply of the tiny model): one pair per
+    loop, the SDK client pointed at each session by a cheap copy."""
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = (AsyncOpenAI(base_url=base_url, api_key="not-needed", max_retries=0),
+                          RetrievalClient(retrieval_url(), timeout_s=5.0, retries=2))
+    sdk, retrieval = _clients[loop]
+    return sdk.with_options(base_url=base_url), retrieval
+
+
+def retrieval_url() -> str:
+    """``ASYNCRL_RETRIEVAL_URL``, or the URL of this process's own service, started on first use."""
+    global _service_url
+    if url := os.environ.get("ASYNCRL_RETRIEVAL_URL"):
+        return url
+    with _service_lock:
+        if _service_url is None:
+            _service_url = _start_service()
+    return _service_url
+
+
+def corpus_path(options: dict) -> Path:
+    """The corpus of ``multihop_corpus(**options)`` as JSONL in the temp directory, written once
+    (atomically: several processes may write it at once)."""
+    key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+    path = Path(tempfile.gettempdir()) / "asyncrl-search-agent" / f"multihop-{key}.jsonl"
+    if not path.exists():
+        partial = path.with_suffix(f".{os.getpid()}.tmp")
+        write_corpus(partial, multihop_corpus(**options))
+        os.replace(partial, path)
+    return path
+
+
+def _start_service() -> str:
+    options = json.loads(os.environ.get("ASYNCRL_MULTIHOP_OPTIONS") or "{}")
+    latency = os.environ.get("ASYNCRL_RETRIEVAL_LATENCY_S", "0.02")
+    process = subprocess.Popen([sys.executable, "-m", "asyncrl.tools.retrieval", "--docs", str(corpus_path(options)),
+                                "--port", "0", "--latency-s", latency], stdout=subprocess.PIPE, text=True)
+    atexit.register(_stop_service, process)
+    url = process.stdout.readline().strip()  # the service prints its URL alone once listening
+    if not url:
+        raise RuntimeError(f"the retrieval service exited with {process.wait()} before printing its URL")
+    return url
+
+
+def _stop_service(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def search(retrieval: RetrievalClient, arguments: str) -> str:
+    """The tool's result as the model reads it; never raises (a failure is text for the model)."""
+    try:
+        query = json.loads(arguments).get("query")
+    except (ValueError, AttributeError):
+        query = None
+    if not isinstance(query, str) or not query.strip():
+        return "search needs a query"
+    message = await retrieval.search_tool_message(query, k=SEARCH_K, max_chars=MAX_HIT_CHARS)
+    return message[:MAX_RESULT_CHARS]
+
+
+async def run(task, base_url: str) -> float:
+    if _service_url is None and "ASYNCRL_RETRIEVAL_URL" not in os.environ:
+        await asyncio.to_thread(retrieval_url)  # the first episode starts the service off the event loop
+    client, retrieval = clients_for(base_url)
+    messages = [{"role": "user", "content": task.prompt}]
+    final = ""
+    for _ in range(MAX_TURNS):
+        try:
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+        except openai.BadRequestError as exc:
+            if "context" not in exc.message:  # not "the conversation no longer fits": a bug, say so
+                raise
+            break
+        message = reply.choices[0].message
+        final = message.content or ""
+        if message.tool_calls:
+            messages.append(message.model_dump(exclude_none=True))
+            for call in message.tool_calls:
+                result = (await search(retrieval, call.function.arguments) if call.function.name == "search"
+                          else f"unknown tool: {call.function.name}")
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        elif is_answer(final):
+            break
+        else:
+            messages += [{"role": "assistant", "content": final}, {"role": "user", "content": NUDGE}]
+    return multihop_reward(task, final)

@@ -1,0 +1,129 @@
+"""examples/search_agent: the multi-hop search agent, written against the OpenAI SDK, trains
+through ``workflow.name: openai_agent`` against a retrieval service, over several turns."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("bm25s")
+
+from asyncrl.cli import main
+from asyncrl.tasks.base import Task
+from asyncrl.tasks.multihop import multihop_corpus, write_corpus
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("search_agent", REPO / "examples/search_agent/agent.py")
+agent = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(agent)
+
+SMALL = ["total_steps=2", "batch_size=2", "group_size=2", "eval.num_tasks=2", "eval.samples_per_task=1",
+         "task.num_train=16", "task.num_validation=4", "algorithm.filter_zero_variance=false",
+         "task.options={num_people: 50}"]
+
+
+def rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def retrieval_service(tmp_path, monkeypatch):
+    """The test's own service on a free port, over the corpus of the config's task options,
+    named to the agent by ``ASYNCRL_RETRIEVAL_URL`` and stopped whatever happens."""
+    docs = tmp_path / "corpus.jsonl"
+    write_corpus(docs, multihop_corpus(num_people=50))
+    process = subprocess.Popen([sys.executable, "-m", "asyncrl.tools.retrieval", "--docs", str(docs), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = process.stdout.readline().strip()
+        assert url.startswith("http://"), f"the service printed {url!r} (exit {process.poll()})"
+        monkeypatch.setenv("ASYNCRL_RETRIEVAL_URL", url)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_the_search_agent_trains_over_several_turns(tmp_path, policy_dir, retrieval_service):
+    out = tmp_path / "search"
+    assert main(["train", "examples/search_agent/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 *SMALL]) == 0
+    samples = rows(out / "samples.jsonl")
+    assert len(samples) == 2 * 2 * 2  # steps × groups × samples: one trajectory per episode
+    for s in samples:
+        roles = [seg["role"] for seg in s["response_segments"]]
+        # the model's turns alternate with the environment's (nudges, tool results: mask 0)
+        assert roles[0] == roles[-1] == "model" and set(roles) == {"model", "environment"}
+        assert all(a != b for a, b in itertools.pairwise(roles)), roles
+        assert roles.count("environment") >= 2, roles
+        assert s["trained_version"] - s["behavior_version_min"] <= 2  # max_staleness in async.yaml
+    metrics = rows(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+
+
+class _ScriptedModel:
+    """Stands in for the SDK client: replies from a script, records what it was sent."""
+
+    def __init__(self, replies):
+        self.replies, self.sent = list(replies), []
+        self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
+
+    async def create(self, *, messages, **_):
+        self.sent.append([dict(m) for m in messages])
+        content, calls = self.replies.pop(0)
+        tool_calls = [SimpleNamespace(id=f"call-{i}", function=SimpleNamespace(name=name, arguments=args))
+                      for i, (name, args) in enumerate(calls)] or None
+        message = SimpleNamespace(content=content, tool_calls=tool_calls,
+                                  model_dump=lambda **_: {"role": "assistant", "content": content})
+        return SimpleNamespace(choices=[SimpleNamespace(message=message)])
+
+
+class _FakeRetrieval:
+    def __init__(self):
+        self.queries = []
+
+    async def search_tool_message(self, query, k, max_chars):
+        self.queries.append((query, k))
+        return "[1] person-0: " + "x" * 500
+
+
+def _run(monkeypatch, replies, answer="Kestrel Bay"):
+    model, retrieval = _ScriptedModel(replies), _FakeRetrieval()
+    monkeypatch.setattr(agent, "clients_for", lambda base_url: (model, retrieval))
+    monkeypatch.setenv("ASYNCRL_RETRIEVAL_URL", "http://unused")
+    task = Task(id="t", prompt="Where does Orla Venn live?", data={"answer": answer})
+    return asyncio.run(agent.run(task, "http://unused")), model, retrieval
+
+
+def test_a_reply_without_a_call_or_an_answer_is_nudged_each_turn_until_the_limit(monkeypatch):
+    reward, model, _ = _run(monkeypatch, [("hmm\nlet me think", [])] * agent.MAX_TURNS)
+    assert len(model.sent) == agent.MAX_TURNS and reward == 0.0  # two lines, no Answer: not an answer
+    last = model.sent[-1]
+    assert [m["role"] for m in last] == ["user"] + ["assistant", "user"] * (agent.MAX_TURNS - 1)
+    assert all(m["content"] == agent.NUDGE for m in last[2::2])
+
+
+def test_a_search_then_an_answer_ends_the_episode_with_its_reward(monkeypatch):
+    replies = [("", [("search", '{"query": "Orla Venn"}')]), ("Answer: Kestrel Bay", []), ("never asked", [])]
+    reward, model, retrieval = _run(monkeypatch, replies)
+    assert reward == 1.0 and len(model.sent) == 2
+    assert retrieval.queries == [("Orla Venn", agent.SEARCH_K)]
+    tool = model.sent[1][-1]
+    assert tool["role"] == "tool" and tool["tool_call_id"] == "call-0"
+    assert len(tool["content"]) == agent.MAX_RESULT_CHARS  # cut to fit the context
+
+
+def test_bad_tool_arguments_and_unknown_tools_are_results_for_the_model(monkeypatch):
+    replies = [("", [("search", "not json"), ("lookup", "{}")]), ("Answer: Elsewhere", [])]
+    reward, model, retrieval = _run(monkeypatch, replies)
+    assert reward == pytest.approx(0.1) and retrieval.queries == []  # well-formed but wrong
+    assert [m["content"] for m in model.sent[1][-2:]] == ["search needs a query", "unknown tool: lookup"]
