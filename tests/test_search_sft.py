@@ -117,7 +117,6 @@ def test_search_examples_count_and_label_something(setup):
     assert all(len(ids) <= MAX_LEN and any(x != IGNORE_INDEX for x in labels) for ids, labels in examples)
 
 
-@pytest.mark.skipif(not MODEL.exists(), reason="models/search-tiny not built")
 def test_shipped_model_loads_and_records_how_it_was_made():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
