@@ -47,3 +47,19 @@ async def read_body(request: web.Request, model: type[M]) -> M:
         param = ".".join(str(p) for p in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
         raise Refused(400, f"{param}: {message} (got {err.get('input')!r:.80})", param) from None
+
+
+async def listen(app: web.Application, host: str, port: int, **runner_options: object) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` on ``host:port`` (0: a free port the OS picks); returns the runner (for
+    ``cleanup()``) and the base URL with the port actually bound. Nothing is left
+    listening when binding fails."""
+    runner = web.AppRunner(app, access_log=None, **runner_options)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    try:
+        await site.start()
+    except OSError:
+        await runner.cleanup()
+        raise
+    bound = site._server.sockets[0].getsockname()[1]  # aiohttp exposes the bound port only here
+    return runner, f"http://{host}:{bound}"

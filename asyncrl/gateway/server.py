@@ -31,7 +31,7 @@ from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser
-from asyncrl.json_api import Refused, error_response, read_body
+from asyncrl.json_api import Refused, error_response, listen, read_body
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,12 +59,7 @@ class Gateway:
             app.router.add_post(prefix + "/v1/completions", self._completions)
             app.router.add_get(prefix + "/v1/models", self._models)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        bound = site._server.sockets[0].getsockname()[1]  # the port the OS gave for port 0
-        self.base_url = f"http://{host}:{bound}"
+        self._runner, self.base_url = await listen(app, host, port)
         return self.base_url
 
     async def stop(self) -> None:

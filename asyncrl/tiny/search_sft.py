@@ -35,7 +35,6 @@ import argparse
 import inspect
 import json
 import platform
-import random
 import shlex
 import sys
 import time
@@ -44,13 +43,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from asyncrl.plugins import load_named
 from asyncrl.tasks import Task, load_tasks
 from asyncrl.tasks.multihop import multihop_corpus
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
-from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, _lr_factor, batch_loss, collate
+from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, train_examples
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from asyncrl.tools.retrieval import BM25Index, Document, format_hits
 
@@ -162,46 +160,6 @@ def search_examples(tokenizer: Any, tasks: Sequence[Task], index: BM25Index, too
 # ----------------------------------------------------------------------------- training
 
 
-def train_examples(model: Any, examples: Sequence[Example], pad_id: int, *, steps: int, time_budget_s: float | None,
-                   batch_size: int, lr: float, warmup_steps: int, seed: int, log_every: int) -> dict[str, Any]:
-    """``sft.supervised_warmup``'s loop (AdamW, warm-up then cosine over ``steps``, seeded
-    epochs, clip 1.0) over ready examples; that one builds Countdown examples itself."""
-    rng, order = random.Random(seed), []
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    model.train()
-    step, stopped_by, ema, loss_value, log = 0, "steps", None, float("nan"), []
-    start = time.perf_counter()
-    with tqdm(total=steps, desc="search-sft", unit="step", dynamic_ncols=True, mininterval=1.0) as bar:
-        while step < steps:
-            if time_budget_s is not None and time.perf_counter() - start >= time_budget_s:
-                stopped_by = "time"
-                break
-            for group in optimizer.param_groups:
-                group["lr"] = lr * _lr_factor(step / steps, step, max(1, warmup_steps))
-            if len(order) < batch_size:
-                epoch = list(range(len(examples)))
-                rng.shuffle(epoch)
-                order += epoch
-            batch = [examples[i] for i in order[:batch_size]]
-            del order[:batch_size]
-            loss = batch_loss(model, *collate(batch, pad_id))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            step += 1
-            loss_value = loss.item()  # a sync point, once per step, as in sft.py
-            ema = loss_value if ema is None else 0.95 * ema + 0.05 * loss_value
-            bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}", refresh=False)
-            if log_every and step % log_every == 0:
-                log.append({"step": step, "loss": round(ema, 4), "time_s": round(time.perf_counter() - start, 1)})
-                bar.write(json.dumps(log[-1]))
-    model.eval()
-    return {"steps": step, "stopped_by": stopped_by, "final_loss": loss_value, "final_loss_ema": ema,
-            "wall_time_s": time.perf_counter() - start, "log": log}
-
-
 # ----------------------------------------------------------------------------- held-out score
 
 
@@ -263,7 +221,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     history = train_examples(model, examples, tokenizer.pad_token_id, steps=args.steps,
                              time_budget_s=args.minutes * 60 if args.minutes else None, batch_size=args.batch_size,
-                             lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every)
+                             lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every,
+                             desc="search-sft")
     out = save_tiny_policy(model, tokenizer, args.out)
     record: dict[str, Any] = {
         "command": command, "seed": args.seed, "task": "multihop", "agent": args.agent,

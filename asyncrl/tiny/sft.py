@@ -125,7 +125,28 @@ def supervised_warmup(
         raise ValueError("supervised_warmup needs `steps` or `time_budget_s` (or both)")
     if not tasks:
         raise ValueError("supervised_warmup needs at least one task")
-    examples = sft_examples(tokenizer, tasks)
+    return train_examples(model, sft_examples(tokenizer, tasks), tokenizer.pad_token_id, steps=steps,
+                          time_budget_s=time_budget_s, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+                          seed=seed, log_every=log_every, eval_fn=eval_fn)
+
+
+def train_examples(
+    model: Any,
+    examples: Sequence[tuple[list[int], list[int]]],
+    pad_id: int,
+    *,
+    steps: int | None,
+    time_budget_s: float | None,
+    batch_size: int,
+    lr: float,
+    warmup_steps: int,
+    seed: int,
+    log_every: int,
+    eval_fn: Callable[[Any], float] | None = None,
+    desc: str = "sft",
+) -> dict[str, Any]:
+    """The supervised loop over ready (ids, labels) examples: AdamW, warm-up then cosine,
+    seeded epochs, gradient clip 1.0; shared by the Countdown and the search warm-ups."""
     rng = random.Random(seed)
     order: list[int] = []
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -138,7 +159,7 @@ def supervised_warmup(
     ema: float | None = None
     step, stopped_by = 0, "steps"
     start = time.perf_counter()
-    bar = tqdm(total=steps, desc="sft", unit="step", dynamic_ncols=True, mininterval=1.0)
+    bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, mininterval=1.0)
     try:
         while steps is None or step < steps:
             elapsed = time.perf_counter() - start
@@ -155,7 +176,7 @@ def supervised_warmup(
             batch = [examples[i] for i in order[:batch_size]]
             del order[:batch_size]
 
-            loss = batch_loss(model, *collate(batch, tokenizer.pad_token_id))
+            loss = batch_loss(model, *collate(batch, pad_id))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

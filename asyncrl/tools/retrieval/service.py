@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from asyncrl.json_api import Refused, error_response, read_body
+from asyncrl.json_api import Refused, error_response, listen, read_body
 from asyncrl.tools.retrieval.index import BM25Index
 from asyncrl.tools.retrieval.types import Hit
 
@@ -94,16 +94,11 @@ class RetrievalService:
         app = web.Application()
         app.router.add_post("/search", self._search)
         app.router.add_get("/health", self._health)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=_GRACE_S)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
         try:
-            await site.start()
+            self._runner, self.base_url = await listen(app, host, port, shutdown_timeout=_GRACE_S)
         except OSError:
             await self.stop()
             raise
-        bound = site._server.sockets[0].getsockname()[1]  # the port the OS gave for port 0
-        self.base_url = f"http://{host}:{bound}"
         return self.base_url
 
     async def stop(self) -> None:
