@@ -48,7 +48,7 @@ from asyncrl.plugins import load_named
 from asyncrl.tasks import Task, load_tasks
 from asyncrl.tasks.multihop import multihop_corpus
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
-from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, train_examples
+from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, add_model_flags, train_examples
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from asyncrl.tools.retrieval import BM25Index, Document, format_hits
 
@@ -197,10 +197,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--eval-samples", type=int, default=2)
     p.add_argument("--eval-temperature", type=float, default=1.0)
     p.add_argument("--eval-dir", default="/tmp/search-sft-eval")
-    for flag, key in (("--hidden-size", "hidden_size"), ("--layers", "num_layers"), ("--heads", "num_heads"),
-                      ("--kv-heads", "num_kv_heads"), ("--intermediate-size", "intermediate_size"),
-                      ("--max-positions", "max_position_embeddings")):
-        p.add_argument(flag, dest=key, type=int, default=DEFAULT_MODEL[key])
+    add_model_flags(p, DEFAULT_MODEL)
     return p.parse_args(argv)
 
 

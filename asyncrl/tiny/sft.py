@@ -214,6 +214,14 @@ def train_examples(
 # ----------------------------------------------------------------------------- CLI
 
 
+def add_model_flags(p: argparse.ArgumentParser, defaults: dict[str, int]) -> None:
+    """The tiny model's shape as flags; short CLI names, ``dest`` the build_tiny_model keyword."""
+    for flag, key in (("--hidden-size", "hidden_size"), ("--layers", "num_layers"), ("--heads", "num_heads"),
+                      ("--kv-heads", "num_kv_heads"), ("--intermediate-size", "intermediate_size"),
+                      ("--max-positions", "max_position_embeddings")):
+        p.add_argument(flag, dest=key, type=int, default=defaults[key])
+
+
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m asyncrl.tiny.sft",
@@ -230,11 +238,7 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-every-log", action="store_true", help="greedy accuracy on 64 val tasks at each log")
-    # Model flags keep their short CLI names; ``dest`` is the build_tiny_model keyword.
-    for flag, key in (("--hidden-size", "hidden_size"), ("--layers", "num_layers"), ("--heads", "num_heads"),
-                      ("--kv-heads", "num_kv_heads"), ("--intermediate-size", "intermediate_size"),
-                      ("--max-positions", "max_position_embeddings")):
-        p.add_argument(flag, dest=key, type=int, default=DEFAULT_MODEL[key])
+    add_model_flags(p, DEFAULT_MODEL)
     return p.parse_args(argv)
 
 
