@@ -146,6 +146,31 @@ class OptimConfig(Section):
     """Trajectories per forward/backward; gradients accumulate to one step."""
 
 
+class LearnerConfig(Section):
+    """How many processes train the policy: one plain learner, or a data-parallel group of
+    ranks (``asyncrl/learner/distributed.py``) that takes the same step on a split batch."""
+
+    world_size: int = Field(1, ge=1)
+    """Ranks of one ``torch.distributed`` process group; each trains on its share of a
+    step's rows. 1 = the learner in this process (``runtime: local``) or one actor (``ray``);
+    N > 1 = N learner processes (``local``) or N actors in one placement group (``ray``,
+    each with ``ray.learner_cpus``/``ray.learner_gpus``)."""
+    strategy: Literal["fsdp2", "ddp"] | None = None
+    """``fsdp2``: parameters, gradients and optimizer state sharded over the ranks (PyTorch's
+    ``fully_shard`` per decoder layer), ~1/N of them per rank; ``ddp``: full replicas,
+    gradients all-reduced. ``None``: fsdp2. Ignored at world_size 1."""
+    backend: Literal["gloo", "nccl"] | None = None
+    """The process group's transport; ``None``: nccl when the ranks train on CUDA, gloo on
+    CPU. nccl needs one GPU per rank."""
+    timeout_s: float = Field(600.0, gt=0)
+    """A rank waiting this long in a collective (a peer died or hangs) raises, and the run
+    fails naming it, rather than waiting forever."""
+
+    @property
+    def effective_strategy(self) -> str:
+        return self.strategy or "fsdp2"
+
+
 class LoggingConfig(Section):
     tensorboard: bool = False
     wandb: bool = False
@@ -246,6 +271,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
+    learner: LearnerConfig = LearnerConfig()
     logging: LoggingConfig = LoggingConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     gateway: GatewayConfig = GatewayConfig()
@@ -269,6 +295,9 @@ class Config(Section):
             raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of a step "
                              f"(batch_size={self.batch_size} × group_size={self.group_size}): the last micro-batch "
                              f"would be ragged; use a divisor of {per_step}")
+        if self.learner.backend == "nccl" and self.model.device.startswith("cpu"):
+            raise ValueError("learner.backend=nccl moves tensors between GPUs, but model.device is "
+                             f"{self.model.device!r}; use learner.backend=gloo (or leave it unset) on CPU")
         if self.sync_every - 1 > self.effective_max_staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
                              f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "

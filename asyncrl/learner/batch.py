@@ -33,6 +33,20 @@ class TrainBatch:
                           self.loss_mask[start:stop, :length - 1], self.behavior_logprobs[start:stop, :length - 1],
                           self.advantages[start:stop])
 
+    def rows(self, start: int, stop: int) -> TrainBatch:
+        """Rows [start, stop) at full width; unlike :meth:`slice`, may be empty (a rank
+        of a sharded learner with no rows of a small batch)."""
+        return TrainBatch(self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
+                          self.behavior_logprobs[start:stop], self.advantages[start:stop])
+
+    @staticmethod
+    def filler(pad_id: int, device: torch.device) -> TrainBatch:
+        """One two-token row that trains nothing (mask 0): what a rank of a sharded learner
+        runs when it has fewer micro-batches than the others, which wait for its passes."""
+        ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
+        zeros = torch.zeros((1, 1), dtype=torch.float32, device=device)
+        return TrainBatch(ids, torch.ones_like(ids), zeros, zeros.clone(), torch.zeros(1, device=device))
+
     def to(self, device: torch.device) -> TrainBatch:
         return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
                                                    self.behavior_logprobs, self.advantages)))

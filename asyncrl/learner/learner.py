@@ -4,15 +4,23 @@ saves Hugging Face checkpoints.
 One ``train_step`` is one optimizer step and one new policy version. Micro-batches
 accumulate gradients; each micro-batch's loss is weighted by its share of the batch's
 tokens (or sequences), so any micro-batch size gives the same step as one big batch.
+
+With a :class:`~asyncrl.learner.distributed.Sharding` the same learner is one rank of a
+data-parallel group (``learner.world_size`` > 1): it trains on its rows of the batch, the
+shares are of the whole batch's counts (summed over ranks), and metrics are summed over
+ranks too, so N ranks take the step one would. ``distributed.py`` says how.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
 import random
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +31,11 @@ from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokeni
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.distributed import Sharding
+
+OPTIMIZER_DIR = "optimizer"
+"""A checkpoint's optimizer state, as torch.distributed.checkpoint files keyed by parameter
+name: any number of ranks (one included) can load what any number saved."""
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -40,19 +53,26 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
 
 class Learner:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
-                 optim: OptimConfig, total_steps: int, temperature: float, version: int = 0) -> None:
-        self.model = model
+                 optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
+                 sharding: Sharding | None = None) -> None:
+        """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
+        rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
+        full frozen copy on every rank: it only runs forward passes)."""
+        self.sharding = sharding
+        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
+        self.model = sharding.wrap(model) if sharding is not None else model
+        self.module = Sharding.unwrap(self.model)  # the Hugging Face model: names, config, save_pretrained
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.optim = optim
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report raw logits
-        self.device = next(model.parameters()).device
+        self.device = sharding.device if sharding is not None else next(model.parameters()).device
         self.version = version
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr, betas=optim.betas,
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
                                            weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
+        self.pad_id = tokenizer.pad_token_id or 0
 
     # ------------------------------------------------------------------ math
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
@@ -65,14 +85,25 @@ class Learner:
         entropy = entropy_from_logits(logits.detach()) if with_entropy else None
         return logprobs, entropy
 
+    def micro_batches(self, batch: TrainBatch) -> list[tuple[int | None, TrainBatch]]:
+        """(first row, rows) of each micro-batch. Sharded, every rank makes as many passes
+        as the rank with the most micro-batches; its extra ones are fillers (first row
+        ``None``) that train nothing."""
+        size = self.optim.micro_batch_size
+        parts: list[tuple[int | None, TrainBatch]] = [(start, batch.slice(start, start + size))
+                                                      for start in range(0, batch.size, size)]
+        if self.sharding is not None:
+            parts += [(None, TrainBatch.filler(self.pad_id, self.device))] * (self.sharding.count(len(parts)) - len(parts))
+        return parts
+
     @torch.no_grad()
     def logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
         """(B, L-1) logprobs of the whole batch, computed micro-batch by micro-batch."""
         out = torch.zeros_like(batch.behavior_logprobs)
-        for start in range(0, batch.size, self.optim.micro_batch_size):
-            part = batch.slice(start, start + self.optim.micro_batch_size)
+        for start, part in self.micro_batches(batch):
             lp, _ = self.token_logprobs(model, part)
-            out[start:start + part.size, :lp.shape[1]] = lp
+            if start is not None:
+                out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
     def train_step(self, batch: TrainBatch, *, on_policy: bool = False) -> dict[str, float]:
@@ -81,86 +112,172 @@ class Learner:
         ``on_policy``: every token was sampled by the current weights, so π_prox = μ and
         the recompute (a full extra forward pass) is skipped; the step is then exactly
         the bypass form."""
+        if self.sharding is not None:  # this rank's rows; the counts below are the whole batch's
+            batch = batch.rows(*self.sharding.rows(batch.size))
         batch = batch.to(self.device)
         self.model.train()
         # π_prox: the weights at the start of this step (decoupled PPO), or μ itself (bypass).
         recompute = not (self.algorithm.bypass or on_policy)
         proximal = self.logprobs(self.model, batch) if recompute else None
         reference = self.logprobs(self.reference, batch) if self.reference is not None else None
-        tokens = batch.loss_mask.sum().clamp(min=1)
-        sequences = (batch.loss_mask.sum(-1) > 0).sum().clamp(min=1)
+        counts = torch.stack([batch.loss_mask.sum(), (batch.loss_mask.sum(-1) > 0).sum().float()])
+        if self.sharding is not None:
+            counts = self.sharding.sum(counts)
+        tokens, sequences = counts.clamp(min=1)
+        scale = self.sharding.loss_scale if self.sharding is not None else 1.0
         sums: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
-        for start in range(0, batch.size, self.optim.micro_batch_size):
-            part = batch.slice(start, start + self.optim.micro_batch_size)
-            rows, width = slice(start, start + part.size), part.loss_mask.shape[1]
+        parts = self.micro_batches(batch)
+        for i, (start, part) in enumerate(parts):
+            width = part.loss_mask.shape[1]
+
+            def rows(full: torch.Tensor) -> torch.Tensor:  # this micro-batch's rows of a whole-batch tensor
+                return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
+
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
             loss, metrics = self.policy_loss(
                 logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
-                proximal_logprobs=None if proximal is None else proximal[rows, :width],
+                proximal_logprobs=None if proximal is None else rows(proximal),
                 clip_low=self.algorithm.clip_low, clip_high=self.algorithm.clip_high,
                 is_cap=self.algorithm.is_cap, aggregation=self.algorithm.aggregation)
-            metrics["entropy"] = aggregate(entropy, part.loss_mask, self.algorithm.aggregation)
+            ours = {"entropy": aggregate(entropy, part.loss_mask, self.algorithm.aggregation)}
             if reference is not None:
-                kl = aggregate(kl_k3(logprobs, reference[rows, :width]), part.loss_mask, self.algorithm.aggregation)
+                kl = aggregate(kl_k3(logprobs, rows(reference)), part.loss_mask, self.algorithm.aggregation)
                 loss = loss + self.algorithm.kl_coef * kl
-                metrics["kl_ref"] = kl.detach()
-            # this micro-batch's share of the whole batch's mean
-            share = (part.loss_mask.sum() / tokens if self.algorithm.aggregation == "token_mean"
+                ours["kl_ref"] = kl.detach()
+            # this micro-batch's share of the whole batch's mean (its tokens', or its sequences')
+            token_share = part.loss_mask.sum() / tokens
+            share = (token_share if self.algorithm.aggregation == "token_mean"
                      else (part.loss_mask.sum(-1) > 0).sum() / sequences)
-            (loss * share).backward()
-            metrics["loss"] = loss.detach()
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value.detach() * share
+            if self.sharding is None:
+                (loss * share).backward()
+            else:
+                with self.sharding.grad_sync(self.model, enabled=i == len(parts) - 1):
+                    (loss * (share * scale)).backward()
+            ours["loss"] = loss.detach()
+            # the policy loss's own metrics are token means whatever the aggregation
+            for weight, values in ((token_share, metrics), (share, ours)):
+                for key, value in values.items():
+                    sums[key] = sums.get(key, 0.0) + value.detach() * weight
+        if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
+            keys = sorted(sums)
+            sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
+        # the gradients are the whole batch's on every rank (or their shards): a global norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.model.eval()
         self.version += 1
         out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
-        out.update({"actor/grad_norm": float(grad_norm), "actor/lr": self.scheduler.get_last_lr()[0],
+        out.update({"actor/grad_norm": Sharding.norm_value(grad_norm), "actor/lr": self.scheduler.get_last_lr()[0],
                     "actor/tokens": float(tokens)})
         return out
 
     # --------------------------------------------------------- weights, state
+    @property
+    def is_main(self) -> bool:
+        """The rank that writes files and hands out weights (the only one unsharded)."""
+        return self.sharding is None or self.sharding.rank == 0
+
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """A snapshot the engines can load while the learner goes on training."""
-        return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        """A snapshot the engines can load while the learner goes on training: parameter
+        name -> tensor. Sharded, a collective: rank 0 gets the full (gathered) weights on
+        CPU, the other ranks ``{}``."""
+        if self.sharding is None:
+            return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+        full = self.sharding.full_state_dict(self.model)
+        # the engines take parameters only (a tied LM head is the embedding, not a second tensor)
+        return {name: full[name] for name, _ in self.module.named_parameters()} if full else {}
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None,
                         files: dict[str, str] | None = None) -> Path:
-        """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (and the
-        text ``files`` of other parts) beside the weights. Written to a temporary directory
-        and renamed, so a crash mid-write never leaves a half checkpoint under the final name."""
+        """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (version,
+        schedule, RNG, ``extra``), the optimizer state under ``optimizer/`` (one shard per
+        rank, loadable by any number of ranks) and the text ``files`` of other parts beside
+        the weights. Written to a temporary directory and renamed, so a crash mid-write
+        never leaves a half checkpoint under the final name. Sharded, every rank calls it
+        (the weights are gathered to rank 0, each rank writes its optimizer shard) and the
+        directory must be one all ranks see."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         tmp = path.with_name(path.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(tmp)
-        self.tokenizer.save_pretrained(tmp)
-        for name, text in (files or {}).items():
-            (tmp / name).write_text(text)
-        torch.save({"version": self.version, "optimizer": self.optimizer.state_dict(),
-                    "scheduler": self.scheduler.state_dict(), "rng": rng_state(), **(extra or {})},
-                   tmp / "trainer_state.pt")
-        old = path.with_name(path.name + ".old")
-        if path.exists():  # set aside, not deleted, until the new one is in place
+        weights = self.sharding.full_state_dict(self.model) if self.sharding is not None else None
+        if self.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.module.save_pretrained(tmp, state_dict=weights)
+            self.tokenizer.save_pretrained(tmp)
+            for name, text in (files or {}).items():
+                (tmp / name).write_text(text)
+            torch.save({"version": self.version, "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
+                        **(extra or {})}, tmp / "trainer_state.pt")
+        del weights
+        self._barrier()  # tmp/ exists before any rank writes into it
+        with _single_process_dcp():
+            dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
+                     checkpoint_id=tmp / OPTIMIZER_DIR, no_dist=self.sharding is None)
+        if self.is_main:
+            old = path.with_name(path.name + ".old")
+            if path.exists():  # set aside, not deleted, until the new one is in place
+                shutil.rmtree(old, ignore_errors=True)
+                os.replace(path, old)
+            os.replace(tmp, path)
             shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        self._barrier()  # no rank returns before the checkpoint is in place
         return path
 
-
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Continue from ``path``: weights, optimizer, LR schedule, RNG streams, version.
-        (The KL reference, if any, stays the initial policy.) Returns the trainer state."""
+        """Continue from ``path``: weights, optimizer, LR schedule, RNG streams, version,
+        whatever number of ranks saved it. (The KL reference, if any, stays the initial
+        policy.) Returns the trainer state. Sharded, every rank calls it."""
         state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.model.parameters()).dtype)
-        self.model.load_state_dict(saved.state_dict())
-        self.optimizer.load_state_dict(state["optimizer"])
+        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.module.parameters()).dtype).state_dict()
+        if self.sharding is None:
+            self.model.load_state_dict(saved)
+        else:
+            self.sharding.load_full_state_dict(self.model, saved)
+        del saved
+        self._load_optimizer(path, state)
         self.scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
         self.version = state["version"]
         return state
+
+    def _load_optimizer(self, path: Path, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        if "optimizer" in state:  # a checkpoint from before optimizer/: one state dict keyed by parameter order
+            if self.sharding is None:
+                self.optimizer.load_state_dict(state["optimizer"])
+                return
+            names = [name for name, _ in self.module.named_parameters()]  # the optimizer's order
+            old = state["optimizer"]
+            full = {"state": {names[i]: v for i, v in old["state"].items()},
+                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]]}
+            set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
+            return
+        import torch.distributed.checkpoint as dcp
+
+        target = get_optimizer_state_dict(self.model, self.optimizer)  # this layout's shapes: DCP reshards into it
+        with _single_process_dcp():
+            dcp.load({"optimizer": target}, checkpoint_id=path / OPTIMIZER_DIR, no_dist=self.sharding is None)
+        set_optimizer_state_dict(self.model, self.optimizer, target)
+
+    def _barrier(self) -> None:
+        if self.sharding is not None:
+            self.sharding.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """DCP warns whenever it runs without a process group; one learner means exactly that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def set_rng_state(state: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 ``local``: one process; the engine decodes on its own thread and the learner computes on
 another (:class:`RolloutWorker`, :class:`LocalLearner`). ``ray``: the same two objects
-as Ray actors (``ray_runtime``). Either way the orchestrator gets a :class:`Runtime`
+as Ray actors (``ray_runtime``). With ``learner.world_size`` > 1 the learner is N ranks of
+one process group instead: N processes beside this one (``sharded_learner``) or N actors. Either way the orchestrator gets a :class:`Runtime`
 holding a :class:`LearnerHandle` and a :class:`RolloutHandle`, and ``start`` owns their
 whole lifecycle — Ray's own included — so leaving its ``async with`` releases all.
 """
@@ -55,6 +56,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             from asyncrl.runtime.ray_runtime import (
                 RayLearner,
                 RayRollout,
+                RayShardedLearner,
                 start_ray,
                 stop_ray,
             )
@@ -62,8 +64,14 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             stack.callback(stop_ray, start_ray(cfg))  # refuses a layout the cluster cannot place
             weights = None
             if train:
-                learner = RayLearner(cfg)
-                stack.push_async_callback(learner.shutdown)
+                if cfg.learner.world_size > 1:
+                    sharded = RayShardedLearner(cfg)
+                    stack.push_async_callback(sharded.shutdown)
+                    await sharded.start()
+                    learner = sharded
+                else:
+                    learner = RayLearner(cfg)
+                    stack.push_async_callback(learner.shutdown)
                 if checkpoint is not None:
                     await learner.load_checkpoint(checkpoint)
                     weights = await learner.publish()
@@ -71,14 +79,26 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             stack.push_async_callback(rollout.shutdown)
         else:
             engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
-            if train:
+            weights = None
+            if train and cfg.learner.world_size > 1:  # N learner processes; this one keeps the engine
+                from asyncrl.runtime.sharded_learner import ShardedLearner
+
+                threads = max(1, (learner_threads or torch.get_num_threads()) // cfg.learner.world_size)
+                sharded = ShardedLearner(cfg, num_threads=threads)
+                stack.push_async_callback(sharded.shutdown)
+                await sharded.start()
+                learner = sharded
+                if checkpoint is not None:
+                    await learner.load_checkpoint(checkpoint)
+                    weights = await learner.publish()
+            elif train:
                 worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=learner_threads)
                 learner = LocalLearner(worker)
                 stack.push_async_callback(learner.shutdown)
                 if checkpoint is not None:
                     await learner.load_checkpoint(checkpoint)
                 model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
-            local = RolloutWorker(cfg, model=model, tokenizer=tokenizer, version=version,
+            local = RolloutWorker(cfg, model=model, tokenizer=tokenizer, weights=weights, version=version,
                                   seed=cfg.seed + 7919 * version, num_threads=engine_threads,
                                   eval_replica=eval_replica)
             stack.push_async_callback(local.shutdown)

@@ -13,17 +13,20 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config
 from asyncrl.learner import Learner, TrainBatch
+from asyncrl.learner.distributed import Sharding
 from asyncrl.policy import load_policy
 
 
 class LearnerWorker:
     def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, num_threads: int | None = None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None, num_threads: int | None = None,
+                 sharding: Sharding | None = None) -> None:
+        """``sharding``: this worker is one rank of a sharded learner (``sharded_learner.py``)."""
         if model is None or tokenizer is None:
             model, tokenizer = load_policy(cfg.model)
         self.num_threads = num_threads
         self.learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
-                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature)
+                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature, sharding=sharding)
 
     def _threads(self) -> None:
         if self.num_threads is not None:  # per OS thread in torch: set on whichever runs the call

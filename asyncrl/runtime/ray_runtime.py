@@ -7,6 +7,8 @@ the orchestrator (gate, buffer, loops, logs).
   actor's ``export_weights`` result *is* the one put (the driver never fetches it),
   and each worker gets it when its ``sync_weights`` call runs. The version travels
   with the reference.
+- With ``learner.world_size`` = N > 1 the learner is N :class:`RankWorker` actors in one
+  placement group (:class:`RayShardedLearner`), one process group between them.
 - A worker that dies is replaced (loading the latest weights and version) and the
   group it was running is re-issued to a live one; past ``ray.max_worker_restarts``
   replacements the run stops with the last error.
@@ -33,8 +35,10 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.engine import EngineClosedError
 from asyncrl.evaluation import EvalResult
 from asyncrl.learner import TrainBatch
+from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.runtime.sharded_learner import LearnerRankError, RankWorker
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 
@@ -57,14 +61,16 @@ def start_ray(cfg: Config) -> bool:
         ray.init(address=r.address, num_cpus=r.num_cpus if r.address is None else None, include_dashboard=False,
                  log_to_driver=True, configure_logging=False)
     have = ray.cluster_resources()
+    ranks = cfg.learner.world_size
     for kind, per_worker, learner in (("CPU", r.worker_cpus, r.learner_cpus), ("GPU", r.worker_gpus, r.learner_gpus)):
-        need = r.num_rollout_workers * per_worker + learner
+        need = r.num_rollout_workers * per_worker + ranks * learner
         if need > have.get(kind, 0) + 1e-9:
             if started:
                 ray.shutdown()
+            learners = f"learner.world_size={ranks} × " if ranks > 1 else ""
             raise ConfigError(
                 f"ray.num_rollout_workers={r.num_rollout_workers} × ray.worker_{kind.lower()}s={per_worker} + "
-                f"ray.learner_{kind.lower()}s={learner} = {need:g} {kind}s, but the Ray cluster has "
+                f"{learners}ray.learner_{kind.lower()}s={learner} = {need:g} {kind}s, but the Ray cluster has "
                 f"{have.get(kind, 0):g}; use fewer workers or smaller requests")
     return started
 
@@ -98,6 +104,114 @@ class RayLearner:
 
     async def shutdown(self) -> None:
         _ray().kill(self.actor)
+
+
+class RayRankWorker(RankWorker):
+    """A rank as a Ray actor: it meets the others at its node's address, and hands its
+    gathered weights to the object store itself, so the driver awaits a reference, not
+    the weights."""
+
+    def rendezvous(self) -> str:
+        ray = _ray()
+        host = ray.util.get_node_ip_address()
+        return f"tcp://{host}:{free_port(host)}"
+
+    def publish(self) -> list[Any] | None:
+        """Rank 0: ``[ObjectRef]`` of the full weights (a list, so Ray does not resolve it)."""
+        weights = self.export_weights()
+        return [_ray().put(weights)] if self.rank == 0 else None
+
+
+class RayShardedLearner:
+    """The learner handle on Ray for ``learner.world_size`` = N > 1: N :class:`RayRankWorker`
+    actors, one per bundle of a placement group (``PACK``: on as few nodes as possible).
+    Checkpoints need a directory every rank's node sees. Call :meth:`start` first."""
+
+    def __init__(self, cfg: Config) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, r = _ray(), cfg.ray
+        self.world_size = cfg.learner.world_size
+        bundle = {k: v for k, v in (("CPU", r.learner_cpus), ("GPU", r.learner_gpus)) if v > 0} or {"CPU": 0.01}
+        self.group = placement_group([bundle] * self.world_size, strategy="PACK")
+        actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(RayRankWorker)
+        self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+                           self.group, placement_group_bundle_index=rank)).remote(
+                           cfg, rank=rank, world_size=self.world_size, num_threads=max(1, int(r.learner_cpus)))
+                       for rank in range(self.world_size)]
+        self._lock = asyncio.Lock()
+        self._failed: LearnerRankError | None = None
+
+    async def start(self, timeout_s: float = 300) -> None:
+        """Place the group, meet at rank 0's address, load the policy on every rank."""
+        try:
+            await asyncio.wait_for(self.group.ready(), timeout=timeout_s)
+        except TimeoutError:
+            raise RuntimeError(f"the learner's placement group ({self.world_size} bundles) was not placed in "
+                               f"{timeout_s:g} s; the cluster lacks the resources") from None
+        async with self._lock:
+            init_method = (await self._all([self.actors[0].rendezvous.remote()], ranks=[0]))[0]
+            # each actor sees only its own GPU, so its device index is 0
+            await self._all([a.join.remote(init_method, 0) for a in self.actors])
+
+    async def _all(self, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
+        """Every rank's result; the first failure kills every rank (the others may be
+        waiting for it in a collective) and raises naming it."""
+        if self._failed is not None:
+            raise self._failed
+        ranks = ranks or list(range(len(refs)))
+
+        async def one(rank: int, ref: Any) -> Any:
+            try:
+                return await ref
+            except Exception as exc:  # RayTaskError carries the rank's traceback; RayActorError its death
+                raise LearnerRankError(rank, self.world_size, str(exc)) from exc
+
+        tasks = [asyncio.ensure_future(one(rank, ref)) for rank, ref in zip(ranks, refs)]
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        failed = [t for t in tasks if t in done and t.exception() is not None]
+        if failed:
+            for task in pending:
+                task.cancel()
+            self._failed = failed[0].exception()
+            self._kill()
+            raise self._failed
+        return [t.result() for t in tasks]
+
+    async def _call(self, method: str, *args: Any) -> list[Any]:
+        async with self._lock:
+            return await self._all([getattr(a, method).remote(*args) for a in self.actors])
+
+    async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
+        ref = _ray().put(batch)  # one put; each rank takes its rows
+        return (await self._call("train_step", ref, on_policy))[0]
+
+    async def publish(self) -> Any:
+        """An ObjectRef to rank 0's gathered weights, left in the object store."""
+        return (await self._call("publish"))[0][0]
+
+    async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
+        return (await self._call("save_checkpoint", path, extra, files))[0]
+
+    async def load_checkpoint(self, path: Path) -> int:
+        return (await self._call("load_checkpoint", path))[0]
+
+    def _kill(self) -> None:
+        ray = _ray()
+        for actor in self.actors:
+            ray.kill(actor)
+
+    async def shutdown(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        if self._failed is None and not self._lock.locked():
+            try:
+                await asyncio.wait_for(self._call("leave"), timeout=30)
+            except (LearnerRankError, TimeoutError):
+                pass
+        self._kill()
+        remove_placement_group(self.group)
 
 
 class _WorkerLost(Exception):

@@ -1,0 +1,189 @@
+"""The sharded learner (``learner.world_size`` > 1) on CPU with gloo: N ranks take the
+step one rank takes, whatever the split; its checkpoints are Hugging Face directories
+that any number of ranks resumes; a failing rank fails the run at once, named; and a run
+trains end to end on ``runtime: local`` and ``runtime: ray`` within the staleness bound."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.learner import pack
+from asyncrl.learner.distributed import row_range
+from asyncrl.runtime.learner_worker import LearnerWorker
+from asyncrl.runtime.sharded_learner import LearnerRankError, RankWorker, ShardedLearner
+from asyncrl.types import Trajectory
+
+
+def config(policy_dir, *overrides):
+    # clipping on (the norm is ~0.4): the global norm across shards is part of what is compared
+    return load_config(None, [f"model.path={policy_dir}", "optim.lr=1e-3", "optim.grad_clip=0.1",
+                              "learner.timeout_s=60", *overrides])
+
+
+def batch(seed, rows=5):
+    """Rows of different lengths with masked-out tool tokens; an odd count splits unevenly."""
+    g = torch.Generator().manual_seed(seed)
+    trajectories = []
+    for i in range(rows):
+        prompt = torch.randint(4, 90, (3 + i % 3,), generator=g).tolist()
+        response = torch.randint(4, 90, (2 + (3 * i) % 5,), generator=g).tolist()
+        mask = [0 if j == 1 else 1 for j in range(len(response))]
+        behavior = (-torch.rand(len(response), generator=g) * 4).tolist()
+        trajectories.append(Trajectory(prompt, response, mask, behavior, [0] * len(response), reward=0.0))
+    return pack(trajectories, torch.randn(rows, generator=g).tolist(), pad_id=0)
+
+
+def one_rank(cfg, *batches):
+    """The unsharded learner's weights and metrics after a step on each batch."""
+    worker = LearnerWorker(cfg)
+    metrics = [worker.train_step(b, False) for b in batches]
+    return worker, worker.export_weights(), metrics
+
+
+def assert_same_weights(actual, expected):
+    assert set(actual) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], atol=1e-5, rtol=0, msg=name)
+
+
+def assert_same_metrics(actual, expected):
+    assert set(actual) == set(expected)
+    for key in expected:
+        assert actual[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+
+
+async def started(cfg, **kwargs):
+    learner = ShardedLearner(cfg, **kwargs)
+    try:
+        await learner.start()
+    except BaseException:
+        await learner.shutdown()
+        raise
+    return learner
+
+
+def test_rows_split_evenly_and_cover_the_batch():
+    assert [row_range(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [row_range(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
+
+
+@pytest.mark.parametrize("strategy,micro,aggregation", [("fsdp2", 1, "token_mean"), ("ddp", 2, "seq_mean")])
+def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir, strategy, micro, aggregation):
+    """Rank 0 gets 3 rows, rank 1 two; with micro-batches of 1, rank 1 runs a filler pass.
+    The one-rank reference takes each batch whole: the steps must not depend on either
+    split. Then checkpoints: saved by 2 ranks, loaded by ``from_pretrained`` with the
+    learner's logits, and resumed by 2 ranks and by 1; saved by 1 rank, resumed by 2. Each
+    resume, one more step lands on the weights of the run that never stopped."""
+    base = [f"algorithm.aggregation={aggregation}"]
+    single = config(policy_dir, *base, "optim.micro_batch_size=64")
+    worker, after_one, (expected_metrics,) = one_rank(single, batch(0))
+    worker.save_checkpoint(tmp_path / "one_rank", {"step": 1}, {})
+    _, after_two, _ = one_rank(single, batch(0), batch(1))
+
+    async def scenario():
+        learner = await started(config(policy_dir, *base, "learner.world_size=2", f"learner.strategy={strategy}",
+                                       f"optim.micro_batch_size={micro}"))
+        try:
+            out = {"metrics": await learner.train_step(batch(0), False), "one": await learner.publish(),
+                   "path": await learner.save_checkpoint(tmp_path / "two_ranks", {"step": 1},
+                                                         {"run_state.json": "{}"})}
+            await learner.train_step(batch(1), False)
+            out["two"] = await learner.publish()
+            for source in ("two_ranks", "one_rank"):
+                assert await learner.load_checkpoint(tmp_path / source) == 1
+                await learner.train_step(batch(1), False)
+                out[f"resumed from {source}"] = await learner.publish()
+            return out
+        finally:
+            await learner.shutdown()
+
+    out = asyncio.run(scenario())
+    assert_same_weights(out["one"], after_one)
+    assert_same_metrics(out["metrics"], expected_metrics)
+    assert out["metrics"]["actor/grad_norm"] > 0.1  # the clip was active
+    assert_same_weights(out["two"], after_two)
+    assert_same_weights(out["resumed from two_ranks"], after_two)
+    assert_same_weights(out["resumed from one_rank"], after_two)
+
+    path = out["path"]
+    assert not (tmp_path / "two_ranks.tmp").exists() and (path / "run_state.json").read_text() == "{}"
+    loaded = AutoModelForCausalLM.from_pretrained(path).eval()
+    learner_model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    learner_model.load_state_dict(out["one"], strict=False)
+    ids = batch(1).input_ids
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, learner_model(ids).logits)
+
+    worker = LearnerWorker(single)  # one rank resumes what two saved
+    assert worker.load_checkpoint(path) == 1
+    worker.train_step(batch(1), False)
+    assert_same_weights(worker.export_weights(), after_two)
+
+
+class FailingRank(RankWorker):
+    """Rank 1 raises in its step; rank 0 is then left waiting in a collective."""
+
+    def train_step(self, batch, on_policy):
+        if self.rank == 1:
+            raise ValueError("rank one broke on purpose")
+        return super().train_step(batch, on_policy)
+
+
+def test_a_rank_that_raises_fails_fast_and_is_named(policy_dir):
+    async def scenario():
+        learner = await started(config(policy_dir, "learner.world_size=2", "learner.timeout_s=120"),
+                                worker_cls=FailingRank)
+        try:
+            start = time.perf_counter()
+            with pytest.raises(LearnerRankError) as failure:
+                await learner.train_step(batch(0), False)
+            elapsed = time.perf_counter() - start
+            with pytest.raises(LearnerRankError):  # the learner stays failed
+                await learner.publish()
+            return failure.value, elapsed, learner.procs
+        finally:
+            await learner.shutdown()
+
+    error, elapsed, procs = asyncio.run(scenario())
+    assert error.rank == 1 and "learner rank 1 of 2 failed" in str(error)
+    assert "rank one broke on purpose" in str(error) and "Traceback" in str(error)
+    assert elapsed < 20  # not the process group's 120 s timeout
+    assert not any(p.is_alive() for p in procs)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("runtime", ["local", "ray"])
+def test_train_with_two_learner_ranks(tmp_path, policy_dir, runtime):
+    if runtime == "ray":
+        ray = pytest.importorskip("ray")
+    out = tmp_path / runtime
+    extra = (["runtime=ray", "ray.num_cpus=2", "ray.num_rollout_workers=1", "ray.worker_cpus=0.5",
+              "ray.learner_cpus=0.5"] if runtime == "ray" else [])
+    code = main(["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "learner.world_size=2", "mode=async", "max_staleness=1", "total_steps=3", "batch_size=2",
+                 "group_size=2", "eval_every=0", "eval.num_tasks=2", "eval.samples_per_task=1",
+                 "task.num_train=32", "task.num_validation=4", "algorithm.filter_zero_variance=false",
+                 "optim.micro_batch_size=4", *extra])
+    assert code == 0
+    if runtime == "ray":
+        assert not ray.is_initialized()
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == [0, 1, 2, 3]
+    assert all(m["staleness/max"] <= 1 for m in metrics[1:])
+    samples = read_jsonl(out / "samples.jsonl")
+    assert len(samples) == 3 * 2 * 2
+    assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 1
+    final = out / "checkpoints" / "step_3"
+    assert {f.name for f in (final / "optimizer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # 2 ranks
+    AutoModelForCausalLM.from_pretrained(final)
