@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -137,11 +139,14 @@ class FailingRank(RankWorker):
         return super().train_step(batch, on_policy)
 
 
-def test_a_rank_that_raises_fails_fast_and_is_named(policy_dir):
+def test_a_rank_that_raises_fails_fast_and_is_named_and_ctrl_c_is_the_drivers(policy_dir):
     async def scenario():
         learner = await started(config(policy_dir, "learner.world_size=2", "learner.timeout_s=120"),
                                 worker_cls=FailingRank)
         try:
+            for proc in learner.procs:  # a Ctrl-C reaches the ranks too; only the driver acts on it
+                os.kill(proc.pid, signal.SIGINT)
+            assert set(await learner.publish()) == set(LearnerWorker(config(policy_dir)).export_weights())
             start = time.perf_counter()
             with pytest.raises(LearnerRankError) as failure:
                 await learner.train_step(batch(0), False)
@@ -187,3 +192,14 @@ def test_train_with_two_learner_ranks(tmp_path, policy_dir, runtime):
     final = out / "checkpoints" / "step_3"
     assert {f.name for f in (final / "optimizer").glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # 2 ranks
     AutoModelForCausalLM.from_pretrained(final)
+
+
+def test_bench_learner_shows_fsdp2_halving_the_state_per_rank(tmp_path, policy_dir, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "learner", f"model_path={policy_dir}", "hidden_size=0", "world_sizes=[1,2]",
+                 "strategies=[fsdp2]", "repeats=1", "rows=3", "threads=1", "--out", str(out)]) == 0
+    runs = json.loads((out / "bench.json").read_text())["models"][policy_dir.name]["runs"]
+    assert [(r["world_size"], r["strategy"]) for r in runs] == [(1, None), (2, "fsdp2")]
+    assert runs[1]["state_ratio_vs_1"] == pytest.approx(0.5, abs=0.02)  # counted from the local shards
+    assert [len(r["memory"]) for r in runs] == [1, 2] and all(r["step_s"] > 0 for r in runs)
+    assert "params+grads+optim MiB/rank" in capsys.readouterr().out

@@ -47,6 +47,10 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         from asyncrl.bench.gateway import run_gateway_bench
 
         result = run_gateway_bench(overrides)
+    elif suite == "learner":
+        from asyncrl.bench.learner import run_learner_bench
+
+        result = run_learner_bench(overrides)
     elif suite == "trl":
         try:
             from asyncrl.bench.trl import run_trl_bench
@@ -54,7 +58,7 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
             raise ConfigError(f"bench trl needs TRL: pip install -e '.[bench]' ({exc})") from None
         result = run_trl_bench(overrides, out_dir)
     else:
-        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, trl")
+        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, trl")
     result["machine"] = machine()
     write_result(result, out_dir)
     return result

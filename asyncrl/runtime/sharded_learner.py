@@ -23,6 +23,7 @@ import multiprocessing
 import os
 import pickle
 import resource
+import signal
 import time
 import traceback
 from multiprocessing.connection import Connection, wait
@@ -131,11 +132,15 @@ def _serve(conn: Connection, worker_cls: type[RankWorker], cfg: Config, rank: in
            init_method: str, num_threads: int | None) -> None:
     """A rank process: join, then run each call the driver sends until ``leave``. Replies
     are ``("ok", value)`` or ``("error", traceback)``; an error leaves this process
-    serving (the driver decides), a lost driver ends it."""
+    serving (the driver decides). A lost driver ends it: at once when idle (the pipe
+    closes), after ``learner.timeout_s`` when waiting in a collective."""
 
     def reply(status: str, value: Any) -> None:
         conn.send_bytes(pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL))
 
+    # Ctrl-C reaches the whole terminal process group; the driver alone decides what it
+    # means (finish the step, checkpoint), so a rank must not die of it mid-collective
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = worker_cls(cfg, rank=rank, world_size=world_size, num_threads=num_threads)
         worker.join(init_method, local_rank=rank)
@@ -173,6 +178,7 @@ class ShardedLearner:
         self.conns: list[Connection] = []
         self._lock = asyncio.Lock()
         self._failed: LearnerRankError | None = None
+        self._in_flight = False  # a call's replies are being read (even if its caller was cancelled)
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, worker_cls, cfg, rank, self.world_size, init_method,
@@ -191,6 +197,7 @@ class ShardedLearner:
     async def start(self) -> None:
         """Wait until every rank has joined the group and loaded its shard."""
         async with self._lock:
+            self._in_flight = True
             await asyncio.to_thread(self._replies)
 
     # --------------------------------------------------------------- the calls
@@ -200,6 +207,7 @@ class ShardedLearner:
             if self._failed is not None:
                 raise self._failed
             payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
+            self._in_flight = True
             for rank, conn in enumerate(self.conns):
                 try:
                     conn.send_bytes(payload)
@@ -209,6 +217,12 @@ class ShardedLearner:
 
     def _replies(self) -> list[Any]:
         """Each rank's reply; the first error or death fails the whole learner at once."""
+        try:
+            return self._read_replies()
+        finally:
+            self._in_flight = False
+
+    def _read_replies(self) -> list[Any]:
         values: list[Any] = [None] * self.world_size
         pending = dict(enumerate(self.conns))
         while pending:
@@ -240,7 +254,11 @@ class ShardedLearner:
         self._kill()
         raise self._failed
 
-    def _kill(self) -> None:
+    def _kill(self, grace_s: float = 0.0) -> None:
+        """End every rank process, after ``grace_s`` for those already on their way out
+        (killed mid-exit, a process leaks the semaphores its libraries made)."""
+        for proc in self.procs:
+            proc.join(timeout=grace_s)
         for proc in self.procs:
             if proc.is_alive():
                 proc.kill()
@@ -262,12 +280,15 @@ class ShardedLearner:
         return (await self.call("load_checkpoint", path))[0]
 
     async def shutdown(self) -> None:
-        """Leave the process group cleanly when idle; kill whatever is left."""
-        if self._failed is None and not self._lock.locked() and all(p.is_alive() for p in self.procs):
+        """Leave the process group cleanly when idle; kill whatever is left (at once when
+        a call is still under way, e.g. one whose caller was cancelled)."""
+        grace = 0.0
+        if self._failed is None and not self._in_flight and all(p.is_alive() for p in self.procs):
             try:
                 await asyncio.wait_for(self.call("leave"), timeout=30)
+                grace = 10.0
             except (LearnerRankError, TimeoutError):
                 pass
-        await asyncio.to_thread(self._kill)
+        await asyncio.to_thread(self._kill, grace)
         for conn in self.conns:
             conn.close()

@@ -1,0 +1,176 @@
+"""``asyncrl bench learner``: one train step of the learner on 1 rank and on N ranks of a
+sharded learner (``learner.world_size``), same batch, same model, measured side by side.
+
+Two models: ``model_path`` (the shipped ``models/countdown-tiny``) and a Qwen2 generated
+from its shape keys (``hidden_size``, ``num_layers``: ~25M parameters by default) with
+the tiny char tokenizer. Each configuration runs as rank processes
+(``sharded_learner.ShardedLearner``), the one-rank baseline too, so every one pays the
+same process boundary; torch threads are split evenly over the ranks (``threads`` in all).
+
+A step's time is the slowest rank's, from a barrier to the end of the optimizer step
+(median of ``repeats`` after a warm-up step). Memory per rank: the bytes of parameters,
+gradients and optimizer state the rank holds, counted exactly from the tensors' local
+shards (what FSDP2 divides by N and DDP does not), and the process's peak RSS (which also
+holds the full model each rank loads before sharding, the interpreter and the libraries);
+on CUDA, ``torch.cuda.max_memory_allocated`` per rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import Field
+from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+from asyncrl.bench.progress import phase
+from asyncrl.config import ConfigError, Section, apply_overrides, load_config, validate
+from asyncrl.learner import TrainBatch, pack
+from asyncrl.runtime.sharded_learner import ShardedLearner
+from asyncrl.tiny import build_char_tokenizer, save_tiny_policy, tiny_qwen2_config
+from asyncrl.types import Trajectory
+
+
+class LearnerBenchSettings(Section):
+    model_path: str = "models/countdown-tiny"
+    hidden_size: int = Field(512, ge=0)
+    """The generated model's width (0 = no generated model)."""
+    num_layers: int = Field(8, ge=1)
+    """The generated model's decoder layers."""
+    intermediate_size: int | None = Field(None, ge=1)
+    """The generated model's MLP width; ``None``: 3 × hidden_size."""
+    world_sizes: list[int] = Field([1, 2], strict=False)
+    """Rank counts to time; 1 is the unsharded learner (the baseline)."""
+    strategies: list[str] = Field(["fsdp2", "ddp"], strict=False)
+    """Sharding strategies timed at each world size > 1."""
+    rows: int = Field(16, ge=1)
+    """Trajectories in the step's batch."""
+    prompt_tokens: int = Field(32, ge=1)
+    response_tokens: int = Field(64, ge=2)
+    """The longest response; lengths are drawn from [response_tokens / 2, response_tokens]."""
+    micro_batch_size: int = Field(8, ge=1)
+    repeats: int = Field(3, ge=1)
+    threads: int | None = Field(None, ge=1)
+    """torch threads in all, split evenly over the ranks; ``None``: the machine's cores."""
+    seed: int = 0
+
+
+def generated_model(s: LearnerBenchSettings, path: Path) -> Path:
+    """A Qwen2 of the settings' shape, built from a config with the tiny char tokenizer."""
+    tokenizer = build_char_tokenizer()
+    heads = max(4, s.hidden_size // 64)
+    config = tiny_qwen2_config(len(tokenizer), hidden_size=s.hidden_size, num_layers=s.num_layers, num_heads=heads,
+                               num_kv_heads=max(1, heads // 2),
+                               intermediate_size=s.intermediate_size or 3 * s.hidden_size,
+                               max_position_embeddings=s.prompt_tokens + s.response_tokens, tokenizer=tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(s.seed)
+        model = Qwen2ForCausalLM(config)
+    return save_tiny_policy(model, tokenizer, path)
+
+
+def bench_batch(s: LearnerBenchSettings, vocab_size: int, max_positions: int) -> TrainBatch:
+    """``rows`` trajectories of random tokens, responses of different lengths."""
+    g = torch.Generator().manual_seed(s.seed)
+    prompt_len = min(s.prompt_tokens, max_positions // 2)
+    longest = min(s.response_tokens, max_positions - prompt_len)
+    trajectories = []
+    for _ in range(s.rows):
+        n = int(torch.randint(max(1, longest // 2), longest + 1, (1,), generator=g))
+        prompt = torch.randint(4, vocab_size, (prompt_len,), generator=g).tolist()
+        response = torch.randint(4, vocab_size, (n,), generator=g).tolist()
+        behavior = (-torch.rand(n, generator=g) * 6).tolist()
+        trajectories.append(Trajectory(prompt, response, [1] * n, behavior, [0] * n, reward=0.0))
+    return pack(trajectories, torch.randn(s.rows, generator=g).tolist(), pad_id=0)
+
+
+def run_config(s: LearnerBenchSettings, name: str, path: Path, batch: TrainBatch, world_size: int,
+               strategy: str | None) -> dict[str, Any]:
+    """Warm-up, ``repeats`` timed steps and the memory of each rank, for one configuration."""
+    cfg = load_config(None, [f"model.path={path}", f"learner.world_size={world_size}", f"total_steps={s.repeats + 1}",
+                             "batch_size=1", f"group_size={s.rows}", f"optim.micro_batch_size={s.micro_batch_size}",
+                             *([f"learner.strategy={strategy}"] if strategy else [])])
+    threads = max(1, (s.threads or os.cpu_count() or 1) // world_size)
+    label = f"{name}, {world_size} rank{'s' if world_size > 1 else ''}" + (f" {strategy}" if strategy else "")
+
+    async def measure() -> dict[str, Any]:
+        learner = ShardedLearner(cfg, num_threads=threads)
+        try:
+            await learner.start()
+            with phase("learner", label, total=s.repeats + 1, unit="step") as progress:
+                times = []
+                for i in range(s.repeats + 1):
+                    per_rank = [t for _, t in await learner.call("timed_train_step", batch, False)]
+                    if i:  # the first step warms up (allocations, thread pools)
+                        times.append(max(per_rank))
+                    progress.advance()  # between timed steps
+                memory = await learner.call("memory")
+                step_s = statistics.median(times)
+                state = max(m["params"] + m["grads"] + m["optimizer"] for m in memory)
+                progress.figure = f"{step_s:.3f} s/step, params+grads+optimizer {state / 2**20:,.1f} MiB/rank"
+            return {"world_size": world_size, "strategy": strategy, "threads_per_rank": threads, "step_s": step_s,
+                    "step_s_all": times, "memory": memory, "state_bytes_per_rank": state,
+                    "peak_rss_per_rank": max(m["peak_rss"] for m in memory),
+                    **({"cuda_max_allocated_per_rank": max(m["cuda_max_allocated"] for m in memory)}
+                       if "cuda_max_allocated" in memory[0] else {})}
+        finally:
+            await learner.shutdown()
+
+    return asyncio.run(measure())
+
+
+def run_learner_bench(overrides: list[str]) -> dict[str, Any]:
+    s = validate(LearnerBenchSettings, apply_overrides({}, overrides))
+    if 1 not in s.world_sizes:
+        raise ConfigError("bench learner: world_sizes must include 1, the baseline the others are compared with")
+    unknown = set(s.strategies) - {"fsdp2", "ddp"}
+    if unknown:
+        raise ConfigError(f"bench learner: unknown strategies {sorted(unknown)}; valid: fsdp2, ddp")
+    configs = [(1, None)] + [(n, strategy) for n in sorted(set(s.world_sizes)) if n > 1 for strategy in s.strategies]
+    if torch.cuda.is_available():  # one GPU per rank
+        skipped = [n for n, _ in configs if n > torch.cuda.device_count()]
+        configs = [(n, st) for n, st in configs if n <= torch.cuda.device_count()]
+        if skipped:
+            print(f"[bench learner] skipping world sizes {sorted(set(skipped))}: {torch.cuda.device_count()} GPU(s)")
+    result: dict[str, Any] = {"settings": s.model_dump(), "models": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = {Path(s.model_path).name: Path(s.model_path)}
+        if s.hidden_size:
+            models[f"qwen2-h{s.hidden_size}-l{s.num_layers}"] = generated_model(s, Path(tmp) / "generated")
+        for name, path in models.items():
+            if not (path / "config.json").is_file():
+                raise ConfigError(f"bench learner: model_path {str(path)!r} is not a Hugging Face model directory")
+            model = AutoModelForCausalLM.from_pretrained(path)
+            params = sum(p.numel() for p in model.parameters())
+            batch = bench_batch(s, model.config.vocab_size, model.config.max_position_embeddings)
+            del model
+            runs = [run_config(s, name, path, batch, n, strategy) for n, strategy in configs]
+            base = runs[0]
+            for run in runs:
+                run["speedup_vs_1"] = base["step_s"] / run["step_s"]
+                run["state_ratio_vs_1"] = run["state_bytes_per_rank"] / base["state_bytes_per_rank"]
+            result["models"][name] = {"params": params, "tokens": int(batch.loss_mask.sum()), "runs": runs}
+    print(table(result))
+    return result
+
+
+def table(result: dict[str, Any]) -> str:
+    head = (f"{'model':22s} {'params':>8s} {'ranks':>5s} {'strategy':>8s} {'step s':>8s} {'speedup':>7s} "
+            f"{'params+grads+optim MiB/rank':>27s} {'vs 1 rank':>9s} {'peak RSS MiB/rank':>17s}")
+    cuda = any("cuda_max_allocated_per_rank" in r for m in result["models"].values() for r in m["runs"])
+    head += f" {'CUDA max alloc MiB/rank':>23s}" if cuda else ""
+    lines = [head]
+    for name, m in result["models"].items():
+        for r in m["runs"]:
+            line = (f"{name:22s} {m['params'] / 1e6:7.1f}M {r['world_size']:5d} {r['strategy'] or '-':>8s} "
+                    f"{r['step_s']:8.3f} {r['speedup_vs_1']:7.2f} {r['state_bytes_per_rank'] / 2**20:27.1f} "
+                    f"{r['state_ratio_vs_1']:9.2f} {r['peak_rss_per_rank'] / 2**20:17.0f}")
+            if cuda:
+                line += f" {r.get('cuda_max_allocated_per_rank', 0) / 2**20:23.1f}"
+            lines.append(line)
+    return "\n".join(lines)
