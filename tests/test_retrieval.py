@@ -67,12 +67,21 @@ def test_the_obviously_relevant_document_ranks_first():
     assert [[h["id"] for h in hits] for hits in batch] == [["rome"], ["volcano"], []]
 
 
+def test_a_title_ranks_its_own_page_above_pages_that_mention_the_name():
+    docs = [Document("mentee", "Ada Fenn lives in Rome. Her mentor is Orla Venn.", "Ada Fenn"),
+            Document("orla", "Orla Venn lives in Kestrel Bay and works at Quillfen today.", "Orla Venn")]
+    assert [h["id"] for h in BM25Index(docs).search("Orla Venn", 2)] == ["orla", "mentee"]
+    untitled = [Document(d.id, d.text) for d in docs]  # the shorter page wins on text alone
+    assert [h["id"] for h in BM25Index(untitled).search("Orla Venn", 2)] == ["mentee", "orla"]
+
+
 def test_documents_load_from_jsonl_and_a_bad_row_names_its_line(tmp_path):
     good = tmp_path / "docs.jsonl"
-    good.write_text('{"id": "a", "text": "alpha", "url": "x"}\n\n{"id": "b", "text": "beta"}\n')
-    assert load_documents(good) == [Document("a", "alpha"), Document("b", "beta")]
+    good.write_text('{"id": "a", "text": "alpha", "url": "x"}\n\n{"id": "b", "text": "beta", "title": "B"}\n')
+    assert load_documents(good) == [Document("a", "alpha"), Document("b", "beta", "B")]
     for lines, fragment in [(['{"id": "a", "text": "x"}', '{"id": "b"}'], "line 2: 'text' must be a string"),
                             (['{"id": 1, "text": "x"}'], "line 1: 'id' must be a string"),
+                            (['{"id": "a", "text": "x", "title": 3}'], "line 1: 'title' must be a string"),
                             (['{"id": "a", "text": "x"}', '{"id": "a", "text": "y"}'], "line 2: id 'a' was already"),
                             (['{"id": "a", "text": "x"}', "{oops"], "line 2: invalid JSON")]:
         bad = tmp_path / "bad.jsonl"

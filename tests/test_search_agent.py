@@ -19,7 +19,7 @@ pytest.importorskip("bm25s")
 
 from asyncrl.cli import main
 from asyncrl.tasks.base import Task
-from asyncrl.tasks.multihop import multihop_corpus, write_corpus
+from asyncrl.tasks.multihop import multihop_corpus, multihop_reward, write_corpus
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("search_agent", REPO / "examples/search_agent/agent.py")
@@ -96,25 +96,23 @@ class _FakeRetrieval:
         return "[1] person-0: " + "x" * 500
 
 
-def _run(monkeypatch, replies, answer="Kestrel Bay"):
+def _run(replies, answer="Kestrel Bay"):
     model, retrieval = _ScriptedModel(replies), _FakeRetrieval()
-    monkeypatch.setattr(agent, "clients_for", lambda base_url: (model, retrieval))
-    monkeypatch.setenv("ASYNCRL_RETRIEVAL_URL", "http://unused")
     task = Task(id="t", prompt="Where does Orla Venn live?", data={"answer": answer})
-    return asyncio.run(agent.run(task, "http://unused")), model, retrieval
+    return multihop_reward(task, asyncio.run(agent.converse(model, retrieval, task))), model, retrieval
 
 
-def test_a_reply_without_a_call_or_an_answer_is_nudged_each_turn_until_the_limit(monkeypatch):
-    reward, model, _ = _run(monkeypatch, [("hmm\nlet me think", [])] * agent.MAX_TURNS)
+def test_a_reply_without_a_call_or_an_answer_is_nudged_each_turn_until_the_limit():
+    reward, model, _ = _run([("hmm\nlet me think", [])] * agent.MAX_TURNS)
     assert len(model.sent) == agent.MAX_TURNS and reward == 0.0  # two lines, no Answer: not an answer
     last = model.sent[-1]
     assert [m["role"] for m in last] == ["user"] + ["assistant", "user"] * (agent.MAX_TURNS - 1)
     assert all(m["content"] == agent.NUDGE for m in last[2::2])
 
 
-def test_a_search_then_an_answer_ends_the_episode_with_its_reward(monkeypatch):
+def test_a_search_then_an_answer_ends_the_episode_with_its_reward():
     replies = [("", [("search", '{"query": "Orla Venn"}')]), ("Answer: Kestrel Bay", []), ("never asked", [])]
-    reward, model, retrieval = _run(monkeypatch, replies)
+    reward, model, retrieval = _run(replies)
     assert reward == 1.0 and len(model.sent) == 2
     assert retrieval.queries == [("Orla Venn", agent.SEARCH_K)]
     tool = model.sent[1][-1]
@@ -122,8 +120,8 @@ def test_a_search_then_an_answer_ends_the_episode_with_its_reward(monkeypatch):
     assert len(tool["content"]) == agent.MAX_RESULT_CHARS  # cut to fit the context
 
 
-def test_bad_tool_arguments_and_unknown_tools_are_results_for_the_model(monkeypatch):
+def test_bad_tool_arguments_and_unknown_tools_are_results_for_the_model():
     replies = [("", [("search", "not json"), ("lookup", "{}")]), ("Answer: Elsewhere", [])]
-    reward, model, retrieval = _run(monkeypatch, replies)
+    reward, model, retrieval = _run(replies)
     assert reward == pytest.approx(0.1) and retrieval.queries == []  # well-formed but wrong
     assert [m["content"] for m in model.sent[1][-2:]] == ["search needs a query", "unknown tool: lookup"]

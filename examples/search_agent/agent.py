@@ -20,9 +20,9 @@ Where the retrieval service comes from:
   (``corpus_seed``, ``num_people``). ``ASYNCRL_RETRIEVAL_LATENCY_S`` (default 0.02) is
   added to every search, to stand in for a real search backend.
 
-Context: the shipped tiny policies hold 128 (``countdown-tiny``) or 512 positions. Tool
-results are cut (``MAX_HIT_CHARS`` per hit, ``MAX_RESULT_CHARS`` in all) so a two-search
-episode fits in 512; a call the gateway refuses because the conversation no longer fits
+Context: the shipped ``search-tiny`` holds 768 positions. Tool results are cut
+(``MAX_HIT_CHARS`` per hit, ``MAX_RESULT_CHARS`` in all) so a two-search episode fits
+(~500–660 characters); a call the gateway refuses because the conversation no longer fits
 the model's context ends the episode like the turn limit does.
 """
 
@@ -53,11 +53,11 @@ TOOLS = [{"type": "function", "function": {
 MAX_TURNS = 4
 SEARCH_K = 3
 MAX_HIT_CHARS = 100  # a person's document (~85 characters) whole
-MAX_RESULT_CHARS = 160  # the top hit whole, the start of the next: two searches fit 512 positions
+MAX_RESULT_CHARS = 160  # the top hit whole, the start of the next: two searches fit 768 positions
 _ANSWER_LINE = re.compile(r"\banswer\s*:", re.IGNORECASE)  # as multihop.extract_answer reads it
 NUDGE = "Search with the search tool, or reply 'Answer: <name>'."
 
-_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> (AsyncOpenAI, RetrievalClient)
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> AsyncOpenAI
 _service_lock = threading.Lock()
 _service_url: str | None = None
 
@@ -67,16 +67,14 @@ def is_answer(text: str) -> bool:
     return _ANSWER_LINE.search(text) is not None
 
 
-def clients_for(base_url: str) -> tuple[AsyncOpenAI, RetrievalClient]:
-    """Both clients keep a connection pool tied to the event loop that first used it, and an
-    SDK client costs ~20 ms to make (more than a reply of the tiny model): one pair per
-    loop, the SDK client pointed at each session by a cheap copy."""
+def sdk_client(base_url: str) -> AsyncOpenAI:
+    """An SDK client costs ~20 ms to make (more than a reply of the tiny model) and keeps a
+    connection pool tied to the event loop that first used it: one per loop, pointed at
+    each session by a cheap copy."""
     loop = asyncio.get_running_loop()
     if loop not in _clients:
-        _clients[loop] = (AsyncOpenAI(base_url=base_url, api_key="not-needed", max_retries=0),
-                          RetrievalClient(retrieval_url(), timeout_s=5.0, retries=2))
-    sdk, retrieval = _clients[loop]
-    return sdk.with_options(base_url=base_url), retrieval
+        _clients[loop] = AsyncOpenAI(base_url=base_url, api_key="not-needed", max_retries=0)
+    return _clients[loop].with_options(base_url=base_url)
 
 
 def retrieval_url() -> str:
@@ -138,7 +136,15 @@ async def search(retrieval: RetrievalClient, arguments: str) -> str:
 async def run(task, base_url: str) -> float:
     if _service_url is None and "ASYNCRL_RETRIEVAL_URL" not in os.environ:
         await asyncio.to_thread(retrieval_url)  # the first episode starts the service off the event loop
-    client, retrieval = clients_for(base_url)
+    client = sdk_client(base_url)
+    # one retrieval session per episode, closed with it (a session per loop would outlive its loop)
+    async with RetrievalClient(retrieval_url(), timeout_s=5.0, retries=2) as retrieval:
+        final = await converse(client, retrieval, task)
+    return multihop_reward(task, final)
+
+
+async def converse(client: AsyncOpenAI, retrieval: RetrievalClient, task) -> str:
+    """The conversation; returns the last reply's text."""
     messages = [{"role": "user", "content": task.prompt}]
     final = ""
     for _ in range(MAX_TURNS):
@@ -160,4 +166,4 @@ async def run(task, base_url: str) -> float:
             break
         else:
             messages += [{"role": "assistant", "content": final}, {"role": "user", "content": NUDGE}]
-    return multihop_reward(task, final)
+    return final

@@ -23,8 +23,12 @@ documents take 6.1 ms, against 10.0 ms for ``BM25.retrieve``, whose top-k select
 slower. Scoring one query at a time costs the same per query (6.2 ms for 64): adding a
 query's ~22k postings is memory-bound, batched or not. What batching buys is in the
 service (``service.py``).
-Tokens: lowercased ``\\w+`` runs less English stopwords, no stemming. Documents that
-share no term with the query score 0 and are not returned.
+Tokens: lowercased ``\\w+`` runs less English stopwords, no stemming. A document's
+``title`` is indexed with its text (one field, title first), as BEIR-style retrieval does: a
+search for an entity's name then ranks its own page above the pages that merely mention it
+(in the ``multihop`` corpus, a person's page and the pages of the people they mentor have
+the name once each; without the title the shorter page wins). Documents that share no
+term with the query score 0 and are not returned.
 """
 
 from __future__ import annotations
@@ -53,8 +57,9 @@ _MAX_SCORES = 2**24  # floats of (queries, documents) scores held at once (64 Mi
 
 
 def load_documents(path: str | Path) -> list[Document]:
-    """The rows of a JSONL file, each an object with a string ``id`` (unique) and a string
-    ``text``; other fields are ignored. Raises :class:`JsonlError` naming the file and line."""
+    """The rows of a JSONL file, each an object with a string ``id`` (unique), a string
+    ``text`` and optionally a string ``title``; other fields are ignored. Raises
+    :class:`JsonlError` naming the file and line."""
     documents, seen = [], {}
     for line_no, row in iter_jsonl(path):
         for key in ("id", "text"):
@@ -62,8 +67,10 @@ def load_documents(path: str | Path) -> list[Document]:
                 raise JsonlError(f"{path}, line {line_no}: {key!r} must be a string, got {row.get(key)!r:.60}")
         if row["id"] in seen:
             raise JsonlError(f"{path}, line {line_no}: id {row['id']!r} was already used on line {seen[row['id']]}")
+        if not isinstance(row.get("title", ""), str):
+            raise JsonlError(f"{path}, line {line_no}: 'title' must be a string, got {row['title']!r:.60}")
         seen[row["id"]] = line_no
-        documents.append(Document(row["id"], row["text"]))
+        documents.append(Document(row["id"], row["text"], row.get("title", "")))
     return documents
 
 
@@ -82,7 +89,7 @@ class BM25Index:
         if not self.documents:
             raise ValueError("a BM25 index needs at least one document")
         self._bm25 = bm25s.BM25(k1=k1, b=b)
-        self._bm25.index([tokenize(d.text) for d in self.documents], show_progress=False)
+        self._bm25.index([tokenize(f"{d.title} {d.text}") for d in self.documents], show_progress=False)
 
     def __len__(self) -> int:
         return len(self.documents)

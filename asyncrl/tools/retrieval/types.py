@@ -11,6 +11,7 @@ from typing import TypedDict
 class Document:
     id: str
     text: str
+    title: str = ""  # indexed with the text, so a search for a name ranks that name's own page first
 
 
 class Hit(TypedDict):
