@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -82,12 +83,18 @@ def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir,
     """Rank 0 gets 3 rows, rank 1 two; with micro-batches of 1, rank 1 runs a filler pass.
     The one-rank reference takes each batch whole: the steps must not depend on either
     split. Then checkpoints: saved by 2 ranks, loaded by ``from_pretrained`` with the
-    learner's logits, and resumed by 2 ranks and by 1; saved by 1 rank, resumed by 2. Each
-    resume, one more step lands on the weights of the run that never stopped."""
+    learner's logits, and resumed by 2 ranks and by 1; saved by 1 rank (and in the format
+    from before ``optimizer/``), resumed by 2. Each resume, one more step lands on the
+    weights of the run that never stopped."""
     base = [f"algorithm.aggregation={aggregation}"]
     single = config(policy_dir, *base, "optim.micro_batch_size=64")
     worker, after_one, (expected_metrics,) = one_rank(single, batch(0))
     worker.save_checkpoint(tmp_path / "one_rank", {"step": 1}, {})
+    # and as checkpoints were before optimizer/: the optimizer's own state dict in trainer_state.pt
+    legacy = worker.save_checkpoint(tmp_path / "legacy", {"step": 1}, {})
+    shutil.rmtree(legacy / "optimizer")
+    state = torch.load(legacy / "trainer_state.pt", weights_only=False)
+    torch.save({**state, "optimizer": worker.learner.optimizer.state_dict()}, legacy / "trainer_state.pt")
     _, after_two, _ = one_rank(single, batch(0), batch(1))
 
     async def scenario():
@@ -99,7 +106,7 @@ def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir,
                                                          {"run_state.json": "{}"})}
             await learner.train_step(batch(1), False)
             out["two"] = await learner.publish()
-            for source in ("two_ranks", "one_rank"):
+            for source in ("two_ranks", "one_rank", "legacy"):
                 assert await learner.load_checkpoint(tmp_path / source) == 1
                 await learner.train_step(batch(1), False)
                 out[f"resumed from {source}"] = await learner.publish()
@@ -114,6 +121,7 @@ def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir,
     assert_same_weights(out["two"], after_two)
     assert_same_weights(out["resumed from two_ranks"], after_two)
     assert_same_weights(out["resumed from one_rank"], after_two)
+    assert_same_weights(out["resumed from legacy"], after_two)
 
     path = out["path"]
     assert not (tmp_path / "two_ranks.tmp").exists() and (path / "run_state.json").read_text() == "{}"

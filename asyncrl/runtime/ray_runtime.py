@@ -127,7 +127,8 @@ class RayShardedLearner:
     actors, one per bundle of a placement group (``PACK``: on as few nodes as possible).
     Checkpoints need a directory every rank's node sees. Call :meth:`start` first."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, *, worker_cls: type[RayRankWorker] | None = None) -> None:
+        """``worker_cls``: the rank's class (a subclass of :class:`RayRankWorker`, e.g. a test's)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -135,7 +136,7 @@ class RayShardedLearner:
         self.world_size = cfg.learner.world_size
         bundle = {k: v for k, v in (("CPU", r.learner_cpus), ("GPU", r.learner_gpus)) if v > 0} or {"CPU": 0.01}
         self.group = placement_group([bundle] * self.world_size, strategy="PACK")
-        actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(RayRankWorker)
+        actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(worker_cls or RayRankWorker)
         self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                            self.group, placement_group_bundle_index=rank)).remote(
                            cfg, rank=rank, world_size=self.world_size, num_threads=max(1, int(r.learner_cpus)))
