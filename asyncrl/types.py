@@ -27,6 +27,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k truncation
     stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    """Per-request seed (vLLM's ``seed``): the request's tokens then depend only on the
+    weights, the prompt and this seed — not on what else is batched with it, nor when."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -37,6 +40,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 
 
 @dataclass(frozen=True)

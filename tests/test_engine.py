@@ -217,3 +217,41 @@ def test_pause_wait_drains_in_flight_on_old_weights(model):
     old, new = asyncio.run(main())
     assert old.finish_reason == "length" and set(old.versions) == {0}
     assert set(new.versions) == {1}
+
+
+def test_a_seeded_request_samples_the_same_tokens_alone_batched_and_resumed(model):
+    """With a per-request seed a sample depends on the weights, the prompt and the seed only:
+    not on the engine's generator, the batch around it, nor an abort-and-resume."""
+    seeded = SamplingParams(max_tokens=40, seed=1234)
+
+    async def alone(seed_engine: int, sampling: SamplingParams = seeded):
+        engine = TorchEngine(model, max_batch_size=8, seed=seed_engine)
+        c = await engine.generate(PROMPTS[1], sampling)
+        await engine.shutdown()
+        return c
+
+    async def batched():
+        engine = TorchEngine(model, max_batch_size=8, seed=99)
+        others = [engine.generate(p, SamplingParams(max_tokens=n)) for p, n in zip(PROMPTS, (7, 50, 3), strict=True)]
+        done = await asyncio.gather(engine.generate(PROMPTS[1], seeded), *others)
+        await engine.shutdown()
+        return done[0]
+
+    async def resumed():
+        engine = TorchEngine(model, max_batch_size=8, seed=5)
+        task = asyncio.create_task(engine.generate(PROMPTS[1], seeded))
+        await wait_for_tokens(engine, 12)
+        await engine.pause("abort")
+        partial = await task
+        await engine.resume()
+        rest = await engine.generate(PROMPTS[1] + partial.token_ids,
+                                     SamplingParams(max_tokens=40 - len(partial.token_ids), seed=1234))
+        await engine.shutdown()
+        return partial.token_ids + rest.token_ids
+
+    reference = asyncio.run(alone(0))
+    assert asyncio.run(alone(7)).token_ids == reference.token_ids  # the engine's own seed plays no part
+    assert asyncio.run(batched()).token_ids == reference.token_ids
+    assert asyncio.run(resumed()) == reference.token_ids
+    other = asyncio.run(alone(0, SamplingParams(max_tokens=40, seed=1235)))
+    assert other.token_ids != reference.token_ids  # another seed, another sample

@@ -1,4 +1,10 @@
-"""Batched sampling with per-row parameters, and the logprob the learner reproduces."""
+"""Batched sampling with per-row parameters, and the logprob the learner reproduces.
+
+A request with a ``seed`` draws its noise from a counter-based hash of (seed, position,
+vocabulary index) instead of the engine's generator: the token at a position is then a
+function of the logits and the seed alone, whatever else shares the batch, whenever it
+runs, and across an abort-and-resume (the resumed request continues the positions).
+"""
 
 from __future__ import annotations
 
@@ -17,12 +23,46 @@ class RowParams:
         self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         self.any_greedy = any(p.temperature == 0 for p in params)
         self.any_truncation = any(p.top_k > 0 or p.top_p < 1 for p in params)
+        self.seeds = torch.tensor([-1 if p.seed is None else p.seed for p in params], dtype=torch.long, device=device)
+        self.any_seeded = any(p.seed is not None for p in params)
+        self.all_seeded = all(p.seed is not None for p in params)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x < 2**32 in int64, exact: split in 16-bit halves so no
+    product overflows (int64 overflow is undefined in C++, so torch does not promise a wrap)."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash with good avalanche (Wellons' "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """(B, V) floats in (0, 1), a pure function of each row's (seed, position) and the
+    column: the same on any device, in any batch."""
+    column = torch.arange(vocab_size, device=seeds.device, dtype=torch.long)[None, :]
+    h = _mix32((seeds & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    h = _mix32(h ^ (positions & _MASK32))  # (B,)
+    h = _mix32(h[:, None] ^ column)  # (B, V)
+    return (h.double() + 0.5).div(2.0**32).float().clamp(min=1e-20, max=1 - 2**-24)
 
 
 def sample_tokens(
-    logits: torch.Tensor, rows: RowParams, generator: torch.Generator | None
+    logits: torch.Tensor, rows: RowParams, generator: torch.Generator | None, positions: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row. logits: (B, V). Returns (tokens (B,), logprobs (B,)).
+    """Sample one token per row. logits: (B, V); ``positions``: (B,) each row's position of
+    the token being sampled (needed for seeded rows). Returns (tokens (B,), logprobs (B,)).
 
     The returned logprob is log softmax(logits / T) at the sampled token — the full
     temperature-scaled distribution, before top-k/top-p truncation (raw logits when
@@ -44,7 +84,13 @@ def sample_tokens(
         masked = logprobs.masked_fill(~keep, float("-inf"))
 
     # Gumbel-max: argmax(log p + Gumbel) samples from p; one kernel, no renormalisation.
-    uniform = torch.rand(masked.shape, generator=generator, device=masked.device)
+    if rows.all_seeded:
+        uniform = seeded_uniform(rows.seeds, positions, masked.shape[-1])
+    else:
+        uniform = torch.rand(masked.shape, generator=generator, device=masked.device)
+        if rows.any_seeded:
+            seeded = rows.seeds >= 0
+            uniform[seeded] = seeded_uniform(rows.seeds[seeded], positions[seeded], masked.shape[-1])
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
     tokens = (masked + gumbel).argmax(dim=-1)
     if rows.any_greedy:

@@ -265,7 +265,7 @@ class TorchEngine:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         rows = RowParams([r.sampling for r in reqs], self.device)
-        tokens, logprobs = sample_tokens(out.logits[:, -1], rows, self._generator)
+        tokens, logprobs = sample_tokens(out.logits[:, -1], rows, self._generator, positions[:, -1] + 1)
         batch = _Batch(reqs, out.past_key_values, mask, tokens, positions[:, -1] + 1, rows)
         self._batch = batch if self._batch is None else self._merge(self._batch, batch)
         self._postprocess(tokens, logprobs, reqs)
@@ -276,7 +276,7 @@ class TorchEngine:
         mask = torch.cat([b.attention_mask, b.attention_mask.new_ones(len(b.requests), 1)], dim=1)
         out = self.model(input_ids=b.last_tokens[:, None], attention_mask=mask, position_ids=b.positions[:, None],
                          past_key_values=b.cache, use_cache=True)
-        tokens, logprobs = sample_tokens(out.logits[:, -1], b.rows, self._generator)
+        tokens, logprobs = sample_tokens(out.logits[:, -1], b.rows, self._generator, b.positions + 1)
         b.attention_mask, b.last_tokens, b.positions = mask, tokens, b.positions + 1
         self._postprocess(tokens, logprobs, b.requests)
 
