@@ -172,7 +172,7 @@ class Sharding:
         return float(full() if full is not None else norm)
 
     def barrier(self) -> None:
-        if self.device.type == "cuda":
+        if dist.get_backend() == "nccl":  # NCCL's barrier must be told this rank's GPU
             dist.barrier(device_ids=[self.device.index])
         else:
             dist.barrier()
