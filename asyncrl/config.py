@@ -230,6 +230,59 @@ class RayConfig(Section):
     """Rollout-worker replacements allowed in a run before it stops."""
 
 
+class WeightSyncConfig(Section):
+    """How new weights travel from the learner to the rollout engines after a step
+    (``asyncrl/runtime/weight_sync.py``). ``weight_sync=collective`` on the command line
+    is short for ``weight_sync.method=collective``."""
+
+    method: Literal["object_store", "collective"] = "object_store"
+    """``object_store``: the learner exports a snapshot and each engine loads it (with
+    ``runtime: ray``, one put in Ray's object store and one get per worker). ``collective``:
+    the learner broadcasts its weights, bucket by bucket, to every engine through a
+    ``torch.distributed`` group of its own (learner = rank 0, rollout worker i = rank i+1),
+    skipping the store's copies; a dead rollout worker then ends the run (resume restarts
+    it) instead of being replaced. Only ``runtime: ray`` has something to cross: with
+    ``runtime: local`` the engine shares the learner's process and weights are copied in
+    memory either way (said once at start)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """``collective``: parameters of one dtype are packed into flat buckets of at most this
+    many MiB, one broadcast each (a larger tensor goes alone): it bounds the sender's and
+    each message's extra memory, not the receiver's, which swaps all weights at once."""
+    timeout_s: float = Field(60.0, gt=0)
+    """``collective``: a rank that does not join the group, get ready for a sync or confirm
+    it within this many seconds fails the run with an error naming it (no silent hang).
+    Bounds the transfer, not the wait for in-flight generation that ``partial_rollout: off``
+    lets finish before the swap."""
+    backend: Literal["gloo", "nccl"] | None = None
+    """``collective``: the group's transport. ``None``: nccl when the learner and the rollout
+    workers have GPUs (``ray.learner_gpus`` and ``ray.worker_gpus`` > 0, torch engine), else
+    gloo (CPU tensors over TCP; set ``GLOO_SOCKET_IFNAME`` on multi-homed nodes)."""
+
+
+class VLLMConfig(Section):
+    """Knobs of ``engine: vllm`` (``AsyncEngineArgs``), per rollout worker's engine."""
+
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of the GPU's memory vLLM may take (weights, activations, KV cache); lower it
+    when the learner shares the GPU. Ignored on CPU and when ``kv_cache_gb`` is set."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context length (prompt + response) vLLM plans for; ``None``: the model's own. A
+    smaller one needs less KV cache per sequence."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs each engine shards the model over; give each Ray rollout worker as many
+    (``ray.worker_gpus``)."""
+    enforce_eager: bool = True
+    """No CUDA graphs: starts faster and uses less memory; ``false`` decodes faster on GPU."""
+    kv_cache_gb: float | None = Field(None, gt=0)
+    """KV-cache memory per engine in GiB, passed as vLLM's ``kv_cache_memory_bytes`` (on
+    CPU what ``VLLM_CPU_KVCACHE_SPACE`` sets). ``None``: 1 GiB on CPU — where vLLM would
+    otherwise reserve most of the machine's memory — and, on GPU, whatever
+    ``gpu_memory_utilization`` leaves."""
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    """Any other ``AsyncEngineArgs`` (e.g. ``max_num_batched_tokens``); they win over the
+    keys above."""
+
+
 class Config(Section):
     output_dir: str = "runs/default"
     seed: int = 0
@@ -277,11 +330,18 @@ class Config(Section):
     gateway: GatewayConfig = GatewayConfig()
     hooks: HooksConfig = HooksConfig()
     ray: RayConfig = RayConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    vllm: VLLMConfig = VLLMConfig()
 
     @field_validator("partial_rollout", mode="before")
     @classmethod
     def _yaml_off(cls, value: Any) -> Any:
         return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _weight_sync_method(cls, value: Any) -> Any:
+        return {"method": value} if isinstance(value, str) else value  # `weight_sync: collective`
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -298,6 +358,12 @@ class Config(Section):
         if self.learner.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("learner.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use learner.backend=gloo (or leave it unset) on CPU")
+        if self.weight_sync.backend == "nccl" and self.model.device.startswith("cpu"):
+            raise ValueError("weight_sync.backend=nccl moves tensors between GPUs, but model.device is "
+                             f"{self.model.device!r}; use weight_sync.backend=gloo (or leave it unset) on CPU")
+        if self.weight_sync.method == "collective" and self.learner.world_size > 1:
+            raise ValueError("weight_sync.method=collective sends from a single learner; with learner.world_size="
+                             f"{self.learner.world_size} use weight_sync.method=object_store")
         if self.sync_every - 1 > self.effective_max_staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
                              f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "
@@ -385,9 +451,17 @@ def save_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
 
 
+SHORTHANDS = {"weight_sync": "method"}
+"""A section set to a plain value sets this key of it: ``weight_sync=collective``."""
+
+
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    if key in SHORTHANDS and not isinstance(value, dict):  # keeps the section's other keys
+        key = f"{key}.{SHORTHANDS[key]}"
     node = data
     parts = key.split(".")
+    if parts[0] in SHORTHANDS and len(parts) > 1 and isinstance(data.get(parts[0]), str):
+        data[parts[0]] = {SHORTHANDS[parts[0]]: data[parts[0]]}  # the file said `weight_sync: collective`
     for i, part in enumerate(parts[:-1]):
         node = node.setdefault(part, {})
         if not isinstance(node, dict):

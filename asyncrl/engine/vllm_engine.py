@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from asyncrl.config import VLLMConfig
 from asyncrl.engine.protocol import EngineClosedError, PauseMode
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
@@ -86,13 +87,15 @@ class VLLMEngine:
     @classmethod
     async def start(
         cls, model_path: str | os.PathLike[str], *, seed: int = 0, max_batch_size: int = 64, dtype: str = "float32",
-        version: int = 0, kv_cache_bytes: int = 1 << 30, enforce_eager: bool = True, **engine_kwargs: Any,
+        version: int = 0, kv_cache_bytes: int | None = 1 << 30, enforce_eager: bool = True, **engine_kwargs: Any,
     ) -> VLLMEngine:
         """Start vLLM on a Hugging Face model directory (tokenizer not needed: we pass ids).
 
         ``kv_cache_bytes`` is set explicitly because on CPU vLLM otherwise reserves 92% of the
-        NUMA node's memory and refuses to start when the machine is shared. ``engine_kwargs``
-        go to ``AsyncEngineArgs`` and win over the defaults here.
+        NUMA node's memory and refuses to start when the machine is shared; ``None`` lets vLLM
+        size it (on GPU, from ``gpu_memory_utilization``). ``engine_kwargs`` go to
+        ``AsyncEngineArgs`` and win over the defaults here (the ``vllm`` config section:
+        :func:`engine_args`).
         """
         os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # before vLLM spawns anything
         from vllm import AsyncEngineArgs
@@ -101,8 +104,8 @@ class VLLMEngine:
         args: dict[str, Any] = {
             "model": str(model_path), "skip_tokenizer_init": True, "dtype": dtype, "seed": seed,
             "max_num_seqs": max_batch_size, "logprobs_mode": "processed_logprobs", "enforce_eager": enforce_eager,
-            "generation_config": "vllm", "kv_cache_memory_bytes": kv_cache_bytes, "disable_log_stats": True,
-            **engine_kwargs,
+            "generation_config": "vllm", "disable_log_stats": True,
+            **({"kv_cache_memory_bytes": kv_cache_bytes} if kv_cache_bytes is not None else {}), **engine_kwargs,
         }
         # no `llm` local: vLLM keeps an import-time traceback that pins this frame, and with
         # it anything the frame holds, until the interpreter exits
@@ -236,6 +239,20 @@ class VLLMEngine:
 
     def _update_busy(self) -> None:
         self.stats.set_busy(self._in_flight > 0 and not self._paused)
+
+
+def engine_args(vllm: VLLMConfig, *, on_cpu: bool) -> dict[str, Any]:
+    """The ``vllm`` config section as :meth:`VLLMEngine.start` keywords. The KV cache gets
+    1 GiB on CPU unless ``kv_cache_gb`` says otherwise (see ``start``); on GPU it is what
+    ``gpu_memory_utilization`` leaves, unless ``kv_cache_gb`` fixes it."""
+    kv_gb = vllm.kv_cache_gb if vllm.kv_cache_gb is not None else (1.0 if on_cpu else None)
+    args: dict[str, Any] = {"kv_cache_bytes": int(kv_gb * (1 << 30)) if kv_gb is not None else None,
+                            "enforce_eager": vllm.enforce_eager, "tensor_parallel_size": vllm.tensor_parallel_size}
+    if not on_cpu:
+        args["gpu_memory_utilization"] = vllm.gpu_memory_utilization
+    if vllm.max_model_len is not None:
+        args["max_model_len"] = vllm.max_model_len
+    return {**args, **vllm.engine_args}
 
 
 def _load_weights_in_worker(worker: Any, path: str) -> None:

@@ -77,7 +77,7 @@ class Trainer:
         return "\n".join([
             f"asyncrl train → {self.output_dir}" + (f" (resuming from step {state.step})" if state else ""),
             f"  mode {c.mode}, η = {self.max_staleness}, partial rollouts: {partial}; runtime {c.runtime}, "
-            f"engine {c.engine}",
+            f"engine {c.engine}, weight sync {c.weight_sync.method}",
             f"  model {c.model.path}; task {c.task.name} ({len(self.splits.train)} train, "
             f"{min(c.eval.num_tasks, len(self.splits.validation))} validation tasks scored)",
             f"  {c.total_steps} steps × {c.batch_size} groups × {c.group_size} samples; evaluation {evals}"
@@ -100,7 +100,7 @@ class Trainer:
             async with start(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
-                self.learner, self.rollout = runtime.learner, runtime.rollout
+                self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
                 if state is not None:
                     removed = rollback_logs(self.output_dir, state)
                     print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
@@ -184,14 +184,15 @@ class Trainer:
         take.cancel()
         return None
 
-    async def _sync_weights(self, actor: dict[str, float]) -> Weights:
-        """Publish the learner's weights to the engines and open the gate for the new version."""
+    async def _sync_weights(self, actor: dict[str, float]) -> Weights | None:
+        """Send the learner's weights to the engines (``weight_sync.method``; every engine's
+        version is checked) and open the gate for the new version. Returns the published
+        snapshot, if the method made one, for an evaluation of this version."""
         t_sync = self._now()
-        weights = await self.learner.publish()
-        await self.rollout.sync_weights(weights, self.version, self.cfg.effective_partial_rollout)
+        weights = await self.weight_sync.sync(self.version, self.cfg.effective_partial_rollout)
         await self.rollouts.gate.set_version(self.version)
         self._served_version = self.version
-        self.log.event("sync", t_sync, self._now(), version=self.version)
+        self.log.event("sync", t_sync, self._now(), version=self.version, method=self.weight_sync.method)
         await self._hook("on_policy_updated", actor)
         return weights
 

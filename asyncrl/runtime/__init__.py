@@ -23,14 +23,16 @@ from asyncrl.config import Config
 from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.runtime.weight_sync import WeightSync, open_weight_sync
 
-__all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "Weights", "start"]
+__all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "Weights", "WeightSync", "start"]
 
 
 @dataclass
 class Runtime:
     learner: LearnerHandle | None  # None when only scoring (``asyncrl eval``)
     rollout: RolloutHandle
+    weight_sync: WeightSync | None = None  # how the learner's weights reach the engines; None without a learner
 
 
 def _thread_split(cfg: Config) -> tuple[int | None, int | None]:
@@ -104,4 +106,8 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             stack.push_async_callback(local.shutdown)
             await local.start()
             rollout = local
-        yield Runtime(learner, rollout)
+        sync = None
+        if learner is not None:  # weight_sync.method; a collective group is formed here and closed first
+            sync = await open_weight_sync(cfg, learner, rollout)
+            stack.push_async_callback(sync.close)
+        yield Runtime(learner, rollout, sync)

@@ -15,6 +15,8 @@ from asyncrl.config import Config
 from asyncrl.learner import Learner, TrainBatch
 from asyncrl.learner.distributed import Sharding
 from asyncrl.policy import load_policy
+from asyncrl.runtime.protocol import SyncAddress
+from asyncrl.runtime.weight_sync import WeightSender
 
 
 class LearnerWorker:
@@ -27,6 +29,7 @@ class LearnerWorker:
         self.num_threads = num_threads
         self.learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
                                total_steps=cfg.total_steps, temperature=cfg.sampling.temperature, sharding=sharding)
+        self._sender: WeightSender | None = None  # weight_sync.method: collective
 
     def _threads(self) -> None:
         if self.num_threads is not None:  # per OS thread in torch: set on whichever runs the call
@@ -46,6 +49,30 @@ class LearnerWorker:
         self._threads()
         self.learner.load_checkpoint(path)
         return self.learner.version
+
+    # weight_sync.method: collective: this process is rank 0 (runtime/weight_sync.py)
+    def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float, backend: str) -> SyncAddress:
+        self.close_weight_sync()
+        device = next(self.learner.module.parameters()).device
+        self._sender = WeightSender(receivers=receivers, bucket_mb=bucket_mb, timeout_s=timeout_s, backend=backend,
+                                    device=device if backend == "nccl" else torch.device("cpu"))
+        return self._sender.address
+
+    def connect_weight_sync(self) -> None:
+        self._weight_sender().connect(self.learner.module.named_parameters())
+
+    def send_weights(self, version: int) -> None:
+        self._weight_sender().send(version, dict(self.learner.module.named_parameters()))
+
+    def close_weight_sync(self) -> None:
+        sender, self._sender = self._sender, None
+        if sender is not None:
+            sender.close()
+
+    def _weight_sender(self) -> WeightSender:
+        if self._sender is None:
+            raise RuntimeError("the weight-sync group is not open (open_weight_sync first)")
+        return self._sender
 
 
 class LocalLearner:
@@ -67,6 +94,19 @@ class LocalLearner:
 
     async def load_checkpoint(self, path: Path) -> int:
         return await asyncio.to_thread(self.worker.load_checkpoint, path)
+
+    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
+                               backend: str) -> SyncAddress:
+        return await asyncio.to_thread(self.worker.open_weight_sync, receivers, bucket_mb, timeout_s, backend)
+
+    async def connect_weight_sync(self) -> None:
+        await asyncio.to_thread(self.worker.connect_weight_sync)
+
+    async def send_weights(self, version: int) -> None:
+        await asyncio.to_thread(self.worker.send_weights, version)
+
+    async def close_weight_sync(self) -> None:
+        self.worker.close_weight_sync()
 
     async def shutdown(self) -> None:
         """Nothing to release: the learner lives and dies with this process."""

@@ -9,6 +9,7 @@ reference on Ray; it only carries them from ``publish`` to ``sync_weights``/``ev
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,6 +21,18 @@ from asyncrl.types import Episode
 
 Weights = Any
 """What ``LearnerHandle.publish`` returns: a snapshot of the weights at one version."""
+
+
+@dataclass(frozen=True)
+class SyncAddress:
+    """Where a rollout worker meets the learner for ``weight_sync.method: collective``:
+    the learner's store and what the group is made of (``runtime/weight_sync.py``)."""
+
+    host: str
+    port: int
+    world_size: int
+    backend: str
+    timeout_s: float
 
 
 class LearnerHandle(Protocol):
@@ -36,6 +49,22 @@ class LearnerHandle(Protocol):
     async def load_checkpoint(self, path: Path) -> int:
         """Weights, optimizer, schedule and RNG of ``path``; returns its version."""
         ...
+
+    # weight_sync.method: collective (runtime/weight_sync.py) — the learner is rank 0
+    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
+                               backend: str) -> SyncAddress:
+        """Host the group's store for ``receivers`` engines; returns where they meet it."""
+        ...
+
+    async def connect_weight_sync(self) -> None:
+        """Wait for every receiver to join, then form the group; raises naming a missing one."""
+        ...
+
+    async def send_weights(self, version: int) -> None:
+        """Broadcast the current weights as ``version``; returns once every receiver has them."""
+        ...
+
+    async def close_weight_sync(self) -> None: ...
 
     async def shutdown(self) -> None: ...
 
@@ -57,9 +86,26 @@ class RolloutHandle(Protocol):
         must serve ``version`` and receive no sync until this returns."""
         ...
 
-    async def sync_weights(self, weights: Weights, version: int, mode: PartialRollout) -> None:
+    async def sync_weights(self, weights: Weights, version: int, mode: PartialRollout) -> list[int]:
         """Every engine serves ``version`` when this returns; ``mode`` says what happens to
-        generation under way (see ``RolloutWorker.sync_weights``)."""
+        generation under way (see ``RolloutWorker.sync_weights``). Returns the version each
+        engine reports serving (a Ray worker replaced meanwhile starts from these weights)."""
+        ...
+
+    async def join_weight_sync(self, address: SyncAddress) -> None:
+        """Every engine joins the learner's weight-sync group (rollout worker i as rank i+1)."""
+        ...
+
+    async def receive_weights(self, version: int, mode: PartialRollout) -> list[int]:
+        """Every engine receives ``version`` from the learner's broadcast and loads it as
+        ``sync_weights`` would; returns the version each one serves afterwards."""
+        ...
+
+    async def leave_weight_sync(self) -> None: ...
+
+    async def fingerprints(self) -> list[tuple[int, str]]:
+        """Per engine: the version it serves and a digest of its weights
+        (``weight_sync.fingerprint``): a pass over every weight, for checks, not every step."""
         ...
 
     async def busy_s(self) -> float:

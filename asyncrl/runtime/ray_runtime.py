@@ -14,11 +14,9 @@ the orchestrator (gate, buffer, loops, logs).
   replacements the run stops with the last error.
 
 On GPUs the object-store hop (device → host → store → host → device) is the slow part
-of a weight sync. The faster path is a NCCL group between the learner and the engines
-(vLLM's weight-transfer engines: ``init_weight_transfer_engine`` then ``update_weights``
-broadcasting tensor by tensor). The seam is :meth:`RayRollout.sync_weights`: it
-receives whatever :meth:`RayLearner.publish` returns, so a NCCL publisher only has to
-return a handle the workers' ``sync_weights`` knows how to receive.
+of a weight sync. ``weight_sync.method: collective`` replaces it with a broadcast from the
+learner actor to the workers over a process group of their own (``weight_sync.py``);
+the workers then cannot be replaced mid-run, since the group has a fixed size.
 """
 
 from __future__ import annotations
@@ -37,6 +35,7 @@ from asyncrl.evaluation import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
+from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.runtime.sharded_learner import LearnerRankError, RankWorker
 from asyncrl.tasks.base import Task
@@ -101,6 +100,19 @@ class RayLearner:
 
     async def load_checkpoint(self, path: Path) -> int:
         return await self.actor.load_checkpoint.remote(path)
+
+    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
+                               backend: str) -> SyncAddress:
+        return await self.actor.open_weight_sync.remote(receivers, bucket_mb, timeout_s, backend)
+
+    async def connect_weight_sync(self) -> None:
+        await self.actor.connect_weight_sync.remote()
+
+    async def send_weights(self, version: int) -> None:
+        await self.actor.send_weights.remote(version)
+
+    async def close_weight_sync(self) -> None:
+        await self.actor.close_weight_sync.remote()
 
     async def shutdown(self) -> None:
         _ray().kill(self.actor)
@@ -243,6 +255,10 @@ class RayRollout:
     def _replace(self, i: int, dead: Any, error: BaseException) -> None:
         if self.workers[i] is not dead:  # another caller already replaced it
             return
+        if self.cfg.weight_sync.method == "collective":  # a weight-sync group has a fixed size
+            raise RuntimeError(f"rollout worker {i} died ({error}); with weight_sync.method=collective it cannot be "
+                               "replaced mid-run: resume from the last checkpoint (resume=true), or use "
+                               "weight_sync.method=object_store, which replaces dead workers") from error
         self.restarts += 1
         if self.restarts > self.cfg.ray.max_worker_restarts:
             raise RuntimeError(f"rollout workers died {self.restarts} times (ray.max_worker_restarts="
@@ -301,7 +317,8 @@ class RayRollout:
                     raise result
         return EvalResult.merge([parts[i] for i in sorted(parts)])
 
-    async def sync_weights(self, weights: Mapping[str, torch.Tensor] | Any, version: int, mode: str) -> None:
+    async def sync_weights(self, weights: Mapping[str, torch.Tensor] | Any, version: int, mode: str) -> list[int]:
+        """The version each live worker serves afterwards (a replaced one starts from these)."""
         ray = _ray()
         self.weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
         self.version = version  # a worker spawned from now on starts from these
@@ -311,6 +328,26 @@ class RayRollout:
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
                 raise result
+        return [v for result in results if isinstance(result, list) for v in result]
+
+    async def join_weight_sync(self, address: SyncAddress) -> None:
+        """Worker i joins as rank i+1 (``weight_sync.method: collective``)."""
+        await asyncio.gather(*[self._call(i, lambda w, r=i + 1: w.join_weight_sync.remote(address, r))
+                               for i in range(len(self.workers))])
+
+    async def receive_weights(self, version: int, mode: str) -> list[int]:
+        self.version = version
+        results = await asyncio.gather(*[self._call(i, lambda w: w.receive_weights.remote(version, mode))
+                                         for i in range(len(self.workers))])
+        return [v for result in results for v in result]
+
+    async def leave_weight_sync(self) -> None:
+        await asyncio.gather(*[w.leave_weight_sync.remote() for w in self.workers], return_exceptions=True)
+
+    async def fingerprints(self) -> list[tuple[int, str]]:
+        results = await asyncio.gather(*[self._call(i, lambda w: w.fingerprints.remote())
+                                         for i in range(len(self.workers))])
+        return [f for result in results for f in result]
 
     async def busy_s(self) -> float:
         """Mean decode seconds per worker (a replaced worker starts again from 0)."""

@@ -26,6 +26,8 @@ from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.evaluation import EvalResult, evaluate
 from asyncrl.gateway import Gateway, get_parser
 from asyncrl.policy import check_policy, load_policy
+from asyncrl.runtime.protocol import SyncAddress
+from asyncrl.runtime.weight_sync import WeightReceiver, fingerprint
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import run_episode
@@ -60,6 +62,7 @@ class RolloutWorker:
         self._eval_lock = asyncio.Lock()  # one evaluation at a time holds the replica's weights
         self._ready = asyncio.Event()
         self._start_error: BaseException | None = None
+        self._receiver: WeightReceiver | None = None  # weight_sync.method: collective
 
     async def start(self) -> None:
         """Build the engine (vLLM starts its own processes, hence async and separate). A
@@ -80,11 +83,13 @@ class RolloutWorker:
 
     async def _build_engines(self) -> None:
         if self.cfg.engine == "vllm":
-            from asyncrl.engine.vllm_engine import VLLMEngine
+            from asyncrl.engine.vllm_engine import VLLMEngine, engine_args
 
+            device = self.cfg.model.device
+            on_cpu = device.startswith("cpu") or (device == "auto" and not torch.cuda.is_available())
             self.engine = await VLLMEngine.start(self.cfg.model.path, seed=self._seed, version=self._version,
                                                  max_batch_size=self.cfg.rollout.max_batch_size,
-                                                 dtype=self.cfg.model.dtype)
+                                                 dtype=self.cfg.model.dtype, **engine_args(self.cfg.vllm, on_cpu=on_cpu))
             applied = None
             while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
                 applied = self._weights
@@ -149,23 +154,52 @@ class RolloutWorker:
                                   max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                   success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
 
-    async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> None:
+    async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> list[int]:
         """Load ``weights`` as ``version``. What happens to generation under way:
         ``continue``: it goes on with the new weights (in-flight update); ``abort``: it
         returns now and the client resumes it with prompt + partial tokens; ``off``: it
-        finishes on the old weights first."""
+        finishes on the old weights first. Returns ``[the version the engine serves]``."""
         if not self._ready.is_set():  # still starting: it loads these when it is up
             self._weights, self._version = weights, version
-            return
+            return [version]
         engine = await self._engine()
         if mode == "continue":
             await engine.update_weights(weights, version)
-            return
-        await engine.pause("abort" if mode == "abort" else "wait")
-        await engine.update_weights(weights, version)
-        await engine.resume()
+        else:
+            await engine.pause("abort" if mode == "abort" else "wait")
+            await engine.update_weights(weights, version)
+            await engine.resume()
+        return [engine.version]
+
+    # ---------------------------------------------- weight_sync.method: collective
+    async def join_weight_sync(self, address: SyncAddress, rank: int = 1) -> None:
+        """Join the learner's weight-sync group as ``rank`` (blocks a thread, not the loop,
+        until every rank has joined)."""
+        self._receiver = WeightReceiver(address, rank)
+        await asyncio.to_thread(self._receiver.join)
+
+    async def receive_weights(self, version: int, mode: str) -> list[int]:
+        """Take ``version`` from the learner's broadcast while the engine goes on generating,
+        then load it like :meth:`sync_weights` (all weights at once, between decode steps)."""
+        if self._receiver is None:
+            raise RuntimeError("receive_weights before join_weight_sync")
+        weights = await asyncio.to_thread(self._receiver.receive, version)
+        return await self.sync_weights(weights, version, mode)
+
+    async def leave_weight_sync(self) -> None:
+        receiver, self._receiver = self._receiver, None
+        if receiver is not None:
+            receiver.close()
+
+    async def fingerprints(self) -> list[tuple[int, str]]:
+        """``[(version, digest of the engine's weights)]`` (torch engine; for checks)."""
+        engine = await self._engine()
+        if not isinstance(engine, TorchEngine):
+            raise NotImplementedError("fingerprints reads the torch engine's weights; vLLM keeps them in its workers")
+        return [(engine.version, await asyncio.to_thread(fingerprint, engine.model.named_parameters()))]
 
     async def shutdown(self) -> None:
+        await self.leave_weight_sync()
         if self.gateway is not None:
             await self.gateway.stop()
         for engine in (self.engine, self.eval_engine):
