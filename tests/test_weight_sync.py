@@ -287,3 +287,15 @@ def test_train_on_ray_with_collective_weight_sync(tmp_path, policy_dir, ray_clus
     assert "eval/reward_mean" in metrics[2] and "eval/reward_mean" in metrics[4]
     syncs = [e for e in read_jsonl(out / "timeline.jsonl") if e["kind"] == "sync"]
     assert [(e["version"], e["method"]) for e in syncs] == [(v, "collective") for v in range(1, 5)]
+
+
+def test_bench_sync_runs_both_methods_and_checks_the_weights(tmp_path, ray_cluster, capsys):
+    from asyncrl.bench import run_bench
+
+    result = run_bench("sync", ["generated=false", "workers=[1]", "repeats=1", "bucket_mb=0.5"], str(tmp_path))
+    (row,) = result["results"]
+    assert row["model"] == "countdown-tiny" and row["workers"] == 1
+    assert row["object_store_s"] > 0 and row["collective_s"] > 0
+    assert row["object_store_over_collective"] == pytest.approx(row["object_store_s"] / row["collective_s"])
+    assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["workers"] == 1
+    assert "object/collective" in capsys.readouterr().out
