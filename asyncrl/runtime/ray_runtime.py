@@ -37,7 +37,7 @@ from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.rollout_worker import RolloutWorker
-from asyncrl.runtime.sharded_learner import LearnerRankError, RankWorker
+from asyncrl.runtime.sharded_learner import LearnerRankError, ObjectStoreOnly, RankWorker
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 
@@ -134,7 +134,7 @@ class RayRankWorker(RankWorker):
         return [_ray().put(weights)] if self.rank == 0 else None
 
 
-class RayShardedLearner:
+class RayShardedLearner(ObjectStoreOnly):
     """The learner handle on Ray for ``learner.world_size`` = N > 1: N :class:`RayRankWorker`
     actors, one per bundle of a placement group (``PACK``: on as few nodes as possible).
     Checkpoints need a directory every rank's node sees. Call :meth:`start` first."""

@@ -54,6 +54,25 @@ class LearnerRankError(RuntimeError):
         self.rank = rank
 
 
+class ObjectStoreOnly:
+    """The weight-sync part of ``LearnerHandle`` for a sharded learner: weights reach the
+    engines through :meth:`publish` (gathered on rank 0); ``weight_sync.method=collective``
+    broadcasts from one learner process, and the config refuses it with world_size > 1."""
+
+    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float, backend: str) -> Any:
+        raise ConfigError("weight_sync.method=collective needs learner.world_size=1; a sharded learner publishes "
+                          "through weight_sync.method=object_store")
+
+    async def connect_weight_sync(self) -> None:
+        await self.open_weight_sync(0, 0.0, 0.0, "")
+
+    async def send_weights(self, version: int) -> None:
+        await self.open_weight_sync(0, 0.0, 0.0, "")
+
+    async def close_weight_sync(self) -> None:
+        """Nothing was opened."""
+
+
 class RankWorker:
     """One rank. Built cheaply, then :meth:`join` connects it to the others and loads the
     policy (a Ray driver must first ask rank 0 where to meet: :meth:`rendezvous`)."""
@@ -163,7 +182,7 @@ def _serve(conn: Connection, worker_cls: type[RankWorker], cfg: Config, rank: in
             break
 
 
-class ShardedLearner:
+class ShardedLearner(ObjectStoreOnly):
     """The learner handle for ``runtime: local`` with ``learner.world_size`` = N: N rank
     processes, driven in lock-step. Call :meth:`start` before the first call.
     ``worker_cls``: the rank's class (a subclass of :class:`RankWorker`, e.g. a test's)."""
