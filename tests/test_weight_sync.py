@@ -142,6 +142,14 @@ def test_a_worker_that_never_joins_fails_within_the_timeout_naming_it(policy_dir
     assert elapsed < 2 + 3  # the timeout, plus starting two engines
 
 
+def test_runtime_local_copies_in_memory_and_says_so(policy_dir, capsys):
+    from asyncrl.runtime.weight_sync import open_weight_sync
+
+    sync = asyncio.run(open_weight_sync(config(policy_dir), None, None))
+    assert isinstance(sync, ObjectStoreSync)
+    assert "weight_sync.method=collective has nothing to cross with runtime=local" in capsys.readouterr().err
+
+
 def _exchange(tensors: dict[str, torch.Tensor], bucket_mb: float, receivers: int = 2) -> list[dict[str, torch.Tensor]]:
     """Send ``tensors`` once to ``receivers`` threads; every thread and the store end here."""
     sender = WeightSender(receivers=receivers, bucket_mb=bucket_mb, timeout_s=10, host="127.0.0.1")
