@@ -68,6 +68,22 @@ def test_bench_modes_smoke(tmp_path, capsys):
         "pure generation": r"T_gen [\d.]+ s, 8 samples", "pure training": r"T_train [\d.]+ s, 2 steps"})
 
 
+def test_bench_modes_search_smoke(tmp_path, capsys):
+    """The search workload: the shipped agent, its tool behind a delay, each mode's agent profile."""
+    out = tmp_path / "modes-search"
+    assert main(["bench", "modes", "task=search", "steps=1", "batch_size=2", "group_size=2", "max_tokens=96",
+                 "tool_latency_s=0.05", "stalenesses=[1]", "partial_rollouts=[abort]", "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result["modes"]) == {"sync", "one_step_off", "async_eta1_abort"}
+    for name, mode in result["modes"].items():
+        assert mode["staleness_max"] <= mode["staleness_bound"], name
+        assert mode["agent/tool_calls_mean"] > 0, name  # the shipped policy searches
+        # every search waited on the delay (per-episode sums, so per-step means keep the bound)
+        assert mode["agent/tool_latency_s_mean"] >= 0.05 * mode["agent/tool_calls_mean"], name
+        assert mode["samples"] >= 2 * 2, name  # an agent episode is one trajectory or more
+    assert "agent profile" in capsys.readouterr().out
+
+
 def test_bench_rejects_unknown_setting(capsys):
     assert main(["bench", "modes", "stepz=2"]) == 2
     assert "did you mean 'steps'" in capsys.readouterr().err

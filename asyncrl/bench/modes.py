@@ -1,6 +1,13 @@
 """``asyncrl bench modes``: sync, one_step_off and async (η ∈ {1, 2, 4}, abort and
-continue) side by side in one run, on the long-tail workload (``tasks/longtail.py``),
-the same policy, samples and steps for each.
+continue) side by side in one run, the same policy, samples and steps for each, on one of
+two workloads:
+
+- ``task=longtail`` (default): ``tasks/longtail.py`` with a random-init policy that rarely
+  stops, so response lengths follow the task's long tail;
+- ``task=search``: the search agent of ``examples/search_agent`` (its ``sync.yaml``, the
+  shipped ``models/search-tiny``, the OpenAI-SDK agent through the gateway) with every
+  search delayed by ``tool_latency_s``, as a remote retrieval service would: episodes of
+  one to four turns that spend part of their time waiting on a tool, not on the engine.
 
 Besides each mode's wall time and idle ratios it measures, with nothing else running,
 the pure generation time T_gen of the same number of samples and the pure training time
@@ -12,30 +19,36 @@ instead of T_gen + T_train, so the ideal speedup is (T_gen + T_train) / max(...)
 from __future__ import annotations
 
 import asyncio
+import copy
+import os
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field
 
 from asyncrl.bench.progress import phase
-from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Section, apply_overrides, load_config, validate
-from asyncrl.engine import TorchEngine
-from asyncrl.evaluation import evaluate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack
 from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.policy import load_policy
+from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
-from asyncrl.types import SamplingParams
-from asyncrl.workflows import run_episode
-from asyncrl.workflows.registry import build_tasks, build_workflow
+from asyncrl.workflows.registry import build_tasks
+
+SEARCH_EXAMPLE = "examples/search_agent/sync.yaml"
+# per-step agent metrics averaged over a run: the profile of the search workload
+AGENT_PROFILE = ("agent/turns_mean", "agent/tool_calls_mean", "agent/tool_latency_s_mean",
+                 "agent/tokens_per_turn_mean")
 
 
 class ModesBenchSettings(Section):
+    task: Literal["longtail", "search"] = "longtail"
+    tool_latency_s: float = Field(0.2, ge=0)
+    """``task=search``: seconds added to every search (``ASYNCRL_RETRIEVAL_LATENCY_S``)."""
     steps: int = Field(60, ge=1)
     batch_size: int = Field(4, ge=1)
     group_size: int = Field(8, ge=1)
@@ -47,14 +60,17 @@ class ModesBenchSettings(Section):
 
 
 def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int, partial: str) -> Any:
-    return load_config(None, [
-        f"output_dir={out}", f"seed={s.seed}", f"model.path={policy}", "task.name=longtail",
+    common = [
+        f"output_dir={out}", f"seed={s.seed}", f"model.path={policy}",
         f"task.num_train={s.steps * s.batch_size * 4}", "task.num_validation=16", f"mode={mode}",
         f"max_staleness={eta}", f"partial_rollout={partial}", f"total_steps={s.steps}",
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0", "eval.num_tasks=16",
         "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}", f"optim.lr={s.lr}",
-        "algorithm.filter_zero_variance=false", "workflow.use_chat_template=false",
-    ])
+        "algorithm.filter_zero_variance=false",
+    ]
+    if s.task == "search":  # the example's own config: agent, task, sampling, algorithm
+        return load_config(SEARCH_EXAMPLE, common)
+    return load_config(None, [*common, "task.name=longtail", "workflow.use_chat_template=false"])
 
 
 def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
@@ -69,28 +85,26 @@ def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
         "staleness_max": max(staleness), "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
         "staleness_bound": eta_bound, "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
         "final_reward": statistics.mean(r["reward/mean"] for r in rows[-max(1, len(rows) // 5):]),
+        **{key: statistics.mean(r[key] for r in rows) for key in AGENT_PROFILE if key in rows[0]},
     }
 
 
 def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, float]:
     """T_gen and T_train for the same samples and steps, each alone on all cores."""
     cfg = _config(s, policy, out / "pure", "sync", 0, "off")
+    cfg.eval.samples_per_task, cfg.eval.temperature = s.group_size, cfg.sampling.temperature  # as training samples
     model, tokenizer = load_policy(cfg.model)
     tasks = build_tasks(cfg).train[: s.steps * s.batch_size]
-    sampling = SamplingParams(max_tokens=s.max_tokens, stop_token_ids=stop_token_ids(tokenizer))
 
-    async def generate():
-        engine = TorchEngine(model, max_batch_size=cfg.rollout.max_batch_size, seed=s.seed)
+    async def generate():  # the trainer's rollout worker (gateway and agent included), nothing else running
+        worker = RolloutWorker(cfg, model=copy.deepcopy(model), tokenizer=tokenizer, seed=s.seed)
         try:
+            await worker.start()
             start = time.perf_counter()
-            workflow = build_workflow(cfg)
-            result = await evaluate(
-                lambda task: run_episode(workflow, task, lambda: LLMClient(engine, tokenizer, sampling), timeout_s=600,
-                                         max_retries=0),
-                tasks, samples_per_task=s.group_size, max_concurrent=cfg.rollout.max_concurrent_episodes)
+            result = await worker.evaluate(tasks, version=0)
             return time.perf_counter() - start, result
         finally:
-            await engine.shutdown()
+            await worker.shutdown()
 
     with phase("modes", "pure generation") as progress:
         t_gen, result = asyncio.run(generate())
@@ -113,12 +127,21 @@ def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, 
     return t_gen, t_train
 
 
-def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
-    s = validate(ModesBenchSettings, apply_overrides({}, overrides))
-    out.mkdir(parents=True, exist_ok=True)
+def _policy(s: ModesBenchSettings, out: Path) -> Path:
+    if s.task == "search":  # the example's shipped policy: it searches, reads, answers
+        return Path(load_config(SEARCH_EXAMPLE, []).model.path)
     policy = out / "policy"  # random init: it rarely stops, so response lengths follow the task's tail
     model, tokenizer = build_tiny_model(build_char_tokenizer(), seed=s.seed, max_position_embeddings=256)
     save_tiny_policy(model, tokenizer, policy)
+    return policy
+
+
+def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
+    s = validate(ModesBenchSettings, apply_overrides({}, overrides))
+    out.mkdir(parents=True, exist_ok=True)
+    if s.task == "search":  # read by the agent when it starts its retrieval service (once per process)
+        os.environ["ASYNCRL_RETRIEVAL_LATENCY_S"] = str(s.tool_latency_s)
+    policy = _policy(s, out)
     runs = [("sync", "sync", 0, "off"), ("one_step_off", "one_step_off", 1, "off")]
     runs += [(f"async_eta{eta}_{p}", "async", eta, p) for eta in s.stalenesses for p in s.partial_rollouts]
     modes: dict[str, Any] = {}
@@ -148,6 +171,10 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     for name, m in modes.items():
         print(f"{name:24s} {m['wall_s']:8.1f} {m['samples_per_s']:10.1f} {m['trainer_idle_ratio']:12.2f} "
               f"{m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} {m['final_reward']:7.3f}")
+    if s.task == "search":
+        print(f"{'agent profile':24s} " + " ".join(f"{k.split('/')[1]:>20s}" for k in AGENT_PROFILE))
+        for name, m in modes.items():
+            print(f"{name:24s} " + " ".join(f"{m.get(k, float('nan')):20.3f}" for k in AGENT_PROFILE))
     print(f"T_gen={t_gen:.1f}s T_train={t_train:.1f}s ideal_overlap_bound={bound:.2f} "
           f"async_speedup_vs_sync={speedup:.2f} ({best_async[1]}) overlap_efficiency={speedup / bound:.2f}")
     print(f"sync bubble (wall beyond T_gen + T_train) = {result['sync_bubble_s']:.1f}s; best async reached "
