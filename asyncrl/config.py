@@ -154,7 +154,9 @@ class LearnerConfig(Section):
     """Ranks of one ``torch.distributed`` process group; each trains on its share of a
     step's rows. 1 = the learner in this process (``runtime: local``) or one actor (``ray``);
     N > 1 = N learner processes (``local``) or N actors in one placement group (``ray``,
-    each with ``ray.learner_cpus``/``ray.learner_gpus``)."""
+    each with ``ray.learner_cpus``/``ray.learner_gpus``). Either weight sync works with N
+    ranks: every rank gathers the full weights to rank 0, which publishes them
+    (``object_store``) or broadcasts them to the engines (``collective``)."""
     strategy: Literal["fsdp2", "ddp"] | None = None
     """``fsdp2``: parameters, gradients and optimizer state sharded over the ranks (PyTorch's
     ``fully_shard`` per decoder layer), ~1/N of them per rank; ``ddp``: full replicas,
@@ -241,9 +243,12 @@ class WeightSyncConfig(Section):
     the learner broadcasts its weights, bucket by bucket, to every engine through a
     ``torch.distributed`` group of its own (learner = rank 0, rollout worker i = rank i+1),
     skipping the store's copies; a dead rollout worker then ends the run (resume restarts
-    it) instead of being replaced. Only ``runtime: ray`` has something to cross: with
-    ``runtime: local`` the engine shares the learner's process and weights are copied in
-    memory either way (said once at start)."""
+    it) instead of being replaced. With ``learner.world_size`` > 1, learner rank 0 sends:
+    every learner rank first gathers the full weights to it (a collective of the learner's
+    own group), then it broadcasts them. Only ``runtime: ray`` has something to cross: with
+    ``runtime: local`` the engine lives in the driver's process and weights are copied in
+    memory (a sharded learner's rank 0 publishes the gathered weights to it), said once at
+    start."""
     bucket_mb: float = Field(64.0, gt=0)
     """``collective``: parameters of one dtype are packed into flat buckets of at most this
     many MiB, one broadcast each (a larger tensor goes alone): it bounds the sender's and
@@ -252,7 +257,8 @@ class WeightSyncConfig(Section):
     """``collective``: a rank that does not join the group, get ready for a sync or confirm
     it within this many seconds fails the run with an error naming it (no silent hang).
     Bounds the transfer, not the wait for in-flight generation that ``partial_rollout: off``
-    lets finish before the swap."""
+    lets finish before the swap. A receiver waits twice this for the learner to start
+    sending; with ``learner.world_size`` > 1 that includes gathering the full weights."""
     backend: Literal["gloo", "nccl"] | None = None
     """``collective``: the group's transport. ``None``: nccl when the learner and the rollout
     workers have GPUs (``ray.learner_gpus`` and ``ray.worker_gpus`` > 0, torch engine), else
@@ -361,9 +367,6 @@ class Config(Section):
         if self.weight_sync.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("weight_sync.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use weight_sync.backend=gloo (or leave it unset) on CPU")
-        if self.weight_sync.method == "collective" and self.learner.world_size > 1:
-            raise ValueError("weight_sync.method=collective sends from a single learner; with learner.world_size="
-                             f"{self.learner.world_size} use weight_sync.method=object_store")
         if self.sync_every - 1 > self.effective_max_staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
                              f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "

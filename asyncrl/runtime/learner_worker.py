@@ -50,19 +50,30 @@ class LearnerWorker:
         self.learner.load_checkpoint(path)
         return self.learner.version
 
-    # weight_sync.method: collective: this process is rank 0 (runtime/weight_sync.py)
+    # weight_sync.method: collective: this process is rank 0 (runtime/weight_sync.py). A
+    # sharded learner's rank 0 hosts the group; every rank takes part in each send's gather.
     def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float, backend: str) -> SyncAddress:
         self.close_weight_sync()
-        device = next(self.learner.module.parameters()).device
         self._sender = WeightSender(receivers=receivers, bucket_mb=bucket_mb, timeout_s=timeout_s, backend=backend,
-                                    device=device if backend == "nccl" else torch.device("cpu"))
+                                    device=self.learner.device if backend == "nccl" else torch.device("cpu"))
         return self._sender.address
 
     def connect_weight_sync(self) -> None:
-        self._weight_sender().connect(self.learner.module.named_parameters())
+        """The layout from the parameters' names, global shapes and dtypes (a sharded
+        learner's DTensors report the full tensor's), so no gather is needed to plan it."""
+        self._weight_sender().connect((name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                                      for name, p in self.learner.module.named_parameters())
 
     def send_weights(self, version: int) -> None:
-        self._weight_sender().send(version, dict(self.learner.module.named_parameters()))
+        """Broadcast the current weights as ``version``. Sharded, a collective of the
+        learner's group: every rank gathers the full weights to rank 0 (``export_weights``),
+        then rank 0 alone sends them; the other ranks return."""
+        if self.learner.sharding is None:
+            self._weight_sender().send(version, dict(self.learner.module.named_parameters()))
+            return
+        weights = self.learner.export_weights()
+        if self.learner.is_main:
+            self._weight_sender().send(version, weights)
 
     def close_weight_sync(self) -> None:
         sender, self._sender = self._sender, None

@@ -15,8 +15,9 @@ the orchestrator (gate, buffer, loops, logs).
 
 On GPUs the object-store hop (device → host → store → host → device) is the slow part
 of a weight sync. ``weight_sync.method: collective`` replaces it with a broadcast from the
-learner actor to the workers over a process group of their own (``weight_sync.py``);
-the workers then cannot be replaced mid-run, since the group has a fixed size.
+learner actor (learner rank 0's, when sharded, after every rank gathered the weights to
+it) to the workers over a process group of their own (``weight_sync.py``); the workers
+then cannot be replaced mid-run, since the group has a fixed size.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.rollout_worker import RolloutWorker
-from asyncrl.runtime.sharded_learner import LearnerRankError, ObjectStoreOnly, RankWorker
+from asyncrl.runtime.sharded_learner import LearnerRankError, RankCalls, RankWorker
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 
@@ -134,7 +135,7 @@ class RayRankWorker(RankWorker):
         return [_ray().put(weights)] if self.rank == 0 else None
 
 
-class RayShardedLearner(ObjectStoreOnly):
+class RayShardedLearner(RankCalls):
     """The learner handle on Ray for ``learner.world_size`` = N > 1: N :class:`RayRankWorker`
     actors, one per bundle of a placement group (``PACK``: on as few nodes as possible).
     Checkpoints need a directory every rank's node sees. Call :meth:`start` first."""
@@ -192,23 +193,24 @@ class RayShardedLearner(ObjectStoreOnly):
             raise self._failed
         return [t.result() for t in tasks]
 
-    async def _call(self, method: str, *args: Any) -> list[Any]:
+    async def call(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank; returns each rank's value."""
         async with self._lock:
             return await self._all([getattr(a, method).remote(*args) for a in self.actors])
 
     async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
         ref = _ray().put(batch)  # one put; each rank takes its rows
-        return (await self._call("train_step", ref, on_policy))[0]
+        return (await self.call("train_step", ref, on_policy))[0]
 
     async def publish(self) -> Any:
         """An ObjectRef to rank 0's gathered weights, left in the object store."""
-        return (await self._call("publish"))[0][0]
+        return (await self.call("publish"))[0][0]
 
     async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
-        return (await self._call("save_checkpoint", path, extra, files))[0]
+        return (await self.call("save_checkpoint", path, extra, files))[0]
 
     async def load_checkpoint(self, path: Path) -> int:
-        return (await self._call("load_checkpoint", path))[0]
+        return (await self.call("load_checkpoint", path))[0]
 
     def _kill(self) -> None:
         ray = _ray()
@@ -220,7 +222,7 @@ class RayShardedLearner(ObjectStoreOnly):
 
         if self._failed is None and not self._lock.locked():
             try:
-                await asyncio.wait_for(self._call("leave"), timeout=30)
+                await asyncio.wait_for(self.call("leave"), timeout=30)
             except (LearnerRankError, TimeoutError):
                 pass
         self._kill()

@@ -4,7 +4,9 @@
 sharded :class:`~asyncrl.learner.Learner` (``asyncrl/learner/distributed.py``). Every call
 goes to every rank, in the same order, because each is a collective: each rank takes its
 rows of the step's batch, the gathered weights and the checkpoint's weights come from
-rank 0, each rank writes its optimizer shard.
+rank 0, each rank writes its optimizer shard. Under ``weight_sync.method=collective``
+rank 0 is also the weight-sync group's sender: each sync, every rank gathers the full
+weights to it and it broadcasts them to the engines (:class:`RankCalls`).
 
 :class:`ShardedLearner` is the ``runtime: local`` handle: N processes of this machine.
 All N ranks are child processes, rank 0 included, rather than rank 0 living in the driver:
@@ -44,6 +46,7 @@ from asyncrl.learner.distributed import (
     rank_device,
 )
 from asyncrl.runtime.learner_worker import LearnerWorker
+from asyncrl.runtime.protocol import SyncAddress
 
 
 class LearnerRankError(RuntimeError):
@@ -54,23 +57,30 @@ class LearnerRankError(RuntimeError):
         self.rank = rank
 
 
-class ObjectStoreOnly:
-    """The weight-sync part of ``LearnerHandle`` for a sharded learner: weights reach the
-    engines through :meth:`publish` (gathered on rank 0); ``weight_sync.method=collective``
-    broadcasts from one learner process, and the config refuses it with world_size > 1."""
+class RankCalls:
+    """What both sharded handles do alike, on top of their :meth:`call` (``method`` on
+    every rank, in rank order, each rank's value): the weight-sync part of
+    ``LearnerHandle``. Under ``weight_sync.method=collective`` learner rank 0 is the
+    group's sender (its rank 0); each sync is a call to every rank, since every rank takes
+    part in gathering the full weights to rank 0, which then broadcasts them; the other
+    ranks return once gathered. Errors name the rank at fault: a rollout worker missing
+    from the weight-sync group comes back in rank 0's error, named."""
 
-    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float, backend: str) -> Any:
-        raise ConfigError("weight_sync.method=collective needs learner.world_size=1; a sharded learner publishes "
-                          "through weight_sync.method=object_store")
+    async def call(self, method: str, *args: Any) -> list[Any]:
+        raise NotImplementedError
+
+    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
+                               backend: str) -> SyncAddress:
+        return (await self.call("open_weight_sync", receivers, bucket_mb, timeout_s, backend))[0]
 
     async def connect_weight_sync(self) -> None:
-        await self.open_weight_sync(0, 0.0, 0.0, "")
+        await self.call("connect_weight_sync")
 
     async def send_weights(self, version: int) -> None:
-        await self.open_weight_sync(0, 0.0, 0.0, "")
+        await self.call("send_weights", version)
 
     async def close_weight_sync(self) -> None:
-        """Nothing was opened."""
+        await self.call("close_weight_sync")
 
 
 class RankWorker:
@@ -102,7 +112,25 @@ class RankWorker:
         self.worker = LearnerWorker(self.cfg, num_threads=self.num_threads, sharding=sharding)
 
     def leave(self) -> None:
+        if self.worker is not None:
+            self.worker.close_weight_sync()
         destroy_process_group()
+
+    # weight_sync.method: collective: rank 0 hosts the weight-sync group and sends;
+    # every rank gathers (``LearnerWorker.send_weights``)
+    def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float, backend: str) -> SyncAddress | None:
+        """Rank 0: host the weight-sync group's store; returns where the engines meet it."""
+        return self.worker.open_weight_sync(receivers, bucket_mb, timeout_s, backend) if self.rank == 0 else None
+
+    def connect_weight_sync(self) -> None:
+        if self.rank == 0:
+            self.worker.connect_weight_sync()
+
+    def send_weights(self, version: int) -> None:
+        self.worker.send_weights(version)
+
+    def close_weight_sync(self) -> None:
+        self.worker.close_weight_sync()
 
     # ------------------------------------------------ the learner's calls, on every rank
     def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
@@ -182,7 +210,7 @@ def _serve(conn: Connection, worker_cls: type[RankWorker], cfg: Config, rank: in
             break
 
 
-class ShardedLearner(ObjectStoreOnly):
+class ShardedLearner(RankCalls):
     """The learner handle for ``runtime: local`` with ``learner.world_size`` = N: N rank
     processes, driven in lock-step. Call :meth:`start` before the first call.
     ``worker_cls``: the rank's class (a subclass of :class:`RankWorker`, e.g. a test's)."""

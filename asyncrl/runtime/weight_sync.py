@@ -8,6 +8,9 @@ Two methods (``weight_sync.method``), one interface for the trainer (:class:`Wei
   rollout worker through a ``torch.distributed`` process group of their own — learner =
   rank 0, rollout worker i = rank i+1 — built from a ``TCPStore`` the learner hosts on a
   free port. Not the default process group: a sharded learner's ranks own that one.
+  With ``learner.world_size`` > 1, learner rank 0 is the group's rank 0: on each sync
+  every learner rank gathers the full weights to it (a collective of the learner's own
+  group, ``LearnerWorker.send_weights``), then it alone broadcasts them.
 
 A collective sync moves the bytes once, device to device where the backend allows (nccl),
 instead of through the object store's serialise-put-get-deserialise. Parameters of one
@@ -33,9 +36,10 @@ once between two decode steps (``RolloutWorker.receive_weights``, which honours
 ``partial_rollout`` as ``sync_weights`` does), so no token comes from a half-loaded model.
 vLLM takes them through its own ``update_weights`` (``reload_weights`` in its workers), as
 with ``object_store``: the collective replaces the learner-to-worker hop, not vLLM's
-load. ``runtime: local`` keeps engine and learner in one process, where a collective
-would copy through a socket what can be copied in memory: it uses ``object_store`` and
-says so once. A dead rollout worker cannot be replaced under ``collective`` (the group has
+load. ``runtime: local`` keeps the engine in the driver's process, with the learner
+(or beside a sharded learner's rank processes, whose rank 0 publishes the gathered
+weights), where a collective would copy through a socket what can be copied in memory:
+it uses ``object_store`` and says so once. A dead rollout worker cannot be replaced under ``collective`` (the group has
 a fixed size): the run stops naming it, and ``resume=true`` starts a fresh group.
 """
 
@@ -205,7 +209,8 @@ def node_host() -> str:
 
 
 class WeightSender:
-    """Rank 0, in the learner's process: hosts the store, then broadcasts each version.
+    """Rank 0, in the learner's process (learner rank 0's, when sharded): hosts the store,
+    then broadcasts each version.
     Build it, hand :attr:`address` to the receivers, then :meth:`connect` while they
     :meth:`WeightReceiver.join`."""
 
@@ -432,8 +437,10 @@ async def open_weight_sync(cfg: Config, learner: LearnerHandle, rollout: Rollout
     has nothing to cross (see the module docstring) and uses ``object_store``."""
     if cfg.weight_sync.method == "collective":
         if cfg.runtime != "ray":
-            print("asyncrl: weight_sync.method=collective has nothing to cross with runtime=local (the engine "
-                  "shares the learner's process): weights are copied in memory (object_store)", file=sys.stderr)
+            where = ("the engine shares the learner's process" if cfg.learner.world_size == 1 else
+                     "the engine lives in this process; learner rank 0 publishes the gathered weights to it")
+            print(f"asyncrl: weight_sync.method=collective has nothing to cross with runtime=local ({where}): "
+                  "weights are copied in memory (object_store)", file=sys.stderr)
         else:
             sync = CollectiveSync(cfg.weight_sync, learner, rollout, receivers=cfg.ray.num_rollout_workers,
                                   backend=resolve_backend(cfg))
