@@ -150,6 +150,64 @@ def test_runtime_local_copies_in_memory_and_says_so(policy_dir, capsys):
     assert "weight_sync.method=collective has nothing to cross with runtime=local" in capsys.readouterr().err
 
 
+def test_runtime_local_with_a_sharded_learner_copies_in_memory_and_says_so(policy_dir, capsys):
+    from asyncrl.runtime.weight_sync import open_weight_sync
+
+    sync = asyncio.run(open_weight_sync(config(policy_dir, "learner.world_size=2"), None, None))
+    assert isinstance(sync, ObjectStoreSync)  # the engine is in the driver: rank 0's gathered weights, copied
+    err = capsys.readouterr().err
+    assert "weight_sync.method=collective has nothing to cross with runtime=local" in err
+    assert "learner rank 0 publishes the gathered weights" in err
+
+
+def test_a_sharded_learner_sends_from_rank_0_and_names_a_worker_that_never_joins(policy_dir):
+    """Two learner rank processes (the ``runtime: local`` handle), two engines here: every
+    rank gathers, rank 0 broadcasts, and both engines then hold the learner's weights. Then
+    a group that rollout worker 1 never joins fails within the timeout, naming it."""
+    from asyncrl.runtime.sharded_learner import LearnerRankError, ShardedLearner
+
+    cfg = config(policy_dir, "learner.world_size=2", "learner.timeout_s=60", "weight_sync.timeout_s=10",
+                 "optim.weight_decay=0.1")
+
+    async def scenario():
+        learner = ShardedLearner(cfg, num_threads=1)
+        workers = [RolloutWorker(cfg, seed=i) for i in range(2)]
+        try:
+            await learner.start()
+            for w in workers:
+                await w.start()
+            sync = CollectiveSync(cfg.weight_sync, learner, TwoWorkers(workers), receivers=2)
+            try:
+                await sync.connect()
+                await learner.train_step(pack([Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0])
+                                               for i in range(2)], [1.0, -1.0], 0), False)
+                expected = fingerprint((await learner.publish()).items())
+                assert all(digest != expected for _, digest in await sync.rollout.fingerprints())
+                await sync.sync(1, "abort")
+                assert await sync.rollout.fingerprints() == [(1, expected)] * 2
+            finally:
+                await sync.close()
+
+            missing = CollectiveSync(cfg.weight_sync.model_copy(update={"timeout_s": 2}), learner,
+                                     TwoWorkers(workers, joining=[0]), receivers=2)
+            start = time.monotonic()
+            with pytest.raises(LearnerRankError) as failed:
+                try:
+                    await missing.connect()
+                finally:
+                    await missing.close()
+            return failed.value, time.monotonic() - start
+        finally:
+            await learner.shutdown()
+            for w in workers:
+                await w.shutdown()
+
+    error, elapsed = asyncio.run(scenario())
+    assert error.rank == 0  # learner rank 0, the sender, names the rollout worker it waited for
+    assert "rank 2 (rollout worker 1) did not join the weight-sync group within weight_sync.timeout_s=2 s" in str(error)
+    assert elapsed < 2 + 5
+
+
 def _exchange(tensors: dict[str, torch.Tensor], bucket_mb: float, receivers: int = 2) -> list[dict[str, torch.Tensor]]:
     """Send ``tensors`` once to ``receivers`` threads; every thread and the store end here."""
     sender = WeightSender(receivers=receivers, bucket_mb=bucket_mb, timeout_s=10, host="127.0.0.1")
@@ -307,3 +365,42 @@ def test_bench_sync_runs_both_methods_and_checks_the_weights(tmp_path, ray_clust
     assert row["object_store_over_collective"] == pytest.approx(row["object_store_s"] / row["collective_s"])
     assert json.loads((tmp_path / "bench.json").read_text())["results"][0]["workers"] == 1
     assert "object/collective" in capsys.readouterr().out
+
+
+# ------------------------------------------------- a sharded learner as the sender
+AFTER_SYNC: list[tuple[int, str, list[tuple[int, str]]]] = []
+
+
+async def fingerprints_after_sync(event):
+    """``hooks.on_policy_updated``: the learner's weights (gathered by its ranks) and every
+    engine's, digested right after the sync of ``event.version``."""
+    published = await event.run.learner.publish()
+    weights = await published if isinstance(published, ray.ObjectRef) else published
+    AFTER_SYNC.append((event.version, fingerprint(weights.items()), await event.run.rollout.fingerprints()))
+
+
+def test_train_on_ray_with_two_learner_ranks_and_collective_weight_sync(tmp_path, policy_dir, ray_cluster, capsys):
+    """Learner rank 0 (an actor) sends; rank 1 takes part in each gather and returns."""
+    AFTER_SYNC.clear()
+    out = tmp_path / "sharded"
+    assert main(["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "learner.world_size=2", "mode=async", "max_staleness=1", "partial_rollout=abort", "total_steps=3",
+                 "batch_size=2", "group_size=2", "eval_every=3", "eval.num_tasks=2", "eval.samples_per_task=1",
+                 "task.num_train=32", "task.num_validation=4", "algorithm.filter_zero_variance=false",
+                 "optim.micro_batch_size=4", "optim.weight_decay=0.1", *RAY, "ray.learner_cpus=0.5",
+                 "weight_sync=collective",
+                 "weight_sync.timeout_s=30", "weight_sync.bucket_mb=0.05",
+                 "hooks.on_policy_updated=test_weight_sync:fingerprints_after_sync"]) == 0
+    assert "runtime ray, engine torch, weight sync collective" in capsys.readouterr().err
+    metrics, samples = read_jsonl(out / "metrics.jsonl"), read_jsonl(out / "samples.jsonl")
+    assert [m["step"] for m in metrics] == [m["version"] for m in metrics] == list(range(4))
+    assert all(m["staleness/max"] <= 1 for m in metrics[1:])
+    assert len(samples) == 3 * 2 * 2
+    assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 1
+    assert "eval/reward_mean" in metrics[3]
+    syncs = [e for e in read_jsonl(out / "timeline.jsonl") if e["kind"] == "sync"]
+    assert [(e["version"], e["method"]) for e in syncs] == [(v, "collective") for v in range(1, 4)]
+    assert [v for v, _, _ in AFTER_SYNC] == [1, 2, 3]
+    for version, learner, engines in AFTER_SYNC:  # both engines hold the learner's weights of that version
+        assert engines == [(version, learner)] * 2
+    assert len({learner for _, learner, _ in AFTER_SYNC}) == 3  # changed every step (weight decay, at least)
