@@ -147,7 +147,7 @@ class VLLMEngine:
         params = VLLMSamplingParams(
             max_tokens=min(sampling.max_tokens, room), temperature=sampling.temperature,
             stop_token_ids=list(sampling.stop_token_ids), ignore_eos=True, logprobs=0, detokenize=False,
-            output_kind=RequestOutputKind.DELTA)
+            seed=sampling.seed, output_kind=RequestOutputKind.DELTA)
         tokens: list[int] = []
         logprobs: list[float] = []
         versions: list[int] = []
