@@ -56,30 +56,34 @@ class EvalResult:
 
 
 async def evaluate(
-    run_episode: Callable[[Task], Awaitable[Episode]], tasks: list[Task], *, samples_per_task: int,
+    run_episode: Callable[..., Awaitable[Episode]], tasks: list[Task], *, samples_per_task: int,
     max_concurrent: int, success_threshold: float = 1.0, on_episode: Callable[[Episode], None] | None = None,
+    indexed: bool = False,
 ) -> EvalResult:
     """Run every task ``samples_per_task`` times, never more than ``max_concurrent``
     episodes at once: ``max_concurrent`` runners pull (task, sample) pairs in order, so a
-    service behind the workflow sees a bounded load however many tasks there are."""
+    service behind the workflow sees a bounded load however many tasks there are.
+    ``run_episode(task)``, or with ``indexed`` ``run_episode(task, sample)`` (the sample's
+    index among the task's, to seed it). Episodes come back in (task, sample) order,
+    whatever order they finished in."""
     if max_concurrent < 1:
         raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
-    grouped: list[list[Episode]] = [[] for _ in tasks]
-    todo = iter([(i, task) for i, task in enumerate(tasks) for _ in range(samples_per_task)])
+    grouped: list[list[Episode | None]] = [[None] * samples_per_task for _ in tasks]
+    todo = iter([(i, task, s) for i, task in enumerate(tasks) for s in range(samples_per_task)])
 
     async def runner() -> None:
-        for i, task in todo:  # one shared iterator: each pair is taken by exactly one runner
-            episode = await run_episode(task)
-            grouped[i].append(episode)
+        for i, task, s in todo:  # one shared iterator: each pair is taken by exactly one runner
+            episode = await (run_episode(task, s) if indexed else run_episode(task))
+            grouped[i][s] = episode
             if on_episode is not None:
                 on_episode(episode)
 
     async with asyncio.TaskGroup() as tg:
         for _ in range(min(max_concurrent, len(tasks) * samples_per_task)):
             tg.create_task(runner())
-    episodes = [e for row in grouped for e in row]
+    episodes = [e for row in grouped for e in row if e is not None]  # every one is, once the runners are done
     ks = sorted({1, *(k for k in (2, 4, 8, 16, 32, 64) if k <= samples_per_task), samples_per_task})
-    solved = [sum(e.reward >= success_threshold for e in row) for row in grouped]
+    solved = [sum(e is not None and e.reward >= success_threshold for e in row) for row in grouped]
     return EvalResult(
         mean_reward=sum(e.reward for e in episodes) / max(len(episodes), 1),
         pass_at={k: sum(pass_at_k(samples_per_task, c, k) for c in solved) / max(len(tasks), 1) for k in ks},

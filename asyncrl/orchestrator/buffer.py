@@ -4,6 +4,16 @@ Hands the learner the oldest-started ready groups first, and never a trajectory 
 than η: a group that aged past the bound while it waited (out-of-order completion) is
 dropped here and its quota released to the gate (see ``staleness.py`` for why the gate
 alone cannot promise the age).
+
+A batch is its groups in start order, and start order is the task stream's order (a
+re-issued task after a resume aside). At η = 0 that makes a batch independent of the
+order groups finish in: the gate lets at most B groups hold quota beyond those trained,
+so when B are ready none is running, and each rejected group was replaced by the next
+task of the stream; the batch is the shortest stretch of the stream holding B accepted
+groups, in stream order — exactly ``mode=sync``'s. With per-episode seeds
+(``asyncrl/seeding.py``) that makes ``mode=async`` with ``max_staleness=0`` train on
+``mode=sync``'s samples (``tests/test_reproducible.py``). At η > 0 which groups are
+ready when the learner asks is timing, and so is a batch.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ class RunState:
     buffered: list[dict[str, Any]]  # {"start_order", "group"} of groups not yet trained
     counters: dict[str, int] = field(default_factory=dict)
     stale_dropped: int = 0
+    reissue_epochs: list[int] = field(default_factory=list)  # the epoch each reissued task was drawn in (its seeds)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

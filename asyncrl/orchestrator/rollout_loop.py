@@ -31,7 +31,7 @@ class RolloutLoop:
         eta = cfg.effective_max_staleness
         gate = StalenessGate(eta, cfg.batch_size, version)
         self.started = 0  # groups admitted so far: the start order of the next is started + 1
-        self.in_flight: dict[int, int] = {}  # start order -> task index, until the group is done
+        self.in_flight: dict[int, tuple[int, int]] = {}  # start order -> (task index, draw), until done
         self.finished_rewards: list[float] = []  # every episode's since the last step, filtered ones too
         if state is not None:  # consumed and saved groups hold quota; re-issued tasks start afresh
             groups = state.ready_groups()
@@ -45,7 +45,7 @@ class RolloutLoop:
         else:
             self.buffer.restore(groups)
             self.buffer.stale_dropped = state.stale_dropped
-            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue)
+            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue, state.reissue_epochs)
 
     async def run(self, rollout: RolloutHandle, now: Callable[[], float], on_episode: Callable[[Episode], None],
                   on_generated: Callable[[float, float, int], None]) -> None:
@@ -55,14 +55,15 @@ class RolloutLoop:
             while True:
                 await self.gate.acquire()
                 self.started += 1
-                index = self.stream.next_index()
-                self.in_flight[self.started] = index
-                tg.create_task(self._group(rollout, self.tasks[index], self.started, now, on_episode, on_generated))
+                index, draw = self.stream.next_draw()
+                self.in_flight[self.started] = index, draw
+                tg.create_task(self._group(rollout, self.tasks[index], draw, self.started, now, on_episode,
+                                           on_generated))
 
-    async def _group(self, rollout: RolloutHandle, task: Task, start_order: int, now: Callable[[], float],
+    async def _group(self, rollout: RolloutHandle, task: Task, draw: int, start_order: int, now: Callable[[], float],
                      on_episode: Callable[[Episode], None], on_generated: Callable[[float, float, int], None]) -> None:
         started = now()
-        episodes = await rollout.run_group(task, self.cfg.group_size)
+        episodes = await rollout.run_group(task, self.cfg.group_size, draw)
         on_generated(started, now(), start_order)
         for episode in episodes:
             on_episode(episode)
@@ -88,7 +89,7 @@ class RolloutLoop:
         rollouts go on while the checkpoint is written."""
         buffered = self.buffer.snapshot()
         in_buffer = {g.start_order for g in buffered}
-        unfinished = [i for order, i in sorted(self.in_flight.items()) if order not in in_buffer]
+        reissue = list(self.stream.reissue) + [d for order, d in sorted(self.in_flight.items()) if order not in in_buffer]
         return {"started": self.started, "epoch": self.stream.epoch, "index": self.stream.index,
-                "reissue": list(self.stream.reissue) + unfinished, "buffered": RunState.encode_groups(buffered),
-                "stale_dropped": self.buffer.stale_dropped}
+                "reissue": [i for i, _ in reissue], "reissue_epochs": [draw for _, draw in reissue],
+                "buffered": RunState.encode_groups(buffered), "stale_dropped": self.buffer.stale_dropped}

@@ -10,13 +10,18 @@ from asyncrl.tasks.base import Task
 
 class TaskStream:
     """Train tasks in a fresh seeded order each epoch. The cursor (epoch, index) and the
-    tasks to re-issue (handed out before a resume, never finished) are what a resume needs."""
+    tasks to re-issue (handed out before a resume, never finished, with the epoch each was
+    drawn in) are what a resume needs."""
 
     def __init__(self, tasks: list[Task], seed: int, epoch: int = 0, index: int = 0,
-                 reissue: list[int] | None = None) -> None:
+                 reissue: list[int] | None = None, reissue_epochs: list[int] | None = None) -> None:
+        """``reissue_epochs``: the draw (epoch) of each ``reissue`` entry; a checkpoint from
+        before they were saved has none, and its entries count as drawn in ``epoch``."""
         self.tasks, self.seed = tasks, seed
         self.epoch, self.index = epoch, index
-        self.reissue = deque(reissue or [])
+        reissue = list(reissue or [])
+        draws = list(reissue_epochs or [])[:len(reissue)]
+        self.reissue: deque[tuple[int, int]] = deque(zip(reissue, draws + [epoch] * (len(reissue) - len(draws))))
         self._order = self._shuffled()
 
     def _shuffled(self) -> list[int]:
@@ -29,14 +34,18 @@ class TaskStream:
         """Epochs whose every task has been handed out (some may still be in flight)."""
         return self.epoch + (self.index == len(self._order))
 
-    def next_index(self) -> int:
+    def next_draw(self) -> tuple[int, int]:
+        """(task index, the epoch it is drawn in): re-issued tasks first, with their own epoch."""
         if self.reissue:
             return self.reissue.popleft()
         if self.index == len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._shuffled()
         self.index += 1
-        return self._order[self.index - 1]
+        return self._order[self.index - 1], self.epoch
+
+    def next_index(self) -> int:
+        return self.next_draw()[0]
 
     def next(self) -> Task:
         return self.tasks[self.next_index()]

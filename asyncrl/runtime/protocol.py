@@ -75,8 +75,10 @@ class RolloutHandle(Protocol):
         """Rollout workers replaced after dying, in this process's lifetime."""
         ...
 
-    async def run_group(self, task: Task, n: int) -> list[Episode]:
-        """``n`` episodes of ``task``; a failing episode comes back with status ``error``."""
+    async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
+        """``n`` episodes of ``task``; a failing episode comes back with status ``error``.
+        ``draw``: the train epoch the task was handed out in (part of the episodes' seeds,
+        ``asyncrl/seeding.py``)."""
         ...
 
     async def evaluate(self, tasks: list[Task], *, version: int, weights: Weights | None = None,

@@ -286,12 +286,12 @@ class RayRollout:
             self._replace(i, worker, exc)
             raise _WorkerLost from exc
 
-    async def run_group(self, task: Task, n: int) -> list[Episode]:
+    async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
         while True:  # re-issued after a worker death; _replace bounds the attempts
             i = min(range(len(self.workers)), key=self.load.__getitem__)
             self.load[i] += 1
             try:
-                return await self._call(i, lambda w: w.run_group.remote(task, n))
+                return await self._call(i, lambda w: w.run_group.remote(task, n, draw))
             except _WorkerLost:
                 continue
             finally:

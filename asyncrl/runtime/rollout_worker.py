@@ -8,6 +8,10 @@ orchestrator and every token's version is stamped by the engine inside the worke
 Every episode, training or evaluation, takes a slot of one semaphore
 (``rollout.max_concurrent_episodes``): that is the load a service behind the workflow
 sees from this worker.
+
+Every episode samples with its own seed (``asyncrl/seeding.py``), from the run's seed and
+the episode's coordinates, so which worker runs it, next to what, and when, changes none
+of its tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from asyncrl.gateway import Gateway, get_parser
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.weight_sync import WeightReceiver, fingerprint
+from asyncrl.seeding import Purpose, episode_seed
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import run_episode
@@ -126,16 +131,21 @@ class RolloutWorker:
         """Seconds the engine spent decoding (for the idle ratios); 0 while it starts."""
         return self.engine.stats.busy_s if self._ready.is_set() and self.engine is not None else 0.0
 
-    async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams) -> Episode:
+    async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,
+                       draw: int, sample: int) -> Episode:
         w = self.cfg.workflow
         async with self.slots:
             return await run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
-                                     timeout_s=w.timeout_s, max_retries=w.max_retries)
+                                     timeout_s=w.timeout_s, max_retries=w.max_retries,
+                                     seed=lambda attempt: episode_seed(self.cfg.seed, purpose, task.id, draw, sample,
+                                                                       attempt))
 
-    async def run_group(self, task: Task, n: int) -> list[Episode]:
-        """``n`` episodes of ``task``; a failing episode comes back as an error episode."""
+    async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
+        """``n`` episodes of ``task``, in sample order; a failing episode comes back as an
+        error episode. ``draw``: the train epoch the task was handed out in (its seeds)."""
         engine = await self._engine()
-        return list(await asyncio.gather(*[self._episode(task, engine, self.sampling) for _ in range(n)]))
+        return list(await asyncio.gather(*[self._episode(task, engine, self.sampling, "train", draw, i)
+                                           for i in range(n)]))
 
     async def evaluate(self, tasks: list[Task], version: int, weights: Mapping[str, torch.Tensor] | None = None,
                        on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
@@ -149,8 +159,8 @@ class RolloutWorker:
                     await engine.update_weights(weights, version)
             if engine.version != version:
                 raise RuntimeError(f"asked to evaluate version {version}, but the engine serves {engine.version}")
-            return await evaluate(lambda task: self._episode(task, engine, self.eval_sampling), tasks,
-                                  samples_per_task=self.cfg.eval.samples_per_task,
+            return await evaluate(lambda task, sample: self._episode(task, engine, self.eval_sampling, "eval", 0, sample),
+                                  tasks, indexed=True, samples_per_task=self.cfg.eval.samples_per_task,
                                   max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                   success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
 

@@ -10,6 +10,7 @@ run's failures, not the workflow's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import traceback
 from collections.abc import Callable
@@ -43,14 +44,18 @@ class WorkflowContext:
 
 
 async def run_episode(
-    workflow: Workflow, task: Task, make_client: Callable[[], LLMClient], *, timeout_s: float, max_retries: int
+    workflow: Workflow, task: Task, make_client: Callable[[], LLMClient], *, timeout_s: float, max_retries: int,
+    seed: Callable[[int], int] | None = None,
 ) -> Episode:
     """Run ``workflow`` on ``task`` with a fresh client per attempt; never raises for a
-    workflow's own failure."""
+    workflow's own failure. ``seed(attempt)`` (attempts count from 1): the sampling seed
+    of that attempt's client, so each attempt samples anew and every one reproducibly."""
     error, errors = "", []
     for attempt in range(1, max_retries + 2):
         start = time.perf_counter()
         llm = make_client()
+        if seed is not None:
+            llm.sampling = dataclasses.replace(llm.sampling, seed=seed(attempt))
         try:
             async with asyncio.timeout(timeout_s):
                 episode = await workflow.run(task, llm)
