@@ -15,7 +15,7 @@ pytest.importorskip("bm25s")
 from asyncrl.gateway.tool_calls import hermes
 from asyncrl.plugins import load_named
 from asyncrl.tasks import load_tasks
-from asyncrl.tasks.multihop import extract_answer
+from asyncrl.tasks.multihop import extract_answer, multihop_corpus
 from asyncrl.tiny import build_char_tokenizer
 from asyncrl.tiny.search_sft import (
     IGNORE_INDEX,
@@ -24,13 +24,14 @@ from asyncrl.tiny.search_sft import (
     ideal_trace,
     search_examples,
     trace_example,
+    world_examples,
 )
 from asyncrl.tools.retrieval import RetrievalClient, RetrievalService
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = str(ROOT / "examples/search_agent/agent.py")
 MODEL = ROOT / "models/search-tiny"
-MAX_LEN = 512
+MAX_LEN = 768
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns_and_traces_fit(setup):
         assert runs == expected
         cut_ids, cut_labels = trace_example(tokenizer, messages, tool.tools, max_len=MAX_LEN)
         assert len(cut_ids) == len(cut_labels) <= MAX_LEN and cut_ids == full_ids[:-1][:MAX_LEN]
-        if task.data["hops"] == 1:
-            assert len(full_ids) < MAX_LEN  # a one-hop episode fits whole, answer included
+        assert len(full_ids) < MAX_LEN  # a two-hop episode fits whole, answer included
 
 
 def test_search_examples_count_and_label_something(setup):
@@ -115,6 +115,21 @@ def test_search_examples_count_and_label_something(setup):
     examples, counts = search_examples(tokenizer, tasks, index, tool, MAX_LEN)
     assert counts["examples"] == len(examples) == counts["tasks"] - counts["unanswerable"] > 0
     assert all(len(ids) <= MAX_LEN and any(x != IGNORE_INDEX for x in labels) for ids, labels in examples)
+
+
+def test_the_warm_up_traces_variants_of_the_examples_world_with_its_names_and_other_facts(setup):
+    """Familiar names, facts that cannot be remembered: the answer must be read off the result."""
+    tool, _, tokenizer, _ = setup
+    examples, counts = world_examples(tokenizer, tool, worlds=3, own_share=0.25, num_train=40, seed=0,
+                                      max_len=MAX_LEN)
+    assert counts["variants"] == 3 and counts["own_world_traces"] == 10 and counts["tasks"] == 40
+    assert counts["examples"] == len(examples) and counts["cut_to_context"] == 0
+    assert counts["unanswerable"] <= 2  # titles rank the subject's page first
+    own = multihop_corpus()
+    variant = multihop_corpus(facts_seed=1)
+    assert [d["title"] for d in variant] == [d["title"] for d in own]  # the same names...
+    assert sum(a["text"] != b["text"] for a, b in zip(own, variant, strict=True)) > 0.9 * len(own)  # ...other facts
+    assert multihop_corpus(facts_seed=1) == variant and multihop_corpus(facts_seed=2) != variant
 
 
 def test_shipped_model_loads_and_records_how_it_was_made():

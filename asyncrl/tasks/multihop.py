@@ -122,9 +122,10 @@ def _words(rng: random.Random, n: int, syllables: tuple[int, ...], used: set[str
     return out
 
 
-@lru_cache(maxsize=8)
-def _build_kb(corpus_seed: int, num_people: int) -> _KB:
-    """Deterministic in its arguments; cached, so never mutate what it returns."""
+@lru_cache(maxsize=64)
+def _build_kb(corpus_seed: int, num_people: int, facts_seed: int | None = None) -> _KB:
+    """Deterministic in its arguments; cached, so never mutate what it returns.
+    ``facts_seed``: the same names as ``corpus_seed``'s, every fact drawn afresh."""
     rng = random.Random(f"asyncrl-multihop-{corpus_seed}-{num_people}")
     num_companies, num_cities = max(3, num_people // 10), max(3, num_people // 25)
     num_regions = max(2, num_cities // 4)
@@ -143,6 +144,8 @@ def _build_kb(corpus_seed: int, num_people: int) -> _KB:
     cities = [f"{w} {rng.choice(_CITY_SUFFIXES)}" for w in _words(rng, num_cities, (2,), used)]
     regions = _words(rng, num_regions, (2, 3), used)
 
+    if facts_seed is not None:
+        rng = random.Random(f"asyncrl-multihop-facts-{corpus_seed}-{num_people}-{facts_seed}")
     facts: dict[tuple[str, str], str] = {}
     # Mentors follow a hidden seniority ring: the mentor of rank r sits 1..k ranks above it
     # (mod n) with k <= (n-1)//2, so nobody mentors themselves or their own mentor, and
@@ -184,20 +187,23 @@ def _check_options(num_people: int, two_hop_fraction: float) -> None:
         raise ValueError(f"multihop: two_hop_fraction must be in [0, 1], got {two_hop_fraction}")
 
 
-def multihop_corpus(*, corpus_seed: int = 0, num_people: int = 500, two_hop_fraction: float = 0.5) -> list[Document]:
+def multihop_corpus(*, corpus_seed: int = 0, num_people: int = 500, two_hop_fraction: float = 0.5,
+                    facts_seed: int | None = None) -> list[Document]:
     """The documents the ``multihop`` task asks about: people, then companies, then cities.
 
     Takes the generator's options, so ``multihop_corpus(**options)`` is the corpus of
     ``load_tasks("multihop", options=options, ...)`` whatever its seed; only
     ``corpus_seed`` and ``num_people`` shape it (500 people give 570 documents:
-    500 people, 50 companies, 20 cities).
+    500 people, 50 companies, 20 cities). ``facts_seed`` keeps the names and redraws every
+    fact: a counterfactual variant of the same world (the search warm-up trains on those,
+    so it learns to read facts, not to remember them).
     """
     _check_options(num_people, two_hop_fraction)
-    return [Document(id=i, title=t, text=x) for i, t, x in _build_kb(corpus_seed, num_people).documents]
+    return [Document(id=i, title=t, text=x) for i, t, x in _build_kb(corpus_seed, num_people, facts_seed).documents]
 
 
 def iter_multihop(seed: int, *, corpus_seed: int = 0, num_people: int = 500,
-                  two_hop_fraction: float = 0.5) -> Iterator[Task]:
+                  two_hop_fraction: float = 0.5, facts_seed: int | None = None) -> Iterator[Task]:
     """Endless deterministic stream of questions over ``multihop_corpus(...)``.
 
     Each question is two-hop with probability ``two_hop_fraction``; its chain of relations
@@ -205,7 +211,7 @@ def iter_multihop(seed: int, *, corpus_seed: int = 0, num_people: int = 500,
     chain's first type.
     """
     _check_options(num_people, two_hop_fraction)
-    kb = _build_kb(corpus_seed, num_people)
+    kb = _build_kb(corpus_seed, num_people, facts_seed)
     rng = random.Random(seed)
     i = 0
     while True:

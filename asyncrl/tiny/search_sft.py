@@ -20,11 +20,14 @@ A trace is the conversation the real agent would hold, rendered as the gateway r
   policy samples), as ``sft.py`` masks the prompt.
 
 Only *answerable* traces are kept: the fact each hop needs must be visible in the cut tool
-result (a name search often ranks another person's document first, and the cut can hide
-the subject's). Training on the rest would teach guessing. Traces are cut to the model's
-context; a two-hop trace (~620 characters) does not fit 512 positions, so the policy learns
-its first two turns but, through the agent, a two-hop episode ends when the gateway refuses
-the third call (see base_policy.json: the held-out number is mostly one-hop questions).
+result (training on the rest would teach guessing); with titles indexed, a name's own page
+ranks first and nearly all are. A two-hop trace (~500–660 characters) fits 768 positions.
+
+What it traces (``world_examples``): a quarter of the questions in the example's own
+knowledge base, the rest in counterfactual variants of it (the same names, every fact
+redrawn), so the policy knows the names but can only answer by reading the result. The
+log's ``eval`` column is ``turn_probe``: on held-out questions, how often the model would
+write the search call and the answer exactly, a cheap gauge of the two skills.
 
     python -m asyncrl.tiny.search_sft --out models/search-tiny
 """
@@ -38,7 +41,7 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,7 +51,7 @@ from asyncrl.plugins import load_named
 from asyncrl.tasks import Task, load_tasks
 from asyncrl.tasks.multihop import multihop_corpus
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
-from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, add_model_flags, train_examples
+from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, add_model_flags, collate, train_examples
 from asyncrl.tiny.tokenizer import build_char_tokenizer
 from asyncrl.tools.retrieval import BM25Index, Document, format_hits
 
@@ -57,11 +60,13 @@ Example = tuple[list[int], list[int]]  # (input_ids, labels), labels IGNORE_INDE
 DEFAULT_AGENT = "examples/search_agent/agent.py"
 DEFAULT_EVAL_CONFIG = "examples/search_agent/sync.yaml"
 DEFAULT_MODEL: dict[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-                                 "intermediate_size": 384, "max_position_embeddings": 512}
-DEFAULT_STEPS = 600
-DEFAULT_MINUTES = 12.0
-DEFAULT_NUM_TRAIN = 6_000
-DEFAULT_BATCH_SIZE = 16
+                                 "intermediate_size": 384, "max_position_embeddings": 768}
+DEFAULT_STEPS = 2500
+DEFAULT_MINUTES = 40.0
+DEFAULT_NUM_TRAIN = 20_000
+DEFAULT_WORLDS = 20
+DEFAULT_OWN_SHARE = 0.25
+DEFAULT_BATCH_SIZE = 8
 EVAL_MAX_TOKENS = 96  # a search call of a long name is ~85 characters, over the configs' 48
 
 
@@ -90,7 +95,7 @@ class SearchTool:
 
 def corpus_index(options: dict[str, Any] | None = None) -> BM25Index:
     """BM25 over ``multihop_corpus(**options)``, the corpus the agent's own service indexes."""
-    return BM25Index(Document(d["id"], d["text"]) for d in multihop_corpus(**(options or {})))
+    return BM25Index(Document(d["id"], d["text"], d["title"]) for d in multihop_corpus(**(options or {})))
 
 
 def tool_call_text(query: str) -> str:
@@ -157,6 +162,71 @@ def search_examples(tokenizer: Any, tasks: Sequence[Task], index: BM25Index, too
     return examples, counts
 
 
+def world_examples(tokenizer: Any, tool: SearchTool, *, worlds: int, own_share: float, num_train: int, seed: int,
+                   max_len: int) -> tuple[list[Example], dict[str, int]]:
+    """Traces of ``num_train`` train-split questions: ``own_share`` of them in the example's
+    knowledge base as it is, the rest spread over ``worlds`` counterfactual variants of it
+    (the same names, every fact redrawn: ``facts_seed`` 1..worlds). Validation questions
+    are never traced.
+
+    Why variants. Traced in the example's world alone, the policy learnt its names (it
+    copied a held-out question's name into the search 78 % of the time) but memorised the
+    answers instead of reading them off the result (4.7 % of held-out answers right given
+    the right result). Traced in other worlds, with names it had never seen, it had to read
+    but did not learn to copy an unseen name letter by letter within 1,266 steps (2 %).
+    In a variant the names are familiar and the facts cannot be remembered: reading the
+    result is the only way to the answer, as it is for a held-out question.
+    """
+    if worlds < 0 or not 0 <= own_share <= 1 or (worlds == 0 and own_share < 1):
+        raise ValueError(f"need worlds >= 0 and 0 <= own_share <= 1 (1 when worlds is 0), "
+                         f"got worlds={worlds}, own_share={own_share}")
+    own = round(num_train * own_share)
+    shares = {None: own} | {w: (num_train - own) // worlds + (w <= (num_train - own) % worlds)
+                            for w in range(1, worlds + 1)}
+    examples: list[Example] = []
+    counts: dict[str, int] = {}
+    for world, share in shares.items():
+        options = {} if world is None else {"facts_seed": world}
+        tasks = load_tasks("multihop", seed=seed + (world or 0), num_train=share, num_validation=1,
+                           options=options).train
+        more, world_counts = search_examples(tokenizer, tasks, corpus_index(options), tool, max_len)
+        examples += more
+        for key, value in world_counts.items():
+            counts[key] = counts.get(key, 0) + value
+    return examples, {"variants": worlds, "own_world_traces": own, **counts}
+
+
+def turn_probe(tokenizer: Any, tool: SearchTool, *, num_tasks: int = 64, seed: int = 0,
+               max_len: int) -> Callable[[Any], dict[str, float]]:
+    """A cheap held-out gauge for the training log: on ideal traces of the example's own
+    world-0 *validation* questions, the fraction of search calls and of answers the model
+    would write exactly under greedy decoding (argmax equals the label at every position of
+    the turn, given the ideal turns before it)."""
+    tasks = load_tasks("multihop", seed=seed, num_train=0, num_validation=num_tasks).validation
+    examples, _ = search_examples(tokenizer, tasks, corpus_index(), tool, max_len)
+    ids, mask, labels = collate(examples, tokenizer.pad_token_id)
+
+    @torch.no_grad()
+    def probe(model: Any) -> dict[str, float]:
+        predicted = model(input_ids=ids, attention_mask=mask).logits[:, :-1].argmax(-1)
+        target = labels[:, 1:]
+        hits = {"call": [], "answer": []}
+        for row in range(len(examples)):
+            turns, turn = [], []
+            for position in (target[row] != IGNORE_INDEX).nonzero().flatten().tolist():
+                if turn and position != turn[-1] + 1:
+                    turns.append(turn)
+                    turn = []
+                turn.append(position)
+            turns += [turn] if turn else []
+            for k, turn in enumerate(turns):
+                exact = bool((predicted[row, turn] == target[row, turn]).all())
+                hits["answer" if k == len(turns) - 1 else "call"].append(exact)
+        return {f"{kind}_exact": round(sum(v) / max(1, len(v)), 3) for kind, v in hits.items()}
+
+    return probe
+
+
 # ----------------------------------------------------------------------------- training
 
 
@@ -183,12 +253,17 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m asyncrl.tiny.search_sft",
                                 description="Make the tiny search-agent base policy from synthetic traces.")
     p.add_argument("--out", required=True)
+    p.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads (1 on a machine shared with other jobs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (the stopping rule)")
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="wall-clock cap on training")
     p.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="train-split questions to trace")
+    p.add_argument("--worlds", type=int, default=DEFAULT_WORLDS,
+                   help="counterfactual variants of the example's knowledge base to trace in")
+    p.add_argument("--own-share", type=float, default=DEFAULT_OWN_SHARE,
+                   help="share of the traces in the example's own knowledge base (its train questions)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--agent", default=DEFAULT_AGENT, help="agent file whose TOOLS and result cut the traces copy")
@@ -206,19 +281,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import transformers
 
     args = _parse_args(argv)
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(args.threads)
     command = "python -m asyncrl.tiny.search_sft " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     model_kwargs = {key: getattr(args, key) for key in DEFAULT_MODEL}
     model, tokenizer = build_tiny_model(build_char_tokenizer(), args.seed, **model_kwargs)
     n_params = sum(p.numel() for p in model.parameters())
     tool = SearchTool.from_agent(args.agent)
-    splits = load_tasks("multihop", seed=args.seed, num_train=args.num_train, num_validation=64)
-    examples, counts = search_examples(tokenizer, splits.train, corpus_index(), tool, args.max_position_embeddings)
+    examples, counts = world_examples(tokenizer, tool, worlds=args.worlds, own_share=args.own_share,
+                                      num_train=args.num_train, seed=args.seed, max_len=args.max_position_embeddings)
     print(f"model: {n_params:,} params {model_kwargs}; traces {counts}")
 
     history = train_examples(model, examples, tokenizer.pad_token_id, steps=args.steps,
                              time_budget_s=args.minutes * 60 if args.minutes else None, batch_size=args.batch_size,
                              lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every,
+                             eval_fn=turn_probe(tokenizer, tool, max_len=args.max_position_embeddings),
                              desc="search-sft")
     out = save_tiny_policy(model, tokenizer, args.out)
     record: dict[str, Any] = {
@@ -236,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                         samples_per_task=args.eval_samples, temperature=args.eval_temperature,
                                         output_dir=args.eval_dir)
         record["held_out"]["wall_time_s"] = round(time.perf_counter() - start, 1)
-    record.update(machine=f"{platform.machine()} CPU, {NUM_THREADS} threads", torch_version=torch.__version__,
+    record.update(machine=f"{platform.machine()} CPU, {args.threads} threads", torch_version=torch.__version__,
                   transformers_version=transformers.__version__, python_version=platform.python_version(),
                   made_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     (out / "base_policy.json").write_text(json.dumps(record, indent=2) + "\n")
