@@ -89,7 +89,8 @@ class RolloutLoop:
         rollouts go on while the checkpoint is written."""
         buffered = self.buffer.snapshot()
         in_buffer = {g.start_order for g in buffered}
-        reissue = list(self.stream.reissue) + [d for order, d in sorted(self.in_flight.items()) if order not in in_buffer]
+        unfinished = [draw for order, draw in sorted(self.in_flight.items()) if order not in in_buffer]
+        reissue = list(self.stream.reissue) + unfinished  # (task index, draw)
         return {"started": self.started, "epoch": self.stream.epoch, "index": self.stream.index,
                 "reissue": [i for i, _ in reissue], "reissue_epochs": [draw for _, draw in reissue],
                 "buffered": RunState.encode_groups(buffered), "stale_dropped": self.buffer.stale_dropped}

@@ -159,7 +159,7 @@ class RolloutWorker:
                     await engine.update_weights(weights, version)
             if engine.version != version:
                 raise RuntimeError(f"asked to evaluate version {version}, but the engine serves {engine.version}")
-            return await evaluate(lambda task, sample: self._episode(task, engine, self.eval_sampling, "eval", 0, sample),
+            return await evaluate(lambda task, i: self._episode(task, engine, self.eval_sampling, "eval", 0, i),
                                   tasks, indexed=True, samples_per_task=self.cfg.eval.samples_per_task,
                                   max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                   success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
