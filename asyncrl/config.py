@@ -143,7 +143,19 @@ class OptimConfig(Section):
     """After warm-up: constant, or decay to 10 % of ``lr`` by ``total_steps``."""
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(64, ge=1)
-    """Trajectories per forward/backward; gradients accumulate to one step."""
+    """Trajectories per forward/backward; gradients accumulate to one optimizer step."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch (sample reuse). Every optimizer step of a batch measures its
+    ratio against the same π_prox, the weights at the start of the batch, so from the
+    second step on the ratio leaves 1 and the clip (``algorithm.clip_low``/``clip_high``)
+    bounds the batch's total move. The policy version still advances once per batch: a
+    version is what the engines are sent, and the staleness bound η, the gate and each
+    token's recorded version count batches (so do ``total_steps``, ``sync_every`` and the
+    learning-rate schedule)."""
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per pass over a batch: the batch's trajectories are shuffled (seeded
+    by the run's seed and the version) and cut into this many mini-batches. 1 = the whole
+    batch, unshuffled: one optimizer step per pass."""
 
 
 class LearnerConfig(Section):
@@ -356,11 +368,18 @@ class Config(Section):
         if self.engine == "vllm" and (self.sampling.top_k or self.sampling.top_p < 1):
             raise ValueError("engine 'vllm' reports logprobs after top-k/top-p truncation, which the learner cannot "
                              "reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
-        per_step, micro = self.batch_size * self.group_size, self.optim.micro_batch_size
+        per_step, micro, minis = self.batch_size * self.group_size, self.optim.micro_batch_size, self.optim.mini_batches
+        if per_step % minis:
+            raise ValueError(f"optim.mini_batches={minis} does not divide the {per_step} trajectories of a step "
+                             f"(batch_size={self.batch_size} × group_size={self.group_size}); use a divisor of "
+                             f"{per_step}")
+        per_step //= minis
         if micro < per_step and per_step % micro:
-            raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of a step "
-                             f"(batch_size={self.batch_size} × group_size={self.group_size}): the last micro-batch "
-                             f"would be ragged; use a divisor of {per_step}")
+            raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of "
+                             + ("a step" if minis == 1 else "a mini-batch")
+                             + f" (batch_size={self.batch_size} × group_size={self.group_size}"
+                             + (f" / optim.mini_batches={minis}" if minis > 1 else "")
+                             + f"): the last micro-batch would be ragged; use a divisor of {per_step}")
         if self.learner.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("learner.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use learner.backend=gloo (or leave it unset) on CPU")

@@ -39,6 +39,12 @@ class TrainBatch:
         return TrainBatch(self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
                           self.behavior_logprobs[start:stop], self.advantages[start:stop])
 
+    def select(self, index: torch.Tensor) -> TrainBatch:
+        """The rows at ``index`` (a 1-D long tensor, possibly empty), at full width."""
+        index = index.to(self.input_ids.device)
+        return TrainBatch(*(t.index_select(0, index) for t in (self.input_ids, self.attention_mask, self.loss_mask,
+                                                               self.behavior_logprobs, self.advantages)))
+
     @staticmethod
     def filler(pad_id: int, device: torch.device) -> TrainBatch:
         """One two-token row that trains nothing (mask 0): what a rank of a sharded learner

@@ -1,9 +1,18 @@
 """The learner: recomputes proximal logprobs, takes optimizer steps, exports weights,
 saves Hugging Face checkpoints.
 
-One ``train_step`` is one optimizer step and one new policy version. Micro-batches
-accumulate gradients; each micro-batch's loss is weighted by its share of the batch's
-tokens (or sequences), so any micro-batch size gives the same step as one big batch.
+One ``train_step`` trains on one batch and makes one new policy version. By default that
+is one optimizer step; with sample reuse (``optim.ppo_epochs`` passes over the batch, each
+in ``optim.mini_batches`` shuffled mini-batches) it is several, all measured against the
+π_prox of the weights at the start of the batch, so from the second optimizer step on the
+ratio leaves 1 and the PPO clip bounds how far the batch can move the policy. The version
+still advances once per batch: a version is what the rollout engines are sent, and the
+staleness bound, the gate's quota and every token's recorded version count batches, so
+none of them changes meaning with reuse. The learning-rate schedule also counts batches.
+
+Micro-batches accumulate gradients within an optimizer step; each micro-batch's loss is
+weighted by its share of the mini-batch's tokens (or sequences), so any micro-batch size
+gives the same step as one big mini-batch.
 
 With a :class:`~asyncrl.learner.distributed.Sharding` the same learner is one rank of a
 data-parallel group (``learner.world_size`` > 1): it trains on its rows of the batch, the
@@ -32,6 +41,7 @@ from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, 
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Sharding
+from asyncrl.seeding import derive_seed
 
 OPTIMIZER_DIR = "optimizer"
 """A checkpoint's optimizer state, as torch.distributed.checkpoint files keyed by parameter
@@ -51,14 +61,38 @@ def lr_lambda(optim: OptimConfig, total_steps: int):
     return factor
 
 
+def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
+    """The rows (sorted indices into a batch of ``size``) of each optimizer step: ``epochs``
+    passes, each a fresh seeded permutation cut into ``mini_batches`` parts whose sizes
+    differ by at most one; empty parts (fewer rows than parts) are left out. One part is
+    the whole batch in order, unshuffled: the plain step. A pure function of its arguments,
+    so every rank of a sharded learner cuts the batch the same way without talking."""
+    if mini_batches == 1:
+        return [torch.arange(size)] * epochs
+    steps = []
+    for epoch in range(epochs):
+        generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+        order = torch.randperm(size, generator=generator)
+        steps += [part.sort().values for part in order.tensor_split(mini_batches) if len(part)]
+    return steps
+
+
 class Learner:
+    """Trains one policy: each ``train_step`` takes one batch to one new version, however
+    many optimizer steps sample reuse makes of it (``optim.ppo_epochs`` × ``optim.mini_batches``).
+    Per batch rather than per optimizer step because a version is what the engines are
+    sent and what every token, the gate and the staleness bound count."""
+
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
-                 sharding: Sharding | None = None) -> None:
+                 sharding: Sharding | None = None, seed: int = 0) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
-        full frozen copy on every rank: it only runs forward passes)."""
+        full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
+        from which each batch's mini-batch shuffle derives (with the version, so a resumed
+        run shuffles as the uninterrupted one would)."""
         self.sharding = sharding
+        self.seed = seed
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
         self.model = sharding.wrap(model) if sharding is not None else model
         self.module = Sharding.unwrap(self.model)  # the Hugging Face model: names, config, save_pretrained
@@ -107,25 +141,53 @@ class Learner:
         return out
 
     def train_step(self, batch: TrainBatch, *, on_policy: bool = False) -> dict[str, float]:
-        """One optimizer step on ``batch``; the learner's version becomes version + 1.
+        """Train on ``batch``: ``optim.ppo_epochs`` × ``optim.mini_batches`` optimizer steps
+        (one by default) against one π_prox; the learner's version becomes version + 1.
 
         ``on_policy``: every token was sampled by the current weights, so π_prox = μ and
         the recompute (a full extra forward pass) is skipped; the step is then exactly
-        the bypass form."""
-        if self.sharding is not None:  # this rank's rows; the counts below are the whole batch's
-            batch = batch.rows(*self.sharding.rows(batch.size))
-        batch = batch.to(self.device)
+        the bypass form. Metrics are means over the batch's tokens (or sequences) and over
+        its epochs; ``actor/grad_norm`` is the mean over optimizer steps (before clipping)."""
+        steps = mini_batch_rows(batch.size, epochs=self.optim.ppo_epochs, mini_batches=self.optim.mini_batches,
+                                seed=derive_seed(self.seed, "mini_batches", self.version))
+        first, last = self.sharding.rows(batch.size) if self.sharding is not None else (0, batch.size)
+        mine = batch.rows(first, last).to(self.device)  # this rank's rows; every count below is the whole batch's
         self.model.train()
-        # π_prox: the weights at the start of this step (decoupled PPO), or μ itself (bypass).
+        # π_prox: the weights at the start of this batch (decoupled PPO), or μ itself (bypass).
         recompute = not (self.algorithm.bypass or on_policy)
-        proximal = self.logprobs(self.model, batch) if recompute else None
-        reference = self.logprobs(self.reference, batch) if self.reference is not None else None
-        counts = torch.stack([batch.loss_mask.sum(), (batch.loss_mask.sum(-1) > 0).sum().float()])
-        if self.sharding is not None:
-            counts = self.sharding.sum(counts)
+        proximal = self.logprobs(self.model, mine) if recompute else None
+        reference = self.logprobs(self.reference, mine) if self.reference is not None else None
+        batch_counts = _counts(batch.loss_mask).to(self.device)
+        sums: dict[str, torch.Tensor] = {}
+        norms = []
+        for step in steps:
+            local = step[(step >= first) & (step < last)] - first  # this rank's rows of the mini-batch
+            counts = _counts(batch.loss_mask[step]).to(self.device)
+            # this step's share of the batch's (token, sequence) means over the epochs: what its metrics weigh
+            weight = counts / batch_counts.clamp(min=1) / self.optim.ppo_epochs
+            norms.append(self._optimizer_step(
+                mine.select(local), counts, weight,
+                proximal=None if proximal is None else proximal[local],
+                reference=None if reference is None else reference[local], sums=sums))
+        self.scheduler.step()
+        self.model.eval()
+        if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
+            keys = sorted(sums)
+            sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
+        self.version += 1
+        out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
+        out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
+                    "actor/tokens": float(batch_counts[0]), "actor/optimizer_steps": float(len(steps))})
+        return out
+
+    def _optimizer_step(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
+                        proximal: torch.Tensor | None, reference: torch.Tensor | None,
+                        sums: dict[str, torch.Tensor]) -> float:
+        """One optimizer step on ``batch`` (this rank's rows of one mini-batch, whose whole
+        token and sequence ``counts`` weigh each micro-batch's loss); adds its metrics,
+        weighted by ``weight`` (token, sequence), to ``sums``. Returns the gradient norm."""
         tokens, sequences = counts.clamp(min=1)
         scale = self.sharding.loss_scale if self.sharding is not None else 1.0
-        sums: dict[str, torch.Tensor] = {}
         self.optimizer.zero_grad(set_to_none=True)
         parts = self.micro_batches(batch)
         for i, (start, part) in enumerate(parts):
@@ -145,7 +207,7 @@ class Learner:
                 kl = aggregate(kl_k3(logprobs, rows(reference)), part.loss_mask, self.algorithm.aggregation)
                 loss = loss + self.algorithm.kl_coef * kl
                 ours["kl_ref"] = kl.detach()
-            # this micro-batch's share of the whole batch's mean (its tokens', or its sequences')
+            # this micro-batch's share of the mini-batch's mean (its tokens', or its sequences')
             token_share = part.loss_mask.sum() / tokens
             share = (token_share if self.algorithm.aggregation == "token_mean"
                      else (part.loss_mask.sum(-1) > 0).sum() / sequences)
@@ -155,23 +217,15 @@ class Learner:
                 with self.sharding.grad_sync(self.model, enabled=i == len(parts) - 1):
                     (loss * (share * scale)).backward()
             ours["loss"] = loss.detach()
+            step_weight = weight[0] if self.algorithm.aggregation == "token_mean" else weight[1]
             # the policy loss's own metrics are token means whatever the aggregation
-            for weight, values in ((token_share, metrics), (share, ours)):
+            for w, values in ((token_share * weight[0], metrics), (share * step_weight, ours)):
                 for key, value in values.items():
-                    sums[key] = sums.get(key, 0.0) + value.detach() * weight
-        if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
-            keys = sorted(sums)
-            sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
-        # the gradients are the whole batch's on every rank (or their shards): a global norm
+                    sums[key] = sums.get(key, 0.0) + value.detach() * w
+        # the gradients are the whole mini-batch's on every rank (or their shards): a global norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         self.optimizer.step()
-        self.scheduler.step()
-        self.model.eval()
-        self.version += 1
-        out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
-        out.update({"actor/grad_norm": Sharding.norm_value(grad_norm), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/tokens": float(tokens)})
-        return out
+        return Sharding.norm_value(grad_norm)
 
     # --------------------------------------------------------- weights, state
     @property
@@ -270,6 +324,11 @@ class Learner:
     def _barrier(self) -> None:
         if self.sharding is not None:
             self.sharding.barrier()
+
+
+def _counts(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(model tokens, sequences with any) of a (B, T) loss mask, as floats."""
+    return torch.stack([loss_mask.sum(), (loss_mask.sum(-1) > 0).sum().float()])
 
 
 @contextlib.contextmanager

@@ -28,7 +28,8 @@ class LearnerWorker:
             model, tokenizer = load_policy(cfg.model)
         self.num_threads = num_threads
         self.learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
-                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature, sharding=sharding)
+                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature, sharding=sharding,
+                               seed=cfg.seed)
         self._sender: WeightSender | None = None  # weight_sync.method: collective
 
     def _threads(self) -> None:
