@@ -51,7 +51,8 @@ def run(tmp_path, policy_dir, name, *overrides):
     assert main(args) == 0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    weights = load_file(out / "checkpoints" / f"step_{STEPS}" / "model.safetensors")
+    last = max(out.glob("checkpoints/step_*"), key=lambda path: int(path.name[5:]))
+    weights = load_file(last / "model.safetensors")
     return samples, metrics, weights
 
 
@@ -62,11 +63,11 @@ METRIC_KEYS = ("step", "version", "reward/mean", "rollout/reward_mean", "rollout
                "eval/reward_mean", "eval/pass@1", "eval/pass@2", "eval/version")
 
 
-def same_run(a, b):
+def same_run(a, b, metric_keys=METRIC_KEYS):
     """The same samples in the same steps and order, the same evaluations, weights within float noise."""
     (samples_a, metrics_a, weights_a), (samples_b, metrics_b, weights_b) = a, b
     assert [[s[k] for k in SAMPLE_KEYS] for s in samples_a] == [[s[k] for k in SAMPLE_KEYS] for s in samples_b]
-    assert [[m.get(k) for k in METRIC_KEYS] for m in metrics_a] == [[m.get(k) for k in METRIC_KEYS] for m in metrics_b]
+    assert [[m.get(k) for k in metric_keys] for m in metrics_a] == [[m.get(k) for k in metric_keys] for m in metrics_b]
     assert weights_a.keys() == weights_b.keys()
     return max(float((weights_a[k] - weights_b[k]).abs().max()) for k in weights_a)
 
@@ -99,15 +100,17 @@ def test_episode_seeds_are_stable_and_differ_in_every_coordinate():
     assert derive_seed("1", 2) != derive_seed(1, "2") != derive_seed(12)
 
 
-def test_a_task_stream_keeps_each_draw_epoch_across_a_resume():
+def test_a_task_stream_keeps_each_draws_epoch_and_start_order_across_a_resume():
     tasks = [Task(str(i), "p") for i in range(3)]
     stream = TaskStream(tasks, seed=0)
     draws = [stream.next_draw() for _ in range(7)]
-    assert [epoch for _, epoch in draws] == [0, 0, 0, 1, 1, 1, 2]
-    resumed = TaskStream(tasks, seed=0, epoch=1, index=1, reissue=[draws[2][0], draws[3][0]], reissue_epochs=[0, 1])
-    assert [resumed.next_draw() for _ in range(2)] == [draws[2], draws[3]]
-    legacy = TaskStream(tasks, seed=0, epoch=1, index=1, reissue=[draws[2][0]])  # a checkpoint without epochs
-    assert legacy.next_draw() == (draws[2][0], 1)
+    assert [d.epoch for d in draws] == [0, 0, 0, 1, 1, 1, 2] and {d.order for d in draws} == {None}
+    resumed = TaskStream(tasks, seed=0, epoch=1, index=1, reissue=[draws[2].index, draws[3].index],
+                         reissue_epochs=[0, 1], reissue_orders=[3, 4])
+    assert resumed.next_draw() == draws[2]._replace(order=3) and resumed.next_draw() == draws[3]._replace(order=4)
+    assert resumed.next_draw() == draws[4]  # then the cursor's next, with no start order yet
+    legacy = TaskStream(tasks, seed=0, epoch=1, index=1, reissue=[draws[2].index])  # a checkpoint without them
+    assert legacy.next_draw() == (draws[2].index, 1, None)
 
 
 class Flaky:
@@ -180,3 +183,28 @@ def test_the_trainer_seeds_each_episode_by_its_coordinates(tmp_path, policy_dir)
             await engine.shutdown()
 
     assert [asyncio.run(resample(s)) for s in firsts] == [s["response"] for s in firsts]
+
+
+def test_a_resumed_sync_run_trains_on_the_uninterrupted_runs_samples(tmp_path, policy_dir):
+    """Stopped at step 2 and resumed: the same samples, step for step, in the same groups
+    and order; weights within float noise. The groups of step 3 were generated or in
+    flight at the checkpoint (timing); any generated one is turned into an in-flight one
+    here, so the resume always re-issues them: with their seeds and their start order.
+    (The first row after the resume counts no finished episodes: what it trains on was
+    started before the checkpoint.)"""
+    whole = run(tmp_path, policy_dir, "whole", "mode=sync", "partial_rollout=off")
+    run(tmp_path, policy_dir, "parts", "mode=sync", "partial_rollout=off", "total_steps=2")
+    state_file = tmp_path / "parts" / "checkpoints" / "step_2" / "run_state.json"
+    state = json.loads(state_file.read_text())
+    cfg = load_config("examples/countdown/async.yaml", ["task.num_train=64", "task.num_validation=8"])
+    index = {t.id: i for i, t in enumerate(build_tasks(cfg).train)}
+    for g in state.pop("buffered"):
+        state["reissue"].append(index[g["group"]["task_id"]])
+        state["reissue_epochs"].append(0)
+        state["reissue_orders"].append(g["start_order"])
+        state["counters"]["groups_accepted"] -= 1  # not finished, so not counted yet
+    state_file.write_text(json.dumps({**state, "buffered": []}))
+    assert state["reissue"]
+    resumed = run(tmp_path, policy_dir, "parts", "mode=sync", "partial_rollout=off", "resume=true")
+    since_last_step = ("rollout/reward_mean", "rollout/episodes")
+    assert same_run(whole, resumed, [k for k in METRIC_KEYS if k not in since_last_step]) <= WEIGHT_ATOL

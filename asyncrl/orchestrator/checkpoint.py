@@ -7,7 +7,8 @@ what makes a resume one consistent history:
 
 - the data cursor (epoch, index in the epoch's order) and the tasks that were handed
   out but whose groups had not finished: they are re-issued first after a resume, so
-  every task is consumed once per epoch across the interruption;
+  every task is consumed once per epoch across the interruption, each with the epoch it
+  was drawn in (its episodes' seeds) and its start order (its place in a batch);
 - the groups generated but not yet trained (the buffer), saved whole: nothing
   generated before the checkpoint is lost;
 - counters and the wall time so far, so metrics continue where they stopped.
@@ -47,6 +48,7 @@ class RunState:
     counters: dict[str, int] = field(default_factory=dict)
     stale_dropped: int = 0
     reissue_epochs: list[int] = field(default_factory=list)  # the epoch each reissued task was drawn in (its seeds)
+    reissue_orders: list[int | None] = field(default_factory=list)  # and its start order (it keeps its place)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -16,7 +16,7 @@ from asyncrl.config import Config
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import RunState
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
-from asyncrl.orchestrator.task_stream import TaskStream
+from asyncrl.orchestrator.task_stream import Draw, TaskStream
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RolloutHandle
 from asyncrl.tasks.base import Task
@@ -30,10 +30,10 @@ class RolloutLoop:
         self.cfg, self.tasks, self.watchdog = cfg, tasks, watchdog
         eta = cfg.effective_max_staleness
         gate = StalenessGate(eta, cfg.batch_size, version)
-        self.started = 0  # groups admitted so far: the start order of the next is started + 1
-        self.in_flight: dict[int, tuple[int, int]] = {}  # start order -> (task index, draw), until done
+        self.started = 0  # groups admitted so far: the start order of the next fresh one is started + 1
+        self.in_flight: dict[int, Draw] = {}  # start order -> its draw, until the group is done
         self.finished_rewards: list[float] = []  # every episode's since the last step, filtered ones too
-        if state is not None:  # consumed and saved groups hold quota; re-issued tasks start afresh
+        if state is not None:  # consumed and saved groups hold quota; re-issued tasks start again
             groups = state.ready_groups()
             accepted = state.step * cfg.batch_size + len(groups)
             gate = StalenessGate.from_snapshot({**gate.snapshot(), "accepted": accepted, "running": 0})
@@ -45,7 +45,8 @@ class RolloutLoop:
         else:
             self.buffer.restore(groups)
             self.buffer.stale_dropped = state.stale_dropped
-            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue, state.reissue_epochs)
+            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue, state.reissue_epochs,
+                                     state.reissue_orders)
 
     async def run(self, rollout: RolloutHandle, now: Callable[[], float], on_episode: Callable[[Episode], None],
                   on_generated: Callable[[float, float, int], None]) -> None:
@@ -54,16 +55,18 @@ class RolloutLoop:
         async with asyncio.TaskGroup() as tg:
             while True:
                 await self.gate.acquire()
-                self.started += 1
-                index, draw = self.stream.next_draw()
-                self.in_flight[self.started] = index, draw
-                tg.create_task(self._group(rollout, self.tasks[index], draw, self.started, now, on_episode,
+                draw = self.stream.next_draw()
+                if draw.order is None:  # a fresh one; a re-issued one keeps its place in the start order
+                    self.started += 1
+                    draw = draw._replace(order=self.started)
+                self.in_flight[draw.order] = draw
+                tg.create_task(self._group(rollout, self.tasks[draw.index], draw.epoch, draw.order, now, on_episode,
                                            on_generated))
 
-    async def _group(self, rollout: RolloutHandle, task: Task, draw: int, start_order: int, now: Callable[[], float],
+    async def _group(self, rollout: RolloutHandle, task: Task, epoch: int, start_order: int, now: Callable[[], float],
                      on_episode: Callable[[Episode], None], on_generated: Callable[[float, float, int], None]) -> None:
         started = now()
-        episodes = await rollout.run_group(task, self.cfg.group_size, draw)
+        episodes = await rollout.run_group(task, self.cfg.group_size, epoch)
         on_generated(started, now(), start_order)
         for episode in episodes:
             on_episode(episode)
@@ -90,7 +93,8 @@ class RolloutLoop:
         buffered = self.buffer.snapshot()
         in_buffer = {g.start_order for g in buffered}
         unfinished = [draw for order, draw in sorted(self.in_flight.items()) if order not in in_buffer]
-        reissue = list(self.stream.reissue) + unfinished  # (task index, draw)
+        reissue = list(self.stream.reissue) + unfinished
         return {"started": self.started, "epoch": self.stream.epoch, "index": self.stream.index,
-                "reissue": [i for i, _ in reissue], "reissue_epochs": [draw for _, draw in reissue],
-                "buffered": RunState.encode_groups(buffered), "stale_dropped": self.buffer.stale_dropped}
+                "reissue": [d.index for d in reissue], "reissue_epochs": [d.epoch for d in reissue],
+                "reissue_orders": [d.order for d in reissue], "buffered": RunState.encode_groups(buffered),
+                "stale_dropped": self.buffer.stale_dropped}

@@ -4,24 +4,42 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from typing import NamedTuple
 
 from asyncrl.tasks.base import Task
 
 
+class Draw(NamedTuple):
+    """One hand-out of a task."""
+
+    index: int
+    """The task's index in the train split."""
+    epoch: int
+    """The epoch it was drawn in: part of its episodes' seeds (``asyncrl/seeding.py``)."""
+    order: int | None = None
+    """Its start order, once it has one: a task re-issued after a resume keeps its place,
+    so batches are assembled as they would have been without the interruption."""
+
+
 class TaskStream:
     """Train tasks in a fresh seeded order each epoch. The cursor (epoch, index) and the
-    tasks to re-issue (handed out before a resume, never finished, with the epoch each was
-    drawn in) are what a resume needs."""
+    tasks to re-issue (handed out before a resume, never finished, each with its epoch and
+    start order) are what a resume needs."""
 
     def __init__(self, tasks: list[Task], seed: int, epoch: int = 0, index: int = 0,
-                 reissue: list[int] | None = None, reissue_epochs: list[int] | None = None) -> None:
-        """``reissue_epochs``: the draw (epoch) of each ``reissue`` entry; a checkpoint from
-        before they were saved has none, and its entries count as drawn in ``epoch``."""
+                 reissue: list[int] | None = None, reissue_epochs: list[int] | None = None,
+                 reissue_orders: list[int] | None = None) -> None:
+        """``reissue_epochs``/``reissue_orders``: the epoch and start order of each
+        ``reissue`` entry; a checkpoint from before they were saved has none, and its
+        entries count as drawn in ``epoch`` and start afresh."""
         self.tasks, self.seed = tasks, seed
         self.epoch, self.index = epoch, index
         reissue = list(reissue or [])
-        draws = list(reissue_epochs or [])[:len(reissue)]
-        self.reissue: deque[tuple[int, int]] = deque(zip(reissue, draws + [epoch] * (len(reissue) - len(draws))))
+        epochs = list(reissue_epochs or [])[:len(reissue)]
+        orders = list(reissue_orders or [])[:len(reissue)]
+        epochs += [epoch] * (len(reissue) - len(epochs))
+        orders += [None] * (len(reissue) - len(orders))
+        self.reissue: deque[Draw] = deque(Draw(*d) for d in zip(reissue, epochs, orders))
         self._order = self._shuffled()
 
     def _shuffled(self) -> list[int]:
@@ -34,18 +52,19 @@ class TaskStream:
         """Epochs whose every task has been handed out (some may still be in flight)."""
         return self.epoch + (self.index == len(self._order))
 
-    def next_draw(self) -> tuple[int, int]:
-        """(task index, the epoch it is drawn in): re-issued tasks first, with their own epoch."""
+    def next_draw(self) -> Draw:
+        """Re-issued tasks first, with their own epoch and start order; then the epoch's
+        next task (no start order yet)."""
         if self.reissue:
             return self.reissue.popleft()
         if self.index == len(self._order):
             self.epoch, self.index = self.epoch + 1, 0
             self._order = self._shuffled()
         self.index += 1
-        return self._order[self.index - 1], self.epoch
+        return Draw(self._order[self.index - 1], self.epoch)
 
     def next_index(self) -> int:
-        return self.next_draw()[0]
+        return self.next_draw().index
 
     def next(self) -> Task:
         return self.tasks[self.next_index()]
