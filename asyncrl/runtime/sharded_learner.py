@@ -20,6 +20,7 @@ handle (``ray_runtime.RayShardedLearner``) drives the same :class:`RankWorker` a
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import multiprocessing
 import os
@@ -57,7 +58,7 @@ class LearnerRankError(RuntimeError):
         self.rank = rank
 
 
-class RankCalls:
+class RankCalls(abc.ABC):
     """What both sharded handles do alike, on top of their :meth:`call` (``method`` on
     every rank, in rank order, each rank's value): the weight-sync part of
     ``LearnerHandle``. Under ``weight_sync.method=collective`` learner rank 0 is the
@@ -66,8 +67,9 @@ class RankCalls:
     ranks return once gathered. Errors name the rank at fault: a rollout worker missing
     from the weight-sync group comes back in rank 0's error, named."""
 
+    @abc.abstractmethod
     async def call(self, method: str, *args: Any) -> list[Any]:
-        raise NotImplementedError
+        """``method`` on every rank, in rank order; each rank's return value."""
 
     async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
                                backend: str) -> SyncAddress:
