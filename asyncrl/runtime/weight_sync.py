@@ -353,12 +353,23 @@ def check_served(version: int, served: list[int]) -> None:
         raise WeightSyncError(f"after the weight sync of version {version}: {'; '.join(wrong)}")
 
 
+_SENDER_GRACE_S = 5.0
+
+
 async def _all_or_first_failure(*calls: Awaitable[T]) -> list[T]:
     """Every result, or the first exception as soon as it happens: the sender failing
-    (naming a missing rank) must not wait for receivers that wait for that rank."""
+    (naming a missing rank) must not wait for receivers that wait for that rank.
+
+    The sender (the first call) is preferred: when it fails it drops the store, so a
+    receiver's "lost the store" can arrive first (the learner's own error travels through
+    its process or actor). A receiver's failure therefore waits up to ``_SENDER_GRACE_S``
+    for the sender's, which names the culprit."""
     tasks = [asyncio.ensure_future(c) for c in calls]
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        if pending and tasks[0] in pending and any(t.exception() is not None for t in done):
+            await asyncio.wait([tasks[0]], timeout=_SENDER_GRACE_S)
+            done = {t for t in tasks if t.done()}
         for task in tasks:
             if task in done and task.exception() is not None:
                 raise task.exception()
