@@ -127,6 +127,9 @@ class AlgorithmConfig(Section):
     """C: the truncated importance weight min(π_prox / μ, C)."""
     bypass: bool = False
     """Skip the proximal recompute: π_prox := μ (plain PPO against the behavior policy)."""
+    is_correction: bool = True
+    """Weigh each token by the truncated importance weight min(π_prox / μ, C). ``false``:
+    w = 1, stale tokens trained as if on-policy (the naive baseline of ``bench staleness``)."""
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL to the frozen initial policy; 0 = no reference model."""

@@ -252,3 +252,17 @@ def test_module_function_names_a_user_estimator():
     # a user's function, named module:function in the config, with no registration
     out = compute_advantages("asyncrl.algorithms.advantages:dr_grpo", torch.tensor([[1.0, 0.0]]))
     assert out.tolist() == [[0.5, -0.5]]
+
+
+def test_naive_objective_drops_the_importance_weight_but_reports_it():
+    logprobs, behavior, adv, mask, prox = ppo_inputs()
+    loss, m = policy_loss(logprobs, behavior, adv, mask, proximal_logprobs=prox, is_correction=False)
+    # as test_decoupled_ppo_by_hand with w = 1: (1,0) −min(2, 2) = −2; (1,1) −min(−1.2, −1.2) = +1.2
+    close(loss, (-1.1 - 1.28 + 0.8 - 2.0 + 1.2 + 1.5) / 6)
+    loss.backward()
+    close(logprobs.grad, [[-1.1 / 6, 0.0, 0.0], [-2.0 / 6, 1.2 / 6, 1.5 / 6]])
+    # the weights it did not apply are still described: truncated mean, raw moments
+    close(m["is_weight_mean"], 1.25)
+    close(m["is_raw_weight_mean"], (1 + 1 + 1 + 3 + 1.5 + 1) / 6)
+    close(m["is_raw_weight_sq_mean"], (1 + 1 + 1 + 9 + 2.25 + 1) / 6)
+

@@ -99,6 +99,7 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.28,
     is_cap: float = 2.0,
+    is_correction: bool = True,
     aggregation: str = "token_mean",
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO: ``L_t = − w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``.
@@ -111,12 +112,19 @@ def policy_loss(
       token is outside the trust region on the side its advantage pushes, so its gradient
       is zero (r > 1 + clip_high with A > 0, or r < 1 − clip_low with A < 0);
     - ``is_weight_mean``, ``is_truncated_fraction`` (π_prox/μ > is_cap), ``ratio_mean``;
+    - ``is_raw_weight_mean`` and ``is_raw_weight_sq_mean``, the first two moments of the
+      untruncated π_prox/μ, from which the learner reports the effective sample size
+      ``(E w)² / E w²`` (1 on policy, towards 0 as μ drifts from π_prox);
     - ``approx_kl``: k3 estimate of KL(π_θ ‖ π_prox), ``kl_k3(logprobs, π_prox)``: never
       negative, unlike the plain mean of ``log π_prox − log π_θ``.
 
     ``proximal_logprobs=None`` is bypass mode (no recompute pass): π_prox := μ and w = 1,
-    which is exactly PPO against the behavior logprobs. The upper clip is wider than the
-    lower one (DAPO's clip-higher) so low-probability tokens can still grow.
+    which is exactly PPO against the behavior logprobs. ``is_correction=False`` keeps
+    π_prox but applies no weight (w = 1): stale tokens are trained as if π_prox had
+    sampled them — the naive baseline that ``asyncrl bench staleness`` measures the
+    correction against (the IS metrics still describe the weights it did not apply). The
+    upper clip is wider than the lower one (DAPO's clip-higher) so low-probability
+    tokens can still grow.
     """
     if not is_cap > 0:
         raise ValueError(f"is_cap must be a positive float, got {is_cap!r}")
@@ -137,7 +145,8 @@ def policy_loss(
     else:
         proximal = clean(proximal_logprobs.detach())
         raw_weight = torch.exp(proximal - behavior)
-    weight = raw_weight.clamp(max=is_cap)  # detached: its inputs are
+    truncated = raw_weight.clamp(max=is_cap)  # detached: its inputs are
+    weight = truncated if is_correction else torch.ones_like(truncated)
 
     ratio = torch.exp(logprobs - proximal)  # (B, T)
     unclipped = ratio * advantages
@@ -147,8 +156,10 @@ def policy_loss(
     with torch.no_grad():
         metrics = {
             "clip_fraction": (clipped < unclipped).to(logprobs.dtype),
-            "is_weight_mean": weight,
+            "is_weight_mean": truncated,
             "is_truncated_fraction": (raw_weight > is_cap).to(logprobs.dtype),
+            "is_raw_weight_mean": clean(raw_weight),
+            "is_raw_weight_sq_mean": clean(raw_weight.square()),
             "ratio_mean": ratio,
             "approx_kl": kl_k3(logprobs, proximal),
         }

@@ -55,6 +55,10 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         from asyncrl.bench.sync import run_sync_bench
 
         result = run_sync_bench(overrides)
+    elif suite == "staleness":
+        from asyncrl.bench.staleness import run_staleness_bench
+
+        result = run_staleness_bench(overrides, out_dir)
     elif suite == "trl":
         try:
             from asyncrl.bench.trl import run_trl_bench
@@ -62,7 +66,7 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
             raise ConfigError(f"bench trl needs TRL: pip install -e '.[bench]' ({exc})") from None
         result = run_trl_bench(overrides, out_dir)
     else:
-        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl")
+        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, staleness")
     result["machine"] = machine()
     write_result(result, out_dir)
     return result

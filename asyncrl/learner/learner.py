@@ -176,6 +176,8 @@ class Learner:
             sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
         self.version += 1
         out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
+        if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
+            out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
         out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
                     "actor/tokens": float(batch_counts[0]), "actor/optimizer_steps": float(len(steps))})
         return out
@@ -201,7 +203,8 @@ class Learner:
                 logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
                 proximal_logprobs=None if proximal is None else rows(proximal),
                 clip_low=self.algorithm.clip_low, clip_high=self.algorithm.clip_high,
-                is_cap=self.algorithm.is_cap, aggregation=self.algorithm.aggregation)
+                is_cap=self.algorithm.is_cap, is_correction=self.algorithm.is_correction,
+                aggregation=self.algorithm.aggregation)
             ours = {"entropy": aggregate(entropy, part.loss_mask, self.algorithm.aggregation)}
             if reference is not None:
                 kl = aggregate(kl_k3(logprobs, rows(reference)), part.loss_mask, self.algorithm.aggregation)

@@ -1,0 +1,292 @@
+"""``asyncrl bench staleness``: what staleness does to learning, AReaL's table at CPU scale.
+
+Rows: maximum staleness η × objective, several seeds each, every run the same policy,
+task, batch and learning rate; per row the final held-out reward with a 95 % confidence
+interval over seeds, the held-out gain per sample consumed, wall time, the staleness the
+learner actually saw (mean, max, histogram) and the importance weights π_prox/μ (mean
+after truncation, truncated fraction, effective sample size). The objectives:
+
+- ``decoupled``: decoupled PPO, trust region against π_prox, truncated IS weight
+  min(π_prox/μ, C) against staleness (the default);
+- ``bypass``: no recompute, PPO against μ itself (π_prox := μ, w = 1);
+- ``naive``: π_prox recomputed but no IS weight (w = 1): stale tokens trained as if the
+  current policy had sampled them.
+
+At η = 0 every token is on-policy and the three are the same update, so η = 0 runs once
+per seed and its row is shared by the three objectives (``shared_with``).
+
+The workload, and why: the Countdown policy gains ~0.07 in five minutes, too little to
+separate curves in a CPU budget. Here a 50k-parameter policy is first taught two-operand
+addition ``a+b=`` (a, b ≤ 19) with ``label_noise`` of its labels replaced by random
+numbers, so it answers right about a third of the time (held-out reward 0.31 at T = 1)
+while the right answer is its single most likely one; RL has the rest to gain by
+concentrating on it, and a synchronous run gains ~0.2 held-out in 300 steps (~15 s
+here). Higher learning rates make it unstable even on-policy (1e-3 rose to 0.42, then
+fell back to 0.31; 3e-3 collapsed to a constant answer), so the default is 5e-4. The warm-up saw every prompt (it plays the pretrained
+model); RL trains on the task's train split and is scored on its validation prompts.
+Responses are two or three tokens, so generation easily outruns the learner and an
+asynchronous run actually consumes trajectories η versions old (``staleness_hist``).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from asyncrl.bench.progress import phase
+from asyncrl.config import Section, apply_overrides, load_config, validate
+from asyncrl.jsonl import read_jsonl
+from asyncrl.orchestrator.staleness import trajectory_staleness
+from asyncrl.orchestrator.trainer import Trainer
+from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
+from asyncrl.tiny.sft import IGNORE_INDEX, train_examples
+
+Objective = Literal["decoupled", "bypass", "naive"]
+OBJECTIVE_KEYS: dict[str, list[str]] = {
+    "decoupled": ["algorithm.bypass=false", "algorithm.is_correction=true"],
+    "bypass": ["algorithm.bypass=true"],
+    "naive": ["algorithm.bypass=false", "algorithm.is_correction=false"],
+}
+# two-sided 95 % Student t quantiles by degrees of freedom (n seeds - 1)
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+
+
+class StalenessBenchSettings(Section):
+    etas: list[int] = [0, 1, 2, 4, 8]
+    objectives: list[Objective] = ["decoupled", "bypass", "naive"]
+    seeds: int = Field(3, ge=1)
+    steps: int = Field(300, ge=1)
+    batch_size: int = Field(8, ge=1)
+    group_size: int = Field(8, ge=2)
+    lr: float = Field(5e-4, gt=0)
+    eval_every: int = Field(60, ge=1)
+    eval_tasks: int = Field(48, ge=1)
+    eval_samples: int = Field(8, ge=1)
+    max_operand: int = Field(19, ge=1)
+    label_noise: float = Field(0.45, ge=0, le=1)
+    warmup_steps: int = Field(2500, ge=1)
+    hidden_size: int = Field(64, ge=8)
+    policy: str | None = None
+    """A warm-up made by an earlier run of this bench (its ``policy/``), to skip making it."""
+    threads: int = Field(1, ge=1)
+    """torch threads of the engine and of the learner (2 on a 2-core machine: they overlap)."""
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def make_base_policy(s: StalenessBenchSettings, path: Path) -> dict[str, Any]:
+    """Teach a tiny policy ``a+b=`` with noisy labels; saves an HF directory at ``path``."""
+    tokenizer = build_char_tokenizer()
+    model, tokenizer = build_tiny_model(tokenizer, seed=0, hidden_size=s.hidden_size, num_layers=2,
+                                        intermediate_size=2 * s.hidden_size, max_position_embeddings=32)
+    rng = random.Random("asyncrl-bench-staleness")
+    eos, top = tokenizer.eos_token_id, 2 * s.max_operand
+    examples = []
+    for _ in range(20):  # each prompt 20 times, each with its own draw of the noise
+        for a in range(s.max_operand + 1):
+            for b in range(s.max_operand + 1):
+                prompt = tokenizer.encode(f"{a}+{b}=", add_special_tokens=False)
+                label = a + b if rng.random() >= s.label_noise else rng.randint(0, top)
+                answer = tokenizer.encode(str(label), add_special_tokens=False) + [eos]
+                examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        history = train_examples(model, examples, tokenizer.pad_token_id, steps=s.warmup_steps, time_budget_s=None,
+                                 batch_size=64, lr=5e-3, warmup_steps=20, seed=0, log_every=0, desc="warm-up")
+    save_tiny_policy(model, tokenizer, path)
+    return {"params": sum(p.numel() for p in model.parameters()), "steps": history["steps"],
+            "final_loss": history["final_loss_ema"], "wall_time_s": history["wall_time_s"]}
+
+
+def run_config(s: StalenessBenchSettings, policy: Path, out: Path, eta: int, objective: str, seed: int) -> Any:
+    return load_config(None, [
+        f"output_dir={out}", f"seed={seed}", f"model.path={policy}", "task.name=arithmetic",
+        f"task.options={{low: 0, high: {s.max_operand}}}", f"task.num_train={s.steps * s.batch_size}",
+        f"task.num_validation={s.eval_tasks}", "workflow.use_chat_template=false",
+        "mode=async", f"max_staleness={eta}", "partial_rollout=off", f"total_steps={s.steps}",
+        f"batch_size={s.batch_size}", f"group_size={s.group_size}", f"eval_every={s.eval_every}",
+        f"eval.num_tasks={s.eval_tasks}", f"eval.samples_per_task={s.eval_samples}", "sampling.max_tokens=4",
+        f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false", "algorithm.advantage=grpo",
+        f"rollout.num_threads={s.threads}", f"rollout.learner_threads={s.threads}",
+        *OBJECTIVE_KEYS[objective],
+    ])
+
+
+# ----------------------------------------------------------------------------- one run, one row
+
+
+def summarise_run(run_dir: Path) -> dict[str, Any]:
+    """A run's held-out curve against samples consumed, staleness, IS weights, wall time."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    per_step: dict[int, int] = {}
+    for sample in samples:
+        per_step[sample["step"]] = per_step.get(sample["step"], 0) + 1
+    consumed, curve = 0, []
+    for row in rows:
+        consumed += per_step.get(row["step"], 0)
+        if "eval/reward_mean" in row:
+            curve.append((consumed, row["eval/reward_mean"]))
+    staleness = [trajectory_staleness(x["trained_version"], x["behavior_version_min"]) for x in samples]
+    trained = [r for r in rows if r["step"] > 0]
+
+    def mean_of(key: str) -> float | None:
+        values = [r[key] for r in trained if r.get(key) is not None and math.isfinite(r[key])]
+        return statistics.mean(values) if values else None
+
+    return {
+        "curve": curve, "start_reward": curve[0][1], "final_reward": curve[-1][1], "samples": len(samples),
+        "wall_s": trained[-1]["time/elapsed"] - trained[0]["time/elapsed"] + trained[0]["time/step"],
+        "staleness_mean": statistics.mean(staleness), "staleness_max": max(staleness),
+        "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
+        "is_weight_mean": mean_of("actor/is_weight_mean"),
+        "is_truncated_fraction": mean_of("actor/is_truncated_fraction"), "ess": mean_of("actor/is_ess"),
+        "entropy_final": trained[-1].get("actor/entropy"),
+    }
+
+
+def ci95(values: list[float]) -> float:
+    """Half-width of the 95 % confidence interval of the mean (Student t); 0 for one value."""
+    if len(values) < 2:
+        return 0.0
+    return _T95.get(len(values) - 1, 1.96) * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def summarise_row(eta: int, objective: str, runs: list[dict[str, Any]], *, bypass: bool) -> dict[str, Any]:
+    """One table row from its seeds' runs. Bypass has no π_prox, so no IS statistics."""
+    finals = [r["final_reward"] for r in runs]
+    gains = [(r["final_reward"] - r["start_reward"]) / r["samples"] for r in runs]
+    hist: dict[str, int] = {}
+    for r in runs:
+        for k, v in r["staleness_hist"].items():
+            hist[k] = hist.get(k, 0) + v
+
+    def mean(key: str) -> float | None:
+        values = [r[key] for r in runs if r[key] is not None]
+        return statistics.mean(values) if values and not bypass else None
+
+    return {
+        "eta": eta, "objective": objective, "num_seeds": len(runs),
+        "final_reward_mean": statistics.mean(finals), "final_reward_ci95": ci95(finals), "final_rewards": finals,
+        "start_reward": statistics.mean(r["start_reward"] for r in runs),
+        "reward_per_sample": statistics.mean(gains),
+        "wall_s": statistics.mean(r["wall_s"] for r in runs),
+        "staleness_mean": statistics.mean(r["staleness_mean"] for r in runs),
+        "staleness_max": max(r["staleness_max"] for r in runs), "staleness_hist": hist,
+        "is_weight_mean": mean("is_weight_mean"), "is_truncated_fraction": mean("is_truncated_fraction"),
+        "ess": mean("ess"),
+        "curve": _mean_curve([r["curve"] for r in runs]),
+    }
+
+
+def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[float, float]]:
+    """Seeds evaluate at the same steps: average their points position by position."""
+    n = min(len(c) for c in curves)
+    return [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves)) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- the bench
+
+
+def plot_staleness_bench(result: dict[str, Any], path: Path) -> Path:
+    """Held-out reward against samples consumed, one panel per objective, one line per
+    η (mean over seeds); and the staleness histogram the learner saw per η."""
+    from asyncrl.report.figures import FIGURE_DPI, new_figure
+
+    objectives = result["settings"]["objectives"]
+    fig = new_figure(figsize=(4.2 * (len(objectives) + 1), 3.6))
+    axes = fig.subplots(1, len(objectives) + 1, squeeze=False)[0]
+    rows = result["rows"]
+    for ax, objective in zip(axes, objectives):
+        for row in (r for r in rows if r["objective"] == objective):
+            xs, ys = zip(*row["curve"])
+            ax.plot(xs, ys, marker="o", markersize=3, label=f"η={row['eta']}")
+        ax.set_title(f"{objective}: held-out reward")
+        ax.set_xlabel("samples consumed")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    hist_ax = axes[-1]
+    by_eta = {}
+    for row in rows:
+        by_eta.setdefault(row["eta"], {})
+        for k, v in row["staleness_hist"].items():
+            by_eta[row["eta"]][int(k)] = by_eta[row["eta"]].get(int(k), 0) + v
+    width = 0.8 / max(1, len(by_eta))
+    for i, (eta, hist) in enumerate(sorted(by_eta.items())):
+        total = sum(hist.values())
+        ks = sorted(hist)
+        hist_ax.bar([k + i * width for k in ks], [hist[k] / total for k in ks], width=width, label=f"η={eta}")
+    hist_ax.set_title("staleness of trained samples")
+    hist_ax.set_xlabel("versions behind")
+    hist_ax.set_ylabel("fraction")
+    hist_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=FIGURE_DPI)
+    return path
+
+
+def run_staleness_bench(overrides: list[str], out: Path) -> dict[str, Any]:
+    s = validate(StalenessBenchSettings, apply_overrides({}, overrides))
+    out.mkdir(parents=True, exist_ok=True)
+    policy = Path(s.policy) if s.policy else out / "policy"
+    if s.policy:
+        base = {"reused": s.policy}
+    else:
+        with phase("staleness", "warm-up policy (noisy addition)") as progress:
+            base = make_base_policy(s, policy)
+            progress.figure = f"{base['params']:,} params, {base['steps']} steps, loss {base['final_loss']:.3f}"
+    plan = [(eta, objective) for eta in s.etas for objective in ([s.objectives[0]] if eta == 0 else s.objectives)]
+    runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    total = len(plan) * s.seeds
+    done = 0
+    for seed in range(s.seeds):  # seeds outermost: an interrupted bench still has whole seeds of every row
+        for eta, objective in plan:
+            done += 1
+            name = f"eta{eta}_{objective}"
+            with phase("staleness", f"{name} seed {seed} (run {done}/{total})") as progress:
+                run_dir = out / "runs" / name / f"seed{seed}"
+                Trainer(run_config(s, policy, run_dir, eta, objective, seed)).run()
+                summary = summarise_run(run_dir)
+                runs.setdefault((eta, objective), []).append(summary)
+                progress.figure = (f"held-out {summary['start_reward']:.3f} → {summary['final_reward']:.3f}, "
+                                   f"staleness mean {summary['staleness_mean']:.2f} max {summary['staleness_max']}, "
+                                   f"{summary['wall_s']:.1f} s")
+    rows = []
+    for eta, objective in plan:
+        shared = eta == 0
+        for shown in (s.objectives if shared else [objective]):
+            row = summarise_row(eta, shown, runs[(eta, objective)], bypass=shown == "bypass" and not shared)
+            if shared and len(s.objectives) > 1:
+                row["shared_with"] = [o for o in s.objectives if o != shown]
+            rows.append(row)
+    result = {"settings": s.model_dump(), "base_policy": base, "rows": rows,
+              "runs": {f"eta{e}_{o}": v for (e, o), v in runs.items()}}
+    _print_table(result)
+    try:
+        result["figure"] = str(plot_staleness_bench(result, out / "staleness.png"))
+        print(f"figure: {result['figure']}")
+    except ImportError as exc:  # matplotlib is optional
+        print(f"no figure: {exc}")
+    return result
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    print(f"{'η':>3s} {'objective':10s} {'held-out final ± CI95':>22s} {'start':>6s} {'gain/1k samples':>15s} "
+          f"{'wall s':>7s} {'stale mean':>10s} {'max':>4s} {'IS w':>6s} {'trunc':>6s} {'ESS':>6s}")
+    for r in result["rows"]:
+        print(f"{r['eta']:3d} {r['objective']:10s} {r['final_reward_mean']:14.3f} ± {r['final_reward_ci95']:5.3f} "
+              f"{r['start_reward']:6.3f} {1000 * r['reward_per_sample']:15.3f} {r['wall_s']:7.1f} "
+              f"{r['staleness_mean']:10.2f} {r['staleness_max']:4d} {_fmt(r['is_weight_mean'], '6.3f')} "
+              f"{_fmt(r['is_truncated_fraction'], '6.3f')} {_fmt(r['ess'], '6.3f')}")
+    print(f"seeds per row: {result['settings']['seeds']}; η = 0 is on-policy, one run per seed shared by the objectives")
