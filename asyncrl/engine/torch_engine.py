@@ -6,8 +6,9 @@ a ``DynamicCache`` matches ``generate`` and lets sequences join and leave betwee
 
 Layout of the running batch: rows are left-padded to one cache length T; a 2-D attention
 mask hides the padding and explicit position ids keep each row's positions contiguous.
-A newcomer is prefilled on its own, then its cache is left-padded and concatenated to the
-batch; a finished row is dropped with an index-select. All model work happens on one
+Newcomers are prefilled together, then their cache is left-padded and concatenated to the
+batch; a finished row is dropped with an index-select. Newcomers with the same prompt (the
+n samples of a GRPO group) share one prefill (``group_prefill``, see ``_prefill``). All model work happens on one
 engine thread, so asyncio callers never block and the learner can run beside it (torch
 kernels release the GIL).
 """
@@ -19,7 +20,7 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,9 +60,20 @@ class _Batch:
 
 
 @dataclass
+class _Prefill:
+    """Prefilled prompts: per layer (keys, values) of shape (rows, heads, T, head_dim), each
+    row left-padded to T, and each row's last-position logits (rows, vocab)."""
+
+    layers: list[tuple[torch.Tensor, torch.Tensor]]
+    logits: torch.Tensor
+
+
+@dataclass
 class EngineStats:
     steps: int = 0
-    prefills: int = 0
+    prefills: int = 0  # prefill steps (each admits one or more newcomers)
+    prefill_rows: int = 0  # prompts run through the model by those steps
+    prefill_reused: int = 0  # newcomers that forked another's prefill instead
     tokens: int = 0
     busy_s: float = 0.0
 
@@ -76,11 +88,15 @@ def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
 
 
 class TorchEngine:
-    """Continuous-batching engine over a transformers causal LM (CPU or CUDA)."""
+    """Continuous-batching engine over a transformers causal LM (CPU or CUDA).
+
+    ``group_prefill``: prefill a prompt once for all the requests admitted with it, and keep
+    the last ``prefix_cache_size`` prefilled prompts (on the current weights) for requests
+    that come later; ``False`` prefills every request on its own (the reference)."""
 
     def __init__(
         self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,
-        num_threads: int | None = None,
+        num_threads: int | None = None, group_prefill: bool = True, prefix_cache_size: int = 64,
     ) -> None:
         self.model = model.eval()
         self.device = next(model.parameters()).device
@@ -88,6 +104,9 @@ class TorchEngine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = EngineStats()
         self.num_threads = num_threads  # torch's thread count is per OS thread: set on ours
+        self.group_prefill = group_prefill
+        self.prefix_cache_size = prefix_cache_size if group_prefill else 0
+        self._prefixes: OrderedDict[tuple[int, ...], _Prefill] = OrderedDict()  # one row each, no padding
         self._version = version
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ids = itertools.count()
@@ -164,6 +183,7 @@ class TorchEngine:
                 for name, tensor in weights.items():
                     params[name].copy_(tensor, non_blocking=True)
             self._version = version
+            self._prefixes.clear()  # prefilled on the old weights: never fork them again
 
         await self._call(load)
 
@@ -236,6 +256,7 @@ class TorchEngine:
                 settle_threadsafe(loop, future, None, error)
             self._waiting.clear()
             self._batch = None
+            self._prefixes.clear()
 
     def _has_work(self) -> bool:
         return (self._admitting and bool(self._waiting)) or self._batch is not None
@@ -256,19 +277,83 @@ class TorchEngine:
         self.stats.busy_s += time.perf_counter() - start
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        length = max(len(r.prompt_ids) for r in reqs)
-        ids = torch.tensor([[0] * (length - len(r.prompt_ids)) + r.prompt_ids for r in reqs], device=self.device)
+        """Prefill newcomers, sample their first tokens and add them to the running batch.
+
+        Group prefill: the newcomers are keyed by their prompt ids; each distinct prompt not
+        in the prefix cache is run through the model once, and every newcomer gets its own
+        copy of its prompt's KV rows (an index-select) and samples its first token from the
+        shared last-position logits with its own parameters and seed. A prompt's prefill
+        depends on its ids and the weights only, so a fork equals a prefill of its own up
+        to float noise, and after the copy the rows are independent: one fork finishing,
+        aborting or being cancelled leaves the others alone. Off, every request is its own
+        key and nothing is cached or copied: the plain batched prefill.
+        """
+        keys: list[Any] = [tuple(r.prompt_ids) if self.group_prefill else r.id for r in reqs]
+        unique = list(dict.fromkeys(keys))
+        fresh = [k for k in unique if k not in self._prefixes]
+        prompts = {k: r.prompt_ids for k, r in zip(keys, reqs)}
+        sources: list[_Prefill] = []
+        if fresh:
+            block, cache = self._forward_prompts([prompts[k] for k in fresh])
+            sources.append(block)
+        row = {k: i for i, k in enumerate(fresh)}
+        for k in unique:  # cache hits: one row each, after the fresh block
+            if k not in row:
+                row[k] = len(row)
+                sources.append(self._prefixes[k])
+                self._prefixes.move_to_end(k)
+        length = max(len(p) for p in prompts.values())
+        if len(fresh) == len(reqs):  # nothing shared: the forward's own tensors, as they are
+            layers, logits = block.layers, block.logits
+        else:
+            index = torch.tensor([row[k] for k in keys], device=self.device)
+
+            def fork(parts: list[torch.Tensor]) -> torch.Tensor:  # one row per request, in request order
+                return (parts[0] if len(parts) == 1 else torch.cat(parts)).index_select(0, index)
+
+            layers = [tuple(fork([_left_pad(s.layers[i][j], length, -2) for s in sources]) for j in (0, 1))
+                      for i in range(len(sources[0].layers))]
+            logits = fork([s.logits for s in sources])
+            if fresh:
+                for layer, (k, v) in zip(cache.layers, layers):
+                    layer.keys, layer.values = k, v
+            else:
+                cache = DynamicCache(layers, config=self.model.config)
+        if fresh and self.prefix_cache_size:
+            self._remember(fresh, [len(prompts[k]) for k in fresh], block)
+        self.stats.prefill_rows += len(fresh)
+        self.stats.prefill_reused += len(reqs) - len(fresh)
+
         mask = torch.tensor([[0] * (length - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs],
                             device=self.device)
+        positions = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)  # of the next token
+        rows = RowParams([r.sampling for r in reqs], self.device)
+        tokens, logprobs = sample_tokens(logits, rows, self._generator, positions)
+        batch = _Batch(reqs, cache, mask, tokens, positions, rows)
+        self._batch = batch if self._batch is None else self._merge(self._batch, batch)
+        self._postprocess(tokens, logprobs, reqs)
+
+    def _forward_prompts(self, prompts: list[list[int]]) -> tuple[_Prefill, DynamicCache]:
+        length = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
-        rows = RowParams([r.sampling for r in reqs], self.device)
-        tokens, logprobs = sample_tokens(out.logits[:, -1], rows, self._generator, positions[:, -1] + 1)
-        batch = _Batch(reqs, out.past_key_values, mask, tokens, positions[:, -1] + 1, rows)
-        self._batch = batch if self._batch is None else self._merge(self._batch, batch)
-        self._postprocess(tokens, logprobs, reqs)
+        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+        return _Prefill(layers, out.logits[:, -1]), out.past_key_values
+
+    def _remember(self, keys: list[Any], lengths: list[int], block: _Prefill) -> None:
+        """Keep the fresh prompts' rows (copied, unpadded: the block itself is freed) for
+        requests with the same prompt admitted later: a group split over admissions by a full
+        batch or by thread timing. Bounded (oldest use leaves first) and cleared on every
+        weight update, so a fork never mixes weights."""
+        for i, (key, n) in enumerate(zip(keys, lengths)):
+            layers = [(k[i:i + 1, :, -n:].clone(), v[i:i + 1, :, -n:].clone()) for k, v in block.layers]
+            self._prefixes[key] = _Prefill(layers, block.logits[i:i + 1].clone())
+        while len(self._prefixes) > self.prefix_cache_size:
+            self._prefixes.popitem(last=False)
 
     def _decode(self) -> None:
         b = self._batch
