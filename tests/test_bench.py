@@ -92,16 +92,51 @@ def test_bench_rejects_unknown_setting(capsys):
 def test_bench_trl_smoke(tmp_path, capsys):
     pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
     out = tmp_path / "trl"
-    assert main(["bench", "trl", "steps=2", "batch_size=2", "group_size=2", "max_tokens=8", "--out", str(out)]) == 0
+    assert main(["bench", "trl", "steps=2", "batch_size=2", "group_size=2", "max_tokens=8", "eval_every=1",
+                 "eval_tasks=2", "eval_samples=1", "--out", str(out)]) == 0
     result = json.loads((out / "bench.json").read_text())
-    assert set(result["systems"]) == {"trl", "asyncrl_sync", "asyncrl_async"}
-    assert {"sync_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched"} <= set(result)
-    for system in result["systems"].values():
-        assert {"samples_per_s", "wall_s", "final_reward", "time_to_target_s"} <= set(system)
-        assert len(system["curve"]) == 2
+    systems = result["systems"]
+    assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
+    assert {"sync_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched", "target_reward",
+            "target_rule"} <= set(result)
+    start = systems["trl"]["held_out"][0]
+    assert start["step"] == 0 and start["time_s"] == 0.0
+    target = result["target_reward"]
+    assert target == systems["trl"]["held_out"][-1]["reward_mean"]  # the rule: TRL's last checkpoint
+    for system in systems.values():
+        assert {"samples_per_s", "wall_s", "final_reward", "time_to_target_s", "held_out",
+                "final_held_out_reward", "train_curve"} <= set(system)
+        assert len(system["train_curve"]) == 2
+        curve = system["held_out"]
+        assert curve[0] == start  # the start policy, evaluated once and shared
+        assert [p["step"] for p in curve] == [0, 1, 2]
+        times = [p["time_s"] for p in curve]
+        assert times == sorted(times) and times[1] > 0 and times[-1] <= system["wall_s"] + 1e-9
+        assert all(0 <= p["reward_mean"] <= 1 and 0 <= p["pass@1"] <= 1 for p in curve)
+        assert system["final_held_out_reward"] == curve[-1]["reward_mean"]
+        reached = [p["time_s"] for p in curve if p["reward_mean"] >= target - 1e-9]
+        assert system["time_to_target_s"] == (reached[0] if reached else None)
+    assert systems["trl"]["time_to_target_s"] is not None
+    trl_t, async_t = systems["trl"]["time_to_target_s"], systems["asyncrl_async"]["time_to_target_s"]
+    assert result["async_vs_trl_time_to_target"] == (async_t / trl_t if async_t is not None and trl_t else None)
     runs = r"[\d.]+ samples/s, final reward [\d.]+"
+    held = r"[\d.]+ → [\d.]+ → [\d.]+"
     assert_phases(capsys.readouterr().out, "trl", {
-        "trl (run 1/3)": runs, "asyncrl_sync (run 2/3)": runs, "asyncrl_async (run 3/3)": runs})
+        "trl (run 1/3)": runs, "asyncrl_sync (run 2/3)": runs, "asyncrl_async (run 3/3)": runs,
+        "held-out eval: start policy": r"reward [\d.]+, pass@1 [\d.]+",
+        "held-out eval: trl (2 checkpoints)": held, "held-out eval: asyncrl_sync (2 checkpoints)": held,
+        "held-out eval: asyncrl_async (2 checkpoints)": held})
+
+
+def test_bench_trl_checkpoints_and_time_to_target():
+    from asyncrl.bench.trl import TrlBenchSettings, checkpoint_steps, time_to_target
+
+    assert checkpoint_steps(TrlBenchSettings(steps=25, eval_every=10)) == [10, 20, 25]
+    assert checkpoint_steps(TrlBenchSettings(steps=20, eval_every=10)) == [10, 20]
+    curve = [{"step": 0, "time_s": 0.0, "reward_mean": 0.3}, {"step": 10, "time_s": 2.0, "reward_mean": 0.5},
+             {"step": 20, "time_s": 4.0, "reward_mean": 0.45}]
+    assert time_to_target(curve, 0.45) == 2.0 and time_to_target(curve, 0.3) == 0.0
+    assert time_to_target(curve, 0.6) is None
 
 
 def test_bench_gateway_smoke(tmp_path, capsys, policy_dir):

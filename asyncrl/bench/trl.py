@@ -9,6 +9,22 @@ loss aggregation, no zero-variance filtering. Not matched, and why: TRL generate
 ``model.generate`` in the training process (asyncrl uses its own engine — that is what
 is being compared); TRL computes the old-policy logprobs itself while asyncrl uses the
 engine's behavior logprobs with a truncated importance weight.
+
+Held-out time-to-target. Each system saves a Hugging Face checkpoint every ``eval_every``
+steps and at its last step (asyncrl: ``save_every``; TRL: a callback calling
+``save_pretrained``), stamped with the training wall time at which it was taken. After
+all three runs, every checkpoint, and the start policy once (step 0, time 0, shared by
+all three), is scored by the same evaluator: ``asyncrl eval``'s ``run_eval`` on the
+Countdown validation split (the first ``eval_tasks`` tasks, ``eval_samples`` samples
+each, the evaluator's temperature, ``max_tokens``; per-sample seeds, so every checkpoint
+sees the same draws). Evaluation runs after training, so it slows none of the clocks.
+Saving does run inside them; its time is measured per save and subtracted from every
+later time stamp and from ``wall_s`` (``save_s`` in ``bench.json``: tens of ms per save
+for the shipped model). Target rule (``target_rule``): the held-out reward of TRL's last
+checkpoint; a system's ``time_to_target_s`` is the time stamp of its first checkpoint
+(step 0 included) whose held-out reward reaches it, ``None`` if none does. The training
+reward curve, smoothed over ``smooth`` steps, stays in ``train_curve`` and
+``final_reward``.
 """
 
 from __future__ import annotations
@@ -23,11 +39,15 @@ from pydantic import Field
 from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
+from asyncrl.orchestrator.evaluator import run_eval
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tasks import countdown_reward
 from asyncrl.tasks.base import Task
 from asyncrl.workflows.registry import build_tasks
+
+SYSTEMS = ("trl", "asyncrl_sync", "asyncrl_async")
+TARGET_RULE = "held-out reward of TRL's last checkpoint (step = steps)"
 
 
 class TrlBenchSettings(Section):
@@ -39,31 +59,79 @@ class TrlBenchSettings(Section):
     max_tokens: int = Field(24, ge=1)
     smooth: int = Field(5, ge=1)
     seed: int = 0
+    eval_every: int = Field(10, ge=1)
+    """Steps between checkpoints scored on held-out tasks (the last step always is)."""
+    eval_tasks: int = Field(128, ge=1)
+    """Countdown validation tasks per held-out evaluation (the first N of the split)."""
+    eval_samples: int = Field(2, ge=1)
+    """Samples per validation task."""
+
+
+class Run:
+    """One system's training: its reward curve and its checkpoints, on a clock that starts
+    at the first step and excludes the time spent saving."""
+
+    def __init__(self) -> None:
+        self.train_curve: list[tuple[float, float]] = []  # (time s, training reward) per step
+        self.checkpoints: list[tuple[int, float, Path]] = []  # (step, time s, HF model directory)
+        self.save_s = 0.0  # time spent saving inside the clock (subtracted from it)
+        self.wall_s = 0.0
+
+
+def checkpoint_steps(s: TrlBenchSettings) -> list[int]:
+    return sorted({*range(s.eval_every, s.steps + 1, s.eval_every), s.steps})
 
 
 def _smoothed(curve: list[tuple[float, float]], k: int) -> list[tuple[float, float]]:
     return [(t, statistics.mean(r for _, r in curve[max(0, i - k + 1):i + 1])) for i, (t, _) in enumerate(curve)]
 
 
-def _time_to(curve: list[tuple[float, float]], target: float) -> float | None:
-    return next((t for t, r in curve if r >= target - 1e-9), None)
+def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | None:
+    """The time of the first checkpoint, in step order, whose held-out reward reaches ``target``."""
+    return next((p["time_s"] for p in sorted(held_out, key=lambda p: p["step"])
+                 if p["reward_mean"] >= target - 1e-9), None)
 
 
-def _asyncrl_curve(s: TrlBenchSettings, out: Path, mode: str) -> list[tuple[float, float]]:
+class _TimedSaves(Trainer):
+    """The trainer, recording how long each checkpoint save takes."""
+
+    saves: dict[int, float]
+
+    async def _save(self, step: int) -> None:
+        start = time.perf_counter()
+        await super()._save(step)
+        self.saves[step] = time.perf_counter() - start
+
+
+def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
+    steps = checkpoint_steps(s)
     cfg = load_config(None, [
         f"output_dir={out}", f"seed={s.seed}", f"model.path={s.model_path}", "task.name=countdown",
         f"mode={mode}", "max_staleness=2", f"partial_rollout={'abort' if mode == 'async' else 'off'}",
         f"total_steps={s.steps}", f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0",
         "eval.num_tasks=8", "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}",
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
+        f"save_every={s.eval_every}", f"keep_last={len(steps) + 1}",
     ])
-    Trainer(cfg).run()
-    rows = read_jsonl(out / "metrics.jsonl")[1:]
+    trainer = _TimedSaves(cfg)
+    trainer.saves = {}
+    trainer.run()
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]  # the step rows
     t0 = rows[0]["time/elapsed"] - rows[0]["time/step"]  # the first step's start
-    return [(r["time/elapsed"] - t0, r["reward/mean"]) for r in rows]
+
+    def clock(row: dict[str, Any]) -> float:  # saves after earlier steps fall inside this step's time
+        return row["time/elapsed"] - t0 - sum(d for k, d in trainer.saves.items() if k < row["step"])
+
+    run = Run()
+    run.train_curve = [(clock(r), r["reward/mean"]) for r in rows]
+    at = {r["step"]: clock(r) for r in rows}
+    run.checkpoints = [(k, at[k], out / "checkpoints" / f"step_{k}") for k in steps]
+    run.save_s = sum(d for k, d in trainer.saves.items() if k < s.steps)
+    run.wall_s = run.train_curve[-1][0]
+    return run
 
 
-def _trl_curve(s: TrlBenchSettings, out: Path) -> list[tuple[float, float]]:
+def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -78,16 +146,27 @@ def _trl_curve(s: TrlBenchSettings, out: Path) -> list[tuple[float, float]]:
         return [countdown_reward(Task("trl", "", {"numbers": n, "target": g}), c[0]["content"])
                 for c, n, g in zip(completions, numbers, target)]
 
-    curve: list[tuple[float, float]] = []
+    run, due = Run(), set(checkpoint_steps(s))
 
     class Clock(TrainerCallback):
+        """Starts at the first step; saves at the checkpoint steps, off the clock."""
+
         def on_step_begin(self, args, state, control, **kwargs):
             if not hasattr(self, "t0"):
                 self.t0 = time.perf_counter()
 
+        def on_step_end(self, args, state, control, model=None, processing_class=None, **kwargs):
+            if state.global_step in due:  # on_step_end comes before the step's on_log
+                start = time.perf_counter()
+                path = out / "checkpoints" / f"step_{state.global_step}"
+                model.save_pretrained(path)
+                processing_class.save_pretrained(path)
+                run.checkpoints.append((state.global_step, start - self.t0 - run.save_s, path))
+                run.save_s += time.perf_counter() - start
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "reward" in logs:
-                curve.append((time.perf_counter() - self.t0, float(logs["reward"])))
+                run.train_curve.append((time.perf_counter() - self.t0 - run.save_s, float(logs["reward"])))
 
     args = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=s.batch_size * s.group_size,
@@ -99,40 +178,89 @@ def _trl_curve(s: TrlBenchSettings, out: Path) -> list[tuple[float, float]]:
     trainer = GRPOTrainer(model=s.model_path, reward_funcs=reward, args=args, train_dataset=data,
                           processing_class=AutoTokenizer.from_pretrained(s.model_path), callbacks=[Clock()])
     trainer.train()
-    return curve
+    run.wall_s = run.train_curve[-1][0]  # the last save came before the last log: already off the clock
+    return run
+
+
+def held_out_eval(s: TrlBenchSettings, model_dir: Path, out: Path) -> dict[str, float]:
+    """``asyncrl eval``'s evaluation of ``model_dir`` (written to ``out``): mean reward and pass@1."""
+    cfg = load_config(None, [
+        f"output_dir={out}", f"seed={s.seed}", f"model.path={model_dir}", "task.name=countdown",
+        f"task.num_validation={max(s.eval_tasks, 128)}", f"eval.num_tasks={s.eval_tasks}",
+        f"eval.samples_per_task={s.eval_samples}", f"sampling.max_tokens={s.max_tokens}",
+    ])
+    result = run_eval(cfg)
+    return {"reward_mean": result.mean_reward, "pass@1": result.pass_at[1]}
 
 
 def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     s = validate(TrlBenchSettings, apply_overrides({}, overrides))
-    runs = {"trl": lambda: _trl_curve(s, out / "trl"),  # TRL and the trainer show their own bars
-            "asyncrl_sync": lambda: _asyncrl_curve(s, out / "asyncrl_sync", "sync"),
-            "asyncrl_async": lambda: _asyncrl_curve(s, out / "asyncrl_async", "async")}
+    trainers = {"trl": lambda: _trl_run(s, out / "trl"),  # TRL and the trainer show their own bars
+                "asyncrl_sync": lambda: _asyncrl_run(s, out / "asyncrl_sync", "sync"),
+                "asyncrl_async": lambda: _asyncrl_run(s, out / "asyncrl_async", "async")}
     samples = s.steps * s.batch_size * s.group_size
-    curves = {}
-    for i, (name, run) in enumerate(runs.items(), 1):
-        with phase("trl", f"{name} (run {i}/{len(runs)})") as progress:
-            curves[name] = curve = run()
-            progress.figure = (f"{samples / curve[-1][0]:.1f} samples/s, "
-                               f"final reward {_smoothed(curve, s.smooth)[-1][1]:.3f}")
-    target = _smoothed(curves["trl"], s.smooth)[-1][1]  # TRL's final (smoothed) reward
+    runs: dict[str, Run] = {}
+    for i, (name, train) in enumerate(trainers.items(), 1):
+        with phase("trl", f"{name} (run {i}/{len(trainers)})") as progress:
+            runs[name] = run = train()
+            progress.figure = (f"{samples / run.wall_s:.1f} samples/s, "
+                               f"final reward {_smoothed(run.train_curve, s.smooth)[-1][1]:.3f}")
+
+    # held-out evaluation, after all training: the start policy once, then every checkpoint
+    with phase("trl", "held-out eval: start policy") as progress:
+        start = held_out_eval(s, Path(s.model_path), out / "start_policy_eval")
+        progress.figure = f"reward {start['reward_mean']:.3f}, pass@1 {start['pass@1']:.3f}"
+    held_out: dict[str, list[dict[str, Any]]] = {}
+    for name, run in runs.items():
+        with phase("trl", f"held-out eval: {name} ({len(run.checkpoints)} checkpoints)",
+                   total=len(run.checkpoints), unit="checkpoint") as progress:
+            held_out[name] = [{"step": 0, "time_s": 0.0, **start}]
+            for step, t, path in run.checkpoints:
+                scores = held_out_eval(s, path, out / name / "held_out_eval" / f"step_{step}")
+                held_out[name].append({"step": step, "time_s": t, **scores})
+                progress.advance()
+            progress.figure = " → ".join(f"{p['reward_mean']:.3f}" for p in held_out[name])
+
+    target = held_out["trl"][-1]["reward_mean"]
     systems = {}
-    for name, curve in curves.items():
-        wall = curve[-1][0]
-        systems[name] = {"samples_per_s": samples / wall, "wall_s": wall,
-                         "final_reward": _smoothed(curve, s.smooth)[-1][1],
-                         "time_to_target_s": _time_to(_smoothed(curve, s.smooth), target), "curve": curve}
+    for name, run in runs.items():
+        systems[name] = {
+            "samples_per_s": samples / run.wall_s, "wall_s": run.wall_s,
+            "final_reward": _smoothed(run.train_curve, s.smooth)[-1][1],
+            "time_to_target_s": time_to_target(held_out[name], target),
+            "final_held_out_reward": held_out[name][-1]["reward_mean"], "held_out": held_out[name],
+            "save_s": run.save_s, "train_curve": run.train_curve,
+        }
     trl_t, async_t = systems["trl"]["time_to_target_s"], systems["asyncrl_async"]["time_to_target_s"]
     result = {
-        "settings": s.model_dump(), "target_reward": target, "systems": systems,
+        "settings": s.model_dump(), "target_reward": target, "target_rule": TARGET_RULE,
+        "held_out_eval": {"split": "countdown validation", "tasks": s.eval_tasks, "samples_per_task": s.eval_samples,
+                          "max_tokens": s.max_tokens, "evaluator": "asyncrl eval (run_eval), default temperature"},
+        "systems": systems,
         "sync_vs_trl_samples_per_s": systems["asyncrl_sync"]["samples_per_s"] / systems["trl"]["samples_per_s"],
         "async_vs_trl_time_to_target": async_t / trl_t if async_t is not None and trl_t else None,
-        "unmatched": __doc__.split("Not matched, and why: ")[1].strip(),
+        "unmatched": " ".join(__doc__.split("Not matched, and why: ")[1].split("\n\n")[0].split()),
     }
-    print(f"{'system':14s} {'wall_s':>7s} {'samples/s':>10s} {'final reward':>12s} {'time to target':>14s}")
+    _print_table(result)
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    systems = result["systems"]
+    print(f"{'system':14s} {'wall_s':>7s} {'save_s':>6s} {'samples/s':>10s} {'train reward':>12s} "
+          f"{'held-out final':>14s} {'time to target':>14s}")
     for name, v in systems.items():
         ttt = "never" if v["time_to_target_s"] is None else f"{v['time_to_target_s']:.1f}s"
-        print(f"{name:14s} {v['wall_s']:7.1f} {v['samples_per_s']:10.1f} {v['final_reward']:12.3f} {ttt:>14s}")
-    print(f"target = TRL's final reward {target:.3f}; sync_vs_trl_samples_per_s="
-          f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_time_to_target={result['async_vs_trl_time_to_target']}")
+        print(f"{name:14s} {v['wall_s']:7.1f} {v['save_s']:6.2f} {v['samples_per_s']:10.1f} {v['final_reward']:12.3f} "
+              f"{v['final_held_out_reward']:14.3f} {ttt:>14s}")
+    steps = [p["step"] for p in systems["trl"]["held_out"]]
+    print("held-out reward (pass@1) [time s] by step:")
+    print(f"{'step':14s} " + " ".join(f"{k:>20d}" for k in steps))
+    for name, v in systems.items():
+        cells = [f"{p['reward_mean']:.3f} ({p['pass@1']:.3f}) [{p['time_s']:.1f}]" for p in v["held_out"]]
+        print(f"{name:14s} " + " ".join(f"{c:>20s}" for c in cells))
+    ratio = result["async_vs_trl_time_to_target"]
+    print(f"target = {result['target_rule']}: {result['target_reward']:.3f}; sync_vs_trl_samples_per_s="
+          f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_time_to_target="
+          f"{'n/a' if ratio is None else f'{ratio:.2f}'}")
     print("not matched:", result["unmatched"])
-    return result
