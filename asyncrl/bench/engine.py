@@ -6,6 +6,11 @@ Two workloads. ``uniform``: every request wants the same number of tokens, the c
 times longer; ``generate`` must decode every static batch until its longest row ends,
 while continuous batching refills freed rows. Only requested tokens count as useful.
 
+A third, ``group``, times the built-in engine alone with group prefill on and off
+(interleaved): ``group_prompts`` distinct prompts of ``group_prompt_tokens`` tokens, each
+sent ``group_size`` times, as a GRPO step's workflows send them, one ``generate`` each.
+``group_prefill_speedup`` is on / off; ``prefill_rows`` counts prompts run through the model.
+
 Where vLLM is installed, ``VLLMEngine`` runs the same workloads (same weights, prompts and
 lengths) after the other two, with its own start-up and a warm-up batch left out of the
 timing: its worker processes stay up between runs, so interleaving it with the others would
@@ -30,6 +35,7 @@ from transformers import PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
+from asyncrl.engine.torch_engine import EngineStats
 from asyncrl.engine.vllm_engine import VLLMEngine
 from asyncrl.types import SamplingParams
 
@@ -50,13 +56,19 @@ class EngineBenchSettings(Section):
     temperature: float = Field(1.0, gt=0)
     seed: int = 0
     vllm: bool = True  # also time VLLMEngine when vLLM is installed
+    group_prompts: int = Field(8, ge=1)  # the group workload: distinct prompts ...
+    group_size: int = Field(8, ge=1)  # ... each sent this many times
+    group_prompt_tokens: int = Field(128, ge=1)
+    group_tokens: int | None = Field(None, ge=1)  # new tokens per sample; None: uniform_tokens
 
 
 def bench_model(s: EngineBenchSettings) -> PreTrainedModel:
     torch.manual_seed(s.seed)
     config = Qwen2Config(vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
                          num_attention_heads=4, num_key_value_heads=2, intermediate_size=2 * s.hidden_size,
-                         max_position_embeddings=s.prompt_tokens + s.long_tokens[1] + 8, tie_word_embeddings=True)
+                         max_position_embeddings=max(s.prompt_tokens + s.long_tokens[1],
+                                                     s.group_prompt_tokens + (s.group_tokens or s.uniform_tokens)) + 8,
+                         tie_word_embeddings=True)
     return Qwen2ForCausalLM(config).eval()
 
 
@@ -76,8 +88,13 @@ def run_generate(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[in
 
 def run_engine(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int], batch_size: int,
                temperature: float) -> float:
-    async def main() -> float:
-        engine = TorchEngine(model, max_batch_size=batch_size)
+    return run_torch_engine(model, prompts, lengths, batch_size, temperature)[0]
+
+
+def run_torch_engine(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int], batch_size: int,
+                     temperature: float, group_prefill: bool = True) -> tuple[float, EngineStats]:
+    async def main() -> tuple[float, EngineStats]:
+        engine = TorchEngine(model, max_batch_size=batch_size, group_prefill=group_prefill)
         try:
             start = time.perf_counter()
             done = await asyncio.gather(*[
@@ -87,9 +104,33 @@ def run_engine(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int]
         finally:
             await engine.shutdown()
         assert [len(c.token_ids) for c in done] == lengths
-        return elapsed
+        return elapsed, engine.stats
 
     return asyncio.run(main())
+
+
+def run_group_bench(model: PreTrainedModel, s: EngineBenchSettings) -> dict[str, Any]:
+    """The group workload with group prefill on and off, interleaved; median of ``repeats``."""
+    distinct = torch.randint(4, s.vocab_size, (s.group_prompts, s.group_prompt_tokens),
+                             generator=torch.Generator().manual_seed(s.seed + 1))
+    prompts = distinct.repeat_interleave(s.group_size, dim=0)  # group by group, as the rollout loop sends them
+    lengths = [s.group_tokens or s.uniform_tokens] * len(prompts)
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    rows: dict[str, int] = {}
+    with phase("engine", "group", total=2 * s.repeats) as progress:
+        for _ in range(s.repeats):
+            for name in times:
+                elapsed, stats = run_torch_engine(model, prompts, lengths, s.batch_size, s.temperature,
+                                                  group_prefill=name == "on")
+                times[name].append(elapsed)
+                rows[name] = stats.prefill_rows
+                progress.advance()
+        tokens_per_s = {name: sum(lengths) / statistics.median(t) for name, t in times.items()}
+        progress.figure = ", ".join(f"group prefill {n} {tokens_per_s[n]:,.0f} tok/s" for n in times)
+    print(f"group     requests={len(lengths):4d} tokens={sum(lengths):6d} prompt_tokens={s.group_prompt_tokens}  " +
+          "  ".join(f"group_prefill_{n}={tokens_per_s[n]:8.0f} tok/s (prefill_rows={rows[n]})" for n in times))
+    return {"requests": len(lengths), "prompt_tokens": s.group_prompt_tokens, "new_tokens": lengths[0],
+            "tokens_per_s": tokens_per_s, "prefill_rows": rows}
 
 
 def run_vllm(model: PreTrainedModel, inputs: dict[str, tuple[torch.Tensor, list[int]]],
@@ -179,8 +220,11 @@ def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
         "ratio_vs_generate_uniform": tokens_per_s["torch"]["uniform"] / tokens_per_s["generate"]["uniform"],
         "ratio_vs_generate_longtail": tokens_per_s["torch"]["longtail"] / tokens_per_s["generate"]["longtail"],
     }
+    group = result["group"] = run_group_bench(model, s)
+    result["group_prefill_speedup"] = group["tokens_per_s"]["on"] / group["tokens_per_s"]["off"]
     print(f"ratio_vs_generate_uniform={result['ratio_vs_generate_uniform']:.2f}  "
-          f"ratio_vs_generate_longtail={result['ratio_vs_generate_longtail']:.2f}")
+          f"ratio_vs_generate_longtail={result['ratio_vs_generate_longtail']:.2f}  "
+          f"group_prefill_speedup={result['group_prefill_speedup']:.2f}")
     if not s.vllm:
         result["vllm"] = "off"
     elif importlib.util.find_spec("vllm") is None:
