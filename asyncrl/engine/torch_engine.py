@@ -8,9 +8,9 @@ Layout of the running batch: rows are left-padded to one cache length T; a 2-D a
 mask hides the padding and explicit position ids keep each row's positions contiguous.
 Newcomers are prefilled together, then their cache is left-padded and concatenated to the
 batch; a finished row is dropped with an index-select. Newcomers with the same prompt (the
-n samples of a GRPO group) share one prefill (``group_prefill``, see ``_prefill``). All model work happens on one
-engine thread, so asyncio callers never block and the learner can run beside it (torch
-kernels release the GIL).
+n samples of a GRPO group) share one prefill (``group_prefill``, see ``_prefill``). All
+model work happens on one engine thread, so asyncio callers never block and the learner can
+run beside it (torch kernels release the GIL).
 """
 
 from __future__ import annotations
