@@ -119,10 +119,10 @@ def run_group_bench(model: PreTrainedModel, s: EngineBenchSettings) -> dict[str,
     rows: dict[str, int] = {}
     with phase("engine", "group", total=2 * s.repeats) as progress:
         for _ in range(s.repeats):
-            for name in times:
+            for name, runs in times.items():
                 elapsed, stats = run_torch_engine(model, prompts, lengths, s.batch_size, s.temperature,
                                                   group_prefill=name == "on")
-                times[name].append(elapsed)
+                runs.append(elapsed)
                 rows[name] = stats.prefill_rows
                 progress.advance()
         tokens_per_s = {name: sum(lengths) / statistics.median(t) for name, t in times.items()}
