@@ -45,7 +45,7 @@ def test_bench_staleness_smoke(tmp_path, capsys):
           "eval_every=2", "eval_tasks=4", "eval_samples=2", "warmup_steps=20", "--out", str(out)])
     captured = capsys.readouterr().out
     assert_phases(captured, "staleness", {
-        "warm-up policy (noisy addition)": r"[\d,]+ params, 20 steps, loss \d+\.\d+",
+        "warm-up policy (noisy addition)": r"[\d,]+ params, 20 steps, loss \d+\.\d+, expected held-out reward 0\.\d+",
         "eta2_naive seed 1 (run 8/8)": r"held-out \d\.\d+ → \d\.\d+, staleness mean \d\.\d+ max \d, \d+\.\d s",
     })
     result = json.loads((out / "bench.json").read_text())

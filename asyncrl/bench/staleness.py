@@ -16,7 +16,8 @@ At η = 0 every token is on-policy and the three are the same update, so η = 0 
 per seed and its row is shared by the three objectives (``shared_with``).
 
 The workload, and why: the Countdown policy gains ~0.07 in five minutes, too little to
-separate curves in a CPU budget. Here a 50k-parameter policy is first taught two-operand
+separate curves in a CPU budget. Here a 91k-parameter policy (``asyncrl.tiny.addition_sft``,
+the recipe of ``models/addition-tiny``, remade by every run) is first taught two-operand
 addition ``a+b=`` (a, b ≤ 19) with ``label_noise`` of its labels replaced by random
 numbers, so it answers right about a third of the time (held-out reward 0.31 at T = 1)
 while the right answer is its single most likely one; RL has the rest to gain by
@@ -31,12 +32,10 @@ asynchronous run actually consumes trajectories η versions old (``staleness_his
 from __future__ import annotations
 
 import math
-import random
 import statistics
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
 from pydantic import Field
 
 from asyncrl.bench.progress import phase
@@ -44,8 +43,7 @@ from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
-from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
-from asyncrl.tiny.sft import IGNORE_INDEX, train_examples
+from asyncrl.tiny.addition_sft import make_addition_policy
 
 Objective = Literal["decoupled", "bypass", "naive"]
 OBJECTIVE_KEYS: dict[str, list[str]] = {
@@ -78,31 +76,7 @@ class StalenessBenchSettings(Section):
     """torch threads of the engine and of the learner (2 on a 2-core machine: they overlap)."""
 
 
-# ----------------------------------------------------------------------------- the workload
-
-
-def make_base_policy(s: StalenessBenchSettings, path: Path) -> dict[str, Any]:
-    """Teach a tiny policy ``a+b=`` with noisy labels; saves an HF directory at ``path``."""
-    tokenizer = build_char_tokenizer()
-    model, tokenizer = build_tiny_model(tokenizer, seed=0, hidden_size=s.hidden_size, num_layers=2,
-                                        intermediate_size=2 * s.hidden_size, max_position_embeddings=32)
-    rng = random.Random("asyncrl-bench-staleness")
-    eos, top = tokenizer.eos_token_id, 2 * s.max_operand
-    examples = []
-    for _ in range(20):  # each prompt 20 times, each with its own draw of the noise
-        for a in range(s.max_operand + 1):
-            for b in range(s.max_operand + 1):
-                prompt = tokenizer.encode(f"{a}+{b}=", add_special_tokens=False)
-                label = a + b if rng.random() >= s.label_noise else rng.randint(0, top)
-                answer = tokenizer.encode(str(label), add_special_tokens=False) + [eos]
-                examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        history = train_examples(model, examples, tokenizer.pad_token_id, steps=s.warmup_steps, time_budget_s=None,
-                                 batch_size=64, lr=5e-3, warmup_steps=20, seed=0, log_every=0, desc="warm-up")
-    save_tiny_policy(model, tokenizer, path)
-    return {"params": sum(p.numel() for p in model.parameters()), "steps": history["steps"],
-            "final_loss": history["final_loss_ema"], "wall_time_s": history["wall_time_s"]}
+# ----------------------------------------------------------------------------- the runs
 
 
 def run_config(s: StalenessBenchSettings, policy: Path, out: Path, eta: int, objective: str, seed: int) -> Any:
@@ -240,8 +214,10 @@ def run_staleness_bench(overrides: list[str], out: Path) -> dict[str, Any]:
         base = {"reused": s.policy}
     else:
         with phase("staleness", "warm-up policy (noisy addition)") as progress:
-            base = make_base_policy(s, policy)
-            progress.figure = f"{base['params']:,} params, {base['steps']} steps, loss {base['final_loss']:.3f}"
+            base = make_addition_policy(policy, max_operand=s.max_operand, label_noise=s.label_noise,
+                                        steps=s.warmup_steps, hidden_size=s.hidden_size)
+            progress.figure = (f"{base['params']:,} params, {base['steps']} steps, loss {base['final_loss_ema']:.3f}, "
+                               f"expected held-out reward {base['expected_val_reward']:.3f}")
     plan = [(eta, objective) for eta in s.etas for objective in ([s.objectives[0]] if eta == 0 else s.objectives)]
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     total = len(plan) * s.seeds
