@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_examples import in_repo, train  # noqa: F401 (in_repo is a fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.tasks import load_tasks
 from asyncrl.tiny import build_char_tokenizer
 from asyncrl.tiny.addition_sft import COPIES, NUM_VALIDATION, expected_reward, noisy_addition_examples
 from asyncrl.tiny.sft import IGNORE_INDEX
-from test_examples import in_repo, train  # noqa: F401 (in_repo is a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = REPO / "models" / "addition-tiny"
