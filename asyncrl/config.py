@@ -99,6 +99,9 @@ class RolloutConfig(Section):
     max_concurrent_episodes: int = Field(256, ge=1)
     """Episodes in flight at once per rollout worker, training and evaluation together:
     what a retrieval or sandbox service behind a workflow sees at most."""
+    group_prefill: bool = True
+    """Built-in engine: prefill a prompt once for the n samples of its group and fork the KV
+    rows (each sample keeps its own seed); ``false`` prefills every request on its own."""
 
 
 class EvalConfig(Section):

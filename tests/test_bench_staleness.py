@@ -6,10 +6,10 @@ import json
 import math
 
 import pytest
+from test_bench import assert_phases
 
 from asyncrl.bench.staleness import ci95, summarise_row
 from asyncrl.cli import main
-from test_bench import assert_phases
 
 
 def test_ci95_is_the_student_t_half_width():

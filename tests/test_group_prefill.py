@@ -222,3 +222,24 @@ def test_a_weight_update_mid_decode_then_a_new_fork_uses_the_new_weights(model):
     assert_same(got, want)
     for c in running:
         assert len(c.token_ids) == 200 and c.versions[0] == 0 and c.versions[-1] == 1
+
+
+def test_a_training_run_samples_the_same_with_and_without_group_prefill(tmp_path, monkeypatch):
+    """Through the whole trainer (``rollout.group_prefill``): every group's samples share a
+    prompt, and each sample is seeded on its own, so the fork changes nothing they write."""
+    import json
+    from pathlib import Path
+
+    from asyncrl.cli import main as cli
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    runs = {}
+    for on in (True, False):
+        out = tmp_path / f"prefill-{on}"
+        assert cli(["train", "examples/addition/sync.yaml", f"output_dir={out}", "total_steps=3", "batch_size=4",
+                    "group_size=8", "eval_every=0", "eval.num_tasks=4", "eval.samples_per_task=1",
+                    f"rollout.group_prefill={str(on).lower()}"]) == 0
+        rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+        runs[on] = [(r["step"], r["task_id"], r["episode"], r["response"], r["reward"]) for r in rows]
+    assert len(runs[True]) == 3 * 4 * 8 and len({r[3] for r in runs[True]}) > 1
+    assert runs[True] == runs[False]

@@ -104,7 +104,8 @@ class RolloutWorker:
         if self._weights is not None:
             model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
         make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
-                                           seed=seed, version=self._version, num_threads=self._num_threads)
+                                           seed=seed, version=self._version, num_threads=self._num_threads,
+                                           group_prefill=self.cfg.rollout.group_prefill)
         if self._eval_replica:
             self.eval_engine = make(copy.deepcopy(model), self._seed + 1)
         self.engine = make(model, self._seed)
