@@ -98,11 +98,12 @@ def test_bench_trl_smoke(tmp_path, capsys):
     systems = result["systems"]
     assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
     assert {"sync_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched", "target_reward",
-            "target_rule"} <= set(result)
+            "target_rule", "target_above_start"} <= set(result)
     start = systems["trl"]["held_out"][0]
     assert start["step"] == 0 and start["time_s"] == 0.0
     target = result["target_reward"]
     assert target == systems["trl"]["held_out"][-1]["reward_mean"]  # the rule: TRL's last checkpoint
+    assert result["target_above_start"] == (target > start["reward_mean"])
     for system in systems.values():
         assert {"samples_per_s", "wall_s", "final_reward", "time_to_target_s", "held_out",
                 "final_held_out_reward", "train_curve"} <= set(system)
