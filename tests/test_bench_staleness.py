@@ -8,7 +8,7 @@ import math
 import pytest
 from test_bench import assert_phases
 
-from asyncrl.bench.staleness import ci95, summarise_row
+from asyncrl.bench.staleness import ci95, paired_difference, summarise_row
 from asyncrl.cli import main
 
 
@@ -16,6 +16,13 @@ def test_ci95_is_the_student_t_half_width():
     # mean 0.5, sample sd of (0.4, 0.5, 0.6) = 0.1, t(0.975, 2) = 4.303: 4.303·0.1/√3
     assert ci95([0.4, 0.5, 0.6]) == pytest.approx(4.303 * 0.1 / math.sqrt(3))
     assert ci95([0.7]) == 0.0
+
+
+def test_paired_difference_is_seed_by_seed():
+    # differences (−0.1, −0.3): mean −0.2, sd √0.02, t(0.975, 1) = 12.706
+    diff = paired_difference({"final_rewards": [0.4, 0.3]}, {"final_rewards": [0.5, 0.6]})
+    assert diff["mean"] == pytest.approx(-0.2)
+    assert diff["ci95"] == pytest.approx(12.706 * math.sqrt(0.02) / math.sqrt(2))
 
 
 def run(final: float, start: float, samples: int, hist: dict[str, int], ess: float | None = 0.9) -> dict:
@@ -39,10 +46,13 @@ def test_a_row_pools_its_seeds():
     assert bypass["ess"] is None and bypass["is_weight_mean"] is None and bypass["is_truncated_fraction"] is None
 
 
+SMOKE = ["etas=[0,2]", "seeds=2", "steps=4", "batch_size=2", "group_size=4", "eval_every=2", "eval_tasks=4",
+         "eval_samples=2", "warmup_steps=20"]
+
+
 def test_bench_staleness_smoke(tmp_path, capsys):
     out = tmp_path / "staleness"
-    main(["bench", "staleness", "etas=[0,2]", "seeds=2", "steps=4", "batch_size=2", "group_size=4",
-          "eval_every=2", "eval_tasks=4", "eval_samples=2", "warmup_steps=20", "--out", str(out)])
+    main(["bench", "staleness", *SMOKE, "--out", str(out)])
     captured = capsys.readouterr().out
     assert_phases(captured, "staleness", {
         "warm-up policy (noisy addition)": r"[\d,]+ params, 20 steps, loss \d+\.\d+, expected held-out reward 0\.\d+",
@@ -65,3 +75,15 @@ def test_bench_staleness_smoke(tmp_path, capsys):
         else:
             assert 0 < row["ess"] <= 1 + 1e-6 and 0 <= row["is_truncated_fraction"] <= 1
     assert (out / "staleness.png").stat().st_size > 0
+    assert rows[(2, "naive")]["vs_decoupled"]["mean"] == pytest.approx(
+        sum(a - b for a, b in zip(rows[(2, "naive")]["final_rewards"], rows[(2, "decoupled")]["final_rewards"])) / 2)
+    assert "vs_decoupled" not in rows[(2, "decoupled")] and "vs_decoupled" not in rows[(0, "naive")]
+
+    # run again into the same directory: every finished run and the warm-up are reused
+    main(["bench", "staleness", *SMOKE, "--out", str(out)])
+    again = capsys.readouterr().out
+    assert "warm-up policy: reused" in again and again.count("(reused)") == 8, again
+    assert json.loads((out / "bench.json").read_text())["rows"] == result["rows"]
+    # but not with other settings: they would mix two experiments in one table
+    assert main(["bench", "staleness", *SMOKE, "steps=5", "--out", str(out)]) == 2
+    assert "other settings (steps)" in capsys.readouterr().err

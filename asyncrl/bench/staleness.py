@@ -31,7 +31,9 @@ asynchronous run actually consumes trajectories η versions old (``staleness_his
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any, Literal
@@ -39,7 +41,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from asyncrl.bench.progress import phase
-from asyncrl.config import Section, apply_overrides, load_config, validate
+from asyncrl.config import ConfigError, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
@@ -177,6 +179,8 @@ def plot_staleness_bench(result: dict[str, Any], path: Path) -> Path:
     objectives = result["settings"]["objectives"]
     fig = new_figure(figsize=(4.2 * (len(objectives) + 1), 3.6))
     axes = fig.subplots(1, len(objectives) + 1, squeeze=False)[0]
+    for ax in axes[1:-1]:
+        ax.sharey(axes[0])
     rows = result["rows"]
     for ax, objective in zip(axes, objectives):
         for row in (r for r in rows if r["objective"] == objective):
@@ -196,53 +200,105 @@ def plot_staleness_bench(result: dict[str, Any], path: Path) -> Path:
     for i, (eta, hist) in enumerate(sorted(by_eta.items())):
         total = sum(hist.values())
         ks = sorted(hist)
-        hist_ax.bar([k + i * width for k in ks], [hist[k] / total for k in ks], width=width, label=f"η={eta}")
+        offset = (i - (len(by_eta) - 1) / 2) * width
+        hist_ax.bar([k + offset for k in ks], [hist[k] / total for k in ks], width=width, label=f"η={eta}")
     hist_ax.set_title("staleness of trained samples")
     hist_ax.set_xlabel("versions behind")
     hist_ax.set_ylabel("fraction")
-    hist_ax.legend(fontsize=7)
+    hist_ax.legend(fontsize=7, loc="upper center")
     fig.tight_layout()
     fig.savefig(path, dpi=FIGURE_DPI)
     return path
 
 
+def _finished(run_dir: Path, steps: int) -> bool:
+    """A run of an earlier, interrupted bench that reached its last step (and logged it)."""
+    metrics = run_dir / "metrics.jsonl"
+    if not (metrics.is_file() and (run_dir / "samples.jsonl").is_file()):
+        return False
+    rows = read_jsonl(metrics)
+    return bool(rows) and rows[-1].get("step") == steps and "eval/reward_mean" in rows[-1]
+
+
+def _settings_guard(s: StalenessBenchSettings, out: Path) -> None:
+    """Finished runs in ``out`` are reused only if they were made with these settings."""
+    path = out / "settings.json"
+    mine = s.model_dump(exclude={"threads"})  # threads change the speed, not what is learned
+    if path.is_file():
+        theirs = json.loads(path.read_text())
+        if theirs != mine:
+            differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+            raise ConfigError(f"{out} holds runs of bench staleness with other settings ({', '.join(differ)}); "
+                              "pass another --out, or remove it")
+    else:
+        path.write_text(json.dumps(mine, indent=2) + "\n")
+
+
+def paired_difference(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str, float]:
+    """Final held-out reward minus the baseline's, seed by seed (a seed fixes the task
+    order, the sampling seeds and the validation prompts of both), with its CI95."""
+    diffs = [a - b for a, b in zip(row["final_rewards"], baseline["final_rewards"], strict=True)]
+    return {"mean": statistics.mean(diffs), "ci95": ci95(diffs)}
+
+
+def tabulate(s: StalenessBenchSettings, runs: dict[tuple[int, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The table's rows, η = 0 shown once per objective; each row against decoupled PPO at its η."""
+    rows = []
+    for eta in s.etas:
+        for objective in s.objectives:
+            shared = eta == 0
+            row = summarise_row(eta, objective, runs[(eta, s.objectives[0] if shared else objective)],
+                                bypass=objective == "bypass" and not shared)
+            if shared and len(s.objectives) > 1:
+                row["shared_with"] = [o for o in s.objectives if o != objective]
+            rows.append(row)
+    for row in rows:
+        base = next((r for r in rows if r["eta"] == row["eta"] and r["objective"] == "decoupled"), None)
+        if base is not None and row is not base and "shared_with" not in row:
+            row["vs_decoupled"] = paired_difference(row, base)
+    return rows
+
+
 def run_staleness_bench(overrides: list[str], out: Path) -> dict[str, Any]:
+    """Every run, seeds outermost (an interrupted bench still holds whole seeds of every
+    row); run again with the same ``--out`` it reuses the finished runs and the warm-up."""
     s = validate(StalenessBenchSettings, apply_overrides({}, overrides))
     out.mkdir(parents=True, exist_ok=True)
+    _settings_guard(s, out)
     policy = Path(s.policy) if s.policy else out / "policy"
+    record = policy / "base_policy.json"
     if s.policy:
         base = {"reused": s.policy}
+    elif record.is_file():
+        base = json.loads(record.read_text())
+        print(f"[bench staleness] warm-up policy: reused {policy}")
     else:
         with phase("staleness", "warm-up policy (noisy addition)") as progress:
             base = make_addition_policy(policy, max_operand=s.max_operand, label_noise=s.label_noise,
                                         steps=s.warmup_steps, hidden_size=s.hidden_size)
+            record.write_text(json.dumps(base, indent=2) + "\n")
             progress.figure = (f"{base['params']:,} params, {base['steps']} steps, loss {base['final_loss_ema']:.3f}, "
                                f"expected held-out reward {base['expected_val_reward']:.3f}")
     plan = [(eta, objective) for eta in s.etas for objective in ([s.objectives[0]] if eta == 0 else s.objectives)]
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     total = len(plan) * s.seeds
     done = 0
-    for seed in range(s.seeds):  # seeds outermost: an interrupted bench still has whole seeds of every row
+    for seed in range(s.seeds):
         for eta, objective in plan:
             done += 1
             name = f"eta{eta}_{objective}"
             with phase("staleness", f"{name} seed {seed} (run {done}/{total})") as progress:
                 run_dir = out / "runs" / name / f"seed{seed}"
-                Trainer(run_config(s, policy, run_dir, eta, objective, seed)).run()
+                reused = _finished(run_dir, s.steps)
+                if not reused:
+                    shutil.rmtree(run_dir, ignore_errors=True)  # a half run: its logs would mix with the new one
+                    Trainer(run_config(s, policy, run_dir, eta, objective, seed)).run()
                 summary = summarise_run(run_dir)
                 runs.setdefault((eta, objective), []).append(summary)
                 progress.figure = (f"held-out {summary['start_reward']:.3f} → {summary['final_reward']:.3f}, "
                                    f"staleness mean {summary['staleness_mean']:.2f} max {summary['staleness_max']}, "
-                                   f"{summary['wall_s']:.1f} s")
-    rows = []
-    for eta, objective in plan:
-        shared = eta == 0
-        for shown in (s.objectives if shared else [objective]):
-            row = summarise_row(eta, shown, runs[(eta, objective)], bypass=shown == "bypass" and not shared)
-            if shared and len(s.objectives) > 1:
-                row["shared_with"] = [o for o in s.objectives if o != shown]
-            rows.append(row)
-    result = {"settings": s.model_dump(), "base_policy": base, "rows": rows,
+                                   f"{summary['wall_s']:.1f} s" + (" (reused)" if reused else ""))
+    result = {"settings": s.model_dump(), "base_policy": base, "rows": tabulate(s, runs),
               "runs": {f"eta{e}_{o}": v for (e, o), v in runs.items()}}
     _print_table(result)
     try:
@@ -257,12 +313,18 @@ def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _paired(row: dict[str, Any]) -> str:
+    diff = row.get("vs_decoupled")
+    return "-" if diff is None else f"{diff['mean']:+.3f} ± {diff['ci95']:.3f}"
+
+
 def _print_table(result: dict[str, Any]) -> None:
     print(f"{'η':>3s} {'objective':10s} {'held-out final ± CI95':>22s} {'start':>6s} {'gain/1k samples':>15s} "
-          f"{'wall s':>7s} {'stale mean':>10s} {'max':>4s} {'IS w':>6s} {'trunc':>6s} {'ESS':>6s}")
+          f"{'vs decoupled (paired)':>21s} {'wall s':>7s} {'stale mean':>10s} {'max':>4s} {'IS w':>6s} "
+          f"{'trunc':>6s} {'ESS':>6s}")
     for r in result["rows"]:
         print(f"{r['eta']:3d} {r['objective']:10s} {r['final_reward_mean']:14.3f} ± {r['final_reward_ci95']:5.3f} "
-              f"{r['start_reward']:6.3f} {1000 * r['reward_per_sample']:15.3f} {r['wall_s']:7.1f} "
+              f"{r['start_reward']:6.3f} {1000 * r['reward_per_sample']:15.3f} {_paired(r):>21s} {r['wall_s']:7.1f} "
               f"{r['staleness_mean']:10.2f} {r['staleness_max']:4d} {_fmt(r['is_weight_mean'], '6.3f')} "
               f"{_fmt(r['is_truncated_fraction'], '6.3f')} {_fmt(r['ess'], '6.3f')}")
     print(f"seeds per row: {result['settings']['seeds']}; η = 0 is on-policy, one run per seed shared by the objectives")
