@@ -87,3 +87,7 @@ def test_bench_staleness_smoke(tmp_path, capsys):
     # but not with other settings: they would mix two experiments in one table
     assert main(["bench", "staleness", *SMOKE, "steps=5", "--out", str(out)]) == 2
     assert "other settings (steps)" in capsys.readouterr().err
+    # a wider table (one more η) reuses what is done and runs only what is new
+    main(["bench", "staleness", *SMOKE, "etas=[0,1,2]", "--out", str(out)])
+    wider = capsys.readouterr().out
+    assert wider.count("(reused)") == 8 and wider.count("eta1_decoupled seed") == 4  # start + end, 2 seeds

@@ -223,7 +223,9 @@ def _finished(run_dir: Path, steps: int) -> bool:
 def _settings_guard(s: StalenessBenchSettings, out: Path) -> None:
     """Finished runs in ``out`` are reused only if they were made with these settings."""
     path = out / "settings.json"
-    mine = s.model_dump(exclude={"threads"})  # threads change the speed, not what is learned
+    # what one run depends on: more seeds, η or objectives add runs beside the finished
+    # ones, and threads change the speed, not what is learned
+    mine = s.model_dump(exclude={"threads", "seeds", "etas", "objectives"})
     if path.is_file():
         theirs = json.loads(path.read_text())
         if theirs != mine:
@@ -261,7 +263,8 @@ def tabulate(s: StalenessBenchSettings, runs: dict[tuple[int, str], list[dict[st
 
 def run_staleness_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     """Every run, seeds outermost (an interrupted bench still holds whole seeds of every
-    row); run again with the same ``--out`` it reuses the finished runs and the warm-up."""
+    row); run again with the same ``--out`` it reuses the finished runs and the warm-up,
+    so a table can also be widened (more seeds, η or objectives) without redoing it."""
     s = validate(StalenessBenchSettings, apply_overrides({}, overrides))
     out.mkdir(parents=True, exist_ok=True)
     _settings_guard(s, out)
