@@ -42,7 +42,7 @@ from typing import Any
 from pydantic import Field
 
 from asyncrl.bench.progress import phase
-from asyncrl.config import Section, apply_overrides, load_config, validate
+from asyncrl.config import EvalConfig, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.evaluator import run_eval
 from asyncrl.orchestrator.task_stream import TaskStream
@@ -240,7 +240,8 @@ def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     result = {
         "settings": s.model_dump(), "target_reward": target, "target_rule": TARGET_RULE,
         "held_out_eval": {"split": "countdown validation", "tasks": s.eval_tasks, "samples_per_task": s.eval_samples,
-                          "max_tokens": s.max_tokens, "evaluator": "asyncrl eval (run_eval), default temperature"},
+                          "max_tokens": s.max_tokens, "temperature": EvalConfig().temperature,
+                          "evaluator": "asyncrl eval (run_eval) on each checkpoint directory"},
         "target_above_start": target > start["reward_mean"] + 1e-9,
         "systems": systems,
         "sync_vs_trl_samples_per_s": systems["asyncrl_sync"]["samples_per_s"] / systems["trl"]["samples_per_s"],
