@@ -173,7 +173,7 @@ def _mean_curve(curves: list[list[tuple[int, float]]]) -> list[tuple[float, floa
 
 def plot_staleness_bench(result: dict[str, Any], path: Path) -> Path:
     """Held-out reward against samples consumed, one panel per objective, one line per
-    η (mean over seeds); and the staleness histogram the learner saw per η."""
+    η (mean over seeds); and the staleness the learner saw per η, as a CDF."""
     from asyncrl.report.figures import FIGURE_DPI, new_figure
 
     objectives = result["settings"]["objectives"]
@@ -196,16 +196,19 @@ def plot_staleness_bench(result: dict[str, Any], path: Path) -> Path:
         by_eta.setdefault(row["eta"], {})
         for k, v in row["staleness_hist"].items():
             by_eta[row["eta"]][int(k)] = by_eta[row["eta"]].get(int(k), 0) + v
-    width = 0.8 / max(1, len(by_eta))
-    for i, (eta, hist) in enumerate(sorted(by_eta.items())):
-        total = sum(hist.values())
-        ks = sorted(hist)
-        offset = (i - (len(by_eta) - 1) / 2) * width
-        hist_ax.bar([k + offset for k in ks], [hist[k] / total for k in ks], width=width, label=f"η={eta}")
-    hist_ax.set_title("staleness of trained samples")
+    for eta, hist in sorted(by_eta.items()):  # a CDF: readable whatever the spread of η
+        total, running, ks, cdf = sum(hist.values()), 0, [], []
+        for k in sorted(hist):
+            running += hist[k]
+            ks.append(k)
+            cdf.append(running / total)
+        hist_ax.step([0, *ks], [0.0, *cdf], where="post", label=f"η={eta}")
+    hist_ax.set_xscale("symlog", linthresh=1)
+    hist_ax.set_title("staleness of trained samples (CDF)")
     hist_ax.set_xlabel("versions behind")
-    hist_ax.set_ylabel("fraction")
-    hist_ax.legend(fontsize=7, loc="upper center")
+    hist_ax.set_ylabel("fraction at most this stale")
+    hist_ax.grid(alpha=0.3)
+    hist_ax.legend(fontsize=7, loc="center right")
     fig.tight_layout()
     fig.savefig(path, dpi=FIGURE_DPI)
     return path
