@@ -53,8 +53,11 @@ OBJECTIVE_KEYS: dict[str, list[str]] = {
     "bypass": ["algorithm.bypass=true"],
     "naive": ["algorithm.bypass=false", "algorithm.is_correction=false"],
 }
-# two-sided 95 % Student t quantiles by degrees of freedom (n seeds - 1)
-_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228}
+# two-sided 95 % Student t quantiles by degrees of freedom (n seeds - 1); the normal's 1.96 beyond 30
+_T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
+        11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
+        20: 2.086, 21: 2.080, 22: 2.074, 23: 2.069, 24: 2.064, 25: 2.060, 26: 2.056, 27: 2.052, 28: 2.048,
+        29: 2.045, 30: 2.042}
 
 
 class StalenessBenchSettings(Section):
@@ -75,7 +78,7 @@ class StalenessBenchSettings(Section):
     policy: str | None = None
     """A warm-up made by an earlier run of this bench (its ``policy/``), to skip making it."""
     threads: int = Field(1, ge=1)
-    """torch threads of the engine and of the learner (2 on a 2-core machine: they overlap)."""
+    """torch threads of the engine and of the learner each: 1 + 1 fills a 2-core machine."""
 
 
 # ----------------------------------------------------------------------------- the runs
