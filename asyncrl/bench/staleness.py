@@ -68,6 +68,9 @@ class StalenessBenchSettings(Section):
     batch_size: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
     lr: float = Field(5e-4, gt=0)
+    mini_batches: int = Field(1, ge=1)
+    """Optimizer steps per batch (``optim.mini_batches``): with more than one, the clip
+    against π_prox bounds how far a batch moves the policy (with one it is inactive)."""
     eval_every: int = Field(60, ge=1)
     eval_tasks: int = Field(48, ge=1)
     eval_samples: int = Field(8, ge=1)
@@ -92,7 +95,7 @@ def run_config(s: StalenessBenchSettings, policy: Path, out: Path, eta: int, obj
         "mode=async", f"max_staleness={eta}", "partial_rollout=off", f"total_steps={s.steps}",
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", f"eval_every={s.eval_every}",
         f"eval.num_tasks={s.eval_tasks}", f"eval.samples_per_task={s.eval_samples}", "sampling.max_tokens=4",
-        f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false", "algorithm.advantage=grpo",
+        f"optim.lr={s.lr}", f"optim.mini_batches={s.mini_batches}", "algorithm.filter_zero_variance=false", "algorithm.advantage=grpo",
         f"rollout.num_threads={s.threads}", f"rollout.learner_threads={s.threads}",
         *OBJECTIVE_KEYS[objective],
     ])
