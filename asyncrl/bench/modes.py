@@ -32,6 +32,7 @@ from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack
+from asyncrl.orchestrator.metrics import training_seconds
 from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.policy import load_policy
@@ -77,7 +78,7 @@ def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
     rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
     samples = read_jsonl(run_dir / "samples.jsonl")
     staleness = [trajectory_staleness(s["trained_version"], s["behavior_version_min"]) for s in samples]
-    wall = rows[-1]["time/elapsed"] - rows[0]["time/elapsed"] + rows[0]["time/step"]
+    wall = training_seconds(rows)
     return {
         "wall_s": wall, "samples": len(samples), "samples_per_s": len(samples) / wall,
         "trainer_idle_ratio": statistics.mean(r["trainer/idle_ratio"] for r in rows),

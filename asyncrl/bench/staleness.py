@@ -43,6 +43,7 @@ from pydantic import Field
 from asyncrl.bench.progress import phase
 from asyncrl.config import ConfigError, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
+from asyncrl.orchestrator.metrics import training_seconds
 from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tiny.addition_sft import make_addition_policy
@@ -125,7 +126,7 @@ def summarise_run(run_dir: Path) -> dict[str, Any]:
 
     return {
         "curve": curve, "start_reward": curve[0][1], "final_reward": curve[-1][1], "samples": len(samples),
-        "wall_s": trained[-1]["time/elapsed"] - trained[0]["time/elapsed"] + trained[0]["time/step"],
+        "wall_s": training_seconds(trained),
         "staleness_mean": statistics.mean(staleness), "staleness_max": max(staleness),
         "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
         "is_weight_mean": mean_of("actor/is_weight_mean"),

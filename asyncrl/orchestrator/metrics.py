@@ -156,3 +156,10 @@ def eval_metrics(result: EvalResult, version: int, seconds: float) -> dict[str, 
     the row of step N is written when its evaluation ends, steps later."""
     return {"eval/reward_mean": result.mean_reward, **{f"eval/pass@{k}": v for k, v in result.pass_at.items()},
             "eval/num_errors": result.num_errors, "eval/version": version, "time/eval": seconds}
+
+
+def training_seconds(step_rows: list[Mapping[str, Any]]) -> float:
+    """Wall time of the logged steps ``step_rows`` (in order; no step-0 evaluation row):
+    from the start of the first step to the end of the last, as the benchmarks count it."""
+    first, last = step_rows[0], step_rows[-1]
+    return last["time/elapsed"] - first["time/elapsed"] + first["time/step"]
