@@ -222,6 +222,17 @@ class WatchdogConfig(Section):
     """Episodes (training and evaluation) over which the error rate is measured."""
     max_error_rate: float = Field(0.5, ge=0, le=1)
     """Stop when more than this fraction of the last ``window`` episodes failed (1 = never)."""
+    starvation_window: int = Field(512, ge=1)
+    """Finished groups (filtered or accepted) over which the filtered fraction is measured;
+    neither starvation limit acts before this many have finished."""
+    starvation_warn_fraction: float = Field(0.9, ge=0, le=1)
+    """More than this fraction of the last ``starvation_window`` groups filtered (all samples
+    of each scored the same): the progress bar says ``STARVED`` and a warning names the
+    likely cause, once per episode of starvation (1 = never)."""
+    starvation_stop_fraction: float = Field(0.98, ge=0, le=1)
+    """More than this fraction filtered: stop (exit 1); at least ``starvation_warn_fraction``
+    (1 = never)."""
+
 
 
 class HooksConfig(Section):
@@ -392,6 +403,11 @@ class Config(Section):
         if self.weight_sync.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("weight_sync.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use weight_sync.backend=gloo (or leave it unset) on CPU")
+        dog = self.watchdog
+        if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
+            raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
+                             f"watchdog.starvation_warn_fraction={dog.starvation_warn_fraction:g}: a run would "
+                             "stop before it warned; raise the first or lower the second")
         if self.sync_every - 1 > self.effective_max_staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
                              f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "

@@ -24,10 +24,12 @@ class StepTimes:
 
 def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGroup],
              trajectories: list[Trajectory], actor: Mapping[str, float], times: StepTimes,
-             finished_rewards: list[float], counters: Mapping[str, int], buffer: Mapping[str, int]) -> dict[str, Any]:
+             finished_rewards: list[float], counters: Mapping[str, int], buffer: Mapping[str, int],
+             filtered_fraction_window: float | None = None) -> dict[str, Any]:
     """``finished_rewards``: every episode finished since the last step, filtered groups
     included (the unbiased view of how the policy does); ``reward/mean`` is over what
-    was trained."""
+    was trained. ``filtered_fraction_window``: of the last ``watchdog.starvation_window``
+    groups, the fraction filtered (what the starvation guard judges)."""
     staleness = [trajectory_staleness(trained_version, t.behavior_version_min) for t in trajectories]
     rewards = [e.reward for g in groups for e in g.group.episodes]
     tokens = sum(t.num_model_tokens for t in trajectories)
@@ -46,6 +48,7 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/response_tokens_mean": tokens / n,
         **{f"buffer/{k}": v for k, v in buffer.items()},
         **{f"rollout/{k}_total": v for k, v in counters.items()},
+        **({} if filtered_fraction_window is None else {"rollout/filtered_fraction_window": filtered_fraction_window}),
         **agent_metrics([e for g in groups for e in g.group.episodes]),
         **actor,
     }

@@ -119,7 +119,7 @@ class Trainer:
     async def _loops(self, evaluate_first: bool) -> int:
         try:
             async with asyncio.TaskGroup() as self._tasks:
-                side = [self._tasks.create_task(self.watchdog.watch())]
+                side = [self._tasks.create_task(self.watchdog.watch(self._show_starved))]
                 if evaluate_first:
                     self.log.step({"step": 0, "version": self.version}, await self._evaluation(0))
                 side.append(self._tasks.create_task(self.rollouts.run(
@@ -155,10 +155,13 @@ class Trainer:
             busy = await self.rollout.busy_s() - busy0
             times = StepTimes(time.perf_counter() - t0, waited, busy, self._now())
             buffer = self.rollouts.buffer
-            counters = {**self._counters(), **await self.rollout.gateway_counts()}
+            # the window's fraction and the group counts are read together, before any await
+            filtered_window, counters = self.watchdog.starvation.fraction, self._counters()
+            counters.update(await self.rollout.gateway_counts())
             row = step_row(step, self.version, trained_version, groups, trajectories, actor, times,
                            self.rollouts.take_finished_rewards(), counters,
-                           {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped})
+                           {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped},
+                           filtered_fraction_window=filtered_window)
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
             due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             self.log.step(row, await self._evaluation(step, weights) if due else None)
@@ -198,6 +201,9 @@ class Trainer:
 
     async def _hook(self, name: HookName, metrics: dict[str, Any], epoch: int | None = None) -> None:
         await self.hooks.call(HookEvent(name, self.step, self.version, metrics, self, epoch))
+
+    def _show_starved(self, status: str | None) -> None:
+        self.log.bar.set_description(f"train[{self.cfg.mode}]" + (f" STARVED ({status})" if status else ""))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
