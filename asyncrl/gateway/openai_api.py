@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from asyncrl.gateway.tool_calls import ParsedReply
+from asyncrl.json_api import Refused
 
 
 class _Request(BaseModel):
@@ -78,6 +79,25 @@ class ChatRequest(_Request):
     tool_choice: Literal["auto", "none"] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+
+    @field_validator("tools")
+    @classmethod
+    def _named_functions(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        """Each tool is ``{"type": "function", "function": {"name": …, …}}``: the chat
+        template renders the function, so an entry without one would reach the model as
+        noise. Raises ``Refused``, which pydantic lets through, rather than ``ValueError``:
+        the param is then OpenAI's ``tools[1].function``, which a validation error's
+        location (``tools``) cannot name."""
+        for i, tool in enumerate(tools or []):
+            function = tool.get("function")
+            if not isinstance(function, dict):
+                raise Refused(400, f"tools[{i}].function: each tool needs a function object, as "
+                                   f'{{"type": "function", "function": {{"name": …}}}} (got {function!r:.80})',
+                              f"tools[{i}].function")
+            if not isinstance(function.get("name"), str) or not function["name"]:
+                raise Refused(400, f"tools[{i}].function.name: a function needs a non-empty string name "
+                                   f"(got {function.get('name')!r:.80})", f"tools[{i}].function.name")
+        return tools
 
 
 class CompletionRequest(_Request):
