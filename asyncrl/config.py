@@ -204,13 +204,23 @@ class GatewayConfig(Section):
     (always on a free local port), or standalone with ``asyncrl serve``."""
 
     host: str = "127.0.0.1"
-    """Where ``asyncrl serve`` listens."""
+    """Where ``asyncrl serve`` listens. Beyond loopback it needs ``api_key`` (or
+    ``allow_unauthenticated``): anyone who reaches it could sample from the model."""
     port: int = Field(8000, ge=0, le=65535)
     """``asyncrl serve``'s port (0 = any free port)."""
     tool_parser: str = "hermes"
     """Model text → ``tool_calls``: ``hermes`` (``<tool_call>{...}</tool_call>``) or ``module:function``."""
     max_tokens: int = Field(256, ge=1)
     """``asyncrl serve``: the reply cap when a request names none (training uses ``sampling.max_tokens``)."""
+    max_body_bytes: int = Field(8 * 2**20, gt=0)
+    """A request body over this is refused (413), from its Content-Length before it is read.
+    A conversation filling a 128k-token context is about 0.5 MiB of JSON: beyond 8 MiB is a
+    mistake or an attack, and is refused before any tokenizing."""
+    api_key: str | None = Field(None, min_length=1)
+    """When set, every route but ``/health`` and the per-episode session URLs (their id is
+    the credential) wants ``Authorization: Bearer <key>``, else 401."""
+    allow_unauthenticated: bool = False
+    """Let a ``host`` beyond loopback serve with no ``api_key`` (refused with exit 2 otherwise)."""
 
 
 class WatchdogConfig(Section):
@@ -232,7 +242,6 @@ class WatchdogConfig(Section):
     starvation_stop_fraction: float = Field(0.98, ge=0, le=1)
     """More than this fraction filtered: stop (exit 1); at least ``starvation_warn_fraction``
     (1 = never)."""
-
 
 
 class HooksConfig(Section):

@@ -1,5 +1,7 @@
 """``asyncrl serve``: the gateway standalone over ``model.path``, for trying an agent by
-hand. Nothing is recorded or trained; requests sample as they ask."""
+hand. Nothing is recorded or trained; requests sample as they ask. It listens with the
+training gateway's checks (``access.py``): the key, the body limit, no open port beyond
+loopback."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 
 from asyncrl.client import stop_token_ids
 from asyncrl.config import Config, ConfigError
+from asyncrl.gateway.access import check_exposure
 from asyncrl.gateway.server import Gateway
 from asyncrl.gateway.tool_calls import get_parser
 from asyncrl.orchestrator.preflight import preflight
@@ -20,6 +23,7 @@ def serve(cfg: Config) -> None:
         parser = get_parser(cfg.gateway.tool_parser)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    check_exposure(cfg.gateway.host, cfg.gateway)  # before the model loads (start checks again)
     checked = preflight(cfg, "eval")
 
     async def main() -> None:
@@ -27,15 +31,16 @@ def serve(cfg: Config) -> None:
         await worker.start()
         sampling = worker.sampling
         gateway = Gateway(checked.tokenizer, parser, model_name=cfg.model.path, engine=worker.engine,
-                          sampling=sampling, default_max_tokens=cfg.gateway.max_tokens)
+                          sampling=sampling, settings=cfg.gateway)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
             url = await gateway.start(cfg.gateway.host, cfg.gateway.port)
+            key = "; 'Authorization: Bearer <gateway.api_key>' required" if cfg.gateway.api_key else ""
             print(f"asyncrl serve: {cfg.model.path} at {url}/v1 (OpenAI API; stop tokens "
-                  f"{list(stop_token_ids(checked.tokenizer))}); Ctrl-C stops", file=sys.stderr, flush=True)
+                  f"{list(stop_token_ids(checked.tokenizer))}{key}); Ctrl-C stops", file=sys.stderr, flush=True)
             await stop.wait()
         except OSError as exc:  # the port is taken, or the host is not ours
             raise ConfigError(f"gateway.host/gateway.port {cfg.gateway.host}:{cfg.gateway.port}: {exc}") from None

@@ -9,9 +9,11 @@ process between an agent and its session — and measured: a trivial JSON endpoi
 client (64 in flight, median of 3 interleaved runs, this 2-core machine).
 
 Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
-unknown session, 400 for a body that is not JSON or not a valid request (``n`` > 1
-included) or a prompt that does not fit the context (both lengths named), 503 when the
-engine has stopped.
+unknown session or route, 405 for a wrong method, 400 for a body that is not JSON or not
+a valid request (``n`` > 1 and a tool without a named function included) or a prompt
+that does not fit the context (both lengths named), 401 without the key, 413 for a body
+over the limit (``access.py``: both decided before a handler runs), 503 when the engine
+has stopped.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -28,7 +30,9 @@ from transformers import PreTrainedTokenizerBase
 
 import asyncrl.gateway.openai_api as api
 from asyncrl.client import LLMClient
+from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
+from asyncrl.gateway.access import check_exposure, middlewares
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser
 from asyncrl.json_api import Refused, error_response, listen, read_body
@@ -40,11 +44,13 @@ logger = logging.getLogger(__name__)
 class Gateway:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser, *, model_name: str,
                  engine: RolloutEngine | None = None, sampling: SamplingParams | None = None,
-                 default_max_tokens: int = 256) -> None:
+                 settings: GatewayConfig | None = None) -> None:
         """``engine``/``sampling``: what plain ``/v1`` requests use (``asyncrl serve``); a
-        session uses its own episode's client."""
+        session uses its own episode's client. ``settings``: the reply cap, the body limit
+        and the key (``gateway.*``); its host and port are ``start``'s to use."""
         self.tokenizer, self.parser, self.model_name = tokenizer, parser, model_name
-        self.engine, self.sampling, self.default_max_tokens = engine, sampling, default_max_tokens
+        self.engine, self.sampling = engine, sampling
+        self.settings = settings or GatewayConfig()
         self.sessions: dict[str, Session] = {}
         self.counts = {"requests": 0, "tool_parse_errors": 0, "sampling_overrides": 0}
         self.base_url = ""
@@ -52,8 +58,10 @@ class Gateway:
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen (``port`` 0: a free one); returns the base URL."""
-        app = web.Application(client_max_size=64 * 2**20)
+        """Listen (``port`` 0: a free one); returns the base URL. Raises ``ConfigError``
+        for a ``host`` beyond loopback with no key (``access.check_exposure``)."""
+        check_exposure(host, self.settings)
+        app = web.Application(client_max_size=self.settings.max_body_bytes, middlewares=middlewares(self.settings))
         for prefix in ("", "/sessions/{session}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
@@ -73,7 +81,7 @@ class Gateway:
         """A session over ``client`` for one episode; yields its OpenAI base URL and is
         closed (404 from then on) when the episode ends, however it ends. ``on_close``
         then gets the episode's diagnostics (``Session.diagnostics``)."""
-        session = Session(uuid.uuid4().hex, client, self.parser, training=training)
+        session = Session(secrets.token_hex(16), client, self.parser, training=training)  # the URL is the key
         self.sessions[session.id] = session
         try:
             yield f"{self.base_url}/sessions/{session.id}/v1"
@@ -114,15 +122,17 @@ class Gateway:
                 session = Session("", LLMClient(self.engine, self.tokenizer, self.sampling), self.parser,
                                   training=False)
             if isinstance(body, api.ChatRequest):
-                result = await session.chat(body, self.default_max_tokens)
+                result = await session.chat(body, self.settings.max_tokens)
             else:
-                result = await session.complete(body, self.default_max_tokens)
+                result = await session.complete(body, self.settings.max_tokens)
         except Refused as exc:
             return error_response(exc)
         except PromptTooLongError as exc:
             return error_response(Refused(400, str(exc), "messages"))
         except EngineClosedError as exc:
             return error_response(Refused(503, f"the engine has stopped: {exc}"))
+        except web.HTTPException:  # aiohttp's own, e.g. 413 while reading: access.openai_errors shapes it
+            raise
         except Exception as exc:  # a bug of ours: the agent gets an OpenAI-shaped 500, the log the traceback
             logger.exception("gateway: %s %s failed", request.method, request.path)
             return error_response(Refused(500, f"{type(exc).__name__}: {exc}"))
