@@ -4,7 +4,8 @@ it asks the model, runs the tools the model calls, and scores the final answer.
 asyncrl trains it unchanged — the only thing that ties it to asyncrl is that it takes
 its ``base_url`` as an argument (``workflow.agent: examples/openai_agent/agent.py:run``).
 Two tools: ``calculate`` evaluates an arithmetic expression, ``check`` says whether an
-expression uses the task's numbers and reaches the target.
+expression uses the task's numbers and reaches the target. The reward is its own
+(:func:`score`), not the Countdown task's default.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 import asyncio
 import json
 import weakref
+from collections import Counter
 
 from openai import AsyncOpenAI
 
-from asyncrl.tasks.countdown import countdown_reward, parse_expression
+from asyncrl.tasks.countdown import FORMAT_REWARD, countdown_reward, parse_expression
 
 TOOLS = [
     {"type": "function", "function": {
@@ -49,6 +51,27 @@ def check(task, expression: str) -> str:
     return "correct" if countdown_reward(task, expression) == 1.0 else "not a solution"
 
 
+def score(task, answer: str) -> float:
+    """1.0 for a solution; else ``FORMAT_REWARD`` times the share of the task's numbers the
+    expression uses (multiset overlap over the longer of its and the task's lists), 0.0 for
+    no expression.
+
+    The task's default (``countdown_reward``) pays the full bonus for any expression, and
+    under the tool prompt, which the shipped policy never saw in its warm-up, almost all it
+    finds is that bonus: it collapsed onto answering ``1``, every group scored 0.1 and was
+    filtered. Here ``1`` earns nothing unless 1 is one of the numbers, and the credit
+    still grows with each number used, so groups keep their spread: before training, 55 %
+    of groups are filtered, against 95 % if the bonus required exactly the task's numbers.
+    """
+    parsed = parse_expression(answer)
+    if parsed is None:
+        return 0.0
+    if countdown_reward(task, answer) == 1.0:
+        return 1.0
+    numbers, used = Counter(int(n) for n in task.data["numbers"]), Counter(parsed[1])
+    return FORMAT_REWARD * (sum((numbers & used).values()) / max(numbers.total(), used.total()))
+
+
 async def run(task, base_url: str) -> float:
     client = client_for(base_url)
     messages = [{"role": "user", "content": task.prompt}]
@@ -67,4 +90,4 @@ async def run(task, base_url: str) -> float:
             except (KeyError, ValueError, AttributeError):
                 result = f"unknown tool or bad arguments: {call.function.name}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    return countdown_reward(task, answer)
+    return score(task, answer)
