@@ -13,7 +13,8 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 
-_KINDS = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable"}
+_KINDS = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error", 503: "service_unavailable"}
 
 
 class Refused(Exception):

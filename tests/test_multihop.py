@@ -1,11 +1,13 @@
-"""Multi-hop QA: the synthetic KB, its questions, the answer format and reward, user files,
-and the registry. Questions are checked against an independent reference solver that
-reads only the documents' text, so "answerable from the corpus" is tested, not assumed."""
+"""Multi-hop QA: the invented world of identifiers, its questions, the answer format and
+reward, user files, and the registry. Questions are checked against an independent
+reference solver that reads only the question and the documents' text, so "answerable from
+the corpus" is tested, not assumed."""
 
 from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from itertools import islice, pairwise
 
 import pytest
@@ -21,7 +23,6 @@ from asyncrl.tasks import (
     resolve_reward_fn,
 )
 from asyncrl.tasks.multihop import (
-    FORMAT_REWARD,
     extract_answer,
     iter_multihop,
     load_corpus,
@@ -33,77 +34,79 @@ from asyncrl.tasks.multihop import (
     write_questions,
 )
 
+ID = r"[pctr][a-z0-9]{2}"
+
 # ---- a reference solver that reads only text --------------------------------------
 
-_NAME = r"([A-Za-z ]+?)"
-_DOC_FACTS = [
-    (re.compile(rf"{_NAME} lives in {_NAME}\. (?:Her|His) mentor is {_NAME}\. (?:She|He) works at {_NAME}\."),
-     ("home", "mentor", "employer")),
-    (re.compile(rf"{_NAME} is a company founded in {_NAME}\. It is led by {_NAME}\."), ("founded", "leader")),
-    (re.compile(rf"{_NAME} is a city in the region of {_NAME}\."), ("region",)),
-]
-_QUESTIONS = [(re.compile(q), r) for q, r in [
-    (r"Where does (.+) live\?", "home"), (r"Who is the mentor of (.+)\?", "mentor"),
-    (r"Where does (.+) work\?", "employer"), (r"Where was (.+) founded\?", "founded"),
-    (r"Who leads (.+)\?", "leader"), (r"In which region is (.+)\?", "region"),
-]]
-_PHRASE = re.compile(r"the (home city|mentor|employer|founding city|leader) of (.+)")
-_PHRASE_RELATION = {"home city": "home", "mentor": "mentor", "employer": "employer",
-                    "founding city": "founded", "leader": "leader"}
+_FACT = re.compile(r"([a-z0-9]{3}) is in ([a-z0-9]{3})\.")
+_QUESTION = re.compile(r"Which (company|town|region) is ([a-z0-9]{3}) in\?")
+_PREFIX = {"company": "c", "town": "t", "region": "r"}  # the kind a question asks for -> its ids' first letter
 
 
 def read_facts(docs):
-    """``{(title, relation): value}`` and ``{title: doc id}``, parsed from each text."""
-    facts, doc_of = {}, {}
+    """``{entity: where it is}`` and ``{entity: id of the document saying so}``, parsed from each text."""
+    container, doc_of = {}, {}
     for doc in docs:
-        for pattern, relations in _DOC_FACTS:
-            m = pattern.fullmatch(doc["text"])
-            if m:
-                assert m.group(1) == doc["title"]
-                facts.update({(doc["title"], r): v for r, v in zip(relations, m.groups()[1:])})
-                break
-        else:
-            raise AssertionError(f"unparsed document {doc}")
-        doc_of[doc["title"]] = doc["id"]
-    return facts, doc_of
+        m = _FACT.fullmatch(doc["text"])
+        assert m, f"unparsed document {doc}"
+        entity, where = m.groups()
+        assert entity not in container, f"two documents about {entity}"
+        container[entity], doc_of[entity] = where, doc["id"]
+    return container, doc_of
 
 
-def solve(question, facts, doc_of):
-    """``(answer, ids of the documents read, in order)``."""
-    relation, phrase = next((r, m.group(1)) for q, r in _QUESTIONS if (m := q.fullmatch(question)))
-    chain = [relation]
-    while m := _PHRASE.fullmatch(phrase):
-        chain.insert(0, _PHRASE_RELATION[m.group(1)])
-        phrase = m.group(2)
-    entity, read = phrase, []
-    for relation in chain:
+def solve(question, container, doc_of):
+    """``(answer, ids of the documents read in order, entities visited)``: follow the facts from
+    the subject until an identifier of the kind asked for."""
+    kind, entity = _QUESTION.fullmatch(question).groups()
+    read, path = [], [entity]
+    while not entity.startswith(_PREFIX[kind]):
+        assert len(read) < 3, f"no {kind} within three hops of {path[0]}"
         read.append(doc_of[entity])
-        entity = facts[entity, relation]
-    return entity, read
+        entity = container[entity]
+        path.append(entity)
+    return entity, read, path
 
 
 def assert_answerable(tasks, docs):
-    facts, doc_of = read_facts(docs)
+    container, doc_of = read_facts(docs)
     for task in tasks:
-        answer, read = solve(task.prompt, facts, doc_of)
-        assert (answer, read) == (task.data["answer"], task.data["gold_doc_ids"]), task
-        assert task.data["hops"] == len(read) == len(task.data["relations"])
-        assert task.data["entities"][-1] == answer and answer not in task.data["entities"][:-1]
+        answer, read, path = solve(task.prompt, container, doc_of)
+        assert (answer, read, path) == (task.data["answer"], task.data["gold_doc_ids"], task.data["entities"]), task
+        assert task.data["hops"] == len(read) >= 1
 
 
-# ---- the KB and its questions -----------------------------------------------------
+# ---- the world and its questions --------------------------------------------------
 
 def test_corpus_is_deterministic_and_sized_by_num_people():
     docs = multihop_corpus(num_people=200)
-    assert docs == multihop_corpus(num_people=200, two_hop_fraction=1.0)  # question options don't shape it
+    assert docs == multihop_corpus(num_people=200, max_hops=1)  # question options don't shape it
     assert docs != multihop_corpus(num_people=200, corpus_seed=1)
-    assert len(docs) == 200 + 20 + 8  # people, companies (n/10), cities (n/25)
-    assert len(multihop_corpus()) == 570 and len(multihop_corpus(num_people=2000)) == 2280
-    assert len({d["id"] for d in docs}) == len({d["title"] for d in docs}) == len(docs)
-    assert all(re.fullmatch(r"[A-Z][a-z]+( [A-Z][a-z]+)?", d["title"]) for d in docs)
-    assert all(re.fullmatch(r"[A-Za-z .]+", d["text"]) for d in docs)
-    docs[0]["text"] = "mutated"  # callers get copies: the cached KB is unharmed
+    assert len(docs) == 200 + 50 + 20  # people, companies (n/4), towns (n/10); regions have no document
+    assert len(multihop_corpus()) == 800 + 200 + 80 == 1080
+    assert len(multihop_corpus(num_people=40)) == 40 + 10 + 4
+    docs[0]["text"] = "mutated"  # callers get copies: the cached world is unharmed
     assert multihop_corpus(num_people=200)[0]["text"] != "mutated"
+
+
+@pytest.mark.parametrize("options", [{}, {"num_people": 200}, {"num_people": 40, "corpus_seed": 3}])
+def test_ids_are_well_formed_and_the_world_is_a_chain(options):
+    docs = multihop_corpus(**options)
+    n = options.get("num_people", 800)
+    container, _ = read_facts(docs)
+    assert all(d["id"] == d["title"] and _FACT.fullmatch(d["text"]).group(1) == d["id"] for d in docs)
+    assert len({d["id"] for d in docs}) == len(docs)
+    by_kind = {p: [e for e in container if e[0] == p] for p in "pct"}
+    regions = {container[t] for t in by_kind["t"]}
+    everything = set(container) | set(container.values())
+    assert all(re.fullmatch(ID, e) for e in everything) and "the" not in everything
+    assert [len(by_kind[p]) for p in "pct"] + [len(regions)] == [n, n // 4, n // 10, max(2, round(n / 20))]
+    # an entity is in one of the next kind, and every container holds at least one entity
+    for lower, upper in [("p", "c"), ("c", "t"), ("t", "r")]:
+        held = {container[e] for e in by_kind[lower]}
+        assert all(e[0] == upper for e in held)
+        assert held == (set(by_kind[upper]) if upper != "r" else regions)
+    assert len(regions) >= 2  # the smallest world still asks something
 
 
 def test_questions_are_deterministic_and_answerable_from_their_gold_documents():
@@ -112,66 +115,105 @@ def test_questions_are_deterministic_and_answerable_from_their_gold_documents():
     assert tasks == list(islice(iter_multihop(3, num_people=200), 1500))
     assert [t.prompt for t in tasks[:50]] != [t.prompt for t in islice(iter_multihop(4, num_people=200), 50)]
     assert_answerable(tasks, docs)
-    hops = [t.data["hops"] for t in tasks]
-    assert 0.4 < hops.count(2) / len(hops) < 0.6
-    assert len({tuple(t.data["relations"]) for t in tasks}) == 6 + 9  # every chain is asked
-    assert all(t.data["hops"] == 1 for t in islice(iter_multihop(0, two_hop_fraction=0.0), 100))
-    assert all(t.data["hops"] == 2 for t in islice(iter_multihop(0, two_hop_fraction=1.0), 100))
+    assert_answerable(list(islice(iter_multihop(0, corpus_seed=5, num_people=60), 300)),
+                      multihop_corpus(corpus_seed=5, num_people=60))
+    assert json.loads(json.dumps(tasks[0].data)) == tasks[0].data  # data is plain JSON
 
 
-def test_bad_options_raise():
+def test_hops_are_uniform_and_max_hops_is_respected():
+    tasks = list(islice(iter_multihop(3, num_people=200), 3000))
+    hops = Counter(t.data["hops"] for t in tasks)
+    assert set(hops) == {1, 2, 3} and all(0.28 < hops[h] / len(tasks) < 0.39 for h in hops)
+    # every kind of question is asked: (hops, kind of subject)
+    assert {(t.data["hops"], t.prompt.split()[3][0]) for t in tasks} == {
+        (1, "p"), (1, "c"), (1, "t"), (2, "p"), (2, "c"), (3, "p")}
+    two = Counter(t.data["hops"] for t in islice(iter_multihop(0, max_hops=2), 1000))
+    assert set(two) == {1, 2} and 0.4 < two[1] / 1000 < 0.6
+    assert all(t.data["hops"] == 1 for t in islice(iter_multihop(0, max_hops=1), 300))
+
+
+@pytest.mark.parametrize("options, fragment", [
+    ({"num_people": 39}, "num_people"), ({"num_people": 0}, "num_people"), ({"num_people": 5000}, "num_people"),
+    ({"max_hops": 0}, "max_hops"), ({"max_hops": 4}, "max_hops"),
+])
+def test_bad_options_raise(options, fragment):
+    with pytest.raises(ValueError, match=fragment):
+        next(iter_multihop(0, **options))
+    with pytest.raises(ValueError, match=fragment):
+        multihop_corpus(**options)
+
+
+def test_too_many_people_is_refused_before_ids_run_out():
+    big = multihop_corpus(num_people=971)  # the largest allowed still has distinct ids of every kind
+    assert len({d["id"] for d in big}) == len(big) == 971 + round(971 / 4) + round(971 / 10)
     with pytest.raises(ValueError, match="num_people"):
-        next(iter_multihop(0, num_people=2))
-    with pytest.raises(ValueError, match="two_hop_fraction"):
-        multihop_corpus(two_hop_fraction=1.5)
+        multihop_corpus(num_people=972)
+
+
+def test_searching_an_id_ranks_its_own_document_first():
+    from asyncrl.tools.retrieval import BM25Index, Document
+
+    for options in ({"num_people": 200}, {"num_people": 40, "corpus_seed": 9}):
+        docs = multihop_corpus(**options)
+        container, _ = read_facts(docs)
+        index = BM25Index(Document(d["id"], d["text"], d["title"]) for d in docs)
+        ids = [d["id"] for d in docs]
+        assert [hits[0]["id"] for hits in index.search_batch(ids, 3)] == ids
+        # a region has no document: its search finds towns in it
+        for region in set(container.values()) - set(container):
+            hits = index.search(region, 3)
+            assert hits and all(container[h["id"]] == region for h in hits)
 
 
 # ---- answers and reward -----------------------------------------------------------
 
-KB = Task(id="q", prompt="Where does Orla Venn live?", data={"answer": "Kestrel Bay"})
+KB = Task(id="q", prompt="Which town is c7m in?", data={"answer": "t2x"})
 
 
 @pytest.mark.parametrize("response", [
-    "Kestrel Bay", "Answer: Kestrel Bay", "answer: kestrel bay.", "  The Kestrel Bay!  ", "ANSWER:the  kestrel bay",
-    "Her document says she lives there.\nAnswer: Kestrel Bay", "Answer: Quillfen\nFinal answer: Kestrel Bay",
+    "t2x", "Answer: t2x", "answer: T2X.", "  The t2x!  ", "ANSWER:the  t2x",
+    "c7m is in t2x.\nAnswer: t2x", "Answer: t9q\nFinal answer: t2x",
 ])
 def test_reward_exact_after_normalisation(response):
     assert multihop_reward(KB, response) == 1.0
 
 
 @pytest.mark.parametrize("response", [
-    "Answer: Quillfen", "Tamsin Roe", "Answer: Kestrel", "Answer: Kestrel Bay\nAnswer: Quillfen", "I do not know",
+    "Answer: t9q", "c7m", "Answer: t2", "Answer: t2xx", "Answer: t2x\nAnswer: t9q", "Answer: t2x t2x", "I do not know",
 ])
-def test_reward_well_formed_but_wrong(response):
-    assert multihop_reward(KB, response) == FORMAT_REWARD
+def test_reward_well_formed_but_wrong_is_zero(response):
+    assert extract_answer(response) is not None  # an answer, just not the right one: no format bonus
+    assert multihop_reward(KB, response) == 0.0
 
 
 @pytest.mark.parametrize("response", [
-    "", "   ", "Answer:", "Answer: ...", "The answer is\nKestrel Bay",
-    '<tool_call>{"name": "search", "arguments": {"query": "Kestrel Bay"}}</tool_call>',
-    "Answer: Kestrel Bay because the mentor of Orla Venn lives there too",  # not a short answer
-    "Kestrel Bay " * 20,
+    "", "   ", "Answer:", "Answer: ...", "The answer is\nt2x",
+    '<tool_call>{"name": "search", "arguments": {"query": "t2x"}}</tool_call>',
+    "Answer: t2x because c7m is in t2x and so is p3k",  # not a short answer
+    "t2x " * 20, "Answer: {t2x}",
 ])
 def test_reward_garbage_is_zero(response):
+    assert extract_answer(response) is None
     assert multihop_reward(KB, response) == 0.0
 
 
 def test_extract_and_normalise():
-    assert extract_answer("Answer:  Kestrel Bay. \nthanks") == "Kestrel Bay."
-    assert extract_answer(" Kestrel Bay\n") == "Kestrel Bay"
+    assert extract_answer("Answer:  t2x. \nthanks") == "t2x."
+    assert extract_answer(" t2x\n") == "t2x"
     assert extract_answer("line one\nline two") is None
-    assert normalize_answer(" The  Kestrel Bay.") == "kestrel bay"
+    assert normalize_answer(" The  T2X.") == "t2x"
     assert normalize_answer("Theodore") == "theodore"  # only a whole leading word "the" goes
+    assert normalize_answer("the") == "the"
 
 
 def test_every_generated_answer_scores_in_both_forms():
     tasks = list(islice(iter_multihop(0, num_people=100), 300))
     for task, other in pairwise(tasks):
         answer = task.data["answer"]
-        assert extract_answer(answer) == answer
+        assert re.fullmatch(ID, answer) and extract_answer(answer) == answer
         assert multihop_reward(task, answer) == multihop_reward(task, f"Answer: {answer}") == 1.0
         if normalize_answer(other.data["answer"]) != normalize_answer(answer):
-            assert multihop_reward(task, f"Answer: {other.data['answer']}") == FORMAT_REWARD
+            assert multihop_reward(task, f"Answer: {other.data['answer']}") == 0.0
 
 
 # ---- user files -------------------------------------------------------------------
@@ -198,6 +240,7 @@ def test_user_files_minimal_rows(tmp_path):
                                  name="mine.jsonl"))
     assert tasks == [Task(id="mine-1", prompt="Where does Ada live?", data={"answer": "Rome", "src": 1})]
     assert multihop_reward(tasks[0], "Answer: rome") == 1.0
+    assert multihop_reward(tasks[0], "Answer: Paris") == 0.0
 
 
 @pytest.mark.parametrize("bad_line, fragment", [
@@ -253,17 +296,22 @@ def test_registry_splits_share_one_corpus_and_are_disjoint():
     assert splits == load_tasks("multihop", seed=0, num_train=50, num_validation=20)
     train, val = {t.prompt for t in splits.train}, [t.prompt for t in splits.validation]
     assert not train & set(val) and len(set(val)) == 20 and all(map(is_validation_prompt, val))
+    assert not any(map(is_validation_prompt, train))
     assert_answerable(splits.train + splits.validation, multihop_corpus())
     # Another seed or corpus option: new questions, and both splits over multihop_corpus(**options).
     options = {"num_people": 100, "corpus_seed": 7}
     other = load_tasks("multihop", seed=1, num_train=50, num_validation=20, options=options)
     assert {t.prompt for t in other.train} != train
+    assert not {t.prompt for t in other.train} & {t.prompt for t in other.validation}
     assert_answerable(other.train + other.validation, multihop_corpus(**options))
+    with pytest.raises((AssertionError, KeyError)):  # ...and not over the default world
+        assert_answerable(other.train + other.validation, multihop_corpus())
     with pytest.raises(ValueError, match="options"):
         load_tasks("multihop", seed=0, num_train=1, num_validation=1, options={"people": 10})
 
 
-def test_two_hop_fraction_option_shapes_the_splits():
-    splits = load_tasks("multihop", seed=0, num_train=20, num_validation=5, options={"two_hop_fraction": 1.0})
-    assert all(t.data["hops"] == 2 for t in splits.train + splits.validation)
-    assert json.loads(json.dumps(splits.train[0].data)) == splits.train[0].data  # data is plain JSON
+def test_max_hops_option_shapes_the_splits():
+    splits = load_tasks("multihop", seed=0, num_train=20, num_validation=5, options={"max_hops": 1})
+    assert all(t.data["hops"] == 1 for t in splits.train + splits.validation)
+    with pytest.raises(ValueError, match="max_hops"):
+        load_tasks("multihop", seed=0, num_train=1, num_validation=1, options={"max_hops": 4})

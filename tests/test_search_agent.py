@@ -20,6 +20,7 @@ pytest.importorskip("bm25s")
 from asyncrl.cli import main
 from asyncrl.tasks.base import Task
 from asyncrl.tasks.multihop import multihop_corpus, multihop_reward, write_corpus
+from asyncrl.tools.retrieval import RetrievalError
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("search_agent", REPO / "examples/search_agent/agent.py")
@@ -88,18 +89,27 @@ class _ScriptedModel:
 
 
 class _FakeRetrieval:
-    def __init__(self):
-        self.queries = []
+    """Stands in for ``RetrievalClient``: ``search(query, k)`` returns hits, or raises."""
 
-    async def search_tool_message(self, query, k, max_chars):
+    def __init__(self, hits=(), error=None):
+        self.hits, self.error, self.queries = list(hits), error, []
+
+    async def search(self, query, k):
         self.queries.append((query, k))
-        return "[1] person-0: " + "x" * 500
+        if self.error is not None:
+            raise RetrievalError(self.error)
+        return [dict(hit) for hit in self.hits[:k]]
 
 
-def _run(replies, answer="Kestrel Bay"):
-    model, retrieval = _ScriptedModel(replies), _FakeRetrieval()
-    task = Task(id="t", prompt="Where does Orla Venn live?", data={"answer": answer})
-    return multihop_reward(task, asyncio.run(agent.converse(model, retrieval, task))), model, retrieval
+HITS = [{"id": "c7m", "score": 2.5, "text": "c7m is in t2x."},
+        {"id": "p3k", "score": 1.2, "text": "p3k is in c7m."},
+        {"id": "x", "score": 0.4, "text": "a  long\nhit " + "y" * 60}]
+
+
+def _run(replies, answer="t2x", **retrieval):
+    model, fake = _ScriptedModel(replies), _FakeRetrieval(**retrieval)
+    task = Task(id="t", prompt="Which town is c7m in?", data={"answer": answer})
+    return multihop_reward(task, asyncio.run(agent.converse(model, fake, task))), model, fake
 
 
 def test_a_reply_without_a_call_or_an_answer_is_nudged_each_turn_until_the_limit():
@@ -110,18 +120,38 @@ def test_a_reply_without_a_call_or_an_answer_is_nudged_each_turn_until_the_limit
     assert all(m["content"] == agent.NUDGE for m in last[2::2])
 
 
-def test_a_search_then_an_answer_ends_the_episode_with_its_reward():
-    replies = [("", [("search", '{"query": "Orla Venn"}')]), ("Answer: Kestrel Bay", []), ("never asked", [])]
-    reward, model, retrieval = _run(replies)
+def test_a_search_then_an_answer_ends_the_episode_with_its_reward(monkeypatch):
+    monkeypatch.delenv("ASYNCRL_SEARCH_OFF", raising=False)
+    replies = [("", [("search", '{"query": "c7m"}')]), ("Answer: t2x", []), ("never asked", [])]
+    reward, model, retrieval = _run(replies, hits=HITS)
     assert reward == 1.0 and len(model.sent) == 2
-    assert retrieval.queries == [("Orla Venn", agent.SEARCH_K)]
+    assert retrieval.queries == [("c7m", agent.SEARCH_K)]
     tool = model.sent[1][-1]
     assert tool["role"] == "tool" and tool["tool_call_id"] == "call-0"
-    assert len(tool["content"]) == agent.MAX_RESULT_CHARS  # cut to fit the context
+    # the hits' texts, best first, one per line, each on one line and cut at MAX_HIT_CHARS
+    assert tool["content"] == "c7m is in t2x.\np3k is in c7m.\n" + ("a long hit " + "y" * 60)[: agent.MAX_HIT_CHARS]
+    assert [len(line) for line in tool["content"].split("\n")] == [14, 14, agent.MAX_HIT_CHARS]
+
+
+@pytest.mark.parametrize("retrieval, off, expected", [
+    ({"hits": []}, None, "no results"),
+    ({"hits": HITS}, "1", "no results"),  # ASYNCRL_SEARCH_OFF=1: the tool finds nothing, unasked
+    ({"error": "cannot reach the service"}, None, "search failed: cannot reach the service"),
+])
+def test_empty_switched_off_and_failed_searches_are_results_for_the_model(monkeypatch, retrieval, off, expected):
+    if off is None:
+        monkeypatch.delenv("ASYNCRL_SEARCH_OFF", raising=False)
+    else:
+        monkeypatch.setenv("ASYNCRL_SEARCH_OFF", off)
+    replies = [("", [("search", '{"query": "c7m"}')]), ("Answer: t2x", [])]
+    reward, model, fake = _run(replies, **retrieval)
+    assert reward == 1.0 and model.sent[1][-1]["content"] == expected
+    assert fake.queries == ([] if off else [("c7m", agent.SEARCH_K)])
 
 
 def test_bad_tool_arguments_and_unknown_tools_are_results_for_the_model():
-    replies = [("", [("search", "not json"), ("lookup", "{}")]), ("Answer: Elsewhere", [])]
-    reward, model, retrieval = _run(replies)
-    assert reward == pytest.approx(0.1) and retrieval.queries == []  # well-formed but wrong
-    assert [m["content"] for m in model.sent[1][-2:]] == ["search needs a query", "unknown tool: lookup"]
+    replies = [("", [("search", "not json"), ("search", '{"query": "  "}'), ("lookup", "{}")]), ("Answer: t9q", [])]
+    reward, model, retrieval = _run(replies, hits=HITS)
+    assert reward == 0.0 and retrieval.queries == []  # well-formed but wrong: no format bonus
+    assert [m["content"] for m in model.sent[1][-3:]] == ["search needs a query", "search needs a query",
+                                                          "unknown tool: lookup"]

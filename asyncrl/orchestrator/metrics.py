@@ -45,6 +45,7 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/idle_ratio": max(0.0, 1 - times.rollout_busy_s / wall),
         "throughput/samples_per_s": n / wall, "throughput/tokens_per_s": tokens / wall,
         "rollout/resumed_fraction": sum(t.resumed for t in trajectories) / n,
+        "rollout/resumes": sum(t.num_resumes for t in trajectories),  # aborts resumed in what this step trains
         "rollout/response_tokens_mean": tokens / n,
         **{f"buffer/{k}": v for k, v in buffer.items()},
         **{f"rollout/{k}_total": v for k, v in counters.items()},
@@ -63,6 +64,7 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
     n = len(records)
     return {
         "agent/turns_mean": sum(r.turns for r in records) / n,
+        "agent/multi_turn_fraction": sum(r.turns >= 2 for r in records) / n,
         "agent/tool_calls_mean": sum(r.tool_calls for r in records) / n,
         "agent/tool_errors_total": sum(r.tool_errors for r in records),
         "agent/tool_latency_s_mean": sum(r.tool_latency_s for r in records) / n,

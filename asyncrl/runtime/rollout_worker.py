@@ -76,7 +76,7 @@ class RolloutWorker:
             await self._build_engines()
             if self.cfg.workflow.name == "openai_agent":  # a gateway on a free local port, for this worker's agents
                 self.gateway = Gateway(self.tokenizer, get_parser(self.cfg.gateway.tool_parser),
-                                       model_name=self.cfg.model.path)
+                                       model_name=self.cfg.model.path, settings=self.cfg.gateway)
                 await self.gateway.start("127.0.0.1", 0)
                 self.workflow = build_workflow(self.cfg, gateway=self.gateway)
         except BaseException as exc:

@@ -1,31 +1,36 @@
-"""Multi-hop questions over a synthetic knowledge base, for a search agent that learns on the CPU.
+"""Multi-hop questions over a document collection that only a ``search`` tool can reach.
 
-The knowledge base (KB) is invented, so no model knows it and nothing is downloaded: people,
-companies, cities and regions with invented names, linked by six functional relations. Each
-person, company and city has one short document stating its facts::
+The collection is an invented world of short identifiers, so no model knows it and nothing
+is downloaded. Four kinds of entity form a chain — people (``p3k``), companies (``c7m``),
+towns (``t2x``), regions (``r5q``) — and each entity but a region has one document that
+states its one fact, where it belongs::
 
-    Orla Venn lives in Kestrel Bay. Her mentor is Tamsin Roe. She works at Quillfen.
-    Quillfen is a company founded in Kestrel Bay. It is led by Tamsin Roe.
-    Kestrel Bay is a city in the region of Norvast.
+    p3k is in c7m.        c7m is in t2x.        t2x is in r5q.
 
-(Regions have no document: they are only ever answers.) A one-hop question needs the
-subject's document ("Where does Orla Venn live?"); a two-hop question needs it and then
-the document of the entity it names ("Where does the mentor of Orla Venn live?"). Every
-relation is a function, so every question has exactly one answer, and every answer is an
-entity name. Each task's ``data`` holds ``answer``, ``hops``, ``gold_doc_ids`` (the
-documents to read, in order), ``entities`` (subject, intermediate, answer) and
-``relations``, which is all a trace generator needs to write an ideal search trace.
+A question names an entity and the kind of place asked for: "Which region is p3k in?"
+needs three documents read in turn (p3k → its company → that company's town → the
+town's region), "Which company is p3k in?" one. Every fact is a function, so every
+question has one answer: an identifier.
 
-One corpus, two question splits. The KB depends only on ``corpus_seed`` and
-``num_people``, never on the stream's seed, so the registry's train stream (``seed``)
-and validation stream (a derived seed) ask about the same corpus; ``multihop_corpus``
-takes the same options and returns it. The split is the registry's hash of the question
-text (``is_validation_prompt``): validation questions are never trained on, and both
-splits sample the same mix of relations and hops. Facts are shared between the splits
-on purpose: the corpus is the agent's environment, and what is held out is the question.
+Why this surface (and not names of people and cities, as before): the search agent is
+trained on a CPU by a policy of under a million parameters that spells one character per
+token. Copying two-word names out of 600-character conversations was measured to be
+beyond it in a session's warm-up (held-out success 0.10 and no RL gain); three-character
+identifiers, one fact per document and episodes of at most ~500 characters keep the
+reading and copying within reach, so what remains to learn is *when* to search again and
+*which* identifier is the answer. The first letter of an identifier names its kind, the
+question names the kind it wants: an agent can tell it has arrived.
 
-Names are ASCII letters and spaces (a char-level tokenizer spells them), unique across
-the whole KB, and never a word of the templates.
+Without the tool the answer is one of hundreds of identifiers the policy has never seen
+(the warm-up reads other worlds, ``corpus_seed`` ≠ 0): guessing scores ≈ 0.
+
+One corpus, two question splits. The world depends only on ``corpus_seed`` and
+``num_people``, never on the stream's seed, so the registry's train stream (``seed``) and
+validation stream (a derived seed) ask about the same corpus; ``multihop_corpus`` takes
+the same options and returns it. The split is the registry's hash of the question text
+(``is_validation_prompt``): validation questions are never trained on. Each task's
+``data`` holds ``answer``, ``hops``, ``gold_doc_ids`` (the documents to read, in order)
+and ``entities`` (subject, intermediates, answer), all a trace generator needs.
 """
 
 from __future__ import annotations
@@ -43,9 +48,9 @@ from typing import Any, TypedDict
 from asyncrl.jsonl import JsonlError, iter_jsonl
 from asyncrl.tasks.base import Task, TaskDataError
 
-FORMAT_REWARD = 0.1
 MAX_ANSWER_WORDS = 8
 MAX_ANSWER_CHARS = 100
+MAX_HOPS = 3
 
 
 class Document(TypedDict):
@@ -54,182 +59,104 @@ class Document(TypedDict):
     text: str
 
 
-@dataclass(frozen=True)
-class _Relation:
-    source: str  # entity type of the subject
-    target: str  # entity type of the value
-    question: str  # "{x}" is the subject's name or a noun phrase naming it
-    phrase: str | None  # noun phrase "the ... of {x}" naming the value, for the first hop
+# The chain of kinds, lowest first: an entity of kind i is in one entity of kind i + 1.
+# (prefix, the word a question uses for the kind, how many per person)
+KINDS: tuple[tuple[str, str, float], ...] = (
+    ("p", "person", 1.0), ("c", "company", 1 / 4), ("t", "town", 1 / 10), ("r", "region", 1 / 20))
+_ID_CHARS = string.ascii_lowercase + string.digits
 
 
-_RELATIONS: dict[str, _Relation] = {
-    "home": _Relation("person", "city", "Where does {x} live?", "the home city of {x}"),
-    "mentor": _Relation("person", "person", "Who is the mentor of {x}?", "the mentor of {x}"),
-    "employer": _Relation("person", "company", "Where does {x} work?", "the employer of {x}"),
-    "founded": _Relation("company", "city", "Where was {x} founded?", "the founding city of {x}"),
-    "leader": _Relation("company", "person", "Who leads {x}?", "the leader of {x}"),
-    "region": _Relation("city", "region", "In which region is {x}?", None),
-}
-_CHAINS: dict[int, list[tuple[str, ...]]] = {
-    1: [(r,) for r in _RELATIONS],
-    2: [(a, b) for a, ra in _RELATIONS.items() if ra.phrase for b, rb in _RELATIONS.items()
-        if rb.source == ra.target and (a, b) != ("leader", "employer")],  # a leader works where they lead
-}
+def question_text(kind: int, subject: str) -> str:
+    """The question asking which entity of ``KINDS[kind]`` ``subject`` is (transitively) in."""
+    return f"Which {KINDS[kind][1]} is {subject} in?"
 
-# ----------------------------------------------------------------------------- the KB
 
-# Short, pronounceable words (Orla, Venn, Quillfen): mostly single consonants and vowels,
-# so a char-level model copies a name in a few tokens.
-_ONSETS = ("b", "c", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z",
-           "br", "dr", "fr", "gr", "tr", "st", "th", "qu")
-_VOWELS = ("a", "e", "i", "o", "u", "a", "e", "o", "ai", "ea")
-_INNER_CODAS = ("", "", "", "n", "l", "r", "s")
-_FINAL_CODAS = ("", "", "n", "l", "r", "s", "th", "nd", "ck", "ll", "ss", "rk", "x", "nn")
-_CITY_SUFFIXES = ("Bay", "Ford", "Vale", "Hollow", "Reach", "Crossing", "Harbor", "Falls", "Ridge", "Mill")
-# Template words a name must never equal, so no question or document reads two ways.
-_RESERVED = {w.lower() for w in _CITY_SUFFIXES} | {
-    "the", "a", "an", "answer", "he", "she", "his", "her", "it", "is", "in", "of", "at", "by", "lives", "works",
-    "mentor", "company", "city", "region", "founded", "led", "who", "where", "does", "was", "which", "leads",
-    "live", "work", "home", "founding", "leader", "employer",
-}
+def fact_text(entity: str, container: str) -> str:
+    return f"{entity} is in {container}."
+
+
+# ----------------------------------------------------------------------------- the world
 
 
 @dataclass(frozen=True)
-class _KB:
-    documents: tuple[tuple[str, str, str], ...]  # (id, title, text)
-    doc_id: dict[str, str]  # entity name -> its document id
-    facts: dict[tuple[str, str], str]  # (entity name, relation) -> value name
-    entities: dict[str, tuple[str, ...]]  # entity type -> names, in document order
+class _World:
+    ids: tuple[tuple[str, ...], ...]  # per kind, in document order
+    container: dict[str, str]  # entity -> the entity of the next kind it is in
 
 
-def _word(rng: random.Random, syllables: int) -> str:
-    parts = []
-    for k in range(syllables):
-        onset = rng.choice(_ONSETS + ("",)) if k == 0 else rng.choice(_ONSETS)
-        coda = rng.choice(_FINAL_CODAS if k == syllables - 1 else _INNER_CODAS)
-        parts.append(onset + rng.choice(_VOWELS) + coda)
-    return "".join(parts).capitalize()
+_NOT_IDS = {"the"}  # the one English stopword (which the index drops) of an identifier's shape
+_MAX_PER_KIND = len(_ID_CHARS) ** 2 - len(_NOT_IDS)
 
 
-def _words(rng: random.Random, n: int, syllables: tuple[int, ...], used: set[str]) -> list[str]:
-    """``n`` fresh words, none in ``used`` (which they join) nor reserved."""
-    out: list[str] = []
+def _fresh_ids(rng: random.Random, prefix: str, n: int) -> list[str]:
+    """``n`` distinct identifiers: ``prefix`` and two letters or digits."""
+    out: set[str] = set()
     while len(out) < n:
-        w = _word(rng, rng.choice(syllables))
-        if len(w) >= 3 and w.lower() not in used and w.lower() not in _RESERVED:
-            used.add(w.lower())
-            out.append(w)
-    return out
+        out.add(prefix + rng.choice(_ID_CHARS) + rng.choice(_ID_CHARS))
+        out -= _NOT_IDS
+    ordered = sorted(out)
+    rng.shuffle(ordered)
+    return ordered
 
 
-@lru_cache(maxsize=64)
-def _build_kb(corpus_seed: int, num_people: int, facts_seed: int | None = None) -> _KB:
-    """Deterministic in its arguments; cached, so never mutate what it returns.
-    ``facts_seed``: the same names as ``corpus_seed``'s, every fact drawn afresh."""
-    rng = random.Random(f"asyncrl-multihop-{corpus_seed}-{num_people}")
-    num_companies, num_cities = max(3, num_people // 10), max(3, num_people // 25)
-    num_regions = max(2, num_cities // 4)
-    used: set[str] = set()
-    # Shared first and last names (as in life), unique full names.
-    pool = max(16, num_people // 3)
-    firsts, lasts = _words(rng, pool, (2,), used), _words(rng, pool, (1, 2), used)
-    people: list[str] = []
-    seen: set[str] = set()
-    while len(people) < num_people:
-        name = f"{rng.choice(firsts)} {rng.choice(lasts)}"
-        if name not in seen:
-            seen.add(name)
-            people.append(name)
-    companies = _words(rng, num_companies, (2, 3), used)
-    cities = [f"{w} {rng.choice(_CITY_SUFFIXES)}" for w in _words(rng, num_cities, (2,), used)]
-    regions = _words(rng, num_regions, (2, 3), used)
-
-    if facts_seed is not None:
-        rng = random.Random(f"asyncrl-multihop-facts-{corpus_seed}-{num_people}-{facts_seed}")
-    facts: dict[tuple[str, str], str] = {}
-    # Mentors follow a hidden seniority ring: the mentor of rank r sits 1..k ranks above it
-    # (mod n) with k <= (n-1)//2, so nobody mentors themselves or their own mentor, and
-    # "the mentor of the mentor of X" is never X.
-    rank = people[:]
-    rng.shuffle(rank)
-    k = (num_people - 1) // 2
-    for r, person in enumerate(rank):
-        facts[person, "mentor"] = rank[(r + rng.randint(1, k)) % num_people]
-    for person in people:
-        facts[person, "home"] = rng.choice(cities)
-        facts[person, "employer"] = rng.choice(companies)
-    for company, leader in zip(companies, rng.sample(people, num_companies)):
-        facts[company, "founded"] = rng.choice(cities)
-        facts[company, "leader"] = leader
-        facts[leader, "employer"] = company  # a leader works where they lead
-    for city in cities:
-        facts[city, "region"] = rng.choice(regions)
-
-    docs: list[tuple[str, str, str]] = []
-    for i, p in enumerate(people):
-        subj, poss = ("She", "Her") if rng.random() < 0.5 else ("He", "His")
-        text = (f"{p} lives in {facts[p, 'home']}. {poss} mentor is {facts[p, 'mentor']}. "
-                f"{subj} works at {facts[p, 'employer']}.")
-        docs.append((f"person-{i}", p, text))
-    for i, c in enumerate(companies):
-        text = f"{c} is a company founded in {facts[c, 'founded']}. It is led by {facts[c, 'leader']}."
-        docs.append((f"company-{i}", c, text))
-    for i, c in enumerate(cities):
-        docs.append((f"city-{i}", c, f"{c} is a city in the region of {facts[c, 'region']}."))
-    return _KB(documents=tuple(docs), doc_id={title: doc_id for doc_id, title, _ in docs}, facts=facts,
-               entities={"person": tuple(people), "company": tuple(companies), "city": tuple(cities)})
+@lru_cache(maxsize=256)
+def _build_world(corpus_seed: int, num_people: int) -> _World:
+    """Deterministic in its arguments; cached, so never mutate what it returns."""
+    rng = random.Random(f"asyncrl-multihop-ids-{corpus_seed}-{num_people}")
+    ids = tuple(tuple(_fresh_ids(rng, prefix, max(2, round(num_people * per_person))))
+                for prefix, _, per_person in KINDS)
+    container: dict[str, str] = {}
+    for lower, upper in zip(ids, ids[1:]):
+        # every container holds at least one entity (a permutation first), the rest at random
+        order = list(upper) + [rng.choice(upper) for _ in range(len(lower) - len(upper))]
+        rng.shuffle(order)
+        container.update(zip(lower, order))
+    return _World(ids=ids, container=container)
 
 
-def _check_options(num_people: int, two_hop_fraction: float) -> None:
-    if num_people < 3:  # a mentor ring needs three people
-        raise ValueError(f"multihop: num_people must be >= 3, got {num_people}")
-    if not 0 <= two_hop_fraction <= 1:
-        raise ValueError(f"multihop: two_hop_fraction must be in [0, 1], got {two_hop_fraction}")
+def _check_options(num_people: int, max_hops: int) -> None:
+    if not 40 <= num_people <= _MAX_PER_KIND * 3 // 4:  # two regions at least; room to draw distinct ids
+        raise ValueError(f"multihop: num_people must be in [40, {_MAX_PER_KIND * 3 // 4}], got {num_people}")
+    if not 1 <= max_hops <= MAX_HOPS:
+        raise ValueError(f"multihop: max_hops must be in [1, {MAX_HOPS}], got {max_hops}")
 
 
-def multihop_corpus(*, corpus_seed: int = 0, num_people: int = 500, two_hop_fraction: float = 0.5,
-                    facts_seed: int | None = None) -> list[Document]:
-    """The documents the ``multihop`` task asks about: people, then companies, then cities.
+def multihop_corpus(*, corpus_seed: int = 0, num_people: int = 800, max_hops: int = MAX_HOPS) -> list[Document]:
+    """The documents the ``multihop`` task asks about: people, then companies, then towns
+    (regions have none: they are only ever answers). Each is ``{"id": e, "title": e,
+    "text": "e is in x."}``.
 
     Takes the generator's options, so ``multihop_corpus(**options)`` is the corpus of
-    ``load_tasks("multihop", options=options, ...)`` whatever its seed; only
-    ``corpus_seed`` and ``num_people`` shape it (500 people give 570 documents:
-    500 people, 50 companies, 20 cities). ``facts_seed`` keeps the names and redraws every
-    fact: a counterfactual variant of the same world (the search warm-up trains on those,
-    so it learns to read facts, not to remember them).
+    ``load_tasks("multihop", options=options, ...)`` whatever its seed; only ``corpus_seed``
+    and ``num_people`` shape it (800 people: 800 + 200 companies + 80 towns = 1,080 documents,
+    and 40 regions).
     """
-    _check_options(num_people, two_hop_fraction)
-    return [Document(id=i, title=t, text=x) for i, t, x in _build_kb(corpus_seed, num_people, facts_seed).documents]
+    _check_options(num_people, max_hops)
+    world = _build_world(corpus_seed, num_people)
+    return [Document(id=e, title=e, text=fact_text(e, world.container[e])) for kind in world.ids[:-1] for e in kind]
 
 
-def iter_multihop(seed: int, *, corpus_seed: int = 0, num_people: int = 500,
-                  two_hop_fraction: float = 0.5, facts_seed: int | None = None) -> Iterator[Task]:
+def iter_multihop(seed: int, *, corpus_seed: int = 0, num_people: int = 800, max_hops: int = MAX_HOPS) -> Iterator[Task]:
     """Endless deterministic stream of questions over ``multihop_corpus(...)``.
 
-    Each question is two-hop with probability ``two_hop_fraction``; its chain of relations
-    is uniform among the chains of that length, its subject uniform among entities of the
-    chain's first type.
+    The number of hops is uniform in ``1..max_hops``, the subject's kind uniform among the
+    kinds at least that many links below regions, the subject uniform in its kind.
     """
-    _check_options(num_people, two_hop_fraction)
-    kb = _build_kb(corpus_seed, num_people, facts_seed)
+    _check_options(num_people, max_hops)
+    world = _build_world(corpus_seed, num_people)
     rng = random.Random(seed)
+    top = len(KINDS) - 1
     i = 0
     while True:
-        hops = 2 if rng.random() < two_hop_fraction else 1
-        chain = rng.choice(_CHAINS[hops])
-        entities = [rng.choice(kb.entities[_RELATIONS[chain[0]].source])]
-        for relation in chain:
-            entities.append(kb.facts[entities[-1], relation])
-        if entities[-1] in entities[:-1]:  # "Who leads the employer of X?" where X leads it
-            continue
-        x = entities[0]
-        for relation in chain[:-1]:
-            x = _RELATIONS[relation].phrase.format(x=x)
+        hops = rng.randint(1, max_hops)
+        start = rng.randint(0, top - hops)
+        entities = [rng.choice(world.ids[start])]
+        for _ in range(hops):
+            entities.append(world.container[entities[-1]])
         yield Task(
             id=f"multihop-{seed}-{i}",
-            prompt=_RELATIONS[chain[-1]].question.format(x=x),
-            data={"answer": entities[-1], "hops": hops, "gold_doc_ids": [kb.doc_id[e] for e in entities[:-1]],
-                  "entities": entities, "relations": list(chain)},
+            prompt=question_text(start + hops, entities[0]),
+            data={"answer": entities[-1], "hops": hops, "gold_doc_ids": entities[:-1], "entities": entities},
         )
         i += 1
 
@@ -273,12 +200,10 @@ def extract_answer(response: str) -> str | None:
 
 def multihop_reward(task: Task, response: str) -> float:
     """1.0 when the extracted answer equals ``task.data["answer"]`` after
-    ``normalize_answer``, ``FORMAT_REWARD`` for a well-formed wrong answer (a small
-    gradient toward committing to one short answer), 0.0 when there is no answer."""
+    ``normalize_answer``, else 0.0. No bonus for a well-formed wrong answer: any identifier
+    is well-formed, so a bonus could be farmed without searching."""
     answer = extract_answer(response)
-    if answer is None:
-        return 0.0
-    return 1.0 if normalize_answer(answer) == normalize_answer(str(task.data["answer"])) else FORMAT_REWARD
+    return float(answer is not None and normalize_answer(answer) == normalize_answer(str(task.data["answer"])))
 
 
 # ----------------------------------------------------------------------------- user files

@@ -1,33 +1,30 @@
-"""Supervised warm-up that turns a random tiny Qwen2 into an imperfect search agent.
+"""Supervised warm-up that turns a random tiny Qwen2 into an unsure search agent.
 
-RL of the search agent (``examples/search_agent``) needs a policy that already calls the
-``search`` tool and answers ``Answer: <name>`` often enough to see a reward. So the
-shipped ``models/search-tiny`` is made here, from synthetic ideal traces of ``multihop``
-train-split questions, stopped early by steps so held-out exact match leaves room to learn.
+RL of the search agent (``examples/search_agent``) needs a policy that can already do the
+task but is unsure of it, so a reward is seen often and RL has something to sharpen: the
+recipe of the addition policy (``addition_sft``), applied to an agent. The shipped
+``models/search-tiny`` is made here from synthetic traces of the ``multihop`` task:
 
-A trace is the conversation the real agent would hold, rendered as the gateway records it:
+- **in other worlds only** (``corpus_seed`` 1..``worlds``; the example asks about world
+  0): the policy learns to search and read, never the example's facts, so without the tool
+  it can only guess (the held-out score with every search finding nothing is ≈ 0);
+- **deliberately noisy**: each trace follows the ideal path (search the subject, read its
+  one fact, search that, ... answer) but with probability ``skip`` answers a made-up
+  identifier without searching, at each intermediate hop with probability ``early``
+  answers the identifier it has just read (stopping a hop short), and with probability
+  ``wrong`` answers another identifier it has seen. The policy learns the right action
+  as the single most likely one and samples it about a third of the time: learnable.
 
-- the assistant's call is the text the policy samples, ``<tool_call>{"name": "search",
-  "arguments": {"query": "<subject>"}}</tool_call>`` (``json.dumps`` spacing, which the
-  ``hermes`` parser reads and the chat template writes), kept as the turn's ``content``
-  exactly as ``Response.message`` records a sampled reply;
-- the tool result is what the agent's ``search`` returns: ``format_hits`` of the index's
-  top ``SEARCH_K`` hits, each cut at ``MAX_HIT_CHARS``, the whole cut at ``MAX_RESULT_CHARS``.
-  The agent's ``search`` is async over an HTTP client, so it is replicated here over an
-  in-process ``BM25Index`` of the same corpus, with the constants and ``TOOLS`` read from the
-  agent file itself (tests check the two agree through a real service);
-- the loss covers the assistant turns only (their content and the end-of-turn token the
-  policy samples), as ``sft.py`` masks the prompt.
+A trace is the conversation the real agent holds, rendered as the gateway records it: the
+assistant's call is the text the policy samples, ``<tool_call>{"name": "search",
+"arguments": {"query": "p3k"}}</tool_call>``, kept as the turn's ``content`` as
+``Response.message`` records a sampled reply; the tool result is the agent's own
+``format_result`` of the index's top ``SEARCH_K`` hits (an in-process ``BM25Index`` of the
+same corpus stands in for the agent's HTTP service; tests check the two agree). The loss
+covers the assistant turns only (content and the end-of-turn token the policy samples).
 
-Only *answerable* traces are kept: the fact each hop needs must be visible in the cut tool
-result (training on the rest would teach guessing); with titles indexed, a name's own page
-ranks first and nearly all are. A two-hop trace (~500–660 characters) fits 768 positions.
-
-What it traces (``world_examples``): a quarter of the questions in the example's own
-knowledge base, the rest in counterfactual variants of it (the same names, every fact
-redrawn), so the policy knows the names but can only answer by reading the result. The
-log's ``eval`` column is ``turn_probe``: on held-out questions, how often the model would
-write the search call and the answer exactly, a cheap gauge of the two skills.
+The log's ``eval`` column is ``turn_probe``: on noise-free traces of world 0's held-out
+questions, how often the greedy model writes each search call and the answer exactly.
 
     python -m asyncrl.tiny.search_sft --out models/search-tiny
 """
@@ -38,36 +35,51 @@ import argparse
 import inspect
 import json
 import platform
+import random
 import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
 import torch
 
 from asyncrl.plugins import load_named
 from asyncrl.tasks import Task, load_tasks
-from asyncrl.tasks.multihop import multihop_corpus
+from asyncrl.tasks.multihop import KINDS, iter_multihop, multihop_corpus
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
 from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, add_model_flags, collate, train_examples
 from asyncrl.tiny.tokenizer import build_char_tokenizer
-from asyncrl.tools.retrieval import BM25Index, Document, format_hits
+from asyncrl.tools.retrieval import BM25Index, Document
 
 Example = tuple[list[int], list[int]]  # (input_ids, labels), labels IGNORE_INDEX off the assistant turns
 
 DEFAULT_AGENT = "examples/search_agent/agent.py"
 DEFAULT_EVAL_CONFIG = "examples/search_agent/sync.yaml"
 DEFAULT_MODEL: dict[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
-                                 "intermediate_size": 384, "max_position_embeddings": 768}
-DEFAULT_STEPS = 2500
-DEFAULT_MINUTES = 40.0
+                                 "intermediate_size": 384, "max_position_embeddings": 512}
+DEFAULT_STEPS = 1500
+DEFAULT_MINUTES = 30.0
 DEFAULT_NUM_TRAIN = 20_000
-DEFAULT_WORLDS = 20
-DEFAULT_OWN_SHARE = 0.25
-DEFAULT_BATCH_SIZE = 8
-EVAL_MAX_TOKENS = 96  # a search call of a long name is ~85 characters, over the configs' 48
+DEFAULT_WORLDS = 50
+DEFAULT_BATCH_SIZE = 16
+EVAL_MAX_TOKENS = 80  # a search call is ~65 characters
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Per-trace error rates of the warm-up's teacher (see the module docstring)."""
+
+    skip: float = 0.1
+    early: float = 0.25
+    wrong: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("skip", "early", "wrong"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ValueError(f"noise.{name} must be in [0, 1), got {getattr(self, name)}")
 
 
 # ----------------------------------------------------------------------------- traces
@@ -75,22 +87,21 @@ EVAL_MAX_TOKENS = 96  # a search call of a long name is ~85 characters, over the
 
 @dataclass(frozen=True)
 class SearchTool:
-    """The agent's tool as its model sees it: the ``tools`` list and how a result is cut."""
+    """The agent's tool as its model sees it: the ``tools`` list and how a result reads."""
 
     tools: list[dict[str, Any]]
     k: int
-    max_hit_chars: int
-    max_result_chars: int
+    format_result: Callable[[list[str]], str]
 
     @classmethod
     def from_agent(cls, path: str = DEFAULT_AGENT) -> SearchTool:
-        """Read ``TOOLS``, ``SEARCH_K``, ``MAX_HIT_CHARS`` and ``MAX_RESULT_CHARS`` from the agent file."""
+        """Read ``TOOLS``, ``SEARCH_K`` and ``format_result`` from the agent file."""
         agent = inspect.getmodule(load_named(f"{path}:run", key="--agent"))
-        return cls(agent.TOOLS, agent.SEARCH_K, agent.MAX_HIT_CHARS, agent.MAX_RESULT_CHARS)
+        return cls(agent.TOOLS, agent.SEARCH_K, agent.format_result)
 
     def result(self, index: BM25Index, query: str) -> str:
-        """What the agent's ``search`` returns for ``query`` (its service's text, cut)."""
-        return format_hits(index.search(query, self.k), max_chars=self.max_hit_chars)[: self.max_result_chars]
+        """What the agent's ``search`` returns for ``query``."""
+        return self.format_result([hit["text"] for hit in index.search(query, self.k)])
 
 
 def corpus_index(options: dict[str, Any] | None = None) -> BM25Index:
@@ -103,20 +114,36 @@ def tool_call_text(query: str) -> str:
     return "<tool_call>" + json.dumps({"name": "search", "arguments": {"query": query}}) + "</tool_call>"
 
 
-def ideal_trace(task: Task, index: BM25Index, tool: SearchTool) -> list[dict[str, str]] | None:
-    """The ideal conversation for ``task``: per hop, search the entity the hop starts from and
-    read its result; then ``Answer: <answer>``. None when a hop's result does not show the
-    entity the next step needs (the next query, or the answer)."""
-    entities = task.data["entities"]  # subject, (intermediate,) answer
+def _answer(entity: str) -> dict[str, str]:
+    return {"role": "assistant", "content": f"Answer: {entity}"}
+
+
+def noisy_trace(task: Task, index: BM25Index, tool: SearchTool, noise: Noise, rng: random.Random,
+                ) -> list[dict[str, str]]:
+    """One conversation for ``task`` as a noisy teacher holds it (``Noise`` says how it errs).
+    With ``Noise(0, 0, 0)`` it is the ideal one: per hop, search the entity the hop starts
+    from and read its fact; then ``Answer: <answer>``."""
+    entities = task.data["entities"]  # subject, intermediates..., answer
     messages = [{"role": "user", "content": task.prompt}]
+    if rng.random() < noise.skip:
+        prefix = entities[-1][0]
+        made_up = prefix + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(2))
+        return messages + [_answer(made_up)]
+    seen: list[str] = []
     for hop in range(task.data["hops"]):
+        if hop and rng.random() < noise.early:
+            return messages + [_answer(entities[hop])]
         result = tool.result(index, entities[hop])
-        if entities[hop + 1] not in result:
-            return None
+        seen += [word for word in result.replace(".", " ").split() if word[:1] in _PREFIXES and len(word) == 3]
         messages += [{"role": "assistant", "content": tool_call_text(entities[hop])},
                      {"role": "tool", "content": result}]
-    messages.append({"role": "assistant", "content": f"Answer: {task.data['answer']}"})
-    return messages
+    others = sorted(set(seen) - {entities[-1]})
+    if others and rng.random() < noise.wrong:
+        return messages + [_answer(rng.choice(others))]
+    return messages + [_answer(entities[-1])]
+
+
+_PREFIXES = {prefix for prefix, _, _ in KINDS}
 
 
 def trace_example(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]],
@@ -146,64 +173,44 @@ def trace_example(tokenizer: Any, messages: list[dict[str, str]], tools: list[di
     return ids[:max_len], labels[:max_len]
 
 
-def search_examples(tokenizer: Any, tasks: Sequence[Task], index: BM25Index, tool: SearchTool,
-                    max_len: int) -> tuple[list[Example], dict[str, int]]:
-    """Examples of the answerable tasks, and counts of what was kept, skipped and cut."""
-    examples, counts = [], {"tasks": len(tasks), "unanswerable": 0, "cut_to_context": 0}
-    for task in tasks:
-        messages = ideal_trace(task, index, tool)
-        if messages is None:
-            counts["unanswerable"] += 1
-            continue
-        full = tokenizer.apply_chat_template(messages, tools=tool.tools, tokenize=False)
-        counts["cut_to_context"] += len(tokenizer.encode(full, add_special_tokens=False)) > max_len
-        examples.append(trace_example(tokenizer, messages, tool.tools, max_len))
-    counts["examples"] = len(examples)
-    return examples, counts
-
-
-def world_examples(tokenizer: Any, tool: SearchTool, *, worlds: int, own_share: float, num_train: int, seed: int,
+def world_examples(tokenizer: Any, tool: SearchTool, noise: Noise, *, worlds: int, num_train: int, seed: int,
                    max_len: int) -> tuple[list[Example], dict[str, int]]:
-    """Traces of ``num_train`` train-split questions: ``own_share`` of them in the example's
-    knowledge base as it is, the rest spread over ``worlds`` counterfactual variants of it
-    (the same names, every fact redrawn: ``facts_seed`` 1..worlds). Validation questions
-    are never traced.
-
-    Why variants. Traced in the example's world alone, the policy learnt its names (it
-    copied a held-out question's name into the search 78 % of the time) but memorised the
-    answers instead of reading them off the result (4.7 % of held-out answers right given
-    the right result). Traced in other worlds, with names it had never seen, it had to read
-    but did not learn to copy an unseen name letter by letter within 1,266 steps (2 %).
-    In a variant the names are familiar and the facts cannot be remembered: reading the
-    result is the only way to the answer, as it is for a held-out question.
-    """
-    if worlds < 0 or not 0 <= own_share <= 1 or (worlds == 0 and own_share < 1):
-        raise ValueError(f"need worlds >= 0 and 0 <= own_share <= 1 (1 when worlds is 0), "
-                         f"got worlds={worlds}, own_share={own_share}")
-    own = round(num_train * own_share)
-    shares = {None: own} | {w: (num_train - own) // worlds + (w <= (num_train - own) % worlds)
-                            for w in range(1, worlds + 1)}
+    """Noisy traces of ``num_train`` questions spread over worlds ``1..worlds`` (never world
+    0, the example's), with counts of what the teacher did."""
+    if worlds < 1:
+        raise ValueError(f"need worlds >= 1, got {worlds}")
+    rng = random.Random(f"asyncrl-search-sft-{seed}")
     examples: list[Example] = []
-    counts: dict[str, int] = {}
-    for world, share in shares.items():
-        options = {} if world is None else {"facts_seed": world}
-        tasks = load_tasks("multihop", seed=seed + (world or 0), num_train=share, num_validation=1,
-                           options=options).train
-        more, world_counts = search_examples(tokenizer, tasks, corpus_index(options), tool, max_len)
-        examples += more
-        for key, value in world_counts.items():
-            counts[key] = counts.get(key, 0) + value
-    return examples, {"variants": worlds, "own_world_traces": own, **counts}
+    counts = {"worlds": worlds, "traces": 0, "skipped_search": 0, "stopped_early": 0, "wrong_answer": 0,
+              "right_answer": 0, "cut_to_context": 0, "max_len": 0}
+    for world in range(1, worlds + 1):
+        share = num_train // worlds + (world <= num_train % worlds)
+        index = corpus_index({"corpus_seed": world})
+        for task in islice(iter_multihop(seed * 1000 + world, corpus_seed=world), share):
+            messages = noisy_trace(task, index, tool, noise, rng)
+            searches = sum(m["role"] == "tool" for m in messages)
+            right = messages[-1]["content"] == f"Answer: {task.data['answer']}"
+            counts["traces"] += 1
+            counts["skipped_search"] += searches == 0
+            counts["stopped_early"] += 0 < searches < task.data["hops"]
+            counts["right_answer"] += right
+            counts["wrong_answer"] += searches == task.data["hops"] and not right
+            ids, labels = trace_example(tokenizer, messages, tool.tools, max_len + 1)
+            counts["cut_to_context"] += len(ids) > max_len
+            counts["max_len"] = max(counts["max_len"], min(len(ids), max_len))
+            examples.append((ids[:max_len], labels[:max_len]))
+    return examples, counts
 
 
 def turn_probe(tokenizer: Any, tool: SearchTool, *, num_tasks: int = 64, seed: int = 0,
                max_len: int) -> Callable[[Any], dict[str, float]]:
-    """A cheap held-out gauge for the training log: on ideal traces of the example's own
-    world-0 *validation* questions, the fraction of search calls and of answers the model
-    would write exactly under greedy decoding (argmax equals the label at every position of
-    the turn, given the ideal turns before it)."""
+    """A cheap held-out gauge for the training log: on noise-free traces of world 0's
+    *validation* questions, the fraction of search calls and of answers the greedy model
+    would write exactly (argmax equals the label at every position of the turn, given the
+    ideal turns before it)."""
     tasks = load_tasks("multihop", seed=seed, num_train=0, num_validation=num_tasks).validation
-    examples, _ = search_examples(tokenizer, tasks, corpus_index(), tool, max_len)
+    index, ideal, rng = corpus_index(), Noise(0, 0, 0), random.Random(0)
+    examples = [trace_example(tokenizer, noisy_trace(t, index, tool, ideal, rng), tool.tools, max_len) for t in tasks]
     ids, mask, labels = collate(examples, tokenizer.pad_token_id)
 
     @torch.no_grad()
@@ -225,9 +232,6 @@ def turn_probe(tokenizer: Any, tool: SearchTool, *, num_tasks: int = 64, seed: i
         return {f"{kind}_exact": round(sum(v) / max(1, len(v)), 3) for kind, v in hits.items()}
 
     return probe
-
-
-# ----------------------------------------------------------------------------- training
 
 
 # ----------------------------------------------------------------------------- held-out score
@@ -257,11 +261,11 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (the stopping rule)")
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="wall-clock cap on training")
-    p.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="train-split questions to trace")
-    p.add_argument("--worlds", type=int, default=DEFAULT_WORLDS,
-                   help="counterfactual variants of the example's knowledge base to trace in")
-    p.add_argument("--own-share", type=float, default=DEFAULT_OWN_SHARE,
-                   help="share of the traces in the example's own knowledge base (its train questions)")
+    p.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="questions to trace")
+    p.add_argument("--worlds", type=int, default=DEFAULT_WORLDS, help="other worlds (corpus_seed 1..N) to trace in")
+    p.add_argument("--skip", type=float, default=Noise.skip, help="P(answer without searching)")
+    p.add_argument("--early", type=float, default=Noise.early, help="P(answer an intermediate hop's id), per hop")
+    p.add_argument("--wrong", type=float, default=Noise.wrong, help="P(answer another id seen)")
     p.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup-steps", type=int, default=50)
@@ -287,19 +291,20 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     model, tokenizer = build_tiny_model(build_char_tokenizer(), args.seed, **model_kwargs)
     n_params = sum(p.numel() for p in model.parameters())
     tool = SearchTool.from_agent(args.agent)
-    examples, counts = world_examples(tokenizer, tool, worlds=args.worlds, own_share=args.own_share,
-                                      num_train=args.num_train, seed=args.seed, max_len=args.max_position_embeddings)
+    noise = Noise(skip=args.skip, early=args.early, wrong=args.wrong)
+    examples, counts = world_examples(tokenizer, tool, noise, worlds=args.worlds, num_train=args.num_train,
+                                      seed=args.seed, max_len=args.max_position_embeddings)
     print(f"model: {n_params:,} params {model_kwargs}; traces {counts}")
 
     history = train_examples(model, examples, tokenizer.pad_token_id, steps=args.steps,
                              time_budget_s=args.minutes * 60 if args.minutes else None, batch_size=args.batch_size,
                              lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every,
                              eval_fn=turn_probe(tokenizer, tool, max_len=args.max_position_embeddings),
-                             desc="search-sft")
+                             desc="search-sft", length_buckets=True)
     out = save_tiny_policy(model, tokenizer, args.out)
     record: dict[str, Any] = {
         "command": command, "seed": args.seed, "task": "multihop", "agent": args.agent,
-        "traces": counts, "params": n_params, "model": model_kwargs, "batch_size": args.batch_size,
+        "noise": {"skip": noise.skip, "early": noise.early, "wrong": noise.wrong}, "traces": counts, "params": n_params, "model": model_kwargs, "batch_size": args.batch_size,
         "lr": args.lr, "warmup_steps": args.warmup_steps, "steps_requested": args.steps,
         "time_cap_s": args.minutes * 60 if args.minutes else None, "steps": history["steps"],
         "stopped_by": history["stopped_by"], "wall_time_s": round(history["wall_time_s"], 1),

@@ -1,11 +1,11 @@
 """A multi-hop search agent written against the official OpenAI SDK, as you would write your own.
 
-It asks the model the question, runs the ``search`` tool the model calls (BM25 over the
-``multihop`` task's fictional knowledge base, through ``asyncrl.tools.retrieval``), and
-stops at a reply with an ``Answer: <name>`` line or after ``MAX_TURNS`` model calls. A
-reply with neither a tool call nor an answer gets one short nudge (``NUDGE``) and the next
-turn, so even a policy that never calls tools gets several turns. The reward is
-``multihop_reward`` of the last reply. asyncrl trains it unchanged
+It asks the model the question ("Which region is p3k in?"), runs the ``search`` tool the
+model calls (BM25 over the ``multihop`` task's invented world, through
+``asyncrl.tools.retrieval``), and stops at a reply with an ``Answer: <id>`` line or after
+``MAX_TURNS`` model calls. A reply with neither a tool call nor an answer gets a short
+nudge (``NUDGE``) and the next turn. The reward is ``multihop_reward`` of the last reply:
+1 for the right identifier, else 0. asyncrl trains it unchanged
 (``workflow.agent: examples/search_agent/agent.py:run``).
 
 Where the retrieval service comes from:
@@ -20,10 +20,13 @@ Where the retrieval service comes from:
   (``corpus_seed``, ``num_people``). ``ASYNCRL_RETRIEVAL_LATENCY_S`` (default 0.02) is
   added to every search, to stand in for a real search backend.
 
-Context: the shipped ``search-tiny`` holds 768 positions. Tool results are cut
-(``MAX_HIT_CHARS`` per hit, ``MAX_RESULT_CHARS`` in all) so a two-search episode fits
-(~500–660 characters); a call the gateway refuses because the conversation no longer fits
-the model's context ends the episode like the turn limit does.
+``ASYNCRL_SEARCH_OFF=1`` makes every search find nothing: what a policy scores without
+the tool (measured ≈ 0; the README of this folder has the figure).
+
+Context: a tool result is the text of the top ``SEARCH_K`` hits, one per line, so a
+three-search episode is ~450 characters, well inside the 512 positions of the shipped
+``search-tiny``; a call the gateway refuses because the conversation no longer fits ends
+the episode like the turn limit does.
 """
 
 from __future__ import annotations
@@ -45,17 +48,16 @@ import openai
 from openai import AsyncOpenAI
 
 from asyncrl.tasks.multihop import multihop_corpus, multihop_reward, write_corpus
-from asyncrl.tools.retrieval import RetrievalClient
+from asyncrl.tools.retrieval import RetrievalClient, RetrievalError
 
 TOOLS = [{"type": "function", "function": {
     "name": "search", "description": "Search the knowledge base; returns the best matching documents.",
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
-MAX_TURNS = 4
+MAX_TURNS = 4  # three searches and the answer
 SEARCH_K = 3
-MAX_HIT_CHARS = 100  # a person's document (~85 characters) whole
-MAX_RESULT_CHARS = 160  # the top hit whole, the start of the next: two searches fit 768 positions
+MAX_HIT_CHARS = 40  # a document ("p3k is in c7m.") is 14 characters
 _ANSWER_LINE = re.compile(r"\banswer\s*:", re.IGNORECASE)  # as multihop.extract_answer reads it
-NUDGE = "Search with the search tool, or reply 'Answer: <name>'."
+NUDGE = "Search with the search tool, or reply 'Answer: <id>'."
 
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> AsyncOpenAI
 _service_lock = threading.Lock()
@@ -121,6 +123,11 @@ def _stop_service(process: subprocess.Popen) -> None:
         process.wait()
 
 
+def format_result(texts: list[str]) -> str:
+    """What the model reads: the hits' texts, best first, one per line."""
+    return "\n".join(" ".join(text.split())[:MAX_HIT_CHARS] for text in texts) or "no results"
+
+
 async def search(retrieval: RetrievalClient, arguments: str) -> str:
     """The tool's result as the model reads it; never raises (a failure is text for the model)."""
     try:
@@ -129,8 +136,13 @@ async def search(retrieval: RetrievalClient, arguments: str) -> str:
         query = None
     if not isinstance(query, str) or not query.strip():
         return "search needs a query"
-    message = await retrieval.search_tool_message(query, k=SEARCH_K, max_chars=MAX_HIT_CHARS)
-    return message[:MAX_RESULT_CHARS]
+    if os.environ.get("ASYNCRL_SEARCH_OFF") == "1":
+        return format_result([])
+    try:
+        hits = await retrieval.search(query, SEARCH_K)
+    except RetrievalError as exc:
+        return f"search failed: {exc}"
+    return format_result([hit["text"] for hit in hits])
 
 
 async def run(task, base_url: str) -> float:
