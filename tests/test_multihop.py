@@ -34,13 +34,13 @@ from asyncrl.tasks.multihop import (
     write_questions,
 )
 
-ID = r"[pctr][a-z0-9]{2}"
+ID = r"[PCTR][0-9B-VX-Z]{2}"
 
 # ---- a reference solver that reads only text --------------------------------------
 
-_FACT = re.compile(r"([a-z0-9]{3}) is in ([a-z0-9]{3})\.")
-_QUESTION = re.compile(r"Which (company|town|region) is ([a-z0-9]{3}) in\?")
-_PREFIX = {"company": "c", "town": "t", "region": "r"}  # the kind a question asks for -> its ids' first letter
+_FACT = re.compile(r"([A-Z0-9]{3}) is in ([A-Z0-9]{3})\.")
+_QUESTION = re.compile(r"Which (company|town|region) is ([A-Z0-9]{3}) in\?")
+_PREFIX = {"company": "C", "town": "T", "region": "R"}  # the kind a question asks for -> its ids' first letter
 
 
 def read_facts(docs):
@@ -96,16 +96,16 @@ def test_ids_are_well_formed_and_the_world_is_a_chain(options):
     container, _ = read_facts(docs)
     assert all(d["id"] == d["title"] and _FACT.fullmatch(d["text"]).group(1) == d["id"] for d in docs)
     assert len({d["id"] for d in docs}) == len(docs)
-    by_kind = {p: [e for e in container if e[0] == p] for p in "pct"}
-    regions = {container[t] for t in by_kind["t"]}
+    by_kind = {p: [e for e in container if e[0] == p] for p in "PCT"}
+    regions = {container[t] for t in by_kind["T"]}
     everything = set(container) | set(container.values())
-    assert all(re.fullmatch(ID, e) for e in everything) and "the" not in everything
-    assert [len(by_kind[p]) for p in "pct"] + [len(regions)] == [n, n // 4, n // 10, max(2, round(n / 20))]
+    assert all(re.fullmatch(ID, e) for e in everything) and "THE" not in everything
+    assert [len(by_kind[p]) for p in "PCT"] + [len(regions)] == [n, n // 4, n // 10, max(2, round(n / 20))]
     # an entity is in one of the next kind, and every container holds at least one entity
-    for lower, upper in [("p", "c"), ("c", "t"), ("t", "r")]:
+    for lower, upper in [("P", "C"), ("C", "T"), ("T", "R")]:
         held = {container[e] for e in by_kind[lower]}
         assert all(e[0] == upper for e in held)
-        assert held == (set(by_kind[upper]) if upper != "r" else regions)
+        assert held == (set(by_kind[upper]) if upper != "R" else regions)
     assert len(regions) >= 2  # the smallest world still asks something
 
 
@@ -126,7 +126,7 @@ def test_hops_are_uniform_and_max_hops_is_respected():
     assert set(hops) == {1, 2, 3} and all(0.28 < hops[h] / len(tasks) < 0.39 for h in hops)
     # every kind of question is asked: (hops, kind of subject)
     assert {(t.data["hops"], t.prompt.split()[3][0]) for t in tasks} == {
-        (1, "p"), (1, "c"), (1, "t"), (2, "p"), (2, "c"), (3, "p")}
+        (1, "P"), (1, "C"), (1, "T"), (2, "P"), (2, "C"), (3, "P")}
     two = Counter(t.data["hops"] for t in islice(iter_multihop(0, max_hops=2), 1000))
     assert set(two) == {1, 2} and 0.4 < two[1] / 1000 < 0.6
     assert all(t.data["hops"] == 1 for t in islice(iter_multihop(0, max_hops=1), 300))
@@ -144,10 +144,11 @@ def test_bad_options_raise(options, fragment):
 
 
 def test_too_many_people_is_refused_before_ids_run_out():
-    big = multihop_corpus(num_people=971)  # the largest allowed still has distinct ids of every kind
-    assert len({d["id"] for d in big}) == len(big) == 971 + round(971 / 4) + round(971 / 10)
+    most = (34**2 - 1) * 3 // 4  # 34 characters (no A, W) after the kind's letter, less "THE"
+    big = multihop_corpus(num_people=most)  # the largest allowed still has distinct ids of every kind
+    assert len({d["id"] for d in big}) == len(big) == most + round(most / 4) + round(most / 10)
     with pytest.raises(ValueError, match="num_people"):
-        multihop_corpus(num_people=972)
+        multihop_corpus(num_people=most + 1)
 
 
 def test_searching_an_id_ranks_its_own_document_first():

@@ -43,7 +43,7 @@ AGENT = str(ROOT / "examples/search_agent/agent.py")
 MODEL = ROOT / "models/search-tiny"
 MAX_LEN = 512  # the shipped policy's context, which a whole episode must fit
 IDEAL = Noise(0, 0, 0)
-_ID = re.compile(r"[pctr][a-z0-9]{2}")
+_ID = re.compile(r"[PCTR][0-9B-VX-Z]{2}")
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +277,7 @@ def test_each_kind_of_error_looks_like_itself(recorded):
             assert answer == entities[searches] != task.data["answer"]
             assert answer in _results(messages)[-1].split("\n")[0]
         elif kind == "wrong_answer":  # another identifier seen in a result
-            seen = {w for r in _results(messages) for w in re.findall(r"[a-z0-9]{3}", r)}
+            seen = {w for r in _results(messages) for w in re.findall(r"[A-Z0-9]{3}", r)}
             assert answer in seen and answer != task.data["answer"] and _ID.fullmatch(answer)
     assert len(set(made_up)) > 0.8 * len(made_up)  # made up, not one remembered identifier
 

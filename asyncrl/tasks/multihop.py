@@ -1,15 +1,15 @@
 """Multi-hop questions over a document collection that only a ``search`` tool can reach.
 
 The collection is an invented world of short identifiers, so no model knows it and nothing
-is downloaded. Four kinds of entity form a chain — people (``p3k``), companies (``c7m``),
-towns (``t2x``), regions (``r5q``) — and each entity but a region has one document that
+is downloaded. Four kinds of entity form a chain — people (``P3K``), companies (``C7M``),
+towns (``T2X``), regions (``R5Q``) — and each entity but a region has one document that
 states its one fact, where it belongs::
 
-    p3k is in c7m.        c7m is in t2x.        t2x is in r5q.
+    P3K is in C7M.        C7M is in T2X.        T2X is in R5Q.
 
-A question names an entity and the kind of place asked for: "Which region is p3k in?"
-needs three documents read in turn (p3k → its company → that company's town → the
-town's region), "Which company is p3k in?" one. Every fact is a function, so every
+A question names an entity and the kind of place asked for: "Which region is P3K in?"
+needs three documents read in turn (P3K → its company → that company's town → the
+town's region), "Which company is P3K in?" one. Every fact is a function, so every
 question has one answer: an identifier.
 
 Why this surface (and not names of people and cities, as before): the search agent is
@@ -19,7 +19,12 @@ beyond it in a session's warm-up (held-out success 0.10 and no RL gain); three-c
 identifiers, one fact per document and episodes of at most ~500 characters keep the
 reading and copying within reach, so what remains to learn is *when* to search again and
 *which* identifier is the answer. The first letter of an identifier names its kind, the
-question names the kind it wants: an agent can tell it has arrived.
+question names the kind it wants: an agent can tell it has arrived. Identifiers are
+upper case and digits, characters no template or tool-call text uses, and a search
+result holds one identifier of the next kind: to copy one, a model finds the last
+occurrence of the letter it has just written (an induction head). Measured: with
+lower-case identifiers, which share letters with ``"query"`` and ``search``, a 0.8M
+policy had not learnt to copy one after 1,200 warm-up steps.
 
 Without the tool the answer is one of hundreds of identifiers the policy has never seen
 (the warm-up reads other worlds, ``corpus_seed`` ≠ 0): guessing scores ≈ 0.
@@ -62,8 +67,8 @@ class Document(TypedDict):
 # The chain of kinds, lowest first: an entity of kind i is in one entity of kind i + 1.
 # (prefix, the word a question uses for the kind, how many per person)
 KINDS: tuple[tuple[str, str, float], ...] = (
-    ("p", "person", 1.0), ("c", "company", 1 / 4), ("t", "town", 1 / 10), ("r", "region", 1 / 20))
-_ID_CHARS = string.ascii_lowercase + string.digits
+    ("P", "person", 1.0), ("C", "company", 1 / 4), ("T", "town", 1 / 10), ("R", "region", 1 / 20))
+ID_CHARS = "".join(c for c in string.ascii_uppercase + string.digits if c not in "AW")  # "Answer", "Which"
 
 
 def question_text(kind: int, subject: str) -> str:
@@ -84,15 +89,15 @@ class _World:
     container: dict[str, str]  # entity -> the entity of the next kind it is in
 
 
-_NOT_IDS = {"the"}  # the one English stopword (which the index drops) of an identifier's shape
-_MAX_PER_KIND = len(_ID_CHARS) ** 2 - len(_NOT_IDS)
+_NOT_IDS = {"THE"}  # the one English stopword (which the index drops) of an identifier's shape
+_MAX_PER_KIND = len(ID_CHARS) ** 2 - len(_NOT_IDS)
 
 
 def _fresh_ids(rng: random.Random, prefix: str, n: int) -> list[str]:
     """``n`` distinct identifiers: ``prefix`` and two letters or digits."""
     out: set[str] = set()
     while len(out) < n:
-        out.add(prefix + rng.choice(_ID_CHARS) + rng.choice(_ID_CHARS))
+        out.add(prefix + rng.choice(ID_CHARS) + rng.choice(ID_CHARS))
         out -= _NOT_IDS
     ordered = sorted(out)
     rng.shuffle(ordered)
@@ -124,7 +129,7 @@ def _check_options(num_people: int, max_hops: int) -> None:
 def multihop_corpus(*, corpus_seed: int = 0, num_people: int = 800, max_hops: int = MAX_HOPS) -> list[Document]:
     """The documents the ``multihop`` task asks about: people, then companies, then towns
     (regions have none: they are only ever answers). Each is ``{"id": e, "title": e,
-    "text": "e is in x."}``.
+    "text": "E is in X."}``.
 
     Takes the generator's options, so ``multihop_corpus(**options)`` is the corpus of
     ``load_tasks("multihop", options=options, ...)`` whatever its seed; only ``corpus_seed``

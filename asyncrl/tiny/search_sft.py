@@ -17,7 +17,7 @@ recipe of the addition policy (``addition_sft``), applied to an agent. The shipp
 
 A trace is the conversation the real agent holds, rendered as the gateway records it: the
 assistant's call is the text the policy samples, ``<tool_call>{"name": "search",
-"arguments": {"query": "p3k"}}</tool_call>``, kept as the turn's ``content`` as
+"arguments": {"query": "P3K"}}</tool_call>``, kept as the turn's ``content`` as
 ``Response.message`` records a sampled reply; the tool result is the agent's own
 ``format_result`` of the index's top ``SEARCH_K`` hits (an in-process ``BM25Index`` of the
 same corpus stands in for the agent's HTTP service; tests check the two agree). The loss
@@ -42,13 +42,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import islice
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.plugins import load_named
 from asyncrl.tasks import Task, load_tasks
-from asyncrl.tasks.multihop import KINDS, iter_multihop, multihop_corpus
+from asyncrl.tasks.multihop import ID_CHARS, KINDS, iter_multihop, multihop_corpus
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
 from asyncrl.tiny.sft import IGNORE_INDEX, NUM_THREADS, add_model_flags, collate, train_examples
 from asyncrl.tiny.tokenizer import build_char_tokenizer
@@ -65,6 +66,8 @@ DEFAULT_MINUTES = 30.0
 DEFAULT_NUM_TRAIN = 20_000
 DEFAULT_WORLDS = 50
 DEFAULT_BATCH_SIZE = 16
+_CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                 "num_kv_heads": "num_key_value_heads"}  # build_tiny_model's keyword -> Qwen2Config's name
 EVAL_MAX_TOKENS = 80  # a search call is ~65 characters
 
 
@@ -127,7 +130,7 @@ def noisy_trace(task: Task, index: BM25Index, tool: SearchTool, noise: Noise, rn
     messages = [{"role": "user", "content": task.prompt}]
     if rng.random() < noise.skip:
         prefix = entities[-1][0]
-        made_up = prefix + "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789") for _ in range(2))
+        made_up = prefix + "".join(rng.choice(ID_CHARS) for _ in range(2))
         return messages + [_answer(made_up)]
     seen: list[str] = []
     for hop in range(task.data["hops"]):
@@ -259,6 +262,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", required=True)
     p.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads (1 on a machine shared with other jobs)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--init", default=None,
+                   help="continue from this policy (a directory an earlier run saved) instead of a fresh model")
     p.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps (the stopping rule)")
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="wall-clock cap on training")
     p.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN, help="questions to trace")
@@ -288,7 +293,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     command = "python -m asyncrl.tiny.search_sft " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     model_kwargs = {key: getattr(args, key) for key in DEFAULT_MODEL}
-    model, tokenizer = build_tiny_model(build_char_tokenizer(), args.seed, **model_kwargs)
+    init_record = None
+    if args.init:  # a second stage: its record keeps the first stage's
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(args.init), AutoTokenizer.from_pretrained(args.init)
+        model_kwargs = {key: getattr(model.config, _CONFIG_NAMES.get(key, key)) for key in DEFAULT_MODEL}
+        record_path = Path(args.init) / "base_policy.json"
+        init_record = json.loads(record_path.read_text()) if record_path.exists() else None
+    else:
+        model, tokenizer = build_tiny_model(build_char_tokenizer(), args.seed, **model_kwargs)
     n_params = sum(p.numel() for p in model.parameters())
     tool = SearchTool.from_agent(args.agent)
     noise = Noise(skip=args.skip, early=args.early, wrong=args.wrong)
@@ -304,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     out = save_tiny_policy(model, tokenizer, args.out)
     record: dict[str, Any] = {
         "command": command, "seed": args.seed, "task": "multihop", "agent": args.agent,
+        "init": None if not args.init else {"path": args.init, "record": init_record},
         "noise": {"skip": noise.skip, "early": noise.early, "wrong": noise.wrong}, "traces": counts, "params": n_params, "model": model_kwargs, "batch_size": args.batch_size,
         "lr": args.lr, "warmup_steps": args.warmup_steps, "steps_requested": args.steps,
         "time_cap_s": args.minutes * 60 if args.minutes else None, "steps": history["steps"],

@@ -1,6 +1,6 @@
 """A multi-hop search agent written against the official OpenAI SDK, as you would write your own.
 
-It asks the model the question ("Which region is p3k in?"), runs the ``search`` tool the
+It asks the model the question ("Which region is P3K in?"), runs the ``search`` tool the
 model calls (BM25 over the ``multihop`` task's invented world, through
 ``asyncrl.tools.retrieval``), and stops at a reply with an ``Answer: <id>`` line or after
 ``MAX_TURNS`` model calls. A reply with neither a tool call nor an answer gets a short
@@ -55,7 +55,7 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]
 MAX_TURNS = 4  # three searches and the answer
 SEARCH_K = 3
-MAX_HIT_CHARS = 40  # a document ("p3k is in c7m.") is 14 characters
+MAX_HIT_CHARS = 40  # a document ("P3K is in C7M.") is 14 characters
 _ANSWER_LINE = re.compile(r"\banswer\s*:", re.IGNORECASE)  # as multihop.extract_answer reads it
 NUDGE = "Search with the search tool, or reply 'Answer: <id>'."
 
