@@ -92,12 +92,14 @@ def retrieval_url() -> str:
 
 def corpus_path(options: dict) -> Path:
     """The corpus of ``multihop_corpus(**options)`` as JSONL in the temp directory, written once
-    (atomically: several processes may write it at once)."""
-    key = hashlib.sha256(json.dumps(options, sort_keys=True).encode()).hexdigest()[:12]
+    (atomically: several processes may write it at once). Named by its content, so a file
+    left by another version of the task is never served."""
+    docs = multihop_corpus(**options)
+    key = hashlib.sha256(json.dumps(docs, sort_keys=True).encode()).hexdigest()[:16]
     path = Path(tempfile.gettempdir()) / "asyncrl-search-agent" / f"multihop-{key}.jsonl"
     if not path.exists():
         partial = path.with_suffix(f".{os.getpid()}.tmp")
-        write_corpus(partial, multihop_corpus(**options))
+        write_corpus(partial, docs)
         os.replace(partial, path)
     return path
 
