@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from conftest import reference_logprobs
 from transformers import AutoModelForCausalLM
@@ -17,6 +18,7 @@ from transformers import AutoModelForCausalLM
 from asyncrl.cli import main
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner import Learner, pack
+from asyncrl.learner.learner import micro_batch_bounds
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import Trajectory
 
@@ -110,6 +112,46 @@ def test_micro_batching_gives_the_same_step(char_tokenizer):
         # Adam divides by sqrt(v): float noise on near-zero gradients moves ~1e-6, a real
         # difference moves a weight by ~lr (1e-2)
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=name)
+
+
+def test_micro_batch_bounds_cap_rows_and_padded_positions():
+    # 2 × 30 fits 60; a third row would pad to 3 × 30; 50 alone; a row past the budget trains alone
+    assert micro_batch_bounds([10, 30, 10, 10, 50, 5], max_rows=3, max_tokens=60) == [(0, 2), (2, 4), (4, 5), (5, 6)]
+    assert micro_batch_bounds([10] * 7, max_rows=3, max_tokens=None) == [(0, 3), (3, 6), (6, 7)]
+    assert micro_batch_bounds([100, 100, 7], max_rows=8, max_tokens=60) == [(0, 1), (1, 2), (2, 3)]
+    assert micro_batch_bounds([], max_rows=4, max_tokens=10) == []
+
+
+def test_token_budget_micro_batches_give_the_same_logprobs_loss_and_step(char_tokenizer):
+    """A padded-position budget changes how many rows pass through the model at once, not
+    what the learner computes: off-policy behavior logprobs, so the recompute, the ratio
+    and the clip all take part."""
+    base, tokenizer = build_tiny_model(char_tokenizer, seed=3)
+    prompt = tokenizer.encode("<|im_start|>user\n1 2 3 -> 6<|im_end|>\n<|im_start|>assistant\n")
+    replies = ["1+2+3<|im_end|>", "6<|im_end|>", "a longer reply that pads the others<|im_end|>", "3+3<|im_end|>",
+               "2*3<|im_end|>", "no<|im_end|>"]
+    trajectories = []
+    for i, reply in enumerate(replies):
+        ids = tokenizer.encode(reply)
+        behavior = (reference_logprobs(base, prompt, ids) - 0.05 * (i % 3)).tolist()
+        trajectories.append(Trajectory(prompt, ids, [1] * len(ids), behavior, [0] * len(ids)))
+    batch = pack(trajectories, [1.0, -0.5, 0.8, -1.2, 0.3, -0.4], tokenizer.pad_token_id)
+    runs = {}
+    for budget in (None, 1):  # one pass of six rows; then each row alone, past the budget
+        model = copy.deepcopy(base)
+        learner = Learner(model, tokenizer, algorithm=AlgorithmConfig(), total_steps=10, temperature=1.0,
+                          optim=OptimConfig(lr=0.01, micro_batch_tokens=budget))
+        runs[budget] = (len(learner.micro_batches(batch)), learner.logprobs(model, batch),
+                        learner.train_step(batch), model)
+    (passes, logprobs, metrics, whole), (split_passes, split_logprobs, split_metrics, split) = runs.values()
+    assert (passes, split_passes) == (1, len(replies))
+    mask = batch.loss_mask  # past a row's end, one pass reads padding and a split pass nothing
+    torch.testing.assert_close(split_logprobs * mask, logprobs * mask, rtol=0, atol=1e-6)
+    assert set(split_metrics) == set(metrics)
+    for key, value in metrics.items():
+        assert split_metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    for (name, a), (_, b) in zip(whole.named_parameters(), split.named_parameters()):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0, msg=name)  # as test_micro_batching_gives_the_same_step
 
 
 def test_checkpoint_loads_with_same_logits(tmp_path, char_tokenizer):

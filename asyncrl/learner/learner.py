@@ -77,6 +77,25 @@ def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> 
     return steps
 
 
+def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | None) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch over rows of these ``lengths``, in order: at most
+    ``max_rows`` rows and ``max_tokens`` padded positions (rows × their longest length;
+    a row longer than that alone). Contiguous and unsorted, so a micro-batch's rows of any
+    whole-batch tensor are a slice and the split never changes which rows train together
+    in a mini-batch: only how many pass through the model at once."""
+    bounds: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, length in enumerate(lengths):
+        rows, widest = i - start + 1, max(longest, length)
+        if rows > max_rows or (max_tokens is not None and rows > 1 and rows * widest > max_tokens):
+            bounds.append((start, i))
+            start, widest = i, length
+        longest = widest
+    if lengths:
+        bounds.append((start, len(lengths)))
+    return bounds
+
+
 class Learner:
     """Trains one policy: each ``train_step`` takes one batch to one new version, however
     many optimizer steps sample reuse makes of it (``optim.ppo_epochs`` × ``optim.mini_batches``).
@@ -120,12 +139,13 @@ class Learner:
         return logprobs, entropy
 
     def micro_batches(self, batch: TrainBatch) -> list[tuple[int | None, TrainBatch]]:
-        """(first row, rows) of each micro-batch. Sharded, every rank makes as many passes
-        as the rank with the most micro-batches; its extra ones are fillers (first row
-        ``None``) that train nothing."""
-        size = self.optim.micro_batch_size
-        parts: list[tuple[int | None, TrainBatch]] = [(start, batch.slice(start, start + size))
-                                                      for start in range(0, batch.size, size)]
+        """(first row, rows) of each micro-batch (``micro_batch_bounds``). Sharded, every
+        rank makes as many passes as the rank with the most micro-batches; its extra ones
+        are fillers (first row ``None``) that train nothing."""
+        lengths = batch.attention_mask.sum(-1).tolist()  # a CPU-GPU sync point, once per call
+        bounds = micro_batch_bounds(lengths, max_rows=self.optim.micro_batch_size,
+                                    max_tokens=self.optim.micro_batch_tokens)
+        parts: list[tuple[int | None, TrainBatch]] = [(start, batch.slice(start, stop)) for start, stop in bounds]
         if self.sharding is not None:
             parts += [(None, TrainBatch.filler(self.pad_id, self.device))] * (self.sharding.count(len(parts)) - len(parts))
         return parts
