@@ -30,6 +30,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError
 from asyncrl.engine.sampling import RowParams, sample_tokens
+from asyncrl.heap import HeapTrimmer
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
@@ -119,6 +120,7 @@ class TorchEngine:
         self._error: BaseException | None = None
         self._inbox: list[tuple[Callable[[], None], asyncio.Future[Any], asyncio.AbstractEventLoop]] = []
         self._live: set[_Request] = set()  # submitted and not yet finished, wherever they are
+        self._heap = HeapTrimmer()  # each decode step reallocates the KV cache: see asyncrl/heap.py
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="asyncrl-torch-engine", daemon=True)
         self._thread.start()
@@ -238,6 +240,7 @@ class TorchEngine:
                     fn()
                 if not self._paused and self._has_work():
                     self._step()
+                    self._heap.trim()
                 if self._batch is None and self._drain_waiters:
                     for future, loop in self._drain_waiters:
                         settle_threadsafe(loop, future, None, None)

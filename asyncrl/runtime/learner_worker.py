@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config
+from asyncrl.heap import HeapTrimmer
 from asyncrl.learner import Learner, TrainBatch
 from asyncrl.learner.distributed import Sharding
 from asyncrl.policy import load_policy
@@ -31,6 +32,7 @@ class LearnerWorker:
                                total_steps=cfg.total_steps, temperature=cfg.sampling.temperature, sharding=sharding,
                                seed=cfg.seed)
         self._sender: WeightSender | None = None  # weight_sync.method: collective
+        self._heap = HeapTrimmer()  # a step frees its activations: hand them back (asyncrl/heap.py)
 
     def _threads(self) -> None:
         if self.num_threads is not None:  # per OS thread in torch: set on whichever runs the call
@@ -38,7 +40,9 @@ class LearnerWorker:
 
     def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
         self._threads()
-        return self.learner.train_step(batch, on_policy=on_policy)
+        metrics = self.learner.train_step(batch, on_policy=on_policy)
+        self._heap.trim(force=True)
+        return metrics
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         return self.learner.export_weights()
