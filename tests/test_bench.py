@@ -58,7 +58,8 @@ def test_bench_modes_smoke(tmp_path, capsys):
     assert set(result["modes"]) == {"sync", "one_step_off", "async_eta1_abort"}
     for name, mode in result["modes"].items():
         assert {"samples_per_s", "wall_s", "trainer_idle_ratio", "rollout_idle_ratio", "staleness_max",
-                "final_reward"} <= set(mode)
+                "final_reward", "peak_rss_mb"} <= set(mode)
+        assert 100 < mode["peak_rss_mb"] < 1500, name  # its own child process: torch loaded, nothing inherited
         assert mode["staleness_max"] <= mode["staleness_bound"], name
         assert mode["samples"] == 2 * 2 * 2
     assert result["ideal_overlap_bound"] >= 1.0
@@ -81,6 +82,7 @@ def test_bench_modes_search_smoke(tmp_path, capsys):
         # every search waited on the delay (per-episode sums, so per-step means keep the bound)
         assert mode["agent/tool_latency_s_mean"] >= 0.05 * mode["agent/tool_calls_mean"], name
         assert mode["samples"] >= 2 * 2, name  # an agent episode is one trajectory or more
+        assert 100 < mode["peak_rss_mb"] < 1500, name
     assert "agent profile" in capsys.readouterr().out
 
 

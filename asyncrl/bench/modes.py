@@ -14,6 +14,10 @@ the pure generation time T_gen of the same number of samples and the pure traini
 T_train of the same number of steps. Perfect overlap would take max(T_gen, T_train)
 instead of T_gen + T_train, so the ideal speedup is (T_gen + T_train) / max(...), and
 ``overlap_efficiency`` is the achieved async speedup over sync divided by that bound.
+
+Each mode trains in a child process of its own (``asyncrl train`` on the mode's config,
+written beside its run directory), so its ``peak_rss_mb`` is that run's alone
+(``bench/child.py``); the pure times are measured in this process.
 """
 
 from __future__ import annotations
@@ -28,13 +32,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from asyncrl.bench.child import train_in_child
 from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack
 from asyncrl.orchestrator.metrics import training_seconds
 from asyncrl.orchestrator.staleness import trajectory_staleness
-from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.policy import load_policy
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
@@ -148,8 +152,8 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     modes: dict[str, Any] = {}
     for i, (name, mode, eta, partial) in enumerate(runs, 1):
         with phase("modes", f"{name} (run {i}/{len(runs)})") as progress:  # the trainer shows its own bar
-            Trainer(_config(s, policy, out / name, mode, eta, partial)).run()
-            modes[name] = _summarise(out / name, eta)
+            peak_mb = train_in_child(_config(s, policy, out / name, mode, eta, partial), out / f"{name}.yaml")
+            modes[name] = {**_summarise(out / name, eta), "peak_rss_mb": peak_mb}
             progress.figure = f"{modes[name]['samples_per_s']:.1f} samples/s, wall {modes[name]['wall_s']:.1f} s"
     t_gen, t_train = _pure_times(s, policy, out)
     best_async = min((v["wall_s"], k) for k, v in modes.items() if k.startswith("async"))
@@ -168,10 +172,11 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
         "async_vs_ideal": max(t_gen, t_train) / best_async[0],
     }
     print(f"{'mode':24s} {'wall_s':>8s} {'samples/s':>10s} {'trainer idle':>12s} {'rollout idle':>12s} "
-          f"{'stale max':>9s} {'reward':>7s}")
+          f"{'stale max':>9s} {'reward':>7s} {'peak MB':>8s}")
     for name, m in modes.items():
         print(f"{name:24s} {m['wall_s']:8.1f} {m['samples_per_s']:10.1f} {m['trainer_idle_ratio']:12.2f} "
-              f"{m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} {m['final_reward']:7.3f}")
+              f"{m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} {m['final_reward']:7.3f} "
+              f"{m['peak_rss_mb']:8.0f}")
     if s.task == "search":
         print(f"{'agent profile':24s} " + " ".join(f"{k.split('/')[1]:>20s}" for k in AGENT_PROFILE))
         for name, m in modes.items():
