@@ -120,6 +120,9 @@ def tool_call_text(query: str) -> str:
     return "<tool_call>" + json.dumps({"name": "search", "arguments": {"query": query}}) + "</tool_call>"
 
 
+_PREFIXES = {prefix for prefix, _, _ in KINDS}
+
+
 def _answer(entity: str) -> dict[str, str]:
     return {"role": "assistant", "content": f"Answer: {entity}"}
 
@@ -147,9 +150,6 @@ def noisy_trace(task: Task, index: BM25Index, tool: SearchTool, noise: Noise, rn
     if others and rng.random() < noise.wrong:
         return messages + [_answer(rng.choice(others))]
     return messages + [_answer(entities[-1])]
-
-
-_PREFIXES = {prefix for prefix, _, _ in KINDS}
 
 
 def trace_example(tokenizer: Any, messages: list[dict[str, str]], tools: list[dict[str, Any]],
