@@ -138,6 +138,10 @@ class AlgorithmConfig(Section):
     """Weight of the k3 KL to the frozen initial policy; 0 = no reference model."""
     filter_zero_variance: bool = True
     """Drop groups whose rewards are all equal (zero advantage) and release their quota."""
+    max_abs_reward: float = Field(1e6, gt=0)
+    """A reward beyond ±this stops the run (exit 1, naming the task), as a NaN or infinite
+    one does: advantages are float32, and rewards this large are almost always a bug in
+    the reward function (``asyncrl/algorithms/finite.py``)."""
 
 
 class OptimConfig(Section):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 
 import pytest
@@ -133,14 +134,24 @@ def test_hanging_reward_function_does_not_block_the_loop(tiny_policy):
     assert elapsed < 3 and ticks > 5  # the event loop kept running while the reward hung
 
 
-@pytest.mark.parametrize("bad", [None, "1.0", float("nan"), True])
-def test_reward_function_must_return_a_finite_number(tiny_policy, bad):
+@pytest.mark.parametrize("bad", [None, "1.0", True])
+def test_reward_function_must_return_a_number(tiny_policy, bad):
     async def go(make_client, *_):
         workflow = SingleTurnWorkflow(lambda task, text: bad)
         return await run_episode(workflow, TASK, make_client, timeout_s=30, max_retries=0)
 
     episode = run(tiny_policy, go)
-    assert episode.status == "error" and "expected a finite float" in episode.error
+    assert episode.status == "error" and "expected a float" in episode.error
+
+
+def test_a_nan_reward_is_passed_on_for_the_orchestrator_to_stop_the_run(tiny_policy):
+    """Not an episode error to retry: the same input gives NaN again (tests/test_finite.py)."""
+    async def go(make_client, *_):
+        workflow = SingleTurnWorkflow(lambda task, text: float("nan"))
+        return await run_episode(workflow, TASK, make_client, timeout_s=30, max_retries=0)
+
+    episode = run(tiny_policy, go)
+    assert episode.status == "ok" and math.isnan(episode.reward)
 
 
 class CalculatorWorkflow(MultiTurnWorkflow):

@@ -38,6 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
+from asyncrl.algorithms.finite import NonFiniteError, first_nonfinite, nonfinite_parameters
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Sharding
@@ -191,11 +192,18 @@ class Learner:
                 reference=None if reference is None else reference[local], sums=sums))
         self.scheduler.step()
         self.model.eval()
+        sums["nonfinite_weights"] = torch.tensor(float(len(nonfinite_parameters(self._local_parameters()))),
+                                                 device=self.device)  # summed over ranks with the metrics
         if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
             keys = sorted(sums)
             sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
         self.version += 1
         out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
+        if out.pop("actor/nonfinite_weights"):
+            names = nonfinite_parameters(self._local_parameters())
+            raise NonFiniteError(f"non-finite weights after step {self.version} (first {names[:3]}) although the "
+                                 "loss and gradient norm were finite; lower optim.lr. No checkpoint of these weights "
+                                 "is written")
         if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
         out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
@@ -212,6 +220,7 @@ class Learner:
         scale = self.sharding.loss_scale if self.sharding is not None else 1.0
         self.optimizer.zero_grad(set_to_none=True)
         parts = self.micro_batches(batch)
+        losses = []
         for i, (start, part) in enumerate(parts):
             width = part.loss_mask.shape[1]
 
@@ -240,6 +249,7 @@ class Learner:
                 with self.sharding.grad_sync(self.model, enabled=i == len(parts) - 1):
                     (loss * (share * scale)).backward()
             ours["loss"] = loss.detach()
+            losses.append(ours["loss"])
             step_weight = weight[0] if self.algorithm.aggregation == "token_mean" else weight[1]
             # the policy loss's own metrics are token means whatever the aggregation
             for w, values in ((token_share * weight[0], metrics), (share * step_weight, ours)):
@@ -247,10 +257,29 @@ class Learner:
                     sums[key] = sums.get(key, 0.0) + value.detach() * w
         # the gradients are the whole mini-batch's on every rank (or their shards): a global norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
+        # before the step, so the weights stay the last good ones: a NaN loss on any rank makes
+        # the global gradient norm NaN on every rank, so the ranks stop together
+        full_norm = getattr(grad_norm, "full_tensor", None)  # sharded: a DTensor holding the global norm
+        bad = first_nonfinite({"actor/loss": torch.stack(losses).sum(),
+                               "actor/grad_norm": full_norm() if full_norm is not None else grad_norm})
+        if bad is not None:
+            raise NonFiniteError(f"non-finite {bad} at step {self.version + 1}; the optimizer step was not taken. "
+                                 "Check the rewards and advantages of this batch (samples.jsonl) and the learning "
+                                 "rate")
         self.optimizer.step()
         return Sharding.norm_value(grad_norm)
 
     # --------------------------------------------------------- weights, state
+    def _local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's pieces of the parameters (a sharded parameter's own shard)."""
+        for name, p in self.model.named_parameters():
+            yield name, p.to_local() if hasattr(p, "to_local") else p
+
+    def _count_nonfinite_weights(self) -> int:
+        """Weight tensors holding NaN or infinity, over all ranks (a collective when sharded)."""
+        bad = torch.tensor([float(len(nonfinite_parameters(self._local_parameters())))], device=self.device)
+        return int(self.sharding.sum(bad)[0]) if self.sharding is not None else int(bad[0])
+
     @property
     def is_main(self) -> bool:
         """The rank that writes files and hands out weights (the only one unsharded)."""
@@ -279,6 +308,10 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         tmp = path.with_name(path.name + ".tmp")
+        bad = self._count_nonfinite_weights()  # every rank, so all refuse together
+        if bad:
+            raise NonFiniteError(f"refusing to write {path}: {bad} weight tensors hold NaN or infinity; the last "
+                                 "checkpoint written is the last good one")
         weights = self.sharding.full_state_dict(self.model) if self.sharding is not None else None
         if self.is_main:
             shutil.rmtree(tmp, ignore_errors=True)

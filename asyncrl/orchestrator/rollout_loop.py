@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms import compute_advantages
+from asyncrl.algorithms.finite import check_advantages, check_rewards
 from asyncrl.config import Config
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import RunState
@@ -71,13 +72,17 @@ class RolloutLoop:
         for episode in episodes:
             on_episode(episode)
         ok = [e for e in episodes if e.status == "ok" and e.trajectories]
+        step = self.gate.gate.version + 1  # the step being prepared
+        check_rewards([e.reward for e in ok], max_abs=self.cfg.algorithm.max_abs_reward, task_id=task.id, step=step)
         self.finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
         rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
         if not ok or (self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all())):
             self.watchdog.group("filtered" if ok else "all_error")
             await self.gate.release_rejected()
         else:
-            advantages = compute_advantages(self.cfg.algorithm.advantage, rewards)[0].tolist()
+            computed = compute_advantages(self.cfg.algorithm.advantage, rewards)[0]
+            check_advantages(computed, estimator=self.cfg.algorithm.advantage, task_id=task.id, step=step)
+            advantages = computed.tolist()
             self.watchdog.group("accepted")
             await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
         del self.in_flight[start_order]  # only now: a cancelled group is re-issued on resume

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from collections import Counter, deque
 from pathlib import Path
 from typing import Any
@@ -114,7 +115,7 @@ class RunLog:
 
     def _write(self, name: str, rows: list[dict[str, Any]]) -> None:
         f = self.files[name]
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.writelines(json.dumps(_strict_json(r), allow_nan=False) + "\n" for r in rows)
         f.flush()
 
     def close(self) -> None:
@@ -125,3 +126,15 @@ class RunLog:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _strict_json(value: Any) -> Any:
+    """``value`` with every NaN or infinity as ``null``: Python's ``json`` writes them as bare
+    ``NaN``/``Infinity``, which other JSON readers refuse (a mean over no rewards is NaN)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_strict_json(v) for v in value]
+    return value

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncrl.algorithms.finite import check_rewards
 from asyncrl.config import Config, save_config
 from asyncrl.learner import pack
 from asyncrl.orchestrator.buffer import ReadyGroup, trainable
@@ -255,6 +256,10 @@ class Trainer:
         tasks, t_eval = self.splits.validation[: self.cfg.eval.num_tasks], self._now()
         result = await self.rollout.evaluate(tasks, version=version, weights=weights,
                                              on_episode=lambda e: self._seen(e, "eval"))
+        for episode in result.episodes:
+            if episode.status == "ok":
+                check_rewards([episode.reward], max_abs=self.cfg.algorithm.max_abs_reward, task_id=episode.task_id,
+                              step=step)
         self.log.event("eval", t_eval, self._now(), step=step, version=version)
         return eval_metrics(result, version, self._now() - t_eval)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +41,8 @@ class OpenAIAgentWorkflow:
                 reward = await self.agent(task, base_url)
             else:  # a synchronous agent blocks: off the loop that serves its requests
                 reward = await asyncio.to_thread(self.agent, task, base_url)
-        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-            raise TypeError(f"the agent returned {reward!r} for task {task.id}; expected a finite float reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):  # finite: the orchestrator's check
+            raise TypeError(f"the agent returned {reward!r} for task {task.id}; expected a float reward")
         for trajectory in llm.trajectories:
             trajectory.reward = float(reward)
         return Episode(task_id=task.id, trajectories=llm.trajectories, reward=float(reward),

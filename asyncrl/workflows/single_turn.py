@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 
 from asyncrl.client import LLMClient
@@ -39,9 +38,11 @@ class SingleTurnWorkflow:
 
 
 async def score(reward_fn: RewardFn, task: Task, text: str, *, timeout_s: float) -> float:
-    """Run a user's reward function safely and insist on a finite number."""
+    """Run a user's reward function safely and insist on a number. Whether it is finite and
+    in range is the orchestrator's check (``asyncrl/algorithms/finite.py``), which stops the
+    run: retrying would give the same NaN again."""
     value = await call_in_thread(reward_fn, task, text, timeout_s=timeout_s)
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise TypeError(f"reward function {name} returned {value!r} for task {task.id}; expected a finite float")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"reward function {name} returned {value!r} for task {task.id}; expected a float")
     return float(value)
