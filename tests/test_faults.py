@@ -88,3 +88,18 @@ def test_second_signal_stops_a_stuck_run(tmp_path, policy_dir):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
     assert b"stopped by a second signal" in err and b"last good checkpoint: none yet" in err
+
+
+def test_errors_jsonl_is_capped_per_step_and_the_rest_counted(tmp_path, policy_dir):
+    code, out = run(tmp_path, policy_dir, "capped", "task.reward_fn=test_faults:flaky_reward",
+                    "logging.max_errors_per_step=1")
+    assert code == 0
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    per_step = {}
+    for e in errors:
+        per_step[(e["step"])] = per_step.get(e["step"], 0) + 1
+    assert errors and max(per_step.values()) == 1
+    last = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()][-1]
+    # every failed attempt is either a line of errors.jsonl or counted as unlogged (1 retry a failed episode)
+    assert last["rollout/errors_unlogged_total"] > 0
+    assert len(errors) + last["rollout/errors_unlogged_total"] >= last["rollout/episodes_error_total"]

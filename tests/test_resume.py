@@ -15,7 +15,13 @@ from collections import Counter
 import torch
 
 from asyncrl.config import load_config
-from asyncrl.orchestrator.checkpoint import RunState, latest_checkpoint, rollback_logs
+from asyncrl.orchestrator.checkpoint import (
+    RunState,
+    clear_unfinished,
+    latest_checkpoint,
+    rollback_logs,
+    starting_point,
+)
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.workflows.registry import build_tasks
 
@@ -44,6 +50,20 @@ def test_latest_checkpoint_ignores_half_written(tmp_path):
     (tmp_path / "step_6.tmp").mkdir()  # a crash while writing step 6
     (tmp_path / "step_8").mkdir()  # weights without state: not a checkpoint
     assert latest_checkpoint(tmp_path) == tmp_path / "step_4"
+
+
+def test_a_resume_clears_what_a_crash_mid_save_left(tmp_path, capsys):
+    ckpt = tmp_path / "checkpoints"
+    for name in ("step_2", "step_4.old", "step_6.tmp", "step_2.old"):
+        (ckpt / name).mkdir(parents=True)
+        (ckpt / name / "trainer_state.pt").write_bytes(b"x")
+        (ckpt / name / "run_state.json").write_text("{}")
+    # step_4 was set aside and its replacement never renamed in: step_4.old is the good copy
+    assert starting_point(tmp_path, resume=True) == ckpt / "step_4"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["step_2", "step_4"]
+    err = capsys.readouterr().err
+    assert "removed" in err and "step_6.tmp" in err and "restored" in err and "step_4.old" in err
+    assert clear_unfinished(ckpt) == []  # nothing left to tidy
 
 
 def test_rollback_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path):

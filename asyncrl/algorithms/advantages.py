@@ -18,6 +18,9 @@ from asyncrl.plugins import load_named
 
 AdvantageFn = Callable[..., Tensor]
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+GROUP_RELATIVE: set[str] = set()
+"""Estimators that compare a sample with the others of its group: with one sample per
+group they give 0 everywhere, so ``group_size=1`` trains nothing and is refused."""
 
 _T = TypeVar("_T")
 
@@ -38,16 +41,19 @@ def resolve(registry: dict[str, _T], name: str, kind: str) -> _T:
                        "or module:function") from None
 
 
-def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+def register_advantage(name: str, *, group_relative: bool = False) -> Callable[[AdvantageFn], AdvantageFn]:
     """Decorator adding an estimator ``fn(rewards (G, n), **kwargs) -> (G, n)`` under ``name``.
 
     A name that is already taken is refused, so a plugin cannot silently shadow a built-in.
+    ``group_relative``: it needs n ≥ 2 (see :data:`GROUP_RELATIVE`).
     """
 
     def decorator(fn: AdvantageFn) -> AdvantageFn:
         if name in ADVANTAGE_ESTIMATORS:
             raise ValueError(f"advantage estimator {name!r} is already registered")
         ADVANTAGE_ESTIMATORS[name] = fn
+        if group_relative:
+            GROUP_RELATIVE.add(name)
         return fn
 
     return decorator
@@ -69,7 +75,7 @@ def _centered(rewards: Tensor) -> Tensor:
     return rewards - rewards.mean(dim=-1, keepdim=True)
 
 
-@register_advantage("grpo")
+@register_advantage("grpo", group_relative=True)
 def grpo(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     """GRPO: ``(R − mean_g) / (std_g + eps)``. rewards (G, n) -> (G, n).
 
@@ -84,7 +90,7 @@ def grpo(rewards: Tensor, eps: float = 1e-6) -> Tensor:
     return _centered(rewards) / (std + eps)
 
 
-@register_advantage("dr_grpo")
+@register_advantage("dr_grpo", group_relative=True)
 def dr_grpo(rewards: Tensor) -> Tensor:
     """Dr. GRPO: ``R − mean_g``. rewards (G, n) -> (G, n).
 
@@ -94,7 +100,7 @@ def dr_grpo(rewards: Tensor) -> Tensor:
     return _centered(_as_groups(rewards))
 
 
-@register_advantage("rloo")
+@register_advantage("rloo", group_relative=True)
 def rloo(rewards: Tensor) -> Tensor:
     """RLOO: R minus the mean of the group's other n − 1 rewards. rewards (G, n) -> (G, n).
 

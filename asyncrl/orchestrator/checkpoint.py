@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -84,6 +85,9 @@ def starting_point(output_dir: Path, resume: bool) -> Path | None:
     run's logs and mix its checkpoints with the old ones. Nothing already produced is
     ever overwritten, so both refusals are config errors (exit 2) that say what to do."""
     found = sorted(p.name for p in output_dir.iterdir()) if output_dir.is_dir() else []
+    if resume:
+        for note in clear_unfinished(output_dir / "checkpoints"):
+            print(f"asyncrl: {note}", file=sys.stderr)
     checkpoint = latest_checkpoint(output_dir / "checkpoints")
     if resume and checkpoint is not None:
         return checkpoint
@@ -95,6 +99,28 @@ def starting_point(output_dir: Path, resume: bool) -> Path | None:
         raise ConfigError(f"output_dir {str(output_dir)!r} is not empty ({shown}); continue that run with "
                           "resume=true, or choose a new output_dir (nothing is overwritten)")
     return None
+
+
+def clear_unfinished(ckpt_dir: Path) -> list[str]:
+    """Tidy what a crash in the middle of a save leaves: ``step_N.tmp`` (never complete,
+    never resumed from: removed) and ``step_N.old`` (a same-step checkpoint set aside while
+    its replacement was renamed in: put back where ``step_N`` is missing, else removed).
+    Returns what was done, to say."""
+    if not ckpt_dir.is_dir():
+        return []
+    done = []
+    for path in sorted(ckpt_dir.glob("step_*.old")):
+        final = path.with_name(path.name.removesuffix(".old"))
+        if final.exists():
+            shutil.rmtree(path)
+            done.append(f"removed {path}, set aside by a save that completed")
+        else:
+            os.replace(path, final)
+            done.append(f"restored {final} from {path.name}, set aside by a save that did not complete")
+    for path in sorted(ckpt_dir.glob("step_*.tmp")):
+        shutil.rmtree(path)
+        done.append(f"removed {path}, left by a save that did not complete")
+    return done
 
 
 def rotate(ckpt_dir: Path, keep_last: int, newest: Path) -> None:

@@ -12,6 +12,7 @@ from typing import Literal
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
+from asyncrl.algorithms.advantages import GROUP_RELATIVE
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import require_engine
 from asyncrl.orchestrator.hooks import Hooks
@@ -31,6 +32,8 @@ class Checked:
 
 
 def preflight(cfg: Config, command: Literal["train", "eval"]) -> Checked:
+    if command == "train":
+        check_trainable(cfg)
     if cfg.runtime == "local":  # on Ray the workers' environment is what counts
         require_engine(cfg.engine)
     # this process needs the weights only where it runs a learner or a torch engine itself
@@ -50,3 +53,19 @@ def preflight(cfg: Config, command: Literal["train", "eval"]) -> Checked:
             except KeyError as exc:
                 raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
     return Checked(tokenizer, model, splits, hooks)
+
+
+def check_trainable(cfg: Config) -> None:
+    """Settings that are valid for ``eval`` or ``serve`` but under which training learns
+    nothing: every group would score the same and be filtered (the watchdog would stop
+    the run minutes later) or, unfiltered, train with advantage 0."""
+    n, advantage, sampling = cfg.group_size, cfg.algorithm.advantage, cfg.sampling
+    if n == 1 and advantage in GROUP_RELATIVE:
+        raise ConfigError(f"group_size=1: algorithm.advantage={advantage!r} compares each sample with the others of "
+                          "its task's group, so with one sample every advantage is 0 and nothing trains; use "
+                          "group_size >= 2")
+    greedy = "sampling.temperature=0" if sampling.temperature == 0 else "sampling.top_k=1" if sampling.top_k == 1 else None
+    if greedy and n > 1:
+        raise ConfigError(f"{greedy} decodes greedily: the group_size={n} samples of a task are the same text, score "
+                          "the same, and every group is filtered, so nothing trains; sample with a temperature > 0 "
+                          "(evaluation has its own eval.temperature, where 0 is fine)")

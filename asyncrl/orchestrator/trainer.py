@@ -163,6 +163,7 @@ class Trainer:
                            self.rollouts.take_finished_rewards(), counters,
                            {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped},
                            filtered_fraction_window=filtered_window)
+            row["rollout/errors_unlogged_total"] = self.log.errors_unlogged  # failed attempts past errors.jsonl's cap
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
             due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             self.log.step(row, await self._evaluation(step, weights) if due else None)

@@ -1,0 +1,149 @@
+"""The bad inputs and faults the README's reliability table reports, each run as a user
+would: ``python -m asyncrl.cli train ...`` in a fresh process on the shipped Countdown
+example and tiny policy.
+
+``tests/test_bad_inputs.py`` runs every case and checks its exit code, its message and a
+bound on its time, and that the README's table lists exactly these cases with these
+codes and messages. ``python tests/bad_inputs.py`` prints the table with the times
+measured now (paste it into the README when a case changes).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+HERE = Path(__file__).resolve().parent
+BASE = ["examples/countdown/async.yaml", "model.path=models/countdown-tiny", "total_steps=3", "batch_size=2",
+        "group_size=4", "eval.num_tasks=2", "eval.samples_per_task=1", "eval_every=0", "task.num_train=64",
+        "task.num_validation=4", "algorithm.filter_zero_variance=false", "workflow.max_retries=0"]
+
+
+@dataclass(frozen=True)
+class Case:
+    tried: str
+    """What a user did, as the README's table says it."""
+    args: tuple[str, ...]
+    """Overrides after the base command; ``{dir}`` is a scratch directory."""
+    exit_code: int
+    says: str
+    """A fragment of the last lines of stderr: the message the user reads."""
+    within_s: float
+    """The test's bound on the time from start to exit (a few seconds of it is Python and
+    torch starting)."""
+    setup: Callable[[Path], None] | None = field(default=None, compare=False)
+    command: str = "train"
+
+
+def _not_empty(scratch: Path) -> None:
+    (scratch / "out").mkdir()
+    (scratch / "out" / "metrics.jsonl").write_text("{}\n")
+
+
+def _bad_row(scratch: Path) -> None:
+    rows = (ROOT / "examples/jsonl/data.jsonl").read_text().splitlines()
+    rows[6] = '{"id": "row-006", "numbers": [1, 2]}'
+    (scratch / "data.jsonl").write_text("\n".join(rows) + "\n")
+
+
+def _bad_yaml(scratch: Path) -> None:
+    (scratch / "bad.yaml").write_text("mode: async\nbatch_size: [2\n")
+
+
+def _not_a_model(scratch: Path) -> None:
+    (scratch / "model").mkdir()
+    (scratch / "model" / "config.json").write_text('{"model_type": "bert", "vocab_size": 10}')
+
+
+CASES: list[Case] = [
+    # -- refused before any work: exit 2, naming the key
+    Case("unknown key", ("optim.lrr=0.1",), 2, "optim.lrr", 30),
+    Case("wrong type", ("batch_size=two",), 2, "batch_size", 30),
+    Case("η < 0", ("max_staleness=-1",), 2, "max_staleness", 30),
+    Case("`sync` with a partial-rollout mode", ("mode=sync", "partial_rollout=abort"), 2,
+         "set partial_rollout=off", 30),
+    Case("`sync_every` beyond η + 1", ("max_staleness=1", "sync_every=3"), 2, "use sync_every <= 2", 30),
+    Case("a micro-batch that does not divide the step", ("optim.micro_batch_size=3",), 2,
+         "optim.micro_batch_size=3 does not divide", 30),
+    Case("`group_size=1` with GRPO", ("group_size=1", "optim.micro_batch_size=2"), 2,
+         "group_size=1: algorithm.advantage='grpo'", 30),
+    Case("`sampling.temperature=0` with groups", ("sampling.temperature=0",), 2,
+         "sampling.temperature=0 decodes greedily", 30),
+    Case("an unknown advantage estimator", ("algorithm.advantage=gpro",), 2,
+         "unknown advantage estimator 'gpro'", 30),
+    Case("a reward function that does not exist", ("task.reward_fn=nowhere:score",), 2, "task.reward_fn", 30),
+    Case("a model path that does not exist", ("model.path={dir}/missing",), 2, "model.path", 30),
+    Case("a model path that is not a causal LM", ("model.path={dir}/model",), 2, "model.path", 30,
+         setup=_not_a_model),
+    Case("a dataset row without a prompt", ("task.name=jsonl", "task.path={dir}/data.jsonl",
+                                            "task.reward_fn=examples/jsonl/reward.py:score", "task.num_train=0"),
+         2, "data.jsonl, line 7", 30, setup=_bad_row),
+    Case("a malformed YAML file", ("{dir}/bad.yaml",), 2, "bad.yaml", 30, setup=_bad_yaml, command="train-file"),
+    Case("an `output_dir` holding an earlier run", ("output_dir={dir}/out",), 2, "is not empty", 30,
+         setup=_not_empty),
+    Case("`resume=true` with no checkpoint", ("output_dir={dir}/out", "resume=true"), 2,
+         "no complete checkpoint to resume from", 30, setup=_not_empty),
+    Case("`openai_agent` without an agent", ("workflow.name=openai_agent",), 2, "workflow.agent", 30),
+    # -- faults during the run: exit 1, the cause, the last good checkpoint
+    Case("a reward function that always raises", ("task.reward_fn=bad_rewards:raises",), 1,
+         "stopped by the watchdog", 90),
+    Case("a reward function that hangs", ("task.reward_fn=bad_rewards:hangs", "workflow.timeout_s=1"), 1,
+         "stopped by the watchdog", 120),
+    Case("a reward of NaN", ("task.reward_fn=bad_rewards:nan",), 1, "non-finite reward nan for task", 90),
+    Case("a reward of ±1e300", ("task.reward_fn=bad_rewards:huge",), 1,
+         "is beyond algorithm.max_abs_reward=1e+06", 90),
+    Case("a reward function returning a string", ("task.reward_fn=bad_rewards:text",), 1,
+         "stopped by the watchdog", 90),
+    Case("an advantage estimator that divides by zero", ("algorithm.advantage=bad_rewards:nan_advantage",), 1,
+         "non-finite advantage from estimator", 90),
+    Case("a policy loss that turns NaN at step 2", ("algorithm.policy_loss=bad_rewards:nan_loss_at_step_2",
+                                                     "save_every=1", "optim.micro_batch_tokens=null"), 1,
+         "non-finite actor/loss at step 2", 90),
+]
+
+
+def argv(case: Case, scratch: Path) -> list[str]:
+    args = [a.replace("{dir}", str(scratch)) for a in case.args]
+    if case.command == "train-file":
+        return ["train", *args]
+    out = [] if any(a.startswith("output_dir=") for a in args) else [f"output_dir={scratch}/run"]
+    return ["train", *BASE, *out, *args]
+
+
+def run_case(case: Case, scratch: Path, timeout_s: float | None = None) -> tuple[int, str, float]:
+    """(exit code, stderr, seconds) of the case in a fresh process, from the repository root."""
+    if case.setup is not None:
+        case.setup(scratch)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", *argv(case, scratch)], cwd=ROOT, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                          timeout=timeout_s or case.within_s * 2)
+    return proc.returncode, proc.stderr, time.perf_counter() - start
+
+
+def message(stderr: str, says: str) -> str:
+    """The last stderr line holding ``says`` (what the table quotes; a traceback may quote
+    the source line that raised it first)."""
+    return next((line.strip() for line in reversed(stderr.splitlines()) if says in line), "")
+
+
+if __name__ == "__main__":
+    print("| what was tried | exit | what it says (excerpt) | time to exit |")
+    print("|---|---|---|---|")
+    for case in CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            code, err, seconds = run_case(case, Path(tmp))
+        said = message(err.replace(tmp, "<dir>"), case.says) or f"**differs**: expected `{case.says}`"
+        said = said.removeprefix("asyncrl: error: ").removeprefix("asyncrl train: ")
+        end = max(110, said.find(case.says) + len(case.says))
+        cell = (said if len(said) <= end else said[:end] + "…").replace("|", "\\|")
+        print(f"| {case.tried} | {code} | {cell} | {seconds:.1f} s |", flush=True)
