@@ -6,7 +6,8 @@ field at fault, and a refusal never takes a server down."""
 from __future__ import annotations
 
 import json
-from typing import TypeVar
+import sys
+from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -35,10 +36,27 @@ def error_response(refused: Refused) -> web.Response:
 
 async def read_body(request: web.Request, model: type[M]) -> M:
     """The body as ``model``, or ``Refused(400)`` saying what is wrong with it."""
+    return validate(await read_json(request), model)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The body parsed, not yet validated (the gateway sizes a prompt between the two), or
+    ``Refused(400)``. Nesting past the parser's recursion limit and numbers too long to
+    convert are the client's fault like any other bad JSON, not a 500."""
+    raw = await request.read()
     try:
-        data = json.loads(await request.text())
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise Refused(400, f"the body is not JSON: {exc.msg} at column {exc.colno}") from None
+    except RecursionError:
+        raise Refused(400, f"the body nests too deeply: about {sys.getrecursionlimit()} levels are the most "
+                           "this server parses") from None
+    except ValueError as exc:  # not UTF-8, an integer over Python's digit limit
+        raise Refused(400, f"the body is not JSON: {exc}") from None
+
+
+def validate(data: Any, model: type[M]) -> M:
+    """``data`` as ``model``, or ``Refused(400)`` naming the first field at fault."""
     if not isinstance(data, dict):
         raise Refused(400, f"the body must be a JSON object, got {type(data).__name__}")
     try:

@@ -3,7 +3,8 @@
 - ``openai_errors``: what aiohttp raises itself — 404 for an unknown route, 405 for a
   wrong method, 413 for a body read past ``client_max_size`` — comes back in OpenAI's
   error shape like our own refusals, so an SDK reports an API error instead of failing
-  to parse plain text.
+  to parse plain text. A client that hangs up before its reply is one warning line, not
+  aiohttp's traceback: agents time out and retry, and a run would log pages of them.
 - ``admit``: the key, then the size. A body over ``gateway.max_body_bytes`` is refused
   from its Content-Length before a byte of it is read, so a 10 MB upload costs nothing
   and is never tokenized; a body without one (chunked) is cut off at the same limit by
@@ -22,12 +23,15 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
 from asyncrl.config import ConfigError, GatewayConfig
 from asyncrl.json_api import Refused, error_response
+
+logger = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -65,6 +69,10 @@ def middlewares(settings: GatewayConfig) -> list[Callable[[web.Request, Handler]
             if exc.status < 400:  # a redirect is not an error
                 raise
             return error_response(Refused(exc.status, _explain(request, exc, settings)))
+        except ConnectionResetError as exc:  # aiohttp would log a traceback per client that hangs up
+            logger.warning("gateway: %s %s: the client disconnected before its reply was sent (%s)",
+                           request.method, request.path, exc)
+            return web.Response(status=499, reason="Client Closed Request")  # nginx's; no one reads it
 
     @web.middleware
     async def admit(request: web.Request, handler: Handler) -> web.StreamResponse:

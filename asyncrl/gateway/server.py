@@ -8,12 +8,22 @@ process between an agent and its session — and measured: a trivial JSON endpoi
 4,907 req/s on aiohttp against 1,386 on FastAPI + uvicorn in the same event loop as its
 client (64 in flight, median of 3 interleaved runs, this 2-core machine).
 
+One request never stalls the others: the loop serves every session, the engine's
+replies and ``/health``, so a prompt is judged before it is tokenized (``prompt_size``):
+one whose characters or message count certainly cannot fit the context is refused at
+once, and a large one that may fit is tokenized on the gateway's two threads rather than
+the loop. What stays on the loop is bounded by the body limit — parsing the JSON, which
+holds the GIL: 0.09 s for 8 MiB of tiny messages, up to about 1 s for 8 MiB of nothing
+but nested empty arrays — and by the context: validating and tokenizing a prompt that
+fits.
+
 Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
-unknown session or route, 405 for a wrong method, 400 for a body that is not JSON or not
-a valid request (``n`` > 1 and a tool without a named function included) or a prompt
-that does not fit the context (both lengths named), 401 without the key, 413 for a body
-over the limit (``access.py``: both decided before a handler runs), 503 when the engine
-has stopped.
+unknown session or route, 405 for a wrong method, 400 for a body that is not JSON (nested
+past the parser included) or not a valid request (``n`` > 1 and a tool without a named
+function included) or a prompt that does not fit the context (both figures named), 401
+without the key, 413 for a body over the limit (``access.py``: both decided before a
+handler runs), 503 when the engine has stopped. A client that hangs up before its reply
+is one warning line.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -32,13 +43,18 @@ import asyncrl.gateway.openai_api as api
 from asyncrl.client import LLMClient
 from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
+from asyncrl.gateway import prompt_size
 from asyncrl.gateway.access import check_exposure, middlewares
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser
-from asyncrl.json_api import Refused, error_response, listen, read_body
+from asyncrl.json_api import Refused, error_response, listen, read_json, validate
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+TOKENIZE_THREADS = 2
+"""Threads that tokenize large prompts. The gateway's own, not asyncio's default pool,
+which a stuck synchronous agent can fill; two, beside the engine's, on a small machine."""
 
 
 class Gateway:
@@ -55,6 +71,8 @@ class Gateway:
         self.counts = {"requests": 0, "tool_parse_errors": 0, "sampling_overrides": 0}
         self.base_url = ""
         self._runner: web.AppRunner | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._token_chars: dict[int, tuple[object, int]] = {}  # id(tokenizer) -> (it, its longest token)
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -68,12 +86,16 @@ class Gateway:
             app.router.add_get(prefix + "/v1/models", self._models)
         app.router.add_get("/health", self._health)
         self._runner, self.base_url = await listen(app, host, port)
+        self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="asyncrl-gateway-tokenize")
         return self.base_url
 
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._pool is not None:  # its work is bounded (the context, the body limit): nothing to wait out
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
 
     @contextlib.asynccontextmanager
     async def session(self, client: LLMClient, *, training: bool = True,
@@ -81,7 +103,8 @@ class Gateway:
         """A session over ``client`` for one episode; yields its OpenAI base URL and is
         closed (404 from then on) when the episode ends, however it ends. ``on_close``
         then gets the episode's diagnostics (``Session.diagnostics``)."""
-        session = Session(secrets.token_hex(16), client, self.parser, training=training)  # the URL is the key
+        session = Session(secrets.token_hex(16), client, self.parser, training=training,  # the URL is the key
+                          tokenize_pool=self._pool)
         self.sessions[session.id] = session
         try:
             yield f"{self.base_url}/sessions/{session.id}/v1"
@@ -115,12 +138,15 @@ class Gateway:
         self.counts["requests"] += 1
         try:
             session = self._session_of(request)
-            body = await read_body(request, kind)
+            data = await read_json(request)
+            client = session.client if session is not None else self._plain_client()
+            if client is not None:  # before validating: pydantic takes a second for 200,000 messages
+                self._refuse_unfit(data, "messages" if kind is api.ChatRequest else "prompt", client)
+            body = validate(data, kind)
             if session is None:  # a plain request: a throwaway client, nothing recorded
-                if self.engine is None:
+                if client is None:
                     raise Refused(404, "this gateway serves sessions only: use the base URL of your session")
-                session = Session("", LLMClient(self.engine, self.tokenizer, self.sampling), self.parser,
-                                  training=False)
+                session = Session("", client, self.parser, training=False, tokenize_pool=self._pool)
             if isinstance(body, api.ChatRequest):
                 result = await session.chat(body, self.settings.max_tokens)
             else:
@@ -128,10 +154,12 @@ class Gateway:
         except Refused as exc:
             return error_response(exc)
         except PromptTooLongError as exc:
-            return error_response(Refused(400, str(exc), "messages"))
+            return error_response(Refused(400, str(exc), "messages" if kind is api.ChatRequest else "prompt"))
+        except RecursionError:  # nesting the JSON parser let through, met again by the template or json.dumps
+            return error_response(Refused(400, "the request nests too deeply to render"))
         except EngineClosedError as exc:
             return error_response(Refused(503, f"the engine has stopped: {exc}"))
-        except web.HTTPException:  # aiohttp's own, e.g. 413 while reading: access.openai_errors shapes it
+        except (web.HTTPException, ConnectionResetError):  # 413 while reading, a client gone: access.py's
             raise
         except Exception as exc:  # a bug of ours: the agent gets an OpenAI-shaped 500, the log the traceback
             logger.exception("gateway: %s %s failed", request.method, request.path)
@@ -142,6 +170,20 @@ class Gateway:
         return await self._chat_reply(request, body, result, fingerprint)
 
     # -- helpers ----------------------------------------------------------------
+    def _plain_client(self) -> LLMClient | None:
+        return None if self.engine is None else LLMClient(self.engine, self.tokenizer, self.sampling)
+
+    def _refuse_unfit(self, data: Any, param: str, client: LLMClient) -> None:
+        """``prompt_size.refuse_unfit`` against the context of ``client``'s engine, where it
+        says one; the tokenizer's longest token is looked up once."""
+        context = prompt_size.context_of(client.engine)
+        if context is None:
+            return
+        key = id(client.tokenizer)
+        if key not in self._token_chars:
+            self._token_chars[key] = (client.tokenizer, prompt_size.longest_token(client.tokenizer))
+        prompt_size.refuse_unfit(data, param, context, self._token_chars[key][1])
+
     def _session_of(self, request: web.Request) -> Session | None:
         sid = request.match_info.get("session")
         if sid is None:

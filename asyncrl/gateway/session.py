@@ -15,6 +15,10 @@ agent's sight. What the session adds is the translation an OpenAI agent needs:
   overridden, its ``seed`` ignored, and both said in the reply's ``system_fingerprint``
   and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always.
 
+A large prompt is tokenized on the gateway's threads first and refused there if it
+cannot fit the context (``_check_fits``), so the event loop the episode shares with
+every other session only ever tokenizes a prompt known to fit.
+
 It also keeps the episode's :class:`~asyncrl.types.AgentDiagnostics`, as far as the
 gateway can see them: calls, parsed tool calls, tool results the agent sends back marked
 as failures, and the time between handing out a reply and receiving the next call — the
@@ -23,12 +27,17 @@ agent's tools and its own code, as seen from here.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
 import json
 import time
+from concurrent.futures import Executor
 from typing import Any
 
 from asyncrl.client import LLMClient, Response
+from asyncrl.engine.protocol import PromptTooLongError
+from asyncrl.gateway import prompt_size
 from asyncrl.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.gateway.tool_calls import ParsedReply, ToolParser
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
@@ -41,7 +50,7 @@ def _canonical(message: dict[str, Any]) -> str:
         fn = call.get("function", {})
         try:
             arguments = json.loads(fn.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
+        except (TypeError, ValueError, RecursionError):  # not JSON, or nested past the parser: kept as sent
             arguments = fn.get("arguments")
         calls.append([fn.get("name"), arguments])
     return json.dumps([(message.get("content") or "").strip(), calls], sort_keys=True)
@@ -55,8 +64,12 @@ class CallResult:
 
 
 class Session:
-    def __init__(self, session_id: str, client: LLMClient, parser: ToolParser, *, training: bool) -> None:
+    def __init__(self, session_id: str, client: LLMClient, parser: ToolParser, *, training: bool,
+                 tokenize_pool: Executor | None = None) -> None:
+        """``tokenize_pool``: where a large prompt is tokenized (the gateway's threads); None:
+        on the loop, as the client does."""
         self.id, self.client, self.parser, self.training = session_id, client, parser, training
+        self.tokenize_pool = tokenize_pool
         self.replies: dict[str, dict[str, Any]] = {}  # canonical OpenAI form -> the reply as recorded
         self.tool_parse_errors = 0
         self.sampling_overrides = 0
@@ -126,7 +139,9 @@ class Session:
         self._call_starts(plain)
         response = parsed = None
         try:
-            response = await self.client.chat(self._recorded_form(plain), tools=request.tools or None,
+            messages = self._recorded_form(plain)
+            await self._check_fits(messages, request.tools or None)
+            response = await self.client.chat(messages, tools=request.tools or None,
                                               sampling=sampling, stop=request.stops or None)
             parsed = ParsedReply(response.text) if request.tool_choice == "none" else self.parser(response.text)
         finally:
@@ -140,8 +155,28 @@ class Session:
         self._call_starts([])
         response = parsed = None
         try:
-            response = await self.client.generate(request.prompt, sampling=sampling, stop=request.stops or None)
+            prompt: str | list[int] = request.prompt
+            if self.tokenize_pool is not None and not prompt_size.is_small(1, len(prompt)):
+                encode = functools.partial(self.client.tokenizer.encode, prompt, add_special_tokens=False)
+                prompt = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, encode)
+            response = await self.client.generate(prompt, sampling=sampling, stop=request.stops or None)
             parsed = ParsedReply(response.text)
         finally:
             self._call_ends(response, parsed)
         return CallResult(response, parsed, notes)
+
+    async def _check_fits(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> None:
+        """Raise ``PromptTooLongError`` for a large prompt that does not fit the context,
+        counted on the gateway's threads: the loop then only ever tokenizes a prompt known
+        to fit, a cost bounded by the context (``LLMClient.chat`` takes no token ids, so a
+        large prompt that fits is tokenized twice). The count is the conversation rendered
+        afresh; one continued from recorded turns holds the tokens as sampled, which the
+        engine counts exactly once the prompt passes here."""
+        context = prompt_size.context_of(self.client.engine)
+        if (self.tokenize_pool is None or context is None
+                or prompt_size.is_small(len(messages), prompt_size.text_chars(messages))):
+            return
+        ids = await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_pool, self.client._render_ids, messages, tools)  # the client's own rendering
+        if len(ids) >= context:
+            raise PromptTooLongError(len(ids), context)
