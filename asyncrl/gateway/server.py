@@ -43,7 +43,7 @@ import asyncrl.gateway.openai_api as api
 from asyncrl.client import LLMClient
 from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
-from asyncrl.gateway import prompt_size
+import asyncrl.gateway.prompt_size as prompt_size
 from asyncrl.gateway.access import check_exposure, middlewares
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser

@@ -37,7 +37,7 @@ from typing import Any
 
 from asyncrl.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError
-from asyncrl.gateway import prompt_size
+import asyncrl.gateway.prompt_size as prompt_size
 from asyncrl.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.gateway.tool_calls import ParsedReply, ToolParser
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
