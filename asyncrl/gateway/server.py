@@ -40,10 +40,10 @@ from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
 import asyncrl.gateway.openai_api as api
+import asyncrl.gateway.prompt_size as prompt_size
 from asyncrl.client import LLMClient
 from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
-import asyncrl.gateway.prompt_size as prompt_size
 from asyncrl.gateway.access import check_exposure, middlewares
 from asyncrl.gateway.session import CallResult, Session
 from asyncrl.gateway.tool_calls import ToolParser

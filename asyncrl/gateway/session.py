@@ -35,9 +35,9 @@ import time
 from concurrent.futures import Executor
 from typing import Any
 
+import asyncrl.gateway.prompt_size as prompt_size
 from asyncrl.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError
-import asyncrl.gateway.prompt_size as prompt_size
 from asyncrl.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.gateway.tool_calls import ParsedReply, ToolParser
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
