@@ -10,6 +10,7 @@ import traceback
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.orchestrator.watchdog import WatchdogStop
+from asyncrl.threads import stuck_report
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for line in failed_run:
             print(line, file=sys.stderr)
+        stuck = stuck_report()  # daemon threads: the exit does not wait for them, but says so
+        if stuck is not None:
+            print(stuck, file=sys.stderr)
 
 
 def _ending(trainer) -> str:

@@ -6,6 +6,11 @@ asks the run to finish its step, checkpoint and return. A second signal stops wa
 last good checkpoint. Signal handlers go only on the main thread, the only one Python
 lets own them: a run in a notebook's thread or an embedding application is stopped by
 the method instead.
+
+Neither waits for user code stuck on a thread: such calls are abandoned at their
+timeout on daemon threads (``asyncrl/threads.py``), which the exit lists and does not
+join. A first signal says at once that it was heard and, if the run is still finishing
+after a few seconds, what it waits for.
 """
 
 from __future__ import annotations
@@ -13,16 +18,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
+from tqdm import tqdm
+
+from asyncrl.threads import in_user_code, summarize
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STILL_STOPPING_S = 5.0  # a first signal not done by then says what the run still waits for
 
 
 class StopControl:
     def __init__(self) -> None:
         self.requested = asyncio.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._notice: asyncio.TimerHandle | None = None
 
     def request(self) -> None:
         """Safe from any thread, before, during or after the run."""
@@ -56,8 +68,24 @@ class StopControl:
         finally:
             for sig in STOP_SIGNALS:
                 self._loop.remove_signal_handler(sig)
+            if self._notice is not None:
+                self._notice.cancel()
 
     def _on_signal(self, main: asyncio.Task) -> None:
         if self.requested.is_set():
             main.cancel("stopped by a second signal")
+        else:  # said at once: what follows (the step, an evaluation, the save) may take a while
+            tqdm.write("asyncrl: stopping: finishing the step and saving a checkpoint; a second Ctrl-C or SIGTERM "
+                       "stops at once, without one", file=sys.stderr)
+            self._notice = self._loop.call_later(STILL_STOPPING_S, self._still_stopping)
         self.requested.set()
+
+    def _still_stopping(self) -> None:
+        """Why a first signal has not ended the run yet: most often an evaluation whose
+        episodes wait on user code until ``workflow.timeout_s``."""
+        calls = in_user_code()
+        stuck = (f"; {len(calls)} thread{'s' if len(calls) != 1 else ''} in user code: {summarize(calls)}"
+                 if calls else "")
+        tqdm.write(f"asyncrl: still stopping after {STILL_STOPPING_S:g} s: the step, an evaluation or the "
+                   f"checkpoint is not done{stuck}; a second Ctrl-C or SIGTERM stops at once, without a checkpoint",
+                   file=sys.stderr)

@@ -9,7 +9,9 @@ Two ways a run goes nowhere, both seen by users of every system in this field:
   with no group accepted meanwhile. Time spent training or in a blocking evaluation
   does not count: only waiting does.
 Either way the run fails (exit 1) with the most recent episode traceback and the
-counts, so the cause is on the screen and not only in ``errors.jsonl``.
+counts, so the cause is on the screen and not only in ``errors.jsonl``. An agent or
+reward function that hangs is the first kind: each timeout is an error episode, and the
+report counts the threads abandoned in user code (``asyncrl/threads.py``).
 
 A third way is slower and quieter: groups are still accepted, but so few among the
 filtered ones that each trained group costs tens of generated ones (a policy collapsed
@@ -28,6 +30,7 @@ from collections.abc import Callable
 from tqdm import tqdm
 
 from asyncrl.config import WatchdogConfig
+from asyncrl.threads import abandoned_total, in_user_code
 from asyncrl.types import Episode
 
 
@@ -171,6 +174,10 @@ class Watchdog:
                  f"counts: {c['episodes_error']} episodes failed, {c['groups_all_error']} groups with every "
                  f"episode failed, {c['groups_filtered']} groups filtered (all rewards equal), "
                  f"{c['groups_accepted']} groups accepted"]
+        abandoned = abandoned_total()  # this process's pools (a Ray worker's are its own)
+        if abandoned:
+            lines.append(f"{abandoned} calls of blocking user code (agent, reward function) ran past their timeout "
+                         f"and were abandoned on their threads; {len(in_user_code())} threads are in user code now")
         if self.last_error is not None:
             where, trace = self.last_error
             lines += [f"most recent error ({where}):", trace.rstrip()]

@@ -7,7 +7,10 @@ orchestrator and every token's version is stamped by the engine inside the worke
 
 Every episode, training or evaluation, takes a slot of one semaphore
 (``rollout.max_concurrent_episodes``): that is the load a service behind the workflow
-sees from this worker.
+sees from this worker. Blocking user code of those episodes (a synchronous agent, a
+reward function) runs on the worker's own pool of daemon threads of the same size
+(``asyncrl/threads.py``), closed with the worker: a call that hangs past its timeout is
+abandoned there, counted, and never keeps the process from exiting.
 
 Every episode samples with its own seed (``asyncrl/seeding.py``), from the run's seed and
 the episode's coordinates, so which worker runs it, next to what, and when, changes none
@@ -34,6 +37,7 @@ from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.weight_sync import WeightReceiver, fingerprint
 from asyncrl.seeding import Purpose, episode_seed
 from asyncrl.tasks.base import Task
+from asyncrl.threads import UserThreads
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
@@ -61,6 +65,7 @@ class RolloutWorker:
         self.eval_sampling = SamplingParams(max_tokens=s.max_tokens, temperature=e.temperature, top_p=s.top_p,
                                             top_k=s.top_k, stop_token_ids=self.sampling.stop_token_ids)
         self.slots = asyncio.Semaphore(cfg.rollout.max_concurrent_episodes)
+        self.user_threads = UserThreads(cfg.rollout.max_concurrent_episodes)  # blocking agents, reward functions
         self.engine: RolloutEngine | None = None
         self.gateway: Gateway | None = None  # for openai_agent: the sessions its agents talk to
         self.eval_engine: TorchEngine | None = None  # the replica that background evaluation uses
@@ -122,8 +127,11 @@ class RolloutWorker:
         return 0
 
     async def gateway_counts(self) -> dict[str, int]:
+        """The gateway's counts, and ``user_threads_abandoned``: calls of blocking user code
+        given up on (timed out) while their thread was still in it."""
         counts = self.gateway.counts if self.gateway is not None else {}
-        return {k: counts.get(k, 0) for k in GATEWAY_COUNTS}
+        return {**{k: counts.get(k, 0) for k in GATEWAY_COUNTS},
+                "user_threads_abandoned": self.user_threads.abandoned_total}
 
     async def pid(self) -> int:
         return os.getpid()
@@ -136,10 +144,11 @@ class RolloutWorker:
                        draw: int, sample: int) -> Episode:
         w = self.cfg.workflow
         async with self.slots:
-            return await run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
-                                     timeout_s=w.timeout_s, max_retries=w.max_retries,
-                                     seed=lambda attempt: episode_seed(self.cfg.seed, purpose, task.id, draw, sample,
-                                                                       attempt))
+            with self.user_threads.current():
+                return await run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
+                                         timeout_s=w.timeout_s, max_retries=w.max_retries,
+                                         seed=lambda attempt: episode_seed(self.cfg.seed, purpose, task.id, draw,
+                                                                           sample, attempt))
 
     async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
         """``n`` episodes of ``task``, in sample order; a failing episode comes back as an
@@ -210,6 +219,7 @@ class RolloutWorker:
         return [(engine.version, await asyncio.to_thread(fingerprint, engine.model.named_parameters()))]
 
     async def shutdown(self) -> None:
+        self.user_threads.close()  # threads stuck in user code are daemons: not waited for
         await self.leave_weight_sync()
         if self.gateway is not None:
             await self.gateway.stop()

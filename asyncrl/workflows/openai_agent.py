@@ -1,18 +1,19 @@
 """``workflow.name: openai_agent``: train an agent written against the OpenAI API.
 
 The agent is the user's own code — ``async def run(task, base_url) -> float`` returning
-the episode's reward (a plain function is run on a thread, a class is built once and
-its ``run`` used) — named by ``workflow.agent``. Each episode gets its own gateway
-session; every model call the agent makes there is recorded into the episode's
+the episode's reward (a plain function is run on a thread of the run's own pool, a class
+is built once and its ``run`` used) — named by ``workflow.agent``. Each episode gets its
+own gateway session; every model call the agent makes there is recorded into the episode's
 trajectories, which train like any other. An agent that raises or hangs is an error
-episode under the usual timeout and retry rules, and its session is closed either way.
+episode under the usual timeout and retry rules, and its session is closed either way; a
+plain function that hangs is abandoned on its thread (``asyncrl/threads.py``), which
+neither keeps its slot nor keeps the process from exiting.
 The episode's ``metadata["agent"]`` holds what the gateway saw of it
 (:class:`~asyncrl.types.AgentDiagnostics`; ``Session.diagnostics`` says how each is told).
 """
 
 from __future__ import annotations
 
-import asyncio
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +21,7 @@ from typing import Any
 from asyncrl.client import LLMClient
 from asyncrl.gateway.server import Gateway
 from asyncrl.tasks.base import Task
+from asyncrl.threads import call_in_thread, describe
 from asyncrl.types import AgentDiagnostics, Episode
 
 
@@ -31,6 +33,7 @@ class OpenAIAgentWorkflow:
         if not callable(agent):
             raise ValueError(f"the agent {agent!r} is not callable")
         self.agent, self.gateway = agent, gateway
+        self.name = f"agent {describe(agent)}"  # what a stuck thread is listed as
 
     async def run(self, task: Task, llm: LLMClient) -> Episode:
         if self.gateway is None:
@@ -39,8 +42,9 @@ class OpenAIAgentWorkflow:
         async with self.gateway.session(llm, on_close=diagnostics.append) as base_url:
             if inspect.iscoroutinefunction(self.agent):
                 reward = await self.agent(task, base_url)
-            else:  # a synchronous agent blocks: off the loop that serves its requests
-                reward = await asyncio.to_thread(self.agent, task, base_url)
+            else:  # a synchronous agent blocks: off the loop that serves its requests (the episode times it out)
+                reward = await call_in_thread(self.agent, task, base_url, timeout_s=None, what=self.name,
+                                              task_id=task.id)
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):  # finite: the orchestrator's check
             raise TypeError(f"the agent returned {reward!r} for task {task.id}; expected a float reward")
         for trajectory in llm.trajectories:

@@ -7,7 +7,7 @@ import time
 
 from asyncrl.client import LLMClient
 from asyncrl.tasks.base import RewardFn, Task
-from asyncrl.threads import call_in_thread
+from asyncrl.threads import call_in_thread, describe
 from asyncrl.types import Episode
 
 
@@ -40,8 +40,11 @@ class SingleTurnWorkflow:
 async def score(reward_fn: RewardFn, task: Task, text: str, *, timeout_s: float) -> float:
     """Run a user's reward function safely and insist on a number. Whether it is finite and
     in range is the orchestrator's check (``asyncrl/algorithms/finite.py``), which stops the
-    run: retrying would give the same NaN again."""
-    value = await call_in_thread(reward_fn, task, text, timeout_s=timeout_s)
+    run: retrying would give the same NaN again. It runs on the episode's pool of daemon
+    threads (``asyncrl/threads.py``): past ``timeout_s`` it is abandoned there, and never
+    keeps a run from stopping."""
+    value = await call_in_thread(reward_fn, task, text, timeout_s=timeout_s,
+                                 what=f"reward function {describe(reward_fn)}", task_id=task.id)
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"reward function {name} returned {value!r} for task {task.id}; expected a float")
