@@ -160,11 +160,21 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
     except WatchdogStop as exc:  # its message holds the evidence; our own stack would only hide it
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1
-    except Exception:
+    except Exception as exc:
+        if _non_finite(exc):  # it names the quantity, the step and the task: the stack adds nothing
+            print(f"asyncrl {args.command}: stopped: {exc}", file=sys.stderr)
+            return 1
         traceback.print_exc()
         print(f"asyncrl {args.command}: failed (see the traceback above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _non_finite(exc: Exception) -> bool:
+    """Imported only once torch is loaded (an exception from a run means it is)."""
+    from asyncrl.algorithms.finite import NonFiniteError
+
+    return isinstance(exc, NonFiniteError)
 
 
 if __name__ == "__main__":

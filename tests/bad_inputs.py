@@ -11,6 +11,7 @@ measured now (paste it into the README when a case changes).
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +41,8 @@ class Case:
     torch starting)."""
     setup: Callable[[Path], None] | None = field(default=None, compare=False)
     command: str = "train"
+    signals: tuple[signal.Signals, ...] = ()
+    """Sent 1 s apart once the user code has announced itself (``ASYNCRL_TEST_MARKER``)."""
 
 
 def _not_empty(scratch: Path) -> None:
@@ -103,6 +106,16 @@ CASES: list[Case] = [
          "stopped by the watchdog", 90),
     Case("an advantage estimator that divides by zero", ("algorithm.advantage=bad_rewards:nan_advantage",), 1,
          "non-finite advantage from estimator", 90),
+    # -- user code that never returns, and the signals that end it
+    Case("a synchronous agent that hangs, then SIGTERM",
+         ("workflow.name=openai_agent", "workflow.agent=test_stoppable:hang_forever", "workflow.timeout_s=3"), 0,
+         "still in user code, not waited for: agent test_stoppable:hang_forever", 60, signals=(signal.SIGTERM,)),
+    Case("a synchronous agent that always hangs", ("workflow.name=openai_agent", "watchdog.window=8",
+                                                   "workflow.agent=test_stoppable:hang_forever",
+                                                   "workflow.timeout_s=1"), 1,
+         "stopped by the watchdog: 8 of the last 8 episodes failed", 90),
+    Case("a policy loss that hangs, then SIGTERM twice", ("algorithm.policy_loss=test_stoppable:hang_loss",), 1,
+         "stopped by a second signal", 60, signals=(signal.SIGTERM, signal.SIGTERM)),
     Case("a policy loss that turns NaN at step 2", ("algorithm.policy_loss=bad_rewards:nan_loss_at_step_2",
                                                      "save_every=1", "optim.micro_batch_tokens=null"), 1,
          "non-finite actor/loss at step 2", 90),
@@ -123,11 +136,24 @@ def run_case(case: Case, scratch: Path, timeout_s: float | None = None) -> tuple
         case.setup(scratch)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
            "OMP_NUM_THREADS": "1"}
+    marker = scratch / "user_code_called"
+    env["ASYNCRL_TEST_MARKER"] = str(marker)
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", *argv(case, scratch)], cwd=ROOT, env=env,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                          timeout=timeout_s or case.within_s * 2)
-    return proc.returncode, proc.stderr, time.perf_counter() - start
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *argv(case, scratch)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        if case.signals:
+            while not marker.exists() and proc.poll() is None and time.perf_counter() - start < case.within_s:
+                time.sleep(0.05)
+            for sig in case.signals:
+                time.sleep(1)
+                proc.send_signal(sig)
+        _, err = proc.communicate(timeout=timeout_s or case.within_s * 2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return proc.returncode, err, time.perf_counter() - start
 
 
 def message(stderr: str, says: str) -> str:

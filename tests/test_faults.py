@@ -3,6 +3,7 @@ a learner that fails stops the run with exit 1 and the last good checkpoint's pa
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -61,31 +62,33 @@ def test_learner_failure_exits_1_naming_the_last_checkpoint(tmp_path, policy_dir
     assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
 
 
-def stuck_reward(task, response: str) -> float:
-    """Announces itself, then hangs far beyond the test (the run must not wait for it)."""
-    marker = os.environ["ASYNCRL_TEST_MARKER"]
-    open(marker, "a").close()
-    time.sleep(600)
-    return 0.0
+async def stuck_hook(event) -> None:
+    """Announces itself, then hangs far beyond the test: a stop cannot finish the step."""
+    open(os.environ["ASYNCRL_TEST_MARKER"], "a").close()
+    await asyncio.sleep(600)
 
 
 def test_second_signal_stops_a_stuck_run(tmp_path, policy_dir):
-    marker = tmp_path / "reward_called"
+    marker = tmp_path / "hook_called"
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "ASYNCRL_TEST_MARKER": str(marker)}
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.cli", "train", "examples/countdown/async.yaml", f"model.path={policy_dir}",
-         f"output_dir={tmp_path / 'stuck'}", "task.reward_fn=test_faults:stuck_reward", "eval.num_tasks=1",
-         "eval.samples_per_task=1", "workflow.timeout_s=600", "task.num_train=64", "task.num_validation=4"],
+         f"output_dir={tmp_path / 'stuck'}", "hooks.on_step_end=test_faults:stuck_hook", "eval.num_tasks=1",
+         "eval.samples_per_task=1", "task.num_train=64", "task.num_validation=4", "batch_size=2", "group_size=4",
+         "algorithm.filter_zero_variance=false"],
         stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env)
-    deadline = time.time() + 120
-    while not marker.exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert marker.exists(), "the reward function was never called"
-    proc.send_signal(signal.SIGINT)  # first: finish the step — but the step-0 evaluation is stuck
-    time.sleep(0.5)
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGINT)  # second: stop waiting
-    _, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.time() + 120
+        while not marker.exists() and time.time() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), "the hook was never called"
+        proc.send_signal(signal.SIGINT)  # first: finish the step — but the step's hook is stuck
+        time.sleep(0.5)
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)  # second: stop waiting
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
     assert proc.returncode == 1
     assert b"stopped by a second signal" in err and b"last good checkpoint: none yet" in err
 

@@ -147,3 +147,30 @@ def test_the_watchdog_stops_a_run_whose_every_agent_call_hangs(tmp_path, policy_
     assert "stopped by the watchdog: 8 of the last 8 episodes failed" in text
     assert "abandoned on their threads" in text
     assert "still in user code, not waited for: agent test_stoppable:hang_forever" in text
+
+
+def hang_loss(*args, **kwargs):
+    """A user's policy loss that announces itself, then never returns (on the learner's thread)."""
+    _announce()
+    time.sleep(HANG_S)
+
+
+def test_a_second_signal_ends_a_run_whose_loss_never_returns(tmp_path, policy_dir):
+    """The learner's thread is a daemon of its own pool too: a first signal waits for the
+    step (it cannot finish), a second ends the process, naming what was stuck."""
+    with _train(tmp_path, "loss", f"model.path={policy_dir}", "workflow.name=single_turn",
+                "algorithm.filter_zero_variance=false", "algorithm.policy_loss=test_stoppable:hang_loss") as (
+            proc, _, marker):
+        _wait_for(marker, proc)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)
+        assert proc.poll() is None  # the step cannot finish
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - sent
+    text = err.decode()
+    assert proc.returncode == 1, text[-3000:]
+    assert took < 10, f"{took:.1f} s from the second signal to the exit"
+    assert "stopped by a second signal" in text
+    assert "still in user code, not waited for: learner train_step" in text, text[-3000:]

@@ -71,9 +71,10 @@ class RunLog:
         while self._queue:
             row, evaluation = self._queue[0]
             if evaluation is not None:
-                if not evaluation.done() or evaluation.cancelled() or evaluation.exception() is not None:
+                if not evaluation.done() or (not evaluation.cancelled() and evaluation.exception() is not None):
                     return  # a failed evaluation fails the run through its task group
-                row = {**row, **evaluation.result()}
+                if not evaluation.cancelled():  # cancelled: cut short by a stop, the row is written without it
+                    row = {**row, **evaluation.result()}
             self._queue.popleft()
             self._write_metrics(row)
 

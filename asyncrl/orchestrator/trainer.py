@@ -59,6 +59,7 @@ class Trainer:
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
         self.watchdog.counts.update(state.counters if state else {})
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
+        self._evaluations: set[asyncio.Task] = set()  # background ones running
 
     # ------------------------------------------------------------- control
     def run(self) -> Path:
@@ -127,6 +128,10 @@ class Trainer:
                     self.rollout, self._now, lambda episode: self._seen(episode, "train"),
                     lambda start, end, order: self.log.event("generate", start, end, group=order))))
                 last = await self._train_loop()
+                if self._stop.is_set():  # a stop waits for no evaluation (user code may hang in one), and
+                    side[0].cancel()  # the watchdog does not turn it into a failure while it saves
+                    for task in list(self._evaluations):
+                        task.cancel()
                 await self.log.flushed()
                 for task in side:
                     task.cancel()
@@ -238,8 +243,11 @@ class Trainer:
 
     # ------------------------------------------------------------ evaluation
     async def evaluate(self) -> dict[str, Any]:
-        """The current version scored now (for a hook); on the timeline, not in metrics.jsonl."""
-        return await (await self._evaluation(self.step))
+        """The current version scored now (for a hook); on the timeline, not in metrics.jsonl.
+        ``{}`` when a stop cut it short."""
+        evaluation = await self._evaluation(self.step)
+        await asyncio.wait({evaluation})
+        return {} if evaluation.cancelled() else evaluation.result()
 
     async def _evaluation(self, step: int, weights: Weights | None = None) -> asyncio.Future[dict[str, Any]]:
         """The ``eval/*`` keys of ``step``'s version, as a future. In the background (a task
@@ -248,10 +256,20 @@ class Trainer:
         if self.cfg.background_eval:
             if weights is None and step > 0:
                 weights = await self.learner.publish()
-            return self._tasks.create_task(self._evaluate(step, self.version, weights))
-        done = asyncio.get_running_loop().create_future()
-        done.set_result(await self._evaluate(step, self._served_version, None))
-        return done
+            task = self._tasks.create_task(self._evaluate(step, self.version, weights))
+            self._evaluations.add(task)
+            task.add_done_callback(self._evaluations.discard)
+            return task
+        task = self._tasks.create_task(self._evaluate(step, self._served_version, None))
+        stop = asyncio.ensure_future(self._stop.wait())
+        try:  # a blocking evaluation, unless a stop cuts it short (its row is then written without it)
+            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stop.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+        return task
 
     async def _evaluate(self, step: int, version: int, weights: Weights | None) -> dict[str, Any]:
         tasks, t_eval = self.splits.validation[: self.cfg.eval.num_tasks], self._now()

@@ -4,9 +4,9 @@ that are plain values in, plain values out, so the same object serves in-process
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +18,9 @@ from asyncrl.learner.distributed import Sharding
 from asyncrl.policy import load_policy
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.weight_sync import WeightSender
+from asyncrl.threads import UserThreads
+
+T = TypeVar("T")
 
 
 class LearnerWorker:
@@ -93,36 +96,43 @@ class LearnerWorker:
 
 class LocalLearner:
     """The learner handle in-process: each call runs on a thread, so the event loop keeps
-    feeding the engine while the learner computes (torch releases the GIL in its kernels)."""
+    feeding the engine while the learner computes (torch releases the GIL in its kernels).
+    Daemon threads of its own, not asyncio's default pool: a user's loss that never returns
+    must not keep the process alive after a second signal (that pool is joined at exit)."""
 
     def __init__(self, worker: LearnerWorker) -> None:
         self.worker = worker
+        self._threads = UserThreads(None, name="asyncrl-learner")
+
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        return await self._threads.call(fn, *args, what=f"learner {fn.__name__}")
 
     async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
-        return await asyncio.to_thread(self.worker.train_step, batch, on_policy)
+        return await self._call(self.worker.train_step, batch, on_policy)
 
     async def publish(self) -> dict[str, torch.Tensor]:
         """A snapshot of the weights: the next step may start before every engine loads it."""
-        return await asyncio.to_thread(self.worker.export_weights)
+        return await self._call(self.worker.export_weights)
 
     async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
-        return await asyncio.to_thread(self.worker.save_checkpoint, path, extra, files)
+        return await self._call(self.worker.save_checkpoint, path, extra, files)
 
     async def load_checkpoint(self, path: Path) -> int:
-        return await asyncio.to_thread(self.worker.load_checkpoint, path)
+        return await self._call(self.worker.load_checkpoint, path)
 
     async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
                                backend: str) -> SyncAddress:
-        return await asyncio.to_thread(self.worker.open_weight_sync, receivers, bucket_mb, timeout_s, backend)
+        return await self._call(self.worker.open_weight_sync, receivers, bucket_mb, timeout_s, backend)
 
     async def connect_weight_sync(self) -> None:
-        await asyncio.to_thread(self.worker.connect_weight_sync)
+        await self._call(self.worker.connect_weight_sync)
 
     async def send_weights(self, version: int) -> None:
-        await asyncio.to_thread(self.worker.send_weights, version)
+        await self._call(self.worker.send_weights, version)
 
     async def close_weight_sync(self) -> None:
         self.worker.close_weight_sync()
 
     async def shutdown(self) -> None:
-        """Nothing to release: the learner lives and dies with this process."""
+        """The learner lives and dies with this process; only its idle threads end."""
+        self._threads.close()
