@@ -115,8 +115,9 @@ class RolloutHandle(Protocol):
         ...
 
     async def gateway_counts(self) -> dict[str, int]:
-        """What the workers' gateways counted (``tool_parse_errors``, ``sampling_overrides``),
-        summed; zeros where no gateway runs."""
+        """What the workers' gateways counted (``tool_parse_errors``, ``sampling_overrides``)
+        and ``user_threads_abandoned`` (blocking user calls given up on), summed over the
+        workers; zeros where nothing was counted."""
         ...
 
     async def shutdown(self) -> None: ...
