@@ -329,3 +329,26 @@ def test_the_bounds_refuse_at_the_context_and_not_before():
         with pytest.raises(Refused) as refused:
             refuse_unfit(data, param, 128, 10)
         assert refused.value.status == 400 and refused.value.param == param
+
+
+if __name__ == "__main__":  # the README's figures: python tests/test_gateway_stall.py [runs]
+    import statistics
+
+    served = Served("gateway.max_body_bytes=33554432")  # above 10 MB, so the prompt reaches the size check
+    try:
+        base = served.url()
+
+        async def once() -> tuple[int, float, list[float]]:
+            async with aiohttp.ClientSession() as http:
+                status, _, seconds, health = await during(base, post(http, base + "/v1/chat/completions", TEN_MB))
+                return status, seconds, health
+
+        every = []
+        for run in range(int(sys.argv[1]) if len(sys.argv) > 1 else 5):
+            status, seconds, health = asyncio.run(once())
+            every += health
+            print(f"run {run}: {status} after {seconds:.2f} s; /health n={len(health)} "
+                  f"median {statistics.median(health) * 1e3:.1f} ms, max {max(health) * 1e3:.1f} ms")
+        print(f"all runs: /health median {statistics.median(every) * 1e3:.1f} ms, max {max(every) * 1e3:.1f} ms")
+    finally:
+        served.stop()
