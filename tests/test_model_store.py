@@ -141,6 +141,10 @@ def test_real_smollm2_directory_loads_as_any_hugging_face_model(smollm2_dir):  #
                                            add_generation_prompt=True)
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.model_max_length == 8192
+    # SmolLM's own pre-tokenizer splits digits first; the GGUF loader's bare byte-level one
+    # gave 'Ċ', 'Ċ', '1', '2' here, so prompts reached the model segmented unlike its training
+    tokens = tokenizer.convert_ids_to_tokens(tokenizer("Answer:\n\n12", add_special_tokens=False)["input_ids"])
+    assert tokens == ["Answer", ":", "ĊĊ", "1", "2"]
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir)
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49_152
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
