@@ -16,6 +16,7 @@ from asyncrl.algorithms.finite import (
     NonFiniteError,
     check_advantages,
     check_rewards,
+    count_nonfinite,
     first_nonfinite,
     nonfinite_parameters,
 )
@@ -86,6 +87,7 @@ def test_advantage_and_scalar_checks():
     assert first_nonfinite({"a": torch.tensor(1.0), "b": torch.tensor(math.inf), "c": torch.tensor(math.nan)}) == "b"
     big = torch.full((4,), 3e38)  # finite; its norm overflows float32 — not a NaN weight
     assert nonfinite_parameters([("w", big), ("v", torch.tensor([1.0, math.nan])), ("u", torch.zeros(2))]) == ["v"]
+    assert count_nonfinite([big, torch.tensor([1.0, math.nan]), torch.tensor([math.inf]), torch.zeros(2)]) == 2
 
 
 # ------------------------------------------------------------------ the learner

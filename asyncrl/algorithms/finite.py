@@ -64,3 +64,9 @@ def nonfinite_parameters(named: Iterable[tuple[str, Tensor]]) -> list[str]:
         return []
     finite = torch.stack([torch.isfinite(t.detach()).all() for _, t in named]).tolist()
     return [name for (name, _), ok in zip(named, finite) if not ok]
+
+
+def count_nonfinite(tensors: Iterable[Tensor]) -> Tensor:
+    """How many of ``tensors`` hold a NaN or an infinity, as a tensor on their device: no
+    sync, so the train step reads it with its metrics."""
+    return torch.stack([~torch.isfinite(t.detach()).all() for t in tensors]).sum().float()

@@ -38,7 +38,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
-from asyncrl.algorithms.finite import NonFiniteError, first_nonfinite, nonfinite_parameters
+from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_parameters
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Sharding
@@ -192,8 +192,7 @@ class Learner:
                 reference=None if reference is None else reference[local], sums=sums))
         self.scheduler.step()
         self.model.eval()
-        sums["nonfinite_weights"] = torch.tensor(float(len(nonfinite_parameters(self._local_parameters()))),
-                                                 device=self.device)  # summed over ranks with the metrics
+        sums["nonfinite_weights"] = self._local_nonfinite()  # summed over ranks and read with the metrics
         if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
             keys = sorted(sums)
             sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
@@ -275,9 +274,13 @@ class Learner:
         for name, p in self.model.named_parameters():
             yield name, p.to_local() if hasattr(p, "to_local") else p
 
+    def _local_nonfinite(self) -> torch.Tensor:
+        """This rank's weight tensors holding NaN or infinity (a device tensor, not read here)."""
+        return count_nonfinite(t for _, t in self._local_parameters())
+
     def _count_nonfinite_weights(self) -> int:
         """Weight tensors holding NaN or infinity, over all ranks (a collective when sharded)."""
-        bad = torch.tensor([float(len(nonfinite_parameters(self._local_parameters())))], device=self.device)
+        bad = self._local_nonfinite().reshape(1)
         return int(self.sharding.sum(bad)[0]) if self.sharding is not None else int(bad[0])
 
     @property
