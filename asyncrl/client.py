@@ -13,15 +13,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from asyncrl import chat_format
 from asyncrl.engine.protocol import RolloutEngine
 from asyncrl.types import NO_VERSION, Completion, FinishReason, SamplingParams, Step, Trajectory
 
 Message = dict[str, Any]
+
+logger = logging.getLogger(__name__)
+_warned_rewrites: set[str] = set()  # tokenizers whose rewriting template was already reported
 
 
 @dataclass(frozen=True)
@@ -59,13 +64,20 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
 
 class LLMClient:
     """One per episode. Each ``generate`` call, and each ``chat`` call that does not extend
-    the previous conversation, opens a new trajectory in ``self.trajectories``."""
+    the previous conversation, opens a new trajectory in ``self.trajectories``. So does a
+    ``chat`` call that extends it when the chat template rewrites what it rendered before
+    (``template_rewrites`` counts those): see :meth:`_tokens_after_reply`.
+
+    Every render goes through :mod:`asyncrl.chat_format`, so tools, tool calls, tool
+    results and ``content: None`` reach the model also through a template not written for
+    them."""
 
     def __init__(self, engine: RolloutEngine, tokenizer: PreTrainedTokenizerBase, sampling: SamplingParams) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.sampling = sampling
         self.trajectories: list[Trajectory] = []
+        self.template_rewrites = 0  # chat turns that had to start a new trajectory (see _tokens_after_reply)
         self._conversation: _Conversation | None = None
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -83,9 +95,11 @@ class LLMClient:
         """One reply. ``stop`` strings end it early: the reply is recorded through the token
         that completed the stop string (what the model sampled) and returned without it."""
         conv = self._conversation
+        new_ids = None
         if conv is not None and messages[: len(conv.messages)] == conv.messages and tools == conv.tools:
-            trajectory = conv.trajectory
             new_ids = self._tokens_after_reply(conv, messages)
+        if conv is not None and new_ids is not None:
+            trajectory = conv.trajectory
             trajectory.response_ids += new_ids
             trajectory.loss_mask += [0] * len(new_ids)
             trajectory.logprobs += [0.0] * len(new_ids)
@@ -156,28 +170,56 @@ class LLMClient:
             num_resumes += 1
 
     def _render(self, messages: list[Message], tools: list[dict[str, Any]] | None, *, generation_prompt: bool) -> str:
+        """The chat template's text, after :func:`chat_format.prepare` has written out what
+        the template would drop (the probe is cached per template, so this costs a dict
+        lookup)."""
         if self.tokenizer.chat_template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template; "
                              "chat workflows need one (use generate() for plain prompts)")
+        messages, tools = chat_format.prepare(messages, tools, chat_format.probe(self.tokenizer))
         return self.tokenizer.apply_chat_template(
             messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
 
     def _render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         return self.tokenizer.encode(self._render(messages, tools, generation_prompt=True), add_special_tokens=False)
 
-    def _tokens_after_reply(self, conv: _Conversation, messages: list[Message]) -> list[int]:
+    def _tokens_after_reply(self, conv: _Conversation, messages: list[Message]) -> list[int] | None:
         """Ids for what follows the model's last reply: the end-of-turn text the template
         adds after the reply that the model did not sample, then the new messages and the
         next generation prompt. Found by rendering the template and taking text suffixes,
-        so the reply's own ids are never re-tokenized."""
+        so the reply's own ids are never re-tokenized.
+
+        None when the template does not only append (Qwen3's drops ``<think>`` from
+        earlier replies once a new user turn comes): the caller then starts a new
+        trajectory from the conversation rendered afresh, which is what the model sees at
+        inference. Appending anyway would train on a context the template never produces;
+        re-tokenizing the rewritten history into this trajectory would break the sampled
+        ids. The earlier trajectory keeps its own tokens and is still trained."""
         opened = self._render(conv.messages[:-1], conv.tools, generation_prompt=True)
         closed = self._render(conv.messages, conv.tools, generation_prompt=False)
         following = self._render(messages, conv.tools, generation_prompt=True)
         sampled = self.tokenizer.decode(conv.last_output_ids, skip_special_tokens=False)
         reply = closed[len(opened):]
-        if not (closed.startswith(opened) and following.startswith(closed) and reply.startswith(sampled)):
-            raise ValueError(
-                "the chat template does not render the conversation as a prefix of its continuation; "
-                "token-exact multi-turn needs a template that only appends (no rewriting of earlier turns)")
-        suffix = reply[len(sampled):] + following[len(closed):]
-        return self.tokenizer.encode(suffix, add_special_tokens=False)
+        if not closed.startswith(opened):
+            rewrite = "renders the generation prompt differently once the reply follows it"
+        elif not reply.startswith(sampled):
+            rewrite = "does not render the model's reply as it was sampled"
+        elif not following.startswith(closed):
+            rewrite = "rewrites earlier turns when the conversation goes on"
+        else:
+            suffix = reply[len(sampled):] + following[len(closed):]
+            return self.tokenizer.encode(suffix, add_special_tokens=False)
+        self._template_rewrote(rewrite)
+        return None
+
+    def _template_rewrote(self, what: str) -> None:
+        """Count a turn the template made us start afresh; warn once per tokenizer per process
+        (every episode of a run would say the same)."""
+        self.template_rewrites += 1
+        name = str(self.tokenizer.name_or_path)
+        if name not in _warned_rewrites:
+            _warned_rewrites.add(name)
+            logger.warning(
+                "the chat template of %r %s: each such chat turn starts a new trajectory from the "
+                "conversation rendered afresh (earlier turns keep their sampled tokens and are still "
+                "trained; counted in LLMClient.template_rewrites)", name, what)

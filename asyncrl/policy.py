@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.model_store import KNOWN_MODELS, cached_model
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -19,19 +20,39 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def resolve_model_path(path: str) -> Path:
+    """The directory ``model.path`` names: a directory as given; a model ``asyncrl models
+    get`` knows, from its cache; a Hugging Face id, from the local Hugging Face cache.
+    Nothing is downloaded here: a run never waits on a network it may not have."""
+    if Path(path).expanduser().is_dir():
+        return Path(path).expanduser()
+    if path in KNOWN_MODELS:
+        cached = cached_model(path)
+        if cached is None:
+            raise ConfigError(f"model.path {path!r} is not fetched yet: run `asyncrl models get {path}` once "
+                              "(or give a Hugging Face model directory)")
+        return cached
+    if path.count("/") == 1 and not path.startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(path, local_files_only=True))
+        except (OSError, ValueError):  # not in the local cache, or not a valid id: said below
+            pass
+    raise ConfigError(f"model.path {path!r} is not a directory, a fetched model ({', '.join(KNOWN_MODELS)}; "
+                      "`asyncrl models get NAME`) or a Hugging Face id in the local cache (nothing is downloaded)")
+
+
 def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     tokenizer = check_policy(cfg)
-    model = AutoModelForCausalLM.from_pretrained(Path(cfg.path), dtype=_DTYPES[cfg.dtype])
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(cfg.path), dtype=_DTYPES[cfg.dtype])
     return model.to(resolve_device(cfg.device)).eval(), tokenizer
 
 
 def check_policy(cfg: ModelConfig) -> PreTrainedTokenizerBase:
     """Everything about ``model.path`` that can be checked without loading the weights
     (what a process that only orchestrates needs); returns the tokenizer."""
-    path = Path(cfg.path)
-    if not path.is_dir():
-        raise ConfigError(f"model.path {cfg.path!r} is not a directory (nothing is downloaded; "
-                          "give a local Hugging Face model directory)")
+    path = resolve_model_path(cfg.path)
     try:
         hf_config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as exc:

@@ -47,6 +47,8 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/resumed_fraction": sum(t.resumed for t in trajectories) / n,
         "rollout/resumes": sum(t.num_resumes for t in trajectories),  # aborts resumed in what this step trains
         "rollout/response_tokens_mean": tokens / n,
+        # chat turns whose template rewrote earlier turns, so they began a new trajectory (asyncrl/client.py)
+        "rollout/template_rewrites": sum(e.metadata.get("template_rewrites", 0) for g in groups for e in g.group.episodes),
         **{f"buffer/{k}": v for k, v in buffer.items()},
         **{f"rollout/{k}_total": v for k, v in counters.items()},
         **({} if filtered_fraction_window is None else {"rollout/filtered_fraction_window": filtered_fraction_window}),

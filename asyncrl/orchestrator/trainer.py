@@ -22,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from asyncrl import chat_format
 from asyncrl.algorithms.finite import check_rewards
 from asyncrl.config import Config, save_config
 from asyncrl.learner import pack
@@ -84,7 +85,15 @@ class Trainer:
             f"{min(c.eval.num_tasks, len(self.splits.validation))} validation tasks scored)",
             f"  {c.total_steps} steps × {c.batch_size} groups × {c.group_size} samples; evaluation {evals}"
             + (" (beside training)" if c.background_eval else ""),
+            *([f"  {template}"] if (template := self._template_note()) else []),
             "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
+
+    def _template_note(self) -> str | None:
+        """What asyncrl renders in place of the chat template (tools on a model whose template
+        has none), so a user sees it before the first step rather than in the samples."""
+        if self.tokenizer.chat_template is None or not self.cfg.workflow.use_chat_template:
+            return None
+        return chat_format.describe(chat_format.probe(self.tokenizer))
 
     def stop(self) -> None:
         """Finish the current step, checkpoint and return, as a first Ctrl-C does. Safe from

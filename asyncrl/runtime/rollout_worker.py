@@ -32,7 +32,7 @@ from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.evaluation import EvalResult, evaluate
 from asyncrl.gateway import Gateway, get_parser
-from asyncrl.policy import check_policy, load_policy
+from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.weight_sync import WeightReceiver, fingerprint
 from asyncrl.seeding import Purpose, episode_seed
@@ -97,7 +97,8 @@ class RolloutWorker:
 
             device = self.cfg.model.device
             on_cpu = device.startswith("cpu") or (device == "auto" and not torch.cuda.is_available())
-            self.engine = await VLLMEngine.start(self.cfg.model.path, seed=self._seed, version=self._version,
+            path = str(resolve_model_path(self.cfg.model.path))
+            self.engine = await VLLMEngine.start(path, seed=self._seed, version=self._version,
                                                  max_batch_size=self.cfg.rollout.max_batch_size,
                                                  dtype=self.cfg.model.dtype, **engine_args(self.cfg.vllm, on_cpu=on_cpu))
             applied = None

@@ -73,6 +73,8 @@ async def run_episode(
             errors.append(AttemptError(attempt, f"TypeError: {error}", ""))
             continue
         episode.attempts, episode.errors = attempt, errors
+        if llm.template_rewrites:
+            episode.metadata["template_rewrites"] = llm.template_rewrites
         episode.timings.setdefault("total_s", time.perf_counter() - start)
         return episode
     return Episode(task_id=task.id, trajectories=llm.trajectories, status="error", error=error,
