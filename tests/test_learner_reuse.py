@@ -47,7 +47,9 @@ def logprobs(model, b):
 
 def test_one_epoch_of_one_mini_batch_is_the_plain_decoupled_ppo_step(char_tokenizer):
     """The default is the step as it was before reuse: one forward for π_prox, one for
-    the loss, one clipped AdamW step — here written out by hand."""
+    the loss, one clipped AdamW step — here written out by hand. (The learner takes π_prox
+    from the loss's own forward pass, detached, when a batch is one optimizer step: this
+    test is what says that changes nothing.)"""
     base, tokenizer = build_tiny_model(char_tokenizer, seed=5)
     b = reuse_batch(base, tokenizer)
     trained, by_hand = copy.deepcopy(base), copy.deepcopy(base)

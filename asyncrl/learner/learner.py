@@ -175,8 +175,11 @@ class Learner:
         mine = batch.rows(first, last).to(self.device)  # this rank's rows; every count below is the whole batch's
         self.model.train()
         # π_prox: the weights at the start of this batch (decoupled PPO), or μ itself (bypass).
+        # With one optimizer step per batch those are the weights of that step's own forward
+        # pass, so its logprobs, detached, are π_prox's: no extra pass (a third of the step).
         recompute = not (self.algorithm.bypass or on_policy)
-        proximal = self.logprobs(self.model, mine) if recompute else None
+        from_forward = recompute and len(steps) == 1
+        proximal = self.logprobs(self.model, mine) if recompute and not from_forward else None
         reference = self.logprobs(self.reference, mine) if self.reference is not None else None
         batch_counts = _counts(batch.loss_mask).to(self.device)
         sums: dict[str, torch.Tensor] = {}
@@ -188,7 +191,7 @@ class Learner:
             weight = counts / batch_counts.clamp(min=1) / self.optim.ppo_epochs
             norms.append(self._optimizer_step(
                 mine.select(local), counts, weight,
-                proximal=None if proximal is None else proximal[local],
+                proximal=None if proximal is None else proximal[local], proximal_from_forward=from_forward,
                 reference=None if reference is None else reference[local], sums=sums))
         self.scheduler.step()
         self.model.eval()
@@ -211,7 +214,7 @@ class Learner:
 
     def _optimizer_step(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
                         proximal: torch.Tensor | None, reference: torch.Tensor | None,
-                        sums: dict[str, torch.Tensor]) -> float:
+                        sums: dict[str, torch.Tensor], proximal_from_forward: bool = False) -> float:
         """One optimizer step on ``batch`` (this rank's rows of one mini-batch, whose whole
         token and sequence ``counts`` weigh each micro-batch's loss); adds its metrics,
         weighted by ``weight`` (token, sequence), to ``sums``. Returns the gradient norm."""
@@ -229,7 +232,8 @@ class Learner:
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
             loss, metrics = self.policy_loss(
                 logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
-                proximal_logprobs=None if proximal is None else rows(proximal),
+                proximal_logprobs=(logprobs.detach() if proximal_from_forward
+                                   else None if proximal is None else rows(proximal)),
                 clip_low=self.algorithm.clip_low, clip_high=self.algorithm.clip_high,
                 is_cap=self.algorithm.is_cap, is_correction=self.algorithm.is_correction,
                 aggregation=self.algorithm.aggregation)
