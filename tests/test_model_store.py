@@ -149,3 +149,20 @@ def test_real_smollm2_directory_loads_as_any_hugging_face_model(smollm2_dir):  #
     assert type(model).__name__ == "LlamaForCausalLM" and model.config.vocab_size == 49_152
     assert sum(p.numel() for p in model.parameters()) == 134_515_008
     assert model.generation_config.eos_token_id == tokenizer.eos_token_id == 2
+
+
+def test_model_path_takes_a_fetched_models_name_and_says_how_to_fetch_it(tmp_path, monkeypatch):
+    """``model.path: smollm2-135m-instruct`` is the cached directory once fetched; before,
+    a ConfigError (exit 2) names the command; nothing is ever downloaded by a run."""
+    from asyncrl.config import ConfigError
+    from asyncrl.policy import resolve_model_path
+
+    monkeypatch.setenv("ASYNCRL_MODEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(model_store, "_convert", no_conversion)
+    with pytest.raises(ConfigError, match=f"not fetched yet: run `asyncrl models get {SMOLLM2}`"):
+        resolve_model_path(SMOLLM2)
+    write_fake_model(tmp_path / SMOLLM2)
+    assert resolve_model_path(SMOLLM2) == tmp_path / SMOLLM2
+    assert resolve_model_path(str(tmp_path)) == tmp_path  # a directory is taken as given
+    with pytest.raises(ConfigError, match="nothing is downloaded"):
+        resolve_model_path("no-such-org/no-such-model")
