@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from real_model import smollm2_dir  # noqa: F401 (a fixture)
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
@@ -119,3 +120,30 @@ def test_a_file_that_fails_to_import_is_not_kept_half_loaded(tmp_path):
         load_named(f"{path}:score", key="k")
     path.write_text("def score(task, text):\n    return 0.5\n")
     assert load_named(f"{path}:score", key="k")(None, "") == 0.5
+
+
+def test_smollm2_example_data_and_reward(in_repo, tmp_path):
+    """400 distinct questions, the held-out 64 asked in no training row; the reward takes
+    the last number of the reply, whatever the words around it."""
+    out = tmp_path / "data.jsonl"
+    subprocess.run([sys.executable, str(REPO / "examples/smollm2/make_data.py"), "--out", str(out)],
+                   check=True, capture_output=True)
+    assert out.read_text() == (REPO / "examples/smollm2/data.jsonl").read_text()
+    cfg = load_config("examples/smollm2/train.yaml")
+    splits = load_tasks("jsonl", path=cfg.task.path, seed=cfg.seed, num_train=cfg.task.num_train,
+                        num_validation=cfg.task.num_validation)
+    assert (len(splits.train), len(splits.validation)) == (336, 64) and cfg.eval.num_tasks == 64
+    assert not {t.prompt for t in splits.train} & {t.prompt for t in splits.validation}
+    score = load_named(cfg.task.reward_fn, key="task.reward_fn")
+    task = next(t for t in splits.train if t.id == "add-8-11")
+    for reply, reward in [("19", 1.0), ("8 + 11 = 19.", 1.0), ("The answer is 19", 1.0), ("1,019", 0.0),
+                          ("19, no wait, 20", 0.0), ("nineteen", 0.0), ("", 0.0), ("8 + 11 = ", 0.0)]:
+        assert score(task, reply) == reward, reply
+
+
+def test_smollm2_example_trains_on_the_real_model(in_repo, tmp_path, smollm2_dir):  # noqa: F811 (the fixture)
+    """The example as shipped (model.path is the fetched model's name), one small step."""
+    samples = train("examples/smollm2/train.yaml", tmp_path / "smollm2", "total_steps=1", "group_size=2",
+                    "eval.num_tasks=2", "sampling.max_tokens=8")
+    assert len(samples) == 2 * 2 and all(s["task_id"].startswith("add-") for s in samples)
+    assert all(s["response_tokens"] <= 8 for s in samples)
