@@ -26,7 +26,8 @@ def _parser() -> argparse.ArgumentParser:
                          help="optional overrides of the file's keys, dotted (e.g. optim.lr=1e-4 total_steps=100)")
         cmd.add_argument("--keys", action=_ListKeys, help="list every config key with its default, and exit")
     bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
-    bench.add_argument("suite", choices=["engine", "modes", "gateway", "learner", "sync", "trl", "staleness"])
+    bench.add_argument("suite", choices=["engine", "modes", "gateway", "learner", "sync", "trl", "staleness",
+                                          "retokenize"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")

@@ -59,6 +59,10 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         from asyncrl.bench.staleness import run_staleness_bench
 
         result = run_staleness_bench(overrides, out_dir)
+    elif suite == "retokenize":
+        from asyncrl.bench.retokenize import run_retokenize_bench
+
+        result = run_retokenize_bench(overrides)
     elif suite == "trl":
         try:
             from asyncrl.bench.trl import run_trl_bench
@@ -66,7 +70,8 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
             raise ConfigError(f"bench trl needs TRL: pip install -e '.[bench]' ({exc})") from None
         result = run_trl_bench(overrides, out_dir)
     else:
-        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, staleness")
+        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, staleness, "
+                          "retokenize")
     result["machine"] = machine()
     write_result(result, out_dir)
     return result
