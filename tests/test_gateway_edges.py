@@ -216,7 +216,7 @@ def test_asyncrl_serve_refuses_before_loading_the_model(overrides, fragment, cap
     def preflight(*_):
         raise AssertionError("the model was loaded: the refusal came too late (or not at all)")
 
-    monkeypatch.setattr("asyncrl.gateway.serve.preflight", preflight)
+    monkeypatch.setattr("asyncrl.orchestrator.serve.preflight", preflight)
     start = time.perf_counter()
     assert cli_main(["serve", "examples/countdown/eval.yaml", *overrides]) == 2
     assert fragment in capsys.readouterr().err and time.perf_counter() - start < 5

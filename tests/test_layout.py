@@ -1,5 +1,7 @@
-"""The package's import graph has no cycle, lazy imports included: a cycle hidden behind
-a function-level import is a part that does not know which side of a boundary it is on."""
+"""The package's import graph has no cycle and no import climbs to a higher floor, lazy
+imports included: a cycle or a climb hidden behind a function-level import is a part that
+does not know which side of a boundary it is on. The floors are stated in docs/design.md
+("Floors")."""
 
 from __future__ import annotations
 
@@ -69,3 +71,65 @@ def test_no_import_cycles():
     graph = import_graph()
     assert "asyncrl.orchestrator.trainer" in graph and graph["asyncrl.orchestrator.trainer"]
     assert cycles(graph) == []
+
+
+FLOORS = {
+    # 0 ground: definitions and plumbing everything shares
+    "asyncrl": 0,  # the package's own __init__ only, not a default for the modules under it
+    "asyncrl.types": 0, "asyncrl.modes": 0, "asyncrl.config": 0, "asyncrl.config_doc": 0, "asyncrl.seeding": 0,
+    "asyncrl.jsonl": 0, "asyncrl.json_api": 0, "asyncrl.heap": 0, "asyncrl.threads": 0, "asyncrl.plugins": 0,
+    "asyncrl.chat_format": 0, "asyncrl.model_store": 0,
+    # 1 parts: one job each
+    "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.engine": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
+    "asyncrl.evaluation": 1, "asyncrl.client": 1, "asyncrl.tools": 1,
+    # 2 episodes over the client
+    "asyncrl.workflows": 2, "asyncrl.gateway": 2,
+    # 3 where the parts run
+    "asyncrl.runtime": 3,
+    # 4 runs: the gate, the loops, the entry points of train, eval and serve
+    "asyncrl.orchestrator": 4,
+    # 5 top: what drives or reads whole runs
+    "asyncrl.cli": 5, "asyncrl.report": 5, "asyncrl.bench": 5, "asyncrl.tiny": 5,
+}
+
+
+def floor(module: str, floors: dict[str, int] = FLOORS) -> int | None:
+    """The floor of the longest table entry that is ``module`` or a package holding it;
+    None for a module nobody placed (the root package is no catch-all)."""
+    parts = module.split(".")
+    for i in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in floors and (i > 1 or module == prefix):
+            return floors[prefix]
+    return None
+
+
+def climbs(graph: dict[str, set[str]], floors: dict[str, int] = FLOORS) -> list[str]:
+    """Every import that goes to a higher floor. Importing ``a.b.c`` also runs ``a.b``'s
+    ``__init__``, so the packages on the way count as imported too (a module's own
+    packages ran before it did)."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        here = floor(module, floors)
+        for target in sorted(targets):
+            parts = target.split(".")
+            for name in (".".join(parts[:i]) for i in range(2, len(parts) + 1)):
+                there = floor(name, floors)
+                if here is not None and there is not None and there > here and not module.startswith(f"{name}."):
+                    found.append(f"{module} (floor {here}) -> {name} (floor {there})")
+    return sorted(set(found))
+
+
+def test_the_checker_sees_a_climb():
+    floors = {"p.low": 0, "p.high": 1}
+    graph = {"p.low.a": {"p.high.b"}, "p.high.b": {"p.low.a"}, "p.low.c": {"p.low.a"}}
+    assert climbs(graph, floors) == ["p.low.a (floor 0) -> p.high (floor 1)", "p.low.a (floor 0) -> p.high.b (floor 1)"]
+    assert floor("p", floors) is None and floor("p.other", floors) is None
+
+
+def test_every_module_has_a_floor():
+    assert [m for m in import_graph() if floor(m) is None] == [], "place the new module in FLOORS"
+
+
+def test_no_import_climbs_to_a_higher_floor():
+    assert climbs(import_graph()) == []

@@ -237,3 +237,15 @@ def test_async_cancelled_waiter_takes_no_quota():
         assert gate.gate.running == 1
 
     asyncio.run(main())
+
+
+def test_the_modes_are_the_configs_modes():
+    """``config.py`` spells its literals out (the key reference renders them as written), so
+    the ground-floor definitions must not drift from them."""
+    from typing import get_args
+
+    from asyncrl.config import Config
+    from asyncrl.modes import Mode, PartialRollout
+
+    assert get_args(Mode) == get_args(Config.model_fields["mode"].annotation)
+    assert get_args(PartialRollout) == get_args(Config.model_fields["partial_rollout"].annotation)

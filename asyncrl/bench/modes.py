@@ -37,8 +37,8 @@ from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack
+from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.metrics import training_seconds
-from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.policy import load_policy
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy

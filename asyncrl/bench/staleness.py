@@ -43,8 +43,8 @@ from pydantic import Field
 from asyncrl.bench.progress import phase
 from asyncrl.config import ConfigError, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
+from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.metrics import training_seconds
-from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tiny.addition_sft import make_addition_policy
 

@@ -1,6 +1,6 @@
 """The rows a run writes, as pure functions of what a step saw: ``metrics.jsonl`` (one
 per optimizer step), ``samples.jsonl`` (one per trained trajectory) and the ``eval/*``
-keys. Key names are a promise to users' scripts (see the README's output table)."""
+keys. Key names are a promise to users' scripts (docs/usage.md lists them)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.evaluation import EvalResult
+from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.buffer import ReadyGroup
-from asyncrl.orchestrator.staleness import trajectory_staleness
 from asyncrl.types import AgentDiagnostics, Episode, Trajectory
 
 

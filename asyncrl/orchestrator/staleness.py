@@ -41,44 +41,19 @@ without a model or an event loop; ``AsyncStalenessGate`` adds waiting.
 
 The definitions
 ---------------
-η per mode, a trajectory's staleness and the partial-rollout mode that a schedule
-really uses are defined here once (``effective_max_staleness``, ``trajectory_staleness``,
-``effective_partial_rollout``); the trainer, the report and the benchmarks import them.
+η per mode, a trajectory's staleness and the partial-rollout mode a schedule really uses
+are pure definitions and live on the ground floor, in ``asyncrl/modes.py``: the config,
+the runtime and the report need them without the gate.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import Literal
 
-__all__ = [
-    "AsyncStalenessGate", "StalenessError", "StalenessGate", "check_staleness", "effective_max_staleness",
-    "effective_partial_rollout", "trajectory_staleness",
-]
+from asyncrl.modes import trajectory_staleness
 
-Mode = Literal["sync", "one_step_off", "async"]
-PartialRollout = Literal["abort", "continue", "off"]
-
-
-def effective_max_staleness(mode: str, max_staleness: int) -> int:
-    """η that ``mode`` enforces: ``sync`` is 0 (on-policy), ``one_step_off`` is 1, and
-    ``async`` takes the configured ``max_staleness``."""
-    return {"sync": 0, "one_step_off": 1}.get(mode, max_staleness)
-
-
-def effective_partial_rollout(mode: str, partial_rollout: str) -> PartialRollout:
-    """What happens to in-flight generation at a weight sync. Only ``async`` continues or
-    aborts it; ``sync`` has nothing in flight and ``one_step_off`` finishes it on the old
-    weights (``off``), whatever ``partial_rollout`` says."""
-    return partial_rollout if mode == "async" else "off"  # type: ignore[return-value]
-
-
-def trajectory_staleness(trained_version: int, behavior_version_min: int) -> int:
-    """Versions between the oldest weights that produced a trajectory's model tokens and
-    the learner version that trains on it (``samples.jsonl``: ``trained_version −
-    behavior_version_min``)."""
-    return trained_version - behavior_version_min
+__all__ = ["AsyncStalenessGate", "StalenessError", "StalenessGate", "check_staleness"]
 
 
 class StalenessError(RuntimeError):

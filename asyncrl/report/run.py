@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from asyncrl.jsonl import iter_jsonl
-from asyncrl.orchestrator.staleness import effective_max_staleness
+from asyncrl.modes import effective_max_staleness
 
 Row = dict[str, Any]
 """One line of a run's JSONL file."""

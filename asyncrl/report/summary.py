@@ -10,7 +10,7 @@ import math
 from collections import Counter
 from typing import Any
 
-from asyncrl.orchestrator.staleness import trajectory_staleness
+from asyncrl.modes import trajectory_staleness
 from asyncrl.report.run import Row, Run, evaluated_step, finite
 
 

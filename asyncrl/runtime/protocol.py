@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from asyncrl.evaluation import EvalResult
 from asyncrl.learner import TrainBatch
-from asyncrl.orchestrator.staleness import PartialRollout
+from asyncrl.modes import PartialRollout
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 

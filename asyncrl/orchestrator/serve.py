@@ -1,7 +1,10 @@
 """``asyncrl serve``: the gateway standalone over ``model.path``, for trying an agent by
 hand. Nothing is recorded or trained; requests sample as they ask. It listens with the
-training gateway's checks (``access.py``): the key, the body limit, no open port beyond
-loopback."""
+training gateway's checks (``gateway/access.py``): the key, the body limit, no open port
+beyond loopback.
+
+It sits beside ``evaluator.py`` (``asyncrl eval``), not in ``gateway/``: like eval it is
+a run assembled from the pre-flight and a rollout worker, which are above the gateway."""
 
 from __future__ import annotations
 
