@@ -1,11 +1,11 @@
-"""The bad inputs and faults the README's reliability table reports, each run as a user
+"""The bad inputs and faults the reliability table of docs/faults.md reports, each run as a user
 would: ``python -m asyncrl.cli train ...`` in a fresh process on the shipped Countdown
 example and tiny policy.
 
 ``tests/test_bad_inputs.py`` runs every case and checks its exit code, its message and a
-bound on its time, and that the README's table lists exactly these cases with these
-codes and messages. ``python tests/bad_inputs.py`` prints the table with the times
-measured now (paste it into the README when a case changes).
+bound on its time, and that the table in docs/faults.md lists exactly these cases with
+these codes and messages. ``python tests/bad_inputs.py`` prints the table with the times
+measured now (paste it into docs/faults.md, below its marker, when a case changes).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ BASE = ["examples/countdown/async.yaml", "model.path=models/countdown-tiny", "to
 @dataclass(frozen=True)
 class Case:
     tried: str
-    """What a user did, as the README's table says it."""
+    """What a user did, as the table in docs/faults.md says it."""
     args: tuple[str, ...]
     """Overrides after the base command; ``{dir}`` is a scratch directory."""
     exit_code: int

@@ -1,4 +1,5 @@
-"""Every bad input and fault of the README's reliability table, run as a user would (a
+"""Every bad input and fault of the reliability table in docs/faults.md ("Bad inputs and
+faults, tried"; it moved there from the README, which links it), run as a user would (a
 fresh ``asyncrl train`` process): its exit code, its message, a bound on its time; and
 the table itself lists exactly these cases with these codes and messages."""
 
@@ -12,12 +13,13 @@ import pytest
 from bad_inputs import CASES, ROOT, Case, run_case
 
 TABLE_START = "<!-- bad-input table: python tests/bad_inputs.py -->"
+TABLE_PAGE = ROOT / "docs" / "faults.md"
 
 
-def readme_rows() -> dict[str, tuple[int, str]]:
-    """what was tried -> (exit, what it says) from the README's table."""
-    text = (ROOT / "README.md").read_text()
-    assert TABLE_START in text, "README.md lost its bad-input table"
+def table_rows() -> dict[str, tuple[int, str]]:
+    """what was tried -> (exit, what it says) from the table in docs/faults.md."""
+    text = TABLE_PAGE.read_text()
+    assert TABLE_START in text, "docs/faults.md lost its bad-input table"
     rows = {}
     for line in text.split(TABLE_START, 1)[1].lstrip().splitlines()[2:]:
         if not line.startswith("|"):
@@ -27,13 +29,13 @@ def readme_rows() -> dict[str, tuple[int, str]]:
     return rows
 
 
-def test_the_readme_table_lists_every_case_as_the_tests_see_it():
-    rows = readme_rows()
+def test_the_faults_page_table_lists_every_case_as_the_tests_see_it():
+    rows = table_rows()
     assert list(rows) == [c.tried for c in CASES]
     for case in CASES:
         code, says = rows[case.tried]
         assert code == case.exit_code, case.tried
-        assert case.says in says.replace("\\|", "|"), f"{case.tried}: the README quotes {says!r}"
+        assert case.says in says.replace("\\|", "|"), f"{case.tried}: docs/faults.md quotes {says!r}"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.tried for c in CASES])

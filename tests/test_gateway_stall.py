@@ -331,7 +331,7 @@ def test_the_bounds_refuse_at_the_context_and_not_before():
         assert refused.value.status == 400 and refused.value.param == param
 
 
-if __name__ == "__main__":  # the README's figures: python tests/test_gateway_stall.py [runs]
+if __name__ == "__main__":  # docs/agents.md's figures: python tests/test_gateway_stall.py [runs]
     import statistics
 
     served = Served("gateway.max_body_bytes=33554432")  # above 10 MB, so the prompt reaches the size check
