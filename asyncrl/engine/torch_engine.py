@@ -4,13 +4,12 @@ Why our own decode loop: on the 2-core CPU, transformers' continuous-batching ma
 at ~1/3 of ``model.generate`` (docs/design.md), while a plain loop over ``model.forward`` with
 a ``DynamicCache`` matches ``generate`` and lets sequences join and leave between steps.
 
-Layout of the running batch: rows are left-padded to one cache length T; a 2-D attention
-mask hides the padding and explicit position ids keep each row's positions contiguous.
-Newcomers are prefilled together, then their cache is left-padded and concatenated to the
-batch; a finished row is dropped with an index-select. Newcomers with the same prompt (the
-n samples of a GRPO group) share one prefill (``group_prefill``, see ``_prefill``). All
-model work happens on one engine thread, so asyncio callers never block and the learner can
-run beside it (torch kernels release the GIL).
+Three parts, as in nano-vllm: ``scheduler.py`` decides (admit, decode, finish, abort) on
+plain records; ``kv_batch.py`` holds the running batch's tensors and the surgery on them
+(merge newcomers, evict finished rows, fork a group's shared prefill, the prefix cache);
+this module is the shell: the asyncio-facing verbs, the engine thread, and a step that
+reads schedule → run → postprocess. All model work happens on that one thread, so asyncio
+callers never block and the learner can run beside it (torch kernels release the GIL).
 """
 
 from __future__ import annotations
@@ -20,53 +19,28 @@ import contextlib
 import itertools
 import threading
 import time
-from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
 from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError
 from asyncrl.engine.sampling import RowParams, sample_tokens
+from asyncrl.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
 from asyncrl.threads import settle_threadsafe
-from asyncrl.types import Completion, FinishReason, SamplingParams
+from asyncrl.types import Completion, SamplingParams
 
 
 @dataclass(eq=False)
-class _Request:
-    id: int
-    prompt_ids: list[int]
-    sampling: SamplingParams
-    future: asyncio.Future[Completion]
-    loop: asyncio.AbstractEventLoop
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)
-    done: bool = False
+class _Request(Sequence):
+    """A sequence with the caller waiting on it."""
 
-
-@dataclass
-class _Batch:
-    """The running rows. The last sampled token of each row is not in the cache yet."""
-
-    requests: list[_Request]
-    cache: DynamicCache
-    attention_mask: torch.Tensor  # (B, T) 1 = real token in the cache
-    last_tokens: torch.Tensor  # (B,)
-    positions: torch.Tensor  # (B,) position id of last_tokens
-    rows: RowParams
-
-
-@dataclass
-class _Prefill:
-    """Prefilled prompts: per layer (keys, values) of shape (rows, heads, T, head_dim), each
-    row left-padded to T, and each row's last-position logits (rows, vocab)."""
-
-    layers: list[tuple[torch.Tensor, torch.Tensor]]
-    logits: torch.Tensor
+    future: asyncio.Future[Completion] = field(kw_only=True)
+    loop: asyncio.AbstractEventLoop = field(kw_only=True)
 
 
 @dataclass
@@ -77,15 +51,6 @@ class EngineStats:
     prefill_reused: int = 0  # newcomers that forked another's prefill instead
     tokens: int = 0
     busy_s: float = 0.0
-
-
-def _left_pad(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - x.shape[dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=dim)
 
 
 class TorchEngine:
@@ -107,14 +72,12 @@ class TorchEngine:
         self.num_threads = num_threads  # torch's thread count is per OS thread: set on ours
         self.group_prefill = group_prefill
         self.prefix_cache_size = prefix_cache_size if group_prefill else 0
-        self._prefixes: OrderedDict[tuple[int, ...], _Prefill] = OrderedDict()  # one row each, no padding
+        self._scheduler = Scheduler(max_batch_size, self.max_positions)
+        self._kv: KVBatch | None = None  # row i is self._scheduler.running[i]
+        self._prefixes = PrefixCache(self.prefix_cache_size)
         self._version = version
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ids = itertools.count()
-        self._waiting: deque[_Request] = deque()
-        self._batch: _Batch | None = None
-        self._paused = False
-        self._admitting = True  # False while pause("wait") drains the running batch
         self._drain_waiters: list[tuple[asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         self._closed = False
         self._error: BaseException | None = None
@@ -140,8 +103,8 @@ class TorchEngine:
         if len(prompt_ids) >= self.max_positions:  # position ids past the table would kill the decode thread
             raise PromptTooLongError(len(prompt_ids), self.max_positions)
         loop = asyncio.get_running_loop()
-        req = _Request(next(self._ids), list(prompt_ids), sampling, loop.create_future(), loop)
-        self._post(lambda: self._waiting.append(req), req.future, loop, request=req)
+        req = _Request(next(self._ids), list(prompt_ids), sampling, future=loop.create_future(), loop=loop)
+        self._post(lambda: self._scheduler.add(req), req.future, loop, request=req)
         try:
             return await asyncio.shield(req.future)
         except asyncio.CancelledError:
@@ -156,23 +119,23 @@ class TorchEngine:
             drained: asyncio.Future[None] = loop.create_future()
 
             def drain() -> None:
-                self._admitting = False
+                self._scheduler.stop_admitting()
                 self._drain_waiters.append((drained, loop))
 
             self._post(drain, drained, loop)
             await drained
 
         def pause() -> None:
-            self._paused, self._admitting = True, True
-            if mode == "abort" and self._batch is not None:
-                for req in self._batch.requests:
-                    self._finish(req, "abort")
-                self._batch = None
+            self._scheduler.pause()
+            if mode == "abort":
+                for req in self._scheduler.abort_running():
+                    self._settle(req)
+                self._kv = None
 
         await self._call(pause)
 
     async def resume(self) -> None:
-        await self._call(lambda: setattr(self, "_paused", False))
+        await self._call(self._scheduler.resume)
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         params = dict(self.model.named_parameters())
@@ -228,20 +191,21 @@ class TorchEngine:
     def _run(self) -> None:
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
+        scheduler = self._scheduler
         try:
             while True:
                 with self._wake:
-                    while not (self._closed or self._inbox or (not self._paused and self._has_work())):
+                    while not (self._closed or self._inbox or scheduler.has_work()):
                         self._wake.wait()
                     if self._closed:
                         break
                     inbox, self._inbox = self._inbox, []
                 for fn, _, _ in inbox:
                     fn()
-                if not self._paused and self._has_work():
+                if scheduler.has_work():
                     self._step()
                     self._heap.trim()
-                if self._batch is None and self._drain_waiters:
+                if not scheduler.running and self._drain_waiters:
                     for future, loop in self._drain_waiters:
                         settle_threadsafe(loop, future, None, None)
                     self._drain_waiters.clear()
@@ -257,180 +221,104 @@ class TorchEngine:
                 self._inbox.clear()
             for future, loop in pending:
                 settle_threadsafe(loop, future, None, error)
-            self._waiting.clear()
-            self._batch = None
+            scheduler.clear()
+            self._kv = None
             self._prefixes.clear()
-
-    def _has_work(self) -> bool:
-        return (self._admitting and bool(self._waiting)) or self._batch is not None
 
     # ------------------------------------------------------------------ one step
     @torch.inference_mode()
     def _step(self) -> None:
         """Schedule, run, postprocess: prefill newcomers if there is room, else decode."""
         start = time.perf_counter()
-        room = self.max_batch_size - (len(self._batch.requests) if self._batch else 0)
-        if self._admitting and self._waiting and room > 0:
-            newcomers = [self._waiting.popleft() for _ in range(min(room, len(self._waiting)))]
-            self._prefill(newcomers)
+        step = self._scheduler.schedule()
+        if step.is_prefill:
+            tokens, logprobs = self._run_prefill(step.sequences)
             self.stats.prefills += 1
         else:
-            self._decode()
+            tokens, logprobs = self._run_decode()
             self.stats.steps += 1
+        self._postprocess(step, tokens, logprobs)
         self.stats.busy_s += time.perf_counter() - start
 
-    def _prefill(self, reqs: list[_Request]) -> None:
-        """Prefill newcomers, sample their first tokens and add them to the running batch.
+    def _postprocess(self, step: ScheduledStep, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        token_ids, logprob_values = tokens.tolist(), logprobs.tolist()  # one device sync per step
+        version = self._version  # <- every token is stamped with the weights that sampled it
+        self.stats.tokens += len(token_ids)
+        for req in self._scheduler.postprocess(step.sequences, token_ids, logprob_values, version):
+            self._settle(req)
+        self._evict_finished()
+
+    # ------------------------------------------------------------ run: the model
+    def _run_prefill(self, newcomers: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill newcomers, sample their first tokens and add their rows to the batch.
 
         Group prefill: the newcomers are keyed by their prompt ids; each distinct prompt not
         in the prefix cache is run through the model once, and every newcomer gets its own
-        copy of its prompt's KV rows (an index-select) and samples its first token from the
-        shared last-position logits with its own parameters and seed. A prompt's prefill
-        depends on its ids and the weights only, so a fork equals a prefill of its own up
-        to float noise, and after the copy the rows are independent: one fork finishing,
-        aborting or being cancelled leaves the others alone. Off, every request is its own
-        key and nothing is cached or copied: the plain batched prefill.
+        copy of its prompt's KV rows and samples its first token from the shared
+        last-position logits with its own parameters and seed (``kv_batch.fork_prefill``).
+        Off, every request is its own key and nothing is cached or copied: the plain
+        batched prefill.
         """
-        keys: list[Any] = [tuple(r.prompt_ids) if self.group_prefill else r.id for r in reqs]
-        unique = list(dict.fromkeys(keys))
-        fresh = [k for k in unique if k not in self._prefixes]
-        prompts = {k: r.prompt_ids for k, r in zip(keys, reqs)}
-        sources: list[_Prefill] = []
-        if fresh:
-            block, cache = self._forward_prompts([prompts[k] for k in fresh])
-            sources.append(block)
-        row = {k: i for i, k in enumerate(fresh)}
-        for k in unique:  # cache hits: one row each, after the fresh block
-            if k not in row:
-                row[k] = len(row)
-                sources.append(self._prefixes[k])
-                self._prefixes.move_to_end(k)
+        keys: list[Hashable] = [tuple(r.prompt_ids) if self.group_prefill else r.id for r in newcomers]
+        prompts = {key: r.prompt_ids for key, r in zip(keys, newcomers)}
+        fresh = [key for key in prompts if key not in self._prefixes]
+        block, cache = self._forward_prompts([prompts[key] for key in fresh]) if fresh else (None, None)
+        fresh_set = set(fresh)
+        cached = {key: self._prefixes.take(key) for key in prompts if key not in fresh_set}
         length = max(len(p) for p in prompts.values())
-        if len(fresh) == len(reqs):  # nothing shared: the forward's own tensors, as they are
-            layers, logits = block.layers, block.logits
-        else:
-            index = torch.tensor([row[k] for k in keys], device=self.device)
-
-            def fork(parts: list[torch.Tensor]) -> torch.Tensor:  # one row per request, in request order
-                return (parts[0] if len(parts) == 1 else torch.cat(parts)).index_select(0, index)
-
-            layers = [tuple(fork([_left_pad(s.layers[i][j], length, -2) for s in sources]) for j in (0, 1))
-                      for i in range(len(sources[0].layers))]
-            logits = fork([s.logits for s in sources])
-            if fresh:
-                for layer, (k, v) in zip(cache.layers, layers):
-                    layer.keys, layer.values = k, v
-            else:
-                cache = DynamicCache(layers, config=self.model.config)
-        if fresh and self.prefix_cache_size:
-            self._remember(fresh, [len(prompts[k]) for k in fresh], block)
+        cache, logits = fork_prefill(keys, fresh, block, cache, cached, length, self.model.config)
+        if block is not None:
+            self._prefixes.remember(fresh, [len(prompts[key]) for key in fresh], block)
         self.stats.prefill_rows += len(fresh)
-        self.stats.prefill_reused += len(reqs) - len(fresh)
+        self.stats.prefill_reused += len(newcomers) - len(fresh)
 
-        mask = torch.tensor([[0] * (length - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in reqs],
-                            device=self.device)
-        positions = torch.tensor([len(r.prompt_ids) for r in reqs], device=self.device)  # of the next token
-        rows = RowParams([r.sampling for r in reqs], self.device)
+        lengths = [len(r.prompt_ids) for r in newcomers]
+        mask = prompt_mask(lengths, length, self.device)
+        positions = torch.tensor(lengths, device=self.device)  # of the next token
+        params = [r.sampling for r in newcomers]
+        rows = RowParams(params, self.device)
         tokens, logprobs = sample_tokens(logits, rows, self._generator, positions)
-        batch = _Batch(reqs, cache, mask, tokens, positions, rows)
-        self._batch = batch if self._batch is None else self._merge(self._batch, batch)
-        self._postprocess(tokens, logprobs, reqs)
+        joined = KVBatch(cache, mask, tokens, positions, params, rows)
+        self._kv = joined if self._kv is None else self._kv.merge(joined)
+        return tokens, logprobs
 
-    def _forward_prompts(self, prompts: list[list[int]]) -> tuple[_Prefill, DynamicCache]:
+    def _forward_prompts(self, prompts: list[list[int]]) -> tuple[Prefill, DynamicCache]:
         length = max(len(p) for p in prompts)
         ids = torch.tensor([[0] * (length - len(p)) + p for p in prompts], device=self.device)
-        mask = torch.tensor([[0] * (length - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        mask = prompt_mask([len(p) for p in prompts], length, self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True, logits_to_keep=1)
         layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return _Prefill(layers, out.logits[:, -1]), out.past_key_values
+        return Prefill(layers, out.logits[:, -1]), out.past_key_values
 
-    def _remember(self, keys: list[Any], lengths: list[int], block: _Prefill) -> None:
-        """Keep the fresh prompts' rows (copied, unpadded: the block itself is freed) for
-        requests with the same prompt admitted later: a group split over admissions by a full
-        batch or by thread timing. Bounded (oldest use leaves first) and cleared on every
-        weight update, so a fork never mixes weights."""
-        for i, (key, n) in enumerate(zip(keys, lengths)):
-            layers = [(k[i:i + 1, :, -n:].clone(), v[i:i + 1, :, -n:].clone()) for k, v in block.layers]
-            self._prefixes[key] = _Prefill(layers, block.logits[i:i + 1].clone())
-        while len(self._prefixes) > self.prefix_cache_size:
-            self._prefixes.popitem(last=False)
+    def _run_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
+        kv = self._kv
+        assert kv is not None
+        mask = kv.decode_mask()
+        out = self.model(input_ids=kv.last_tokens[:, None], attention_mask=mask, position_ids=kv.positions[:, None],
+                         past_key_values=kv.cache, use_cache=True)
+        tokens, logprobs = sample_tokens(out.logits[:, -1], kv.rows, self._generator, kv.positions + 1)
+        kv.advance(mask, tokens)
+        return tokens, logprobs
 
-    def _decode(self) -> None:
-        b = self._batch
-        assert b is not None
-        mask = torch.cat([b.attention_mask, b.attention_mask.new_ones(len(b.requests), 1)], dim=1)
-        out = self.model(input_ids=b.last_tokens[:, None], attention_mask=mask, position_ids=b.positions[:, None],
-                         past_key_values=b.cache, use_cache=True)
-        tokens, logprobs = sample_tokens(out.logits[:, -1], b.rows, self._generator, b.positions + 1)
-        b.attention_mask, b.last_tokens, b.positions = mask, tokens, b.positions + 1
-        self._postprocess(tokens, logprobs, b.requests)
-
-    def _postprocess(self, tokens: torch.Tensor, logprobs: torch.Tensor, reqs: list[_Request]) -> None:
-        token_list, logprob_list = tokens.tolist(), logprobs.tolist()  # one device sync per step
-        version = self._version  # <- every token is stamped with the weights that sampled it
-        self.stats.tokens += len(token_list)
-        for req, token, logprob in zip(reqs, token_list, logprob_list):
-            req.token_ids.append(token)
-            req.logprobs.append(logprob)
-            req.versions.append(version)
-            if token in req.sampling.stop_token_ids:
-                self._finish(req, "stop")
-            elif (len(req.token_ids) >= req.sampling.max_tokens
-                  or len(req.prompt_ids) + len(req.token_ids) >= self.max_positions):
-                self._finish(req, "length")
-        self._evict_finished()
-
-    # -------------------------------------------------------- batch bookkeeping
-    def _merge(self, a: _Batch, b: _Batch) -> _Batch:
-        length = max(a.attention_mask.shape[1], b.attention_mask.shape[1])
-        for la, lb in zip(a.cache.layers, b.cache.layers):
-            la.keys = torch.cat([_left_pad(la.keys, length, -2), _left_pad(lb.keys, length, -2)])
-            la.values = torch.cat([_left_pad(la.values, length, -2), _left_pad(lb.values, length, -2)])
-        requests = a.requests + b.requests
-        return _Batch(
-            requests, a.cache,
-            torch.cat([_left_pad(a.attention_mask, length, 1), _left_pad(b.attention_mask, length, 1)]),
-            torch.cat([a.last_tokens, b.last_tokens]), torch.cat([a.positions, b.positions]),
-            RowParams([r.sampling for r in requests], self.device),
-        )
-
-    def _finish(self, req: _Request, reason: FinishReason) -> None:
-        req.done = True
+    # -------------------------------------------------------- finishing rows
+    def _settle(self, req: _Request) -> None:
         self._live.discard(req)
-        completion = Completion(req.token_ids, req.logprobs, req.versions, reason)
+        completion = Completion(req.token_ids, req.logprobs, req.versions, req.finish_reason)
         settle_threadsafe(req.loop, req.future, completion, None)
 
     def _drop(self, req: _Request) -> None:
         """A caller gave up on ``req`` (its task was cancelled)."""
         self._live.discard(req)
-        if req in self._waiting:
-            self._waiting.remove(req)
-        elif self._batch is not None and req in self._batch.requests:
-            req.done = True
+        if self._scheduler.cancel(req):
             self._evict_finished()
 
     def _evict_finished(self) -> None:
-        b = self._batch
-        if b is None:
-            return
-        keep = [i for i, r in enumerate(b.requests) if not r.done]
-        if len(keep) == len(b.requests):
-            return
-        if not keep:
-            self._batch = None
-            return
-        index = torch.tensor(keep, device=self.device)
-        mask = b.attention_mask.index_select(0, index)
-        first = int((mask.sum(0) > 0).nonzero()[0])  # drop columns that are padding in every row
-        for layer in b.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, first:]
-            layer.values = layer.values.index_select(0, index)[:, :, first:]
-        requests = [b.requests[i] for i in keep]
-        self._batch = _Batch(requests, b.cache, mask[:, first:], b.last_tokens.index_select(0, index),
-                             b.positions.index_select(0, index), RowParams([r.sampling for r in requests], self.device))
+        keep = self._scheduler.remove_finished()
+        if self._kv is not None:
+            self._kv = self._kv.keep_rows(keep)
 
 
 def _closed_error(reason: BaseException) -> BaseException:
