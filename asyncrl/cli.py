@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
         elif args.command == "eval":
             cfg = load_config(args.config, args.overrides)
             _quiet_transformers()
-            from asyncrl.orchestrator.evaluator import run_eval
+            from asyncrl.orchestrator.eval_command import run_eval
 
             result = run_eval(cfg)
             print(json.dumps(result.summary(), indent=2))

@@ -36,3 +36,13 @@ def episode_seed(run_seed: int, purpose: Purpose, task_id: str, draw: int, sampl
     samples anew. Every turn of a multi-turn episode shares the seed: the engine keys the
     noise on the token's position too, so turns still draw distinct noise."""
     return derive_seed(run_seed, purpose, task_id, draw, sample, attempt)
+
+
+def rollout_worker_seed(run_seed: int, worker: int, version: int, restarts: int = 0) -> int:
+    """A rollout worker's engine seed: the noise of requests without their own seed and, on
+    vLLM, the seed of its Python, NumPy and torch generators (NumPy takes at most 32 bits,
+    hence the modulus). ``worker``: its index (0 for the local runtime's one worker);
+    ``version``: the policy version it starts at; ``restarts``: the replacements of dead
+    workers so far, so a replacement does not replay its predecessor's noise. Episodes
+    never depend on it: each samples with its own :func:`episode_seed`."""
+    return derive_seed(run_seed, "rollout_worker", worker, version, restarts) % 2**32

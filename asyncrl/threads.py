@@ -133,6 +133,16 @@ class UserThreads:
         """Abandoned calls still in user code."""
         return len(self._abandoned)
 
+    async def settle(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every call in user code, awaited or abandoned, to
+        return; True when none is left."""
+        deadline = time.monotonic() + timeout_s
+        while self.in_user_code():
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
+
     def close(self) -> None:
         """Let idle threads end; threads in user code are not waited for (they are daemons)."""
         with self._lock:

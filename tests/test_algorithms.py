@@ -18,8 +18,11 @@ from asyncrl.algorithms import (
     kl_k3,
     policy_loss,
     register_advantage,
+    register_policy_loss,
     rloo,
 )
+from asyncrl.algorithms.losses import POLICY_LOSSES, check_policy_loss
+from asyncrl.config import AlgorithmConfig
 
 D = torch.float64
 
@@ -130,7 +133,8 @@ def test_decoupled_ppo_by_hand():
     close(m["ratio_mean"], (1.1 + 1.5 + 0.5 + 1.0 + 1.2 + 1.5) / 6)  # = 6.8/6
     assert all(not v.requires_grad and v.ndim == 0 for v in m.values())
     # seq_mean: row means −1.58/3 and −0.7/3 → (−0.52667 − 0.23333)/2 = −0.38: equal lengths agree
-    loss_seq, _ = policy_loss(logprobs, behavior, adv, mask, proximal_logprobs=prox, aggregation="seq_mean")
+    loss_seq, _ = policy_loss(logprobs, behavior, adv, mask, proximal_logprobs=prox,
+                              config=AlgorithmConfig(aggregation="seq_mean"))
     close(loss_seq, -0.38)
 
 
@@ -195,7 +199,7 @@ def test_bypass_is_plain_ppo_against_behavior():
 def test_is_cap_must_be_positive():
     logprobs, behavior, adv, mask, _ = ppo_inputs()
     with pytest.raises(ValueError, match="is_cap"):
-        policy_loss(logprobs, behavior, adv, mask, is_cap=0.0)
+        policy_loss(logprobs, behavior, adv, mask, config=AlgorithmConfig.model_construct(is_cap=0.0))
 
 
 # --------------------------------------------------------------------------- aggregation
@@ -208,7 +212,8 @@ def test_token_mean_vs_seq_mean_unequal_lengths():
     # the PPO example with mask [[1,1,0],[1,0,0]]: token (−1.1−1.28−4)/3; seq ((−1.1−1.28)/2 − 4)/2
     logprobs, behavior, adv, _, prox = ppo_inputs()
     pmask = t([[1, 1, 0], [1, 0, 0]])
-    loss_seq, _ = policy_loss(logprobs, behavior, adv, pmask, proximal_logprobs=prox, aggregation="seq_mean")
+    loss_seq, _ = policy_loss(logprobs, behavior, adv, pmask, proximal_logprobs=prox,
+                              config=AlgorithmConfig(aggregation="seq_mean"))
     close(loss_seq, (-1.19 - 4.0) / 2)  # = −2.595
 
 
@@ -256,7 +261,8 @@ def test_module_function_names_a_user_estimator():
 
 def test_naive_objective_drops_the_importance_weight_but_reports_it():
     logprobs, behavior, adv, mask, prox = ppo_inputs()
-    loss, m = policy_loss(logprobs, behavior, adv, mask, proximal_logprobs=prox, is_correction=False)
+    loss, m = policy_loss(logprobs, behavior, adv, mask, proximal_logprobs=prox,
+                          config=AlgorithmConfig(is_correction=False))
     # as test_decoupled_ppo_by_hand with w = 1: (1,0) −min(2, 2) = −2; (1,1) −min(−1.2, −1.2) = +1.2
     close(loss, (-1.1 - 1.28 + 0.8 - 2.0 + 1.2 + 1.5) / 6)
     loss.backward()
@@ -266,3 +272,43 @@ def test_naive_objective_drops_the_importance_weight_but_reports_it():
     close(m["is_raw_weight_mean"], (1 + 1 + 1 + 3 + 1.5 + 1) / 6)
     close(m["is_raw_weight_sq_mean"], (1 + 1 + 1 + 9 + 2.25 + 1) / 6)
 
+
+
+# --------------------------------------------------------------------------- the loss registry
+
+def test_a_registered_loss_gets_the_tensors_and_the_algorithm_config():
+    """The contract (``PolicyLossFn``): four tensors, ``proximal_logprobs`` and ``config``,
+    whatever the loss; a loss reads its own hyperparameters off the config."""
+    seen = {}
+
+    @register_policy_loss("test_contract_scaled")
+    def scaled(logprobs, behavior_logprobs, advantages, mask, *, proximal_logprobs, config):
+        seen["config"] = config
+        loss, metrics = policy_loss(logprobs, behavior_logprobs, advantages, mask,
+                                    proximal_logprobs=proximal_logprobs, config=config)
+        return 2 * loss, metrics
+
+    try:
+        logprobs, behavior, adv, mask, prox = ppo_inputs()
+        cfg = AlgorithmConfig(policy_loss="test_contract_scaled")
+        loss, _ = get_policy_loss(cfg.policy_loss)(logprobs, behavior, adv, mask, proximal_logprobs=prox, config=cfg)
+        close(loss, 2 * -0.38)
+        assert seen["config"] is cfg
+    finally:
+        POLICY_LOSSES.pop("test_contract_scaled", None)
+
+
+def old_style_loss(logprobs, behavior_logprobs, advantages, mask, *, proximal_logprobs=None, clip_low=0.2):
+    raise AssertionError("never called")
+
+
+def test_a_loss_that_cannot_take_the_call_is_refused_before_training():
+    with pytest.raises(TypeError, match="proximal_logprobs, config"):
+        register_policy_loss("test_contract_old_style")(old_style_loss)
+    assert "test_contract_old_style" not in POLICY_LOSSES
+    try:  # named module:function, as pre-flight and the learner resolve algorithm.policy_loss
+        with pytest.raises(TypeError, match="test_algorithms:old_style_loss"):
+            get_policy_loss("test_algorithms:old_style_loss")
+    finally:
+        POLICY_LOSSES.pop("test_algorithms:old_style_loss", None)
+    check_policy_loss(lambda *args, **kwargs: None, "forwarding")  # *args, **kwargs take anything

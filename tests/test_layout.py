@@ -81,7 +81,7 @@ FLOORS = {
     "asyncrl.chat_format": 0, "asyncrl.model_store": 0,
     # 1 parts: one job each
     "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.engine": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
-    "asyncrl.evaluation": 1, "asyncrl.client": 1, "asyncrl.tools": 1,
+    "asyncrl.eval_scoring": 1, "asyncrl.client": 1, "asyncrl.tools": 1,
     # 2 episodes over the client
     "asyncrl.workflows": 2, "asyncrl.gateway": 2,
     # 3 where the parts run

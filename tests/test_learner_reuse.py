@@ -16,7 +16,7 @@ from test_sharded_learner import assert_same_metrics, assert_same_weights, batch
 from asyncrl.algorithms import aggregate, policy_loss
 from asyncrl.cli import main
 from asyncrl.config import AlgorithmConfig, ConfigError, OptimConfig, load_config
-from asyncrl.learner import Learner, pack
+from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.learner import mini_batch_rows
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import Trajectory
@@ -31,7 +31,7 @@ def reuse_batch(model, tokenizer):
         ids = tokenizer.encode(text)
         behavior = (reference_logprobs(model, prompt, ids) + 0.05 * (i - 1.5)).tolist()
         trajectories.append(Trajectory(prompt, ids, [1] * len(ids), behavior, [0] * len(ids), reward=float(i % 2)))
-    return pack(trajectories, [0.9, -0.5, 0.3, -0.7], tokenizer.pad_token_id)
+    return pack_batch(trajectories, [0.9, -0.5, 0.3, -0.7], tokenizer.pad_token_id)
 
 
 def learner(model, tokenizer, lr=1e-2, **optim):
@@ -62,7 +62,7 @@ def test_one_epoch_of_one_mini_batch_is_the_plain_decoupled_ppo_step(char_tokeni
     current = torch.log_softmax(by_hand(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float(),
                                 -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
     loss, _ = policy_loss(current, b.behavior_logprobs, b.advantages, b.loss_mask, proximal_logprobs=proximal,
-                          clip_low=cfg.clip_low, clip_high=cfg.clip_high, is_cap=cfg.is_cap)
+                          config=cfg)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 1.0)
     optimizer.step()
@@ -111,8 +111,7 @@ def test_a_second_epoch_measures_the_ratio_against_the_batch_start_and_clips(cha
     second_clip = 2 * both["actor/clip_fraction"] - first["actor/clip_fraction"]
     cfg = AlgorithmConfig()
     _, expected = policy_loss(logprobs(one, b), b.behavior_logprobs, b.advantages, b.loss_mask,
-                              proximal_logprobs=logprobs(base, b), clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                              is_cap=cfg.is_cap)
+                              proximal_logprobs=logprobs(base, b), config=cfg)
     assert second_ratio == pytest.approx(float(expected["ratio_mean"]), abs=1e-5)
     assert second_clip == pytest.approx(float(expected["clip_fraction"]), abs=1e-6)
     assert abs(second_ratio - 1) > 0.01 and second_clip > 0.1

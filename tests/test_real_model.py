@@ -4,7 +4,7 @@
 One tool episode through the gateway, driven by the official ``openai`` SDK as an agent
 writes it, with an abort for a weight update inside its second reply; then what the
 learner recomputes from the recorded trajectory — through the code path training uses
-(``pack`` → ``Learner.logprobs``) — must match the engine's behavior logprobs, each token
+(``pack_batch`` → ``Learner.logprobs``) — must match the engine's behavior logprobs, each token
 against the weights that sampled it. And ``bench retokenize`` on a few chats.
 
 The model is loaded once per module and the episode run once (``episode``); replies are
@@ -32,7 +32,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from asyncrl.bench.retokenize import Render, naive_text, retokenization_drift, run_retokenize_bench
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import AlgorithmConfig, OptimConfig
-from asyncrl.learner.batch import pack
+from asyncrl.learner.batch import pack_batch
 from asyncrl.learner.learner import Learner
 from asyncrl.types import NO_VERSION, Completion, SamplingParams, Trajectory
 
@@ -150,7 +150,7 @@ def test_a_tool_episode_with_an_abort_is_token_exact_and_the_learner_reproduces_
     # the learner's recompute, as the trainer does it: pack the trajectory, Learner.logprobs
     learner = Learner(e.old, tokenizer, algorithm=AlgorithmConfig(), optim=OptimConfig(), total_steps=1,
                       temperature=1.0)
-    batch = pack([t], [1.0], tokenizer.pad_token_id or 0)
+    batch = pack_batch([t], [1.0], tokenizer.pad_token_id or 0)
     target_versions = torch.tensor([NO_VERSION] * (len(t.prompt_ids) - 1) + versions)  # on the target axis
     model_token = batch.loss_mask[0].bool()
     behavior = batch.behavior_logprobs[0]

@@ -23,7 +23,7 @@ from asyncrl.cli import main
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import load_config
 from asyncrl.engine import TorchEngine
-from asyncrl.evaluation import evaluate
+from asyncrl.eval_scoring import evaluate
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.policy import load_policy
 from asyncrl.seeding import derive_seed, episode_seed

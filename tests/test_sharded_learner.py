@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.learner import pack
+from asyncrl.learner import pack_batch
 from asyncrl.learner.distributed import row_range
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.sharded_learner import LearnerRankError, RankWorker, ShardedLearner
@@ -41,7 +41,7 @@ def batch(seed, rows=5):
         mask = [0 if j == 1 else 1 for j in range(len(response))]
         behavior = (-torch.rand(len(response), generator=g) * 4).tolist()
         trajectories.append(Trajectory(prompt, response, mask, behavior, [0] * len(response), reward=0.0))
-    return pack(trajectories, torch.randn(rows, generator=g).tolist(), pad_id=0)
+    return pack_batch(trajectories, torch.randn(rows, generator=g).tolist(), pad_id=0)
 
 
 def one_rank(cfg, *batches):

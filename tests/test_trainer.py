@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.cli import main
 from asyncrl.config import AlgorithmConfig, OptimConfig
-from asyncrl.learner import Learner, pack
+from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.learner import micro_batch_bounds
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import Trajectory
@@ -85,7 +85,7 @@ def fixed_batch(model, tokenizer):
     good, bad = tokenizer.encode("1+2+3<|im_end|>"), tokenizer.encode("hello<|im_end|>")
     trajectories = [Trajectory(prompt, ids, [1] * len(ids), reference_logprobs(model, prompt, ids).tolist(),
                                [0] * len(ids), reward=r) for ids, r in ((good, 1.0), (bad, 0.0))]
-    return prompt, good, bad, pack(trajectories, [0.7071, -0.7071], tokenizer.pad_token_id)
+    return prompt, good, bad, pack_batch(trajectories, [0.7071, -0.7071], tokenizer.pad_token_id)
 
 
 def test_one_step_raises_probability_of_rewarded_completion(char_tokenizer):
@@ -135,7 +135,7 @@ def test_token_budget_micro_batches_give_the_same_logprobs_loss_and_step(char_to
         ids = tokenizer.encode(reply)
         behavior = (reference_logprobs(base, prompt, ids) - 0.05 * (i % 3)).tolist()
         trajectories.append(Trajectory(prompt, ids, [1] * len(ids), behavior, [0] * len(ids)))
-    batch = pack(trajectories, [1.0, -0.5, 0.8, -1.2, 0.3, -0.4], tokenizer.pad_token_id)
+    batch = pack_batch(trajectories, [1.0, -0.5, 0.8, -1.2, 0.3, -0.4], tokenizer.pad_token_id)
     runs = {}
     for budget in (None, 1):  # one pass of six rows; then each row alone, past the budget
         model = copy.deepcopy(base)

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.learner import pack
+from asyncrl.learner import pack_batch
 from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.runtime.weight_sync import (
@@ -39,7 +39,7 @@ def config(policy_dir, *extra):
 def train_one_step(worker: LearnerWorker) -> None:
     """Move the learner's weights away from the engines' (one step on made-up tokens)."""
     traj = [Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0]) for i in range(2)]
-    worker.train_step(pack(traj, [1.0, -1.0], 0), on_policy=False)
+    worker.train_step(pack_batch(traj, [1.0, -1.0], 0), on_policy=False)
 
 
 class TwoWorkers:
@@ -179,7 +179,7 @@ def test_a_sharded_learner_sends_from_rank_0_and_names_a_worker_that_never_joins
             sync = CollectiveSync(cfg.weight_sync, learner, TwoWorkers(workers), receivers=2)
             try:
                 await sync.connect()
-                await learner.train_step(pack([Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0])
+                await learner.train_step(pack_batch([Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0])
                                                for i in range(2)], [1.0, -1.0], 0), False)
                 expected = fingerprint((await learner.publish()).items())
                 assert all(digest != expected for _, digest in await sync.rollout.fingerprints())
@@ -321,7 +321,7 @@ def test_collective_sync_to_two_ray_workers(policy_dir, ray_cluster):
             assert isinstance(runtime.weight_sync, CollectiveSync)
             learner = runtime.learner
             assert isinstance(learner, RayLearner)
-            await learner.train_step(pack([Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0])
+            await learner.train_step(pack_batch([Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0])
                                            for i in range(2)], [1.0, -1.0], 0), False)
             expected = fingerprint((await (await learner.publish())).items())  # publish: an ObjectRef
             assert all(digest != expected for _, digest in await runtime.rollout.fingerprints())

@@ -10,7 +10,7 @@ import pytest
 
 from asyncrl.client import LLMClient, Message, Response
 from asyncrl.engine import TorchEngine
-from asyncrl.evaluation import evaluate, pass_at_k
+from asyncrl.eval_scoring import evaluate, pass_at_k
 from asyncrl.tasks import Task, arithmetic_reward, generate_arithmetic
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows import MultiTurnWorkflow, SingleTurnWorkflow, run_episode

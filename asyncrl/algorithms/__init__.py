@@ -12,6 +12,7 @@ from asyncrl.algorithms.advantages import (
 from asyncrl.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
+    PolicyLossFn,
     aggregate,
     entropy_from_logits,
     get_policy_loss,
@@ -24,6 +25,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AGGREGATIONS",
     "POLICY_LOSSES",
+    "PolicyLossFn",
     "aggregate",
     "compute_advantages",
     "dr_grpo",

@@ -10,18 +10,42 @@ Masks are 1 for model tokens and 0 for tool/environment tokens and padding. Mask
 positions are replaced by constants *before* any arithmetic, so a NaN or inf there can
 reach neither the loss nor the gradient (``0 · NaN`` is NaN, so multiplying by the mask
 after the fact would not be enough, even for the gradient of ``torch.where``).
+
+Every registered loss has one signature, :class:`PolicyLossFn` (as verl's ``core_algos``
+registry: the per-token tensors plus the whole algorithm config), so the learner can call
+any of them the same way and a new loss reads whatever hyperparameters it needs from
+``config`` instead of the learner knowing each loss's keywords.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from asyncrl.algorithms.advantages import resolve
+from asyncrl.config import AlgorithmConfig
 
-PolicyLossFn = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+class PolicyLossFn(Protocol):
+    """What the learner calls for ``algorithm.policy_loss``, registered or ``module:function``.
+
+    ``logprobs`` (B, T) carry the gradient; ``behavior_logprobs`` (B, T) are the engine's
+    μ; ``advantages`` are (B,) or (B, T); ``mask`` (B, T) is 1 on model tokens.
+    ``proximal_logprobs`` (B, T) is π_prox, or ``None`` in bypass mode (π_prox := μ).
+    ``config`` is the run's ``algorithm`` section: clip ranges, caps, ``aggregation`` and
+    anything else a loss needs. Returns the scalar loss (aggregated with
+    ``config.aggregation``, which the learner relies on to weigh micro-batches) and
+    detached scalar metrics, each a token mean over ``mask`` (logged as ``actor/<key>``).
+    """
+
+    def __call__(self, logprobs: Tensor, behavior_logprobs: Tensor, advantages: Tensor, mask: Tensor, *,
+                 proximal_logprobs: Tensor | None, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 
 
@@ -53,19 +77,39 @@ def aggregate(values: Tensor, mask: Tensor, mode: str = "token_mean") -> Tensor:
 
 
 def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator adding a loss with :func:`policy_loss`'s signature under ``name``."""
+    """Decorator adding a loss with the :class:`PolicyLossFn` signature under ``name``."""
 
     def decorator(fn: PolicyLossFn) -> PolicyLossFn:
         if name in POLICY_LOSSES:
             raise ValueError(f"policy loss {name!r} is already registered")
+        check_policy_loss(fn, name)
         POLICY_LOSSES[name] = fn
         return fn
 
     return decorator
 
 
+def check_policy_loss(fn: Callable[..., object], name: str) -> None:
+    """Refuse a function the learner's call could not bind (say, one written for another
+    keyword set), at registration or pre-flight rather than at the first optimizer step.
+    Functions whose signature Python cannot read pass unchecked."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(None, None, None, None, proximal_logprobs=None, config=None)
+    except TypeError as exc:
+        raise TypeError(f"policy loss {name!r} does not take the learner's call "
+                        "fn(logprobs, behavior_logprobs, advantages, mask, *, proximal_logprobs, config) "
+                        f"(asyncrl.algorithms.losses.PolicyLossFn): {exc}") from None
+
+
 def get_policy_loss(name: str) -> PolicyLossFn:
-    return resolve(POLICY_LOSSES, name, "policy loss")
+    """The loss ``name`` (registered, or ``module:function``), checked against :class:`PolicyLossFn`."""
+    fn = resolve(POLICY_LOSSES, name, "policy loss")
+    check_policy_loss(fn, name)
+    return fn
 
 
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
@@ -96,13 +140,12 @@ def policy_loss(
     mask: Tensor,
     *,
     proximal_logprobs: Tensor | None = None,
-    clip_low: float = 0.2,
-    clip_high: float = 0.28,
-    is_cap: float = 2.0,
-    is_correction: bool = True,
-    aggregation: str = "token_mean",
+    config: AlgorithmConfig | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Decoupled PPO: ``L_t = − w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``.
+
+    A :class:`PolicyLossFn`; reads ``clip_low``, ``clip_high``, ``is_cap``,
+    ``is_correction`` and ``aggregation`` from ``config`` (``None``: the defaults).
 
     Shapes: logprobs, behavior_logprobs, proximal_logprobs, mask (B, T); advantages (B,)
     (one per trajectory, broadcast over its tokens) or (B, T). Returns the scalar loss and
@@ -119,13 +162,15 @@ def policy_loss(
       negative, unlike the plain mean of ``log π_prox − log π_θ``.
 
     ``proximal_logprobs=None`` is bypass mode (no recompute pass): π_prox := μ and w = 1,
-    which is exactly PPO against the behavior logprobs. ``is_correction=False`` keeps
+    which is exactly PPO against the behavior logprobs. ``config.is_correction=False`` keeps
     π_prox but applies no weight (w = 1): stale tokens are trained as if π_prox had
     sampled them — the naive baseline that ``asyncrl bench staleness`` measures the
     correction against (the IS metrics still describe the weights it did not apply). The
     upper clip is wider than the lower one (DAPO's clip-higher) so low-probability
     tokens can still grow.
     """
+    config = config if config is not None else AlgorithmConfig()
+    clip_low, clip_high, is_cap = config.clip_low, config.clip_high, config.is_cap
     if not is_cap > 0:
         raise ValueError(f"is_cap must be a positive float, got {is_cap!r}")
     mask = mask.bool()
@@ -146,12 +191,12 @@ def policy_loss(
         proximal = clean(proximal_logprobs.detach())
         raw_weight = torch.exp(proximal - behavior)
     truncated = raw_weight.clamp(max=is_cap)  # detached: its inputs are
-    weight = truncated if is_correction else torch.ones_like(truncated)
+    weight = truncated if config.is_correction else torch.ones_like(truncated)
 
     ratio = torch.exp(logprobs - proximal)  # (B, T)
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, aggregation)
+    loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, config.aggregation)
 
     with torch.no_grad():
         metrics = {

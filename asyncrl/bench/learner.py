@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 
 from asyncrl.bench.progress import phase
 from asyncrl.config import ConfigError, Section, apply_overrides, load_config, validate
-from asyncrl.learner import TrainBatch, pack
+from asyncrl.learner import TrainBatch, pack_batch
 from asyncrl.runtime.sharded_learner import ShardedLearner
 from asyncrl.tiny import build_char_tokenizer, save_tiny_policy, tiny_qwen2_config
 from asyncrl.types import Trajectory
@@ -86,7 +86,7 @@ def bench_batch(s: LearnerBenchSettings, vocab_size: int, max_positions: int) ->
         response = torch.randint(4, vocab_size, (n,), generator=g).tolist()
         behavior = (-torch.rand(n, generator=g) * 6).tolist()
         trajectories.append(Trajectory(prompt, response, [1] * n, behavior, [0] * n, reward=0.0))
-    return pack(trajectories, torch.randn(s.rows, generator=g).tolist(), pad_id=0)
+    return pack_batch(trajectories, torch.randn(s.rows, generator=g).tolist(), pad_id=0)
 
 
 def run_config(s: LearnerBenchSettings, name: str, path: Path, batch: TrainBatch, world_size: int,

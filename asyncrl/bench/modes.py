@@ -36,7 +36,7 @@ from asyncrl.bench.child import train_in_child
 from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
-from asyncrl.learner import Learner, pack
+from asyncrl.learner import Learner, pack_batch
 from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.metrics import training_seconds
 from asyncrl.policy import load_policy
@@ -124,7 +124,7 @@ def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, 
             start = time.perf_counter()  # per step, so that the bar advances outside the timing
             chunk = episodes[i * per_step:(i + 1) * per_step]
             trajectories = [t for e in chunk for t in e.trajectories]
-            learner.train_step(pack(trajectories, [0.5 - (j % 2) for j in range(len(trajectories))],
+            learner.train_step(pack_batch(trajectories, [0.5 - (j % 2) for j in range(len(trajectories))],
                                     tokenizer.pad_token_id or 0))
             t_train += time.perf_counter() - start
             progress.advance()

@@ -44,7 +44,7 @@ from pydantic import Field
 from asyncrl.bench.progress import phase
 from asyncrl.config import EvalConfig, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
-from asyncrl.orchestrator.evaluator import run_eval
+from asyncrl.orchestrator.eval_command import run_eval
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tasks import countdown_reward

@@ -58,7 +58,8 @@ class TrainBatch:
                                                    self.behavior_logprobs, self.advantages)))
 
 
-def pack(trajectories: list[Trajectory], advantages: list[float], pad_id: int) -> TrainBatch:
+def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int) -> TrainBatch:
+    """One right-padded :class:`TrainBatch` of ``trajectories``, one advantage each."""
     if len(trajectories) != len(advantages):
         raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages")
     length = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)

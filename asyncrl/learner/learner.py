@@ -50,6 +50,16 @@ name: any number of ranks (one included) can load what any number saved."""
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
+    """The LR factor of batch ``step`` (for ``LambdaLR``): warm-up (step + 1) / warmup_steps,
+    so the first batch already trains; then 1 (``constant``), or a ``cosine`` or ``linear``
+    decay to 0.1 at ``total_steps``, held there after it.
+
+    Not ``transformers.get_scheduler`` (checked against 5.23), which has none of the three
+    exactly: its warm-ups are step / warmup_steps (the first batch trains at LR 0) except
+    ``cosine_with_min_lr_schedule_with_warmup_lr_rate``, whose decay runs one step ahead;
+    ``cosine_with_min_lr`` rises again past ``total_steps``; ``linear`` decays to 0, and
+    the polynomial and WSD schedules that floor at 10 % warm up differently too."""
+
     def factor(step: int) -> float:
         if step < optim.warmup_steps:
             return (step + 1) / optim.warmup_steps
@@ -234,9 +244,7 @@ class Learner:
                 logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
                 proximal_logprobs=(logprobs.detach() if proximal_from_forward
                                    else None if proximal is None else rows(proximal)),
-                clip_low=self.algorithm.clip_low, clip_high=self.algorithm.clip_high,
-                is_cap=self.algorithm.is_cap, is_correction=self.algorithm.is_correction,
-                aggregation=self.algorithm.aggregation)
+                config=self.algorithm)
             ours = {"entropy": aggregate(entropy, part.loss_mask, self.algorithm.aggregation)}
             if reference is not None:
                 kl = aggregate(kl_k3(logprobs, rows(reference)), part.loss_mask, self.algorithm.aggregation)

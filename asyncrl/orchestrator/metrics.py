@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from asyncrl.evaluation import EvalResult
+from asyncrl.eval_scoring import EvalResult
 from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.types import AgentDiagnostics, Episode, Trajectory

@@ -11,7 +11,7 @@ from typing import Literal
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES, resolve
+from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, get_policy_loss, resolve
 from asyncrl.algorithms.advantages import GROUP_RELATIVE
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import require_engine
@@ -46,12 +46,14 @@ def preflight(cfg: Config, command: Literal["train", "eval"]) -> Checked:
     build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
     hooks = Hooks.from_config(cfg.hooks) if command == "train" else Hooks()
     if command == "train":
-        for key, registry, kind in (("advantage", ADVANTAGE_ESTIMATORS, "advantage estimator"),
-                                    ("policy_loss", POLICY_LOSSES, "policy loss")):
-            try:
-                resolve(registry, getattr(cfg.algorithm, key), kind)
-            except KeyError as exc:
-                raise ConfigError(f"algorithm.{key}: {exc.args[0]}") from None
+        try:
+            resolve(ADVANTAGE_ESTIMATORS, cfg.algorithm.advantage, "advantage estimator")
+        except KeyError as exc:
+            raise ConfigError(f"algorithm.advantage: {exc.args[0]}") from None
+        try:
+            get_policy_loss(cfg.algorithm.policy_loss)  # and that it takes the learner's call
+        except (KeyError, TypeError) as exc:
+            raise ConfigError(f"algorithm.policy_loss: {exc.args[0]}") from None
     return Checked(tokenizer, model, splits, hooks)
 
 

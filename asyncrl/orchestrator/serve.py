@@ -3,7 +3,7 @@ hand. Nothing is recorded or trained; requests sample as they ask. It listens wi
 training gateway's checks (``gateway/access.py``): the key, the body limit, no open port
 beyond loopback.
 
-It sits beside ``evaluator.py`` (``asyncrl eval``), not in ``gateway/``: like eval it is
+It sits beside ``eval_command.py`` (``asyncrl eval``), not in ``gateway/``: like eval it is
 a run assembled from the pre-flight and a rollout worker, which are above the gateway."""
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ import random
 from collections import deque
 from typing import NamedTuple
 
+from asyncrl.seeding import derive_seed
 from asyncrl.tasks.base import Task
 
 
@@ -44,7 +45,7 @@ class TaskStream:
 
     def _shuffled(self) -> list[int]:
         order = list(range(len(self.tasks)))
-        random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        random.Random(derive_seed(self.seed, "task_order", self.epoch)).shuffle(order)
         return order
 
     @property

@@ -25,7 +25,7 @@ from typing import Any
 from asyncrl import chat_format
 from asyncrl.algorithms.finite import check_rewards
 from asyncrl.config import Config, save_config
-from asyncrl.learner import pack
+from asyncrl.learner import pack_batch
 from asyncrl.orchestrator.buffer import ReadyGroup, trainable
 from asyncrl.orchestrator.checkpoint import RUN_STATE_FILE, RunState, rollback_logs, rotate, starting_point
 from asyncrl.orchestrator.hooks import HookEvent, HookName
@@ -162,7 +162,7 @@ class Trainer:
             trajectories, advantages = trainable(groups, trained_version, self.max_staleness)
             t_train = self._now()
             on_policy = all(t.behavior_version_max == trained_version for t in trajectories)
-            actor = await self.learner.train_step(pack(trajectories, advantages, self.tokenizer.pad_token_id or 0),
+            actor = await self.learner.train_step(pack_batch(trajectories, advantages, self.tokenizer.pad_token_id or 0),
                                                   on_policy)
             self.step, self.version = step, self.version + 1
             self.log.event("train", t_train, self._now(), step=step)

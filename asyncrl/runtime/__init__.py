@@ -24,6 +24,7 @@ from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.runtime.weight_sync import WeightSync, open_weight_sync
+from asyncrl.seeding import rollout_worker_seed
 
 __all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "Weights", "WeightSync", "start"]
 
@@ -101,7 +102,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                     await learner.load_checkpoint(checkpoint)
                 model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
             local = RolloutWorker(cfg, model=model, tokenizer=tokenizer, weights=weights, version=version,
-                                  seed=cfg.seed + 7919 * version, num_threads=engine_threads,
+                                  seed=rollout_worker_seed(cfg.seed, 0, version), num_threads=engine_threads,
                                   eval_replica=eval_replica)
             stack.push_async_callback(local.shutdown)
             await local.start()

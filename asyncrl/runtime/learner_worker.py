@@ -4,6 +4,7 @@ that are plain values in, plain values out, so the same object serves in-process
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -133,6 +134,18 @@ class LocalLearner:
     async def close_weight_sync(self) -> None:
         self.worker.close_weight_sync()
 
+    FINISH_S = 30.0
+    """How long shutdown lets a learner call under way finish, unless a second signal ended the run."""
+
     async def shutdown(self) -> None:
-        """The learner lives and dies with this process; only its idle threads end."""
+        """The learner lives and dies with this process; only its idle threads end. A step
+        under way when the run ends on an error (a non-finite advantage from the rollout
+        side, say) is first let finish, up to :attr:`FINISH_S`: a daemon thread still inside
+        torch when the interpreter finalizes is ended mid-C++ and aborts the process
+        (SIGABRT, "terminate called without an active exception") instead of letting it exit
+        with the run's status. Not while this task is being cancelled (a second signal):
+        that exit must not wait for a loss that never returns."""
+        task = asyncio.current_task()
+        if task is None or not task.cancelling():
+            await self._threads.settle(self.FINISH_S)
         self._threads.close()

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.evaluation import EvalResult
+from asyncrl.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.modes import PartialRollout
 from asyncrl.tasks.base import Task

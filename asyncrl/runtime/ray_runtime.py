@@ -32,13 +32,14 @@ import torch
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import EngineClosedError
-from asyncrl.evaluation import EvalResult
+from asyncrl.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.runtime.sharded_learner import LearnerRankError, RankCalls, RankWorker
+from asyncrl.seeding import rollout_worker_seed
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 
@@ -248,7 +249,7 @@ class RayRollout:
     def _spawn(self, i: int):
         """A new worker, told to start its engine; calls made meanwhile wait for it."""
         worker = self._actor.remote(self.cfg, weights=self.weights, version=self.version,
-                                    seed=self.cfg.seed + 1009 * (i + 1) + 7919 * (self.restarts + self.version),
+                                    seed=rollout_worker_seed(self.cfg.seed, i, self.version, self.restarts),
                                     num_threads=max(1, int(self.cfg.ray.worker_cpus)),
                                     eval_replica=self.eval_replica)
         worker.start.remote()

@@ -30,12 +30,12 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
-from asyncrl.evaluation import EvalResult, evaluate
+from asyncrl.eval_scoring import EvalResult, evaluate
 from asyncrl.gateway import Gateway, get_parser
 from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.runtime.protocol import SyncAddress
 from asyncrl.runtime.weight_sync import WeightReceiver, fingerprint
-from asyncrl.seeding import Purpose, episode_seed
+from asyncrl.seeding import Purpose, derive_seed, episode_seed
 from asyncrl.tasks.base import Task
 from asyncrl.threads import UserThreads
 from asyncrl.types import Episode, SamplingParams
@@ -113,7 +113,7 @@ class RolloutWorker:
                                            seed=seed, version=self._version, num_threads=self._num_threads,
                                            group_prefill=self.cfg.rollout.group_prefill)
         if self._eval_replica:
-            self.eval_engine = make(copy.deepcopy(model), self._seed + 1)
+            self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
         self.engine = make(model, self._seed)
 
     async def _engine(self) -> RolloutEngine:

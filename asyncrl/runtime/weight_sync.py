@@ -124,7 +124,7 @@ def plan_buckets(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -
     return buckets
 
 
-def pack(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
+def pack_bucket(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
     """One flat tensor on ``device`` holding ``bucket``'s tensors back to back."""
     flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=device)
     offset = 0
@@ -136,7 +136,7 @@ def pack(bucket: Bucket, tensors: Mapping[str, torch.Tensor], device: torch.devi
     return flat
 
 
-def unpack(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+def unpack_bucket(bucket: Bucket, flat: torch.Tensor) -> dict[str, torch.Tensor]:
     """Views into ``flat``, one per tensor of ``bucket`` (no copy)."""
     out, offset = {}, 0
     for name, shape in zip(bucket.names, bucket.shapes):
@@ -255,10 +255,10 @@ class WeightSender:
         header = torch.tensor([version, len(self._plan)], dtype=torch.int64, device=self.device)
         try:
             self._group.broadcast(header, 0).wait()
-            flat = pack(self._plan[0], tensors, self.device) if self._plan else None
+            flat = pack_bucket(self._plan[0], tensors, self.device) if self._plan else None
             for i in range(len(self._plan)):
                 work = self._group.broadcast(flat, 0)
-                following = pack(self._plan[i + 1], tensors, self.device) if i + 1 < len(self._plan) else None
+                following = pack_bucket(self._plan[i + 1], tensors, self.device) if i + 1 < len(self._plan) else None
                 work.wait()  # packing the next bucket overlapped this one's transfer
                 flat = following
         except Exception as exc:
@@ -320,7 +320,7 @@ class WeightReceiver:
             for bucket in self._plan:
                 flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.device)
                 self._group.broadcast(flat, 0).wait()
-                weights.update(unpack(bucket, flat))
+                weights.update(unpack_bucket(bucket, flat))
         except WeightSyncError:
             raise
         except Exception as exc:

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.client import LLMClient, stop_token_ids
 from asyncrl.engine import TorchEngine
-from asyncrl.evaluation import EvalResult, evaluate
+from asyncrl.eval_scoring import EvalResult, evaluate
 from asyncrl.tasks import Task, countdown_reward
 from asyncrl.types import Episode, SamplingParams
 from asyncrl.workflows import SingleTurnWorkflow, run_episode

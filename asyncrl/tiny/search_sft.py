@@ -265,7 +265,7 @@ def agent_eval(model_path: str, *, config: str, num_tasks: int, samples_per_task
                output_dir: str) -> dict[str, Any]:
     """Held-out score through the real agent, as ``asyncrl eval <config> model.path=...`` runs it."""
     from asyncrl.config import load_config
-    from asyncrl.orchestrator.evaluator import run_eval
+    from asyncrl.orchestrator.eval_command import run_eval
 
     overrides = [f"model.path={model_path}", f"output_dir={output_dir}", f"eval.num_tasks={num_tasks}",
                  f"eval.samples_per_task={samples_per_task}", f"eval.temperature={temperature}",
