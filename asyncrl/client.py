@@ -112,6 +112,19 @@ class LLMClient:
             trajectory, copy.deepcopy(messages) + [response.message], copy.deepcopy(tools), response.token_ids)
         return response
 
+    def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
+               generation_prompt: bool) -> str:
+        """The text ``chat`` tokenizes for ``messages``: the chat template's, after
+        :func:`chat_format.prepare` has written out what the template would drop (the probe
+        is cached per template, so this costs a dict lookup). ``generation_prompt``: end with
+        the opening of the model's next turn, as a prompt does."""
+        if self.tokenizer.chat_template is None:
+            raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template; "
+                             "chat workflows need one (use generate() for plain prompts)")
+        messages, tools = chat_format.prepare(messages, tools, chat_format.probe(self.tokenizer))
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
     # -------------------------------------------------------------------------
     async def _extend(self, trajectory: Trajectory, sampling: SamplingParams, messages: list[Message] | None,
                       stop: list[str] | None = None) -> Response:
@@ -169,19 +182,8 @@ class LLMClient:
                 return Completion(ids, logprobs, versions, "length"), num_resumes
             num_resumes += 1
 
-    def _render(self, messages: list[Message], tools: list[dict[str, Any]] | None, *, generation_prompt: bool) -> str:
-        """The chat template's text, after :func:`chat_format.prepare` has written out what
-        the template would drop (the probe is cached per template, so this costs a dict
-        lookup)."""
-        if self.tokenizer.chat_template is None:
-            raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template; "
-                             "chat workflows need one (use generate() for plain prompts)")
-        messages, tools = chat_format.prepare(messages, tools, chat_format.probe(self.tokenizer))
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
-
     def _render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
-        return self.tokenizer.encode(self._render(messages, tools, generation_prompt=True), add_special_tokens=False)
+        return self.tokenizer.encode(self.render(messages, tools, generation_prompt=True), add_special_tokens=False)
 
     def _tokens_after_reply(self, conv: _Conversation, messages: list[Message]) -> list[int] | None:
         """Ids for what follows the model's last reply: the end-of-turn text the template
@@ -195,9 +197,9 @@ class LLMClient:
         inference. Appending anyway would train on a context the template never produces;
         re-tokenizing the rewritten history into this trajectory would break the sampled
         ids. The earlier trajectory keeps its own tokens and is still trained."""
-        opened = self._render(conv.messages[:-1], conv.tools, generation_prompt=True)
-        closed = self._render(conv.messages, conv.tools, generation_prompt=False)
-        following = self._render(messages, conv.tools, generation_prompt=True)
+        opened = self.render(conv.messages[:-1], conv.tools, generation_prompt=True)
+        closed = self.render(conv.messages, conv.tools, generation_prompt=False)
+        following = self.render(messages, conv.tools, generation_prompt=True)
         sampled = self.tokenizer.decode(conv.last_output_ids, skip_special_tokens=False)
         reply = closed[len(opened):]
         if not closed.startswith(opened):

@@ -279,7 +279,7 @@ class RayConfig(Section):
 
 class WeightSyncConfig(Section):
     """How new weights travel from the learner to the rollout engines after a step
-    (``asyncrl/runtime/weight_sync.py``). ``weight_sync=collective`` on the command line
+    (``asyncrl/weight_sync``). ``weight_sync=collective`` on the command line
     is short for ``weight_sync.method=collective``."""
 
     method: Literal["object_store", "collective"] = "object_store"

@@ -143,7 +143,7 @@ def test_probe_our_template_supports_everything(char_tokenizer):
     # Its output through the client is the template's own.
     llm = client(char_tokenizer)
     messages = few_shot_conversation()
-    assert llm._render(messages, TOOLS, generation_prompt=True) == char_tokenizer.apply_chat_template(
+    assert llm.render(messages, TOOLS, generation_prompt=True) == char_tokenizer.apply_chat_template(
         messages, tools=TOOLS, tokenize=False, add_generation_prompt=True)
 
 
@@ -188,7 +188,7 @@ def test_smollm2_tool_round_trip_through_the_client(smollm2):
     between = smollm2.decode(llm.engine.prompts[1][len(llm.engine.prompts[0]) + len(llm.engine.replies[0]):])
     assert between == "\n<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
     # The stitched trajectory is the whole conversation rendered afresh.
-    fresh = llm._render(messages, TOOLS, generation_prompt=False)
+    fresh = llm.render(messages, TOOLS, generation_prompt=False)
     assert smollm2.decode(traj.prompt_ids + traj.response_ids) + "\n" == fresh
 
 

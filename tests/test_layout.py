@@ -78,10 +78,10 @@ FLOORS = {
     "asyncrl": 0,  # the package's own __init__ only, not a default for the modules under it
     "asyncrl.types": 0, "asyncrl.modes": 0, "asyncrl.config": 0, "asyncrl.config_doc": 0, "asyncrl.seeding": 0,
     "asyncrl.jsonl": 0, "asyncrl.json_api": 0, "asyncrl.heap": 0, "asyncrl.threads": 0, "asyncrl.plugins": 0,
-    "asyncrl.chat_format": 0, "asyncrl.model_store": 0,
+    "asyncrl.chat_format": 0, "asyncrl.model_store": 0, "asyncrl.journal": 0,
     # 1 parts: one job each
     "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.engine": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
-    "asyncrl.eval_scoring": 1, "asyncrl.client": 1, "asyncrl.tools": 1,
+    "asyncrl.eval_scoring": 1, "asyncrl.client": 1, "asyncrl.tools": 1, "asyncrl.weight_sync": 1,
     # 2 episodes over the client
     "asyncrl.workflows": 2, "asyncrl.gateway": 2,
     # 3 where the parts run
@@ -133,3 +133,19 @@ def test_every_module_has_a_floor():
 
 def test_no_import_climbs_to_a_higher_floor():
     assert climbs(import_graph()) == []
+
+
+def test_a_learner_call_is_one_method_on_the_worker_with_the_protocols_parameters():
+    """Adding a learner call is a method on ``LearnerWorker`` and one on the Protocol: the
+    one handle (``LearnerGroup``) forwards every call the Protocol declares."""
+    import inspect
+
+    from asyncrl.runtime.learner_worker import LearnerWorker
+    from asyncrl.runtime.protocol import LEARNER_CALLS, LearnerHandle
+    from asyncrl.runtime.transport import LearnerGroup
+
+    assert set(LEARNER_CALLS) == {"train_step", "publish", "save_checkpoint", "load_checkpoint"}
+    for name in LEARNER_CALLS:
+        declared = inspect.signature(getattr(LearnerHandle, name)).parameters
+        assert list(inspect.signature(getattr(LearnerWorker, name)).parameters) == list(declared), name
+        assert inspect.iscoroutinefunction(getattr(LearnerGroup, name)), name

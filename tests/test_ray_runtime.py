@@ -38,7 +38,7 @@ def test_killed_rollout_worker_is_replaced_and_the_run_completes(tmp_path, polic
     async def kill_a_worker_after_step_2():
         while not any(r["step"] >= 2 for r in read_jsonl(out / "metrics.jsonl")):
             await asyncio.sleep(0.05)
-        pid = (await trainer.rollout.pids())[0]
+        pid = (await trainer.rollout.apply(lambda worker, index: os.getpid()))[0]
         os.kill(pid, signal.SIGKILL)
         killed.append(pid)
 

@@ -113,7 +113,7 @@ def episode(smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> Episode
                 await weight_update(second)
                 second = await second
             return Episode(llm.trajectories, old, engine_model, tokenizer, scripted.script, spy.calls, first, second,
-                           lambda m, prompt: llm._render(m, TOOLS, generation_prompt=prompt))
+                           lambda m, prompt: llm.render(m, TOOLS, generation_prompt=prompt))
 
     return asyncio.run(main())
 

@@ -105,12 +105,10 @@ def test_a_task_stream_keeps_each_draws_epoch_and_start_order_across_a_resume():
     stream = TaskStream(tasks, seed=0)
     draws = [stream.next_draw() for _ in range(7)]
     assert [d.epoch for d in draws] == [0, 0, 0, 1, 1, 1, 2] and {d.order for d in draws} == {None}
-    resumed = TaskStream(tasks, seed=0, epoch=1, index=1, reissue=[draws[2].index, draws[3].index],
-                         reissue_epochs=[0, 1], reissue_orders=[3, 4])
+    resumed = TaskStream(tasks, seed=0, epoch=1, index=1,
+                         reissue=[draws[2]._replace(order=3), draws[3]._replace(order=4)])
     assert resumed.next_draw() == draws[2]._replace(order=3) and resumed.next_draw() == draws[3]._replace(order=4)
     assert resumed.next_draw() == draws[4]  # then the cursor's next, with no start order yet
-    legacy = TaskStream(tasks, seed=0, epoch=1, index=1, reissue=[draws[2].index])  # a checkpoint without them
-    assert legacy.next_draw() == (draws[2].index, 1, None)
 
 
 class Flaky:
@@ -199,9 +197,7 @@ def test_a_resumed_sync_run_trains_on_the_uninterrupted_runs_samples(tmp_path, p
     cfg = load_config("examples/countdown/async.yaml", ["task.num_train=64", "task.num_validation=8"])
     index = {t.id: i for i, t in enumerate(build_tasks(cfg).train)}
     for g in state.pop("buffered"):
-        state["reissue"].append(index[g["group"]["task_id"]])
-        state["reissue_epochs"].append(0)
-        state["reissue_orders"].append(g["start_order"])
+        state["reissue"].append({"index": index[g["group"]["task_id"]], "epoch": 0, "order": g["start_order"]})
         state["counters"]["groups_accepted"] -= 1  # not finished, so not counted yet
     state_file.write_text(json.dumps({**state, "buffered": []}))
     assert state["reissue"]

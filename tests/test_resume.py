@@ -22,7 +22,7 @@ from asyncrl.orchestrator.checkpoint import (
     rollback_logs,
     starting_point,
 )
-from asyncrl.orchestrator.task_stream import TaskStream
+from asyncrl.orchestrator.task_stream import Draw, TaskStream
 from asyncrl.workflows.registry import build_tasks
 
 
@@ -36,10 +36,33 @@ def test_task_stream_reissues_first_then_continues_the_epoch():
     order = [full.next_index() for _ in range(10)]
     assert sorted(order) == tasks
     # handed out 0..5; the tasks at positions 2 and 4 never finished before the crash
-    resumed = TaskStream(tasks, seed=3, epoch=0, index=6, reissue=[order[2], order[4]])
+    resumed = TaskStream(tasks, seed=3, epoch=0, index=6, reissue=[Draw(order[2], 0), Draw(order[4], 0)])
     rest = [resumed.next_index() for _ in range(6)]
     assert rest == [order[2], order[4], *order[6:]]
     assert resumed.next_index() in tasks and resumed.epoch == 1
+
+
+def test_run_state_saves_each_reissued_draw_whole():
+    state = RunState(step=2, elapsed_s=5.0, started=6, epoch=1, index=3, reissue=[Draw(4, 0, 5), Draw(7, 1)],
+                     buffered=[])
+    assert json.loads(state.to_json())["reissue"] == [{"index": 4, "epoch": 0, "order": 5},
+                                                      {"index": 7, "epoch": 1, "order": None}]
+    assert RunState.from_json(state.to_json()) == state
+
+
+def test_an_older_run_state_loads_its_reissued_tasks_as_draws():
+    """Checkpoints written before draws were saved whole: task indices with their epochs and
+    start orders in lists beside them, or (older) without them; an entry the lists do not
+    cover was drawn in the cursor's epoch and starts afresh."""
+    old = {"step": 2, "elapsed_s": 5.0, "started": 6, "epoch": 1, "index": 3, "buffered": [], "counters": {},
+           "stale_dropped": 0}
+    with_lists = RunState.from_json(json.dumps({**old, "reissue": [4, 7, 9], "reissue_epochs": [0, 1],
+                                                "reissue_orders": [5]}))
+    assert with_lists.reissue == [Draw(4, 0, 5), Draw(7, 1, None), Draw(9, 1, None)]
+    assert not hasattr(with_lists, "reissue_epochs") and not hasattr(with_lists, "reissue_orders")
+    without = RunState.from_json(json.dumps({**old, "reissue": [4, 7]}))
+    assert without.reissue == [Draw(4, 1, None), Draw(7, 1, None)]
+    assert json.loads(without.to_json())["reissue"][0] == {"index": 4, "epoch": 1, "order": None}
 
 
 def test_latest_checkpoint_ignores_half_written(tmp_path):
@@ -148,7 +171,7 @@ def test_kill_9_between_checkpoints_then_resume(tmp_path, policy_dir):
     stream = TaskStream(ids, cfg.seed)
     handed_out = Counter(ids[stream.next_index()] for _ in range(after.index))
     trained = Counter(s["task_id"] for s in samples if s["episode"] == 0)
-    pending = Counter([ids[i] for i in after.reissue] + [g["group"]["task_id"] for g in after.buffered])
+    pending = Counter([ids[d.index] for d in after.reissue] + [g["group"]["task_id"] for g in after.buffered])
     assert max((trained + pending).values()) == 1
     assert not (trained + pending) - handed_out
     assert sum(handed_out.values()) - sum((trained + pending).values()) == metrics[-1]["buffer/stale_dropped_total"]

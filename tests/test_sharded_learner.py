@@ -21,7 +21,8 @@ from asyncrl.config import load_config
 from asyncrl.learner import pack_batch
 from asyncrl.learner.distributed import row_range
 from asyncrl.runtime.learner_worker import LearnerWorker
-from asyncrl.runtime.sharded_learner import LearnerRankError, RankWorker, ShardedLearner
+from asyncrl.runtime.rank_processes import RankProcesses
+from asyncrl.runtime.transport import LearnerGroup, LearnerRankError
 from asyncrl.types import Trajectory
 
 
@@ -44,11 +45,18 @@ def batch(seed, rows=5):
     return pack_batch(trajectories, torch.randn(rows, generator=g).tolist(), pad_id=0)
 
 
+def joined(cfg) -> LearnerWorker:
+    """One rank in this process, its policy loaded."""
+    worker = LearnerWorker(cfg)
+    worker.join()
+    return worker
+
+
 def one_rank(cfg, *batches):
     """The unsharded learner's weights and metrics after a step on each batch."""
-    worker = LearnerWorker(cfg)
+    worker = joined(cfg)
     metrics = [worker.train_step(b, False) for b in batches]
-    return worker, worker.export_weights(), metrics
+    return worker, worker.publish(), metrics
 
 
 def assert_same_weights(actual, expected):
@@ -64,9 +72,10 @@ def assert_same_metrics(actual, expected):
 
 
 async def started(cfg, **kwargs):
-    learner = ShardedLearner(cfg, **kwargs)
+    """The learner handle over N rank processes, every rank joined."""
+    learner = LearnerGroup(RankProcesses(cfg, **kwargs))
     try:
-        await learner.start()
+        await learner.transport.start()
     except BaseException:
         await learner.shutdown()
         raise
@@ -132,13 +141,13 @@ def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir,
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, learner_model(ids).logits)
 
-    worker = LearnerWorker(single)  # one rank resumes what two saved
+    worker = joined(single)  # one rank resumes what two saved
     assert worker.load_checkpoint(path) == 1
     worker.train_step(batch(1), False)
-    assert_same_weights(worker.export_weights(), after_two)
+    assert_same_weights(worker.publish(), after_two)
 
 
-class FailingRank(RankWorker):
+class FailingRank(LearnerWorker):
     """Rank 1 raises in its step; rank 0 is then left waiting in a collective."""
 
     def train_step(self, batch, on_policy):
@@ -152,16 +161,16 @@ def test_a_rank_that_raises_fails_fast_and_is_named_and_ctrl_c_is_the_drivers(po
         learner = await started(config(policy_dir, "learner.world_size=2", "learner.timeout_s=120"),
                                 worker_cls=FailingRank)
         try:
-            for proc in learner.procs:  # a Ctrl-C reaches the ranks too; only the driver acts on it
+            for proc in learner.transport.procs:  # a Ctrl-C reaches the ranks too; only the driver acts on it
                 os.kill(proc.pid, signal.SIGINT)
-            assert set(await learner.publish()) == set(LearnerWorker(config(policy_dir)).export_weights())
+            assert set(await learner.publish()) == set(joined(config(policy_dir)).publish())
             start = time.perf_counter()
             with pytest.raises(LearnerRankError) as failure:
                 await learner.train_step(batch(0), False)
             elapsed = time.perf_counter() - start
             with pytest.raises(LearnerRankError):  # the learner stays failed
                 await learner.publish()
-            return failure.value, elapsed, learner.procs
+            return failure.value, elapsed, learner.transport.procs
         finally:
             await learner.shutdown()
 

@@ -152,31 +152,20 @@ def test_misuse_raises():
     gate.on_version(3)
     with pytest.raises(ValueError):
         gate.on_version(2)
-    assert gate.snapshot() == {"max_staleness": 0, "groups_per_step": 1, "version": 3,
-                               "running": 0, "accepted": 1, "rejected": 0}
+    assert (gate.version, gate.running, gate.accepted, gate.rejected) == (3, 0, 1, 0)
 
 
-def test_snapshot_round_trip_releases_lost_rollouts():
-    gate = StalenessGate(1, 2, version=4)
-    for _ in range(5):
-        gate.on_start()
-    gate.on_accept()
-    gate.on_accept()
-    gate.on_reject()
-    snap = gate.snapshot()
-    kept = StalenessGate.from_snapshot(snap, keep_running=True)
-    assert kept.snapshot() == snap
-    # Default: the in-flight rollouts died with the process, so their quota comes back.
-    resumed = StalenessGate.from_snapshot(snap)
-    assert resumed.running == 0 and resumed.accepted == 2 and resumed.rejected == 3
-    assert resumed.capacity == gate.capacity + 2
+def test_a_resumed_gate_holds_the_accepted_quota_and_nothing_running():
+    # at version 4 with η = 1, B = 2: 5 consumed or buffered groups leave room for 7
+    resumed = StalenessGate.resumed(1, 2, version=4, accepted=5)
+    assert resumed.running == 0 and resumed.accepted == 5 and resumed.rejected == 0
+    assert resumed.limit == 12 and resumed.capacity == 7
     # A smaller η on resume can leave started above the limit: capacity clamps at zero.
-    full = StalenessGate(1, 2)
-    for _ in range(4):
-        full.on_start()
-    shrunk = StalenessGate.from_snapshot(full.snapshot(), keep_running=True, max_staleness=0)
+    shrunk = StalenessGate.resumed(0, 2, version=0, accepted=4)
     assert shrunk.started == 4 and shrunk.limit == 2
     assert shrunk.capacity == 0 and not shrunk.can_start()
+    with pytest.raises(ValueError, match="accepted"):
+        StalenessGate.resumed(1, 2, version=4, accepted=-1)
 
 
 async def _pending(task: asyncio.Task, rounds: int = 5) -> bool:
@@ -216,8 +205,8 @@ def test_async_acquire_wakes_on_rejection():
 def test_async_cancelled_waiter_takes_no_quota():
     async def main():
         gate = AsyncStalenessGate(StalenessGate(0, 1))
-        assert gate.try_acquire()
-        assert not gate.try_acquire()
+        await asyncio.wait_for(gate.acquire(), 1)
+        assert gate.gate.running == 1 and not gate.gate.can_start()
         # Cancelled while waiting.
         waiter = asyncio.create_task(gate.acquire())
         assert await _pending(waiter)

@@ -16,9 +16,10 @@ import torch
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.learner import pack_batch
-from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
+from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rollout_worker import RolloutWorker
-from asyncrl.runtime.weight_sync import (
+from asyncrl.runtime.transport import InProcess, LearnerGroup
+from asyncrl.weight_sync import (
     CollectiveSync,
     ObjectStoreSync,
     WeightReceiver,
@@ -27,6 +28,7 @@ from asyncrl.runtime.weight_sync import (
     fingerprint,
     plan_buckets,
 )
+from asyncrl.weight_sync.endpoints import join_receiver, served_fingerprint
 from asyncrl.tasks.countdown import iter_countdown
 from asyncrl.types import Trajectory
 
@@ -49,32 +51,33 @@ class TwoWorkers:
     def __init__(self, workers: list[RolloutWorker], joining: list[int] | None = None) -> None:
         self.workers, self.joining = workers, joining if joining is not None else list(range(len(workers)))
 
-    async def _each(self, call) -> list:
-        return [x for part in await asyncio.gather(*[call(w) for w in self.workers]) for x in part]
-
     async def sync_weights(self, weights, version, mode):
-        return await self._each(lambda w: w.sync_weights(weights, version, mode))
+        return [v for part in await asyncio.gather(*[w.sync_weights(weights, version, mode) for w in self.workers])
+                for v in part]
 
-    async def join_weight_sync(self, address):
-        await asyncio.gather(*[self.workers[i].join_weight_sync(address, i + 1) for i in self.joining])
-
-    async def receive_weights(self, version, mode):
-        return await self._each(lambda w: w.receive_weights(version, mode))
-
-    async def leave_weight_sync(self):
-        await asyncio.gather(*[w.leave_weight_sync() for w in self.workers])
+    async def apply(self, fn, *args):
+        chosen = self.joining if fn is join_receiver else range(len(self.workers))
+        return [v for part in await asyncio.gather(*[self.workers[i].apply(fn, *args, index=i) for i in chosen])
+                for v in part]
 
     async def fingerprints(self):
-        return await self._each(lambda w: w.fingerprints())
+        return await self.apply(served_fingerprint)
+
+
+def learner_here(cfg) -> LearnerWorker:
+    worker = LearnerWorker(cfg)
+    worker.join()
+    return worker
 
 
 async def in_process(policy_dir, scenario, *extra, joining=None):
     """Run ``scenario(cfg, learner_worker, sync, workers)`` with the group formed; every
     engine, receiver and the learner's store are released on the way out, failing or not."""
     cfg = config(policy_dir, *extra)
-    learner_worker = LearnerWorker(cfg)
+    learner_worker = learner_here(cfg)
     workers = [RolloutWorker(cfg, seed=i) for i in range(2)]
-    sync = CollectiveSync(cfg.weight_sync, LocalLearner(learner_worker), TwoWorkers(workers, joining), receivers=2)
+    sync = CollectiveSync(cfg.weight_sync, LearnerGroup(InProcess(learner_worker)), TwoWorkers(workers, joining),
+                          receivers=2)
     try:
         for w in workers:
             await w.start()
@@ -143,7 +146,7 @@ def test_a_worker_that_never_joins_fails_within_the_timeout_naming_it(policy_dir
 
 
 def test_runtime_local_copies_in_memory_and_says_so(policy_dir, capsys):
-    from asyncrl.runtime.weight_sync import open_weight_sync
+    from asyncrl.weight_sync import open_weight_sync
 
     sync = asyncio.run(open_weight_sync(config(policy_dir), None, None))
     assert isinstance(sync, ObjectStoreSync)
@@ -151,7 +154,7 @@ def test_runtime_local_copies_in_memory_and_says_so(policy_dir, capsys):
 
 
 def test_runtime_local_with_a_sharded_learner_copies_in_memory_and_says_so(policy_dir, capsys):
-    from asyncrl.runtime.weight_sync import open_weight_sync
+    from asyncrl.weight_sync import open_weight_sync
 
     sync = asyncio.run(open_weight_sync(config(policy_dir, "learner.world_size=2"), None, None))
     assert isinstance(sync, ObjectStoreSync)  # the engine is in the driver: rank 0's gathered weights, copied
@@ -164,16 +167,17 @@ def test_a_sharded_learner_sends_from_rank_0_and_names_a_worker_that_never_joins
     """Two learner rank processes (the ``runtime: local`` handle), two engines here: every
     rank gathers, rank 0 broadcasts, and both engines then hold the learner's weights. Then
     a group that rollout worker 1 never joins fails within the timeout, naming it."""
-    from asyncrl.runtime.sharded_learner import LearnerRankError, ShardedLearner
+    from asyncrl.runtime.rank_processes import RankProcesses
+    from asyncrl.runtime.transport import LearnerRankError
 
     cfg = config(policy_dir, "learner.world_size=2", "learner.timeout_s=60", "weight_sync.timeout_s=10",
                  "optim.weight_decay=0.1")
 
     async def scenario():
-        learner = ShardedLearner(cfg, num_threads=1)
+        learner = LearnerGroup(RankProcesses(cfg, num_threads=1))
         workers = [RolloutWorker(cfg, seed=i) for i in range(2)]
         try:
-            await learner.start()
+            await learner.transport.start()
             for w in workers:
                 await w.start()
             sync = CollectiveSync(cfg.weight_sync, learner, TwoWorkers(workers), receivers=2)
@@ -312,7 +316,7 @@ def ray_cluster():
 
 def test_collective_sync_to_two_ray_workers(policy_dir, ray_cluster):
     from asyncrl.runtime import start
-    from asyncrl.runtime.ray_runtime import RayLearner
+    from asyncrl.runtime.ray_runtime import RayActors
 
     cfg = config(policy_dir, *RAY, "mode=sync", "weight_sync.bucket_mb=0.05")
 
@@ -320,13 +324,13 @@ def test_collective_sync_to_two_ray_workers(policy_dir, ray_cluster):
         async with start(cfg, model=None, tokenizer=None, train=True) as runtime:
             assert isinstance(runtime.weight_sync, CollectiveSync)
             learner = runtime.learner
-            assert isinstance(learner, RayLearner)
+            assert isinstance(learner, LearnerGroup) and isinstance(learner.transport, RayActors)
             await learner.train_step(pack_batch([Trajectory([5, 6, 7], [8 + i, 9], [1, 1], [-1.0, -1.0], [0, 0])
                                            for i in range(2)], [1.0, -1.0], 0), False)
-            expected = fingerprint((await (await learner.publish())).items())  # publish: an ObjectRef
-            assert all(digest != expected for _, digest in await runtime.rollout.fingerprints())
+            expected = fingerprint(ray.get((await learner.publish()).ref).items())  # publish: in the store
+            assert all(digest != expected for _, digest in await runtime.rollout.apply(served_fingerprint))
             await runtime.weight_sync.sync(1, "off")
-            assert await runtime.rollout.fingerprints() == [(1, expected)] * 2
+            assert await runtime.rollout.apply(served_fingerprint) == [(1, expected)] * 2
             episodes = await runtime.rollout.run_group(next(iter_countdown(seed=3)), 4)
             assert {v for e in episodes for t in e.trajectories for v in t.versions} == {1}
 
@@ -374,9 +378,8 @@ AFTER_SYNC: list[tuple[int, str, list[tuple[int, str]]]] = []
 async def fingerprints_after_sync(event):
     """``hooks.on_policy_updated``: the learner's weights (gathered by its ranks) and every
     engine's, digested right after the sync of ``event.version``."""
-    published = await event.run.learner.publish()
-    weights = await published if isinstance(published, ray.ObjectRef) else published
-    AFTER_SYNC.append((event.version, fingerprint(weights.items()), await event.run.rollout.fingerprints()))
+    weights = ray.get((await event.run.learner.publish()).ref)
+    AFTER_SYNC.append((event.version, fingerprint(weights.items()), await event.run.rollout.apply(served_fingerprint)))
 
 
 def test_train_on_ray_with_two_learner_ranks_and_collective_weight_sync(tmp_path, policy_dir, ray_cluster, capsys):

@@ -4,7 +4,7 @@ sharded learner (``learner.world_size``), same batch, same model, measured side 
 Two models: ``model_path`` (the shipped ``models/countdown-tiny``) and a Qwen2 generated
 from its shape keys (``hidden_size``, ``num_layers``: ~25M parameters by default) with
 the tiny char tokenizer. Each configuration runs as rank processes
-(``sharded_learner.ShardedLearner``), the one-rank baseline too, so every one pays the
+(the ``RankProcesses`` transport, ``asyncrl/runtime/rank_processes.py``), the one-rank baseline too, so every one pays the
 same process boundary; torch threads are split evenly over the ranks (``threads`` in all).
 
 A step's time is the slowest rank's, from a barrier to the end of the optimizer step
@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
 from asyncrl.bench.progress import phase
 from asyncrl.config import ConfigError, Section, apply_overrides, load_config, validate
 from asyncrl.learner import TrainBatch, pack_batch
-from asyncrl.runtime.sharded_learner import ShardedLearner
+from asyncrl.runtime.rank_processes import RankProcesses
 from asyncrl.tiny import build_char_tokenizer, save_tiny_policy, tiny_qwen2_config
 from asyncrl.types import Trajectory
 
@@ -99,17 +99,17 @@ def run_config(s: LearnerBenchSettings, name: str, path: Path, batch: TrainBatch
     label = f"{name}, {world_size} rank{'s' if world_size > 1 else ''}" + (f" {strategy}" if strategy else "")
 
     async def measure() -> dict[str, Any]:
-        learner = ShardedLearner(cfg, num_threads=threads)
+        ranks = RankProcesses(cfg, num_threads=threads)
         try:
-            await learner.start()
+            await ranks.start()
             with phase("learner", label, total=s.repeats + 1, unit="step") as progress:
                 times = []
                 for i in range(s.repeats + 1):
-                    per_rank = [t for _, t in await learner.call("timed_train_step", batch, False)]
+                    per_rank = [t for _, t in await ranks.call("timed_train_step", batch, False)]
                     if i:  # the first step warms up (allocations, thread pools)
                         times.append(max(per_rank))
                     progress.advance()  # between timed steps
-                memory = await learner.call("memory")
+                memory = await ranks.call("memory")
                 step_s = statistics.median(times)
                 state = max(m["params"] + m["grads"] + m["optimizer"] for m in memory)
                 progress.figure = f"{step_s:.3f} s/step, params+grads+optimizer {state / 2**20:,.1f} MiB/rank"
@@ -119,7 +119,7 @@ def run_config(s: LearnerBenchSettings, name: str, path: Path, batch: TrainBatch
                     **({"cuda_max_allocated_per_rank": max(m["cuda_max_allocated"] for m in memory)}
                        if "cuda_max_allocated" in memory[0] else {})}
         finally:
-            await learner.shutdown()
+            await ranks.close()
 
     return asyncio.run(measure())
 

@@ -178,7 +178,7 @@ async def _chat(engine: TorchEngine, tokenizer: PreTrainedTokenizerBase, samplin
     if len(llm.trajectories) != 1:
         raise RuntimeError("the second turn did not extend the first trajectory; nothing to compare")
     conversation = [messages[0], *texts, messages[2], {"role": "assistant", "content": last.text}]
-    return llm.trajectories[0], conversation, lambda m, prompt: llm._render(m, None, generation_prompt=prompt)
+    return llm.trajectories[0], conversation, lambda m, prompt: llm.render(m, generation_prompt=prompt)
 
 
 async def _generate(s: RetokenizeBenchSettings, model: Any, tokenizer: PreTrainedTokenizerBase,

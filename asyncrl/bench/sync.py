@@ -25,7 +25,8 @@ from pydantic import Field
 
 from asyncrl.bench.progress import phase
 from asyncrl.config import Config, Section, apply_overrides, validate
-from asyncrl.runtime.weight_sync import CollectiveSync, ObjectStoreSync, WeightSync, fingerprint
+from asyncrl.weight_sync import CollectiveSync, ObjectStoreSync, WeightSync, fingerprint
+from asyncrl.weight_sync.endpoints import served_fingerprint
 
 METHODS = ("object_store", "collective")
 
@@ -68,6 +69,11 @@ def _config(s: SyncBenchSettings, model_path: Path | str, workers: int) -> Confi
         "weight_sync=collective", f"weight_sync.bucket_mb={s.bucket_mb}", f"weight_sync.timeout_s={s.timeout_s}"]))
 
 
+def _weights(worker: Any) -> dict[str, Any]:
+    """The learner's weights, read in its worker (``publish`` on Ray leaves them in the store)."""
+    return worker.learner.export_weights()
+
+
 async def _measure(cfg: Config, repeats: int, advance) -> dict[str, Any]:
     from asyncrl.runtime import start
 
@@ -75,8 +81,8 @@ async def _measure(cfg: Config, repeats: int, advance) -> dict[str, Any]:
         assert isinstance(runtime.weight_sync, CollectiveSync)
         syncs: dict[str, WeightSync] = {"object_store": ObjectStoreSync(runtime.learner, runtime.rollout),
                                         "collective": runtime.weight_sync}
-        reference = fingerprint((await (await runtime.learner.publish())).items())
-        await runtime.rollout.fingerprints()  # every engine is up before the clock starts
+        reference = fingerprint((await runtime.learner.apply(_weights))[0].items())
+        await runtime.rollout.apply(served_fingerprint)  # every engine is up before the clock starts
         times: dict[str, list[float]] = {m: [] for m in METHODS}
         checked: dict[str, bool] = {}
         version = 0
@@ -89,7 +95,7 @@ async def _measure(cfg: Config, repeats: int, advance) -> dict[str, Any]:
                 if i:
                     times[method].append(elapsed)
                 if i == repeats:  # the last: every engine holds the learner's weights, at this version
-                    served = await runtime.rollout.fingerprints()
+                    served = await runtime.rollout.apply(served_fingerprint)
                     checked[method] = served == [(version, reference)] * cfg.ray.num_rollout_workers
             if i:
                 advance()

@@ -97,17 +97,6 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
                  if p["reward_mean"] >= target - 1e-9), None)
 
 
-class _TimedSaves(Trainer):
-    """The trainer, recording how long each checkpoint save takes."""
-
-    saves: dict[int, float]
-
-    async def _save(self, step: int) -> None:
-        start = time.perf_counter()
-        await super()._save(step)
-        self.saves[step] = time.perf_counter() - start
-
-
 def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
     steps = checkpoint_steps(s)
     cfg = load_config(None, [
@@ -118,20 +107,19 @@ def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
         f"save_every={s.eval_every}", f"keep_last={len(steps) + 1}",
     ])
-    trainer = _TimedSaves(cfg)
-    trainer.saves = {}
+    trainer = Trainer(cfg)
     trainer.run()
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]  # the step rows
     t0 = rows[0]["time/elapsed"] - rows[0]["time/step"]  # the first step's start
 
     def clock(row: dict[str, Any]) -> float:  # saves after earlier steps fall inside this step's time
-        return row["time/elapsed"] - t0 - sum(d for k, d in trainer.saves.items() if k < row["step"])
+        return row["time/elapsed"] - t0 - sum(d for k, d in trainer.save_seconds.items() if k < row["step"])
 
     run = Run()
     run.train_curve = [(clock(r), r["reward/mean"]) for r in rows]
     at = {r["step"]: clock(r) for r in rows}
     run.checkpoints = [(k, at[k], out / "checkpoints" / f"step_{k}") for k in steps]
-    run.save_s = sum(d for k, d in trainer.saves.items() if k < s.steps)
+    run.save_s = sum(d for k, d in trainer.save_seconds.items() if k < s.steps)
     run.wall_s = run.train_curve[-1][0]
     return run
 

@@ -31,6 +31,7 @@ from typing import Any
 from asyncrl.config import ConfigError
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.buffer import ReadyGroup
+from asyncrl.orchestrator.task_stream import Draw
 from asyncrl.types import Group
 
 RUN_STATE_FILE = "run_state.json"
@@ -44,19 +45,28 @@ class RunState:
     started: int  # groups the gate admitted so far (start order of the next one)
     epoch: int
     index: int
-    reissue: list[int]  # task indices handed out whose groups were not finished
+    reissue: list[Draw]  # tasks handed out whose groups were not finished, each with its epoch and start order
     buffered: list[dict[str, Any]]  # {"start_order", "group"} of groups not yet trained
     counters: dict[str, int] = field(default_factory=dict)
     stale_dropped: int = 0
-    reissue_epochs: list[int] = field(default_factory=list)  # the epoch each reissued task was drawn in (its seeds)
-    reissue_orders: list[int | None] = field(default_factory=list)  # and its start order (it keeps its place)
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        """Each draw as ``{"index", "epoch", "order"}``."""
+        return json.dumps({**asdict(self), "reissue": [d._asdict() for d in self.reissue]})
 
     @classmethod
     def from_json(cls, text: str) -> RunState:
-        return cls(**json.loads(text))
+        """Also reads the older shape, where ``reissue`` is a list of task indices with their
+        epochs and start orders in two lists beside it (``reissue_epochs``, ``reissue_orders``),
+        or, older still, without them: such an entry counts as drawn in the cursor's epoch and
+        starts afresh (no start order)."""
+        data = json.loads(text)
+        epochs, orders = data.pop("reissue_epochs", []), data.pop("reissue_orders", [])
+        data["reissue"] = [
+            Draw(**d) if isinstance(d, dict)
+            else Draw(d, epochs[i] if i < len(epochs) else data["epoch"], orders[i] if i < len(orders) else None)
+            for i, d in enumerate(data["reissue"])]
+        return cls(**data)
 
     @staticmethod
     def encode_groups(groups: list[ReadyGroup]) -> list[dict[str, Any]]:

@@ -30,24 +30,22 @@ class RolloutLoop:
         """A fresh loop at ``version``, or the one checkpointed in ``state``."""
         self.cfg, self.tasks, self.watchdog = cfg, tasks, watchdog
         eta = cfg.effective_max_staleness
-        gate = StalenessGate(eta, cfg.batch_size, version)
         self.started = 0  # groups admitted so far: the start order of the next fresh one is started + 1
         self.in_flight: dict[int, Draw] = {}  # start order -> its draw, until the group is done
         self.finished_rewards: list[float] = []  # every episode's since the last step, filtered ones too
-        if state is not None:  # consumed and saved groups hold quota; re-issued tasks start again
+        if state is None:
+            self.gate = AsyncStalenessGate(StalenessGate(eta, cfg.batch_size, version))
+            self.buffer = GroupBuffer(self.gate, eta)
+            self.stream = TaskStream(tasks, cfg.seed)
+        else:  # consumed and saved groups hold quota; re-issued tasks take it again when they start
             groups = state.ready_groups()
             accepted = state.step * cfg.batch_size + len(groups)
-            gate = StalenessGate.from_snapshot({**gate.snapshot(), "accepted": accepted, "running": 0})
-            self.started = state.started
-        self.gate = AsyncStalenessGate(gate)
-        self.buffer = GroupBuffer(self.gate, eta)
-        if state is None:
-            self.stream = TaskStream(tasks, cfg.seed)
-        else:
+            self.gate = AsyncStalenessGate(StalenessGate.resumed(eta, cfg.batch_size, version, accepted))
+            self.buffer = GroupBuffer(self.gate, eta)
             self.buffer.restore(groups)
             self.buffer.stale_dropped = state.stale_dropped
-            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue, state.reissue_epochs,
-                                     state.reissue_orders)
+            self.started = state.started
+            self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue)
 
     async def run(self, rollout: RolloutHandle, now: Callable[[], float], on_episode: Callable[[Episode], None],
                   on_generated: Callable[[float, float, int], None]) -> None:
@@ -98,8 +96,6 @@ class RolloutLoop:
         buffered = self.buffer.snapshot()
         in_buffer = {g.start_order for g in buffered}
         unfinished = [draw for order, draw in sorted(self.in_flight.items()) if order not in in_buffer]
-        reissue = list(self.stream.reissue) + unfinished
         return {"started": self.started, "epoch": self.stream.epoch, "index": self.stream.index,
-                "reissue": [d.index for d in reissue], "reissue_epochs": [d.epoch for d in reissue],
-                "reissue_orders": [d.order for d in reissue], "buffered": RunState.encode_groups(buffered),
+                "reissue": [*self.stream.reissue, *unfinished], "buffered": RunState.encode_groups(buffered),
                 "stale_dropped": self.buffer.stale_dropped}

@@ -49,7 +49,6 @@ the runtime and the report need them without the gate.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 
 from asyncrl.modes import trajectory_staleness
 
@@ -141,7 +140,7 @@ class StalenessGate:
 
     @property
     def capacity(self) -> int:
-        """How many more groups may start now; clamped at 0 (a restore with a
+        """How many more groups may start now; clamped at 0 (a resume with a
         smaller η can leave ``started`` above the limit)."""
         return max(0, self.limit - self.started)
 
@@ -189,48 +188,17 @@ class StalenessGate:
             raise ValueError(f"version went backwards: {self._version} -> {version}")
         self._version = version
 
-    # -- persistence -----------------------------------------------------
-    def snapshot(self) -> dict[str, int]:
-        return {
-            "max_staleness": self._max_staleness,
-            "groups_per_step": self._groups_per_step,
-            "version": self._version,
-            "running": self._running,
-            "accepted": self._accepted,
-            "rejected": self._rejected,
-        }
-
+    # -- resume ----------------------------------------------------------
     @classmethod
-    def from_snapshot(
-        cls,
-        snapshot: Mapping[str, int],
-        *,
-        keep_running: bool = False,
-        max_staleness: int | None = None,
-        groups_per_step: int | None = None,
-    ) -> StalenessGate:
-        """Restore after resume.
-
-        By default groups that were in flight at snapshot time are counted as
-        rejected: after a restart their rollouts are gone, and keeping their
-        quota would be exactly the leak that stalls a run. Pass
-        ``keep_running=True`` only if those rollouts really continue and will be
-        reported. Groups accepted into a buffer that was not checkpointed must
-        likewise be released by the caller with ``on_reject(was_accepted=True)``.
-        ``max_staleness``/``groups_per_step`` override the saved config.
-        """
-        gate = cls(
-            snapshot["max_staleness"] if max_staleness is None else max_staleness,
-            snapshot["groups_per_step"] if groups_per_step is None else groups_per_step,
-            snapshot["version"],
-        )
-        running = _check_int("running", snapshot["running"], 0)
-        gate._accepted = _check_int("accepted", snapshot["accepted"], 0)
-        gate._rejected = _check_int("rejected", snapshot.get("rejected", 0), 0)
-        if keep_running:
-            gate._running = running
-        else:
-            gate._rejected += running
+    def resumed(cls, max_staleness: int, groups_per_step: int, version: int, accepted: int) -> StalenessGate:
+        """The gate of a run resumed from a checkpoint at ``version``: ``accepted`` groups
+        hold quota (those its steps consumed and those saved in its buffer) and none is
+        running. The groups in flight at the checkpoint died with the process; keeping
+        their quota would be exactly the leak that stalls a run. Their tasks are re-issued
+        and take quota again when they start. A resume with a smaller η can leave
+        ``started`` above the limit: capacity is then 0 until versions catch up."""
+        gate = cls(max_staleness, groups_per_step, version)
+        gate._accepted = _check_int("accepted", accepted, 0)
         return gate
 
     def __repr__(self) -> str:
@@ -258,13 +226,6 @@ class AsyncStalenessGate:
         async with self._cond:
             await self._cond.wait_for(self.gate.can_start)
             self.gate.on_start()
-
-    def try_acquire(self) -> bool:
-        """Start a group now if allowed, without waiting."""
-        if not self.gate.can_start():
-            return False
-        self.gate.on_start()
-        return True
 
     async def accept(self) -> None:
         """A running group was kept. Does not change capacity, so no notify."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from asyncrl.seeding import derive_seed
@@ -28,19 +29,11 @@ class TaskStream:
     start order) are what a resume needs."""
 
     def __init__(self, tasks: list[Task], seed: int, epoch: int = 0, index: int = 0,
-                 reissue: list[int] | None = None, reissue_epochs: list[int] | None = None,
-                 reissue_orders: list[int] | None = None) -> None:
-        """``reissue_epochs``/``reissue_orders``: the epoch and start order of each
-        ``reissue`` entry; a checkpoint from before they were saved has none, and its
-        entries count as drawn in ``epoch`` and start afresh."""
+                 reissue: Iterable[Draw] = ()) -> None:
+        """``reissue``: the draws to hand out again before the cursor's next task, in order."""
         self.tasks, self.seed = tasks, seed
         self.epoch, self.index = epoch, index
-        reissue = list(reissue or [])
-        epochs = list(reissue_epochs or [])[:len(reissue)]
-        orders = list(reissue_orders or [])[:len(reissue)]
-        epochs += [epoch] * (len(reissue) - len(epochs))
-        orders += [None] * (len(reissue) - len(orders))
-        self.reissue: deque[Draw] = deque(Draw(*d) for d in zip(reissue, epochs, orders))
+        self.reissue: deque[Draw] = deque(reissue)
         self._order = self._shuffled()
 
     def _shuffled(self) -> list[int]:

@@ -52,6 +52,7 @@ class Trainer:
         self._stop = StopControl()
         self.last_checkpoint: Path | None = checkpoint
         self._saved_step: int | None = None
+        self.save_seconds: dict[int, float] = {}  # each checkpoint save's wall time, by step (off a benchmark's clock)
         state = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()) if checkpoint else None
         self.resumed_from = state
         self.step = self.version = state.step if state else 0  # one optimizer step makes one version
@@ -234,6 +235,7 @@ class Trainer:
         return self.last_checkpoint
 
     async def _save(self, step: int) -> None:
+        start = time.perf_counter()
         await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
         state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), **self.rollouts.snapshot())
         ckpt_dir = self.output_dir / "checkpoints"
@@ -241,6 +243,7 @@ class Trainer:
                                                                   {RUN_STATE_FILE: state.to_json()})
         self._saved_step = step
         rotate(ckpt_dir, self.cfg.keep_last, newest=self.last_checkpoint)
+        self.save_seconds[step] = time.perf_counter() - start
 
     def _counters(self) -> dict[str, int]:
         """Since the run began (across resumes)."""

@@ -1,11 +1,14 @@
 """Where the parts run — chosen here, in :func:`start`, and nowhere else.
 
-``local``: one process; the engine decodes on its own thread and the learner computes on
-another (:class:`RolloutWorker`, :class:`LocalLearner`). ``ray``: the same two objects
-as Ray actors (``ray_runtime``). With ``learner.world_size`` > 1 the learner is N ranks of
-one process group instead: N processes beside this one (``sharded_learner``) or N actors. Either way the orchestrator gets a :class:`Runtime`
-holding a :class:`LearnerHandle` and a :class:`RolloutHandle`, and ``start`` owns their
-whole lifecycle — Ray's own included — so leaving its ``async with`` releases all.
+The orchestrator gets a :class:`Runtime`: a :class:`LearnerHandle` and a
+:class:`RolloutHandle` (``protocol.py``). The learner is always one
+:class:`~asyncrl.runtime.transport.LearnerGroup` of ``learner.world_size`` worker ranks
+(``learner_worker.py``) over a transport: in this process (``InProcess``), as rank
+processes beside it (``rank_processes.py``, ``learner.world_size`` > 1), or as Ray actors
+(``ray_runtime.py``). The rollout side is a :class:`RolloutWorker` in this process, whose
+engine decodes on its own thread, or ``ray.num_rollout_workers`` of them as actors.
+``start`` owns their whole lifecycle — Ray's own included — so leaving its ``async
+with`` releases all.
 """
 
 from __future__ import annotations
@@ -20,11 +23,12 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config
-from asyncrl.runtime.learner_worker import LearnerWorker, LocalLearner
+from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
-from asyncrl.runtime.weight_sync import WeightSync, open_weight_sync
+from asyncrl.runtime.transport import InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
+from asyncrl.weight_sync import WeightSync, open_weight_sync
 
 __all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "Weights", "WeightSync", "start"]
 
@@ -55,52 +59,37 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
     eval_replica = train and cfg.background_eval
     async with AsyncExitStack() as stack:  # callbacks run in reverse: rollout, learner, Ray
         learner: LearnerHandle | None = None
+        weights = None
+        engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
         if cfg.runtime == "ray":
-            from asyncrl.runtime.ray_runtime import (
-                RayLearner,
-                RayRollout,
-                RayShardedLearner,
-                start_ray,
-                stop_ray,
-            )
+            from asyncrl.runtime.ray_runtime import RayActors, RayRollout, start_ray, stop_ray
 
             stack.callback(stop_ray, start_ray(cfg))  # refuses a layout the cluster cannot place
-            weights = None
-            if train:
-                if cfg.learner.world_size > 1:
-                    sharded = RayShardedLearner(cfg)
-                    stack.push_async_callback(sharded.shutdown)
-                    await sharded.start()
-                    learner = sharded
-                else:
-                    learner = RayLearner(cfg)
-                    stack.push_async_callback(learner.shutdown)
-                if checkpoint is not None:
-                    await learner.load_checkpoint(checkpoint)
-                    weights = await learner.publish()
+        transport: Transport | None = None
+        if train and cfg.runtime == "ray":
+            transport = RayActors(cfg)
+        elif train and cfg.learner.world_size > 1:  # N learner processes; this one keeps the engine
+            from asyncrl.runtime.rank_processes import RankProcesses
+
+            transport = RankProcesses(cfg, num_threads=max(1, (learner_threads or torch.get_num_threads())
+                                                           // cfg.learner.world_size))
+        elif train:
+            worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=learner_threads)
+            transport = InProcess(worker)
+        if transport is not None:
+            learner = LearnerGroup(transport)
+            stack.push_async_callback(learner.shutdown)
+            await transport.start()
+            if checkpoint is not None:
+                await learner.load_checkpoint(checkpoint)
+            if isinstance(transport, InProcess):
+                model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
+            elif checkpoint is not None:
+                weights = await learner.publish()
+        if cfg.runtime == "ray":
             rollout: RolloutHandle = RayRollout(cfg, weights=weights, version=version, eval_replica=eval_replica)
             stack.push_async_callback(rollout.shutdown)
         else:
-            engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
-            weights = None
-            if train and cfg.learner.world_size > 1:  # N learner processes; this one keeps the engine
-                from asyncrl.runtime.sharded_learner import ShardedLearner
-
-                threads = max(1, (learner_threads or torch.get_num_threads()) // cfg.learner.world_size)
-                sharded = ShardedLearner(cfg, num_threads=threads)
-                stack.push_async_callback(sharded.shutdown)
-                await sharded.start()
-                learner = sharded
-                if checkpoint is not None:
-                    await learner.load_checkpoint(checkpoint)
-                    weights = await learner.publish()
-            elif train:
-                worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=learner_threads)
-                learner = LocalLearner(worker)
-                stack.push_async_callback(learner.shutdown)
-                if checkpoint is not None:
-                    await learner.load_checkpoint(checkpoint)
-                model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
             local = RolloutWorker(cfg, model=model, tokenizer=tokenizer, weights=weights, version=version,
                                   seed=rollout_worker_seed(cfg.seed, 0, version), num_threads=engine_threads,
                                   eval_replica=eval_replica)

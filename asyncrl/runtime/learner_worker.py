@@ -1,10 +1,19 @@
-"""The learner's side of the runtime: a :class:`~asyncrl.learner.Learner` behind calls
-that are plain values in, plain values out, so the same object serves in-process
-(:class:`LocalLearner` runs its calls on a worker thread) and as a Ray actor."""
+"""The learner's worker: one rank of the learner, holding every call the orchestrator
+makes of it, plain values in and out, so one class serves in this process, as a rank
+process and as a Ray actor; the transport (``transport.py``) is all that differs.
+
+It is built cheaply, then :meth:`join` loads the policy, joining the other ranks' process
+group first when there are several (each then holds a shard: ``asyncrl/learner/
+distributed.py``). Every call goes to every rank in the same order, because with several
+ranks each is a collective: each takes its rows of the step's batch, the full weights
+are gathered to rank 0, each writes its optimizer shard.
+"""
 
 from __future__ import annotations
 
-import asyncio
+import os
+import resource
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -12,140 +21,115 @@ from typing import Any, TypeVar
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.heap import HeapTrimmer
 from asyncrl.learner import Learner, TrainBatch
-from asyncrl.learner.distributed import Sharding
+from asyncrl.learner.distributed import (
+    Sharding,
+    default_backend,
+    destroy_process_group,
+    free_port,
+    init_process_group,
+    local_bytes,
+    rank_device,
+)
 from asyncrl.policy import load_policy
-from asyncrl.runtime.protocol import SyncAddress
-from asyncrl.runtime.weight_sync import WeightSender
-from asyncrl.threads import UserThreads
 
 T = TypeVar("T")
 
 
 class LearnerWorker:
-    def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, num_threads: int | None = None,
-                 sharding: Sharding | None = None) -> None:
-        """``sharding``: this worker is one rank of a sharded learner (``sharded_learner.py``)."""
-        if model is None or tokenizer is None:
-            model, tokenizer = load_policy(cfg.model)
-        self.num_threads = num_threads
-        self.learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim,
-                               total_steps=cfg.total_steps, temperature=cfg.sampling.temperature, sharding=sharding,
-                               seed=cfg.seed)
-        self._sender: WeightSender | None = None  # weight_sync.method: collective
+    def __init__(self, cfg: Config, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None,
+                 model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
+        """``model``/``tokenizer``: the policy already loaded in this process (one rank only)."""
+        self.cfg, self.rank, self.world_size, self.num_threads = cfg, rank, world_size, num_threads
+        self._policy = (model, tokenizer) if model is not None and tokenizer is not None else None
+        self.learner: Learner | None = None  # set by join()
+        self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight sender); closed by leave()
         self._heap = HeapTrimmer()  # a step frees its activations: hand them back (asyncrl/heap.py)
+        self._set_threads()
 
-    def _threads(self) -> None:
+    def _set_threads(self) -> None:
         if self.num_threads is not None:  # per OS thread in torch: set on whichever runs the call
             torch.set_num_threads(self.num_threads)
 
+    # ------------------------------------------------------------ the group
+    def rendezvous(self) -> str:
+        """Where the ranks meet: a free port on this machine (asked of rank 0)."""
+        return f"tcp://127.0.0.1:{free_port()}"
+
+    def join(self, init_method: str | None = None, local_rank: int = 0) -> None:
+        """Join the process group (when there is more than one rank), then load the policy,
+        sharded. ``local_rank``: this rank's index on its machine (its GPU)."""
+        sharding = None
+        if self.world_size > 1:
+            device = rank_device(self.cfg.model.device, local_rank)
+            backend = self.cfg.learner.backend or default_backend(device)
+            if backend == "nccl" and device.type != "cuda":
+                raise ConfigError(f"learner.backend=nccl, but rank {self.rank} has no GPU (device {device})")
+            init_process_group(rank=self.rank, world_size=self.world_size, init_method=init_method,
+                               backend=backend, timeout_s=self.cfg.learner.timeout_s)
+            sharding = Sharding.current(self.cfg.learner.effective_strategy, device)
+        model, tokenizer = self._policy or load_policy(self.cfg.model)
+        self._policy = None
+        c = self.cfg
+        self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
+                               temperature=c.sampling.temperature, sharding=sharding, seed=c.seed)
+
+    def leave(self) -> None:
+        """Close what ``apply`` attached, then leave the process group."""
+        for thing in reversed(list(self.attached.values())):
+            thing.close()
+        self.attached.clear()
+        if self.world_size > 1:
+            destroy_process_group()
+
+    def apply(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(self, *args)
+
+    # ------------------------------------------------------------ LearnerHandle's calls
     def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
-        self._threads()
+        """Every rank returns the same metrics (reduced over ranks)."""
+        self._set_threads()
         metrics = self.learner.train_step(batch, on_policy=on_policy)
         self._heap.trim(force=True)
         return metrics
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def publish(self) -> dict[str, torch.Tensor]:
+        """The full weights (on rank 0; ``{}`` on the others)."""
         return self.learner.export_weights()
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
         return self.learner.save_checkpoint(path, extra=extra, files=files)
 
     def load_checkpoint(self, path: Path) -> int:
-        self._threads()
+        self._set_threads()
         self.learner.load_checkpoint(path)
         return self.learner.version
 
-    # weight_sync.method: collective: this process is rank 0 (runtime/weight_sync.py). A
-    # sharded learner's rank 0 hosts the group; every rank takes part in each send's gather.
-    def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float, backend: str) -> SyncAddress:
-        self.close_weight_sync()
-        self._sender = WeightSender(receivers=receivers, bucket_mb=bucket_mb, timeout_s=timeout_s, backend=backend,
-                                    device=self.learner.device if backend == "nccl" else torch.device("cpu"))
-        return self._sender.address
+    # ------------------------------------------------------------ for asyncrl bench learner
+    def timed_train_step(self, batch: TrainBatch, on_policy: bool) -> tuple[dict[str, float], float]:
+        """A step and its seconds on this rank, from a barrier to the end of the optimizer
+        step (what ``asyncrl bench learner`` reports, without the transport's cost)."""
+        if self.learner.sharding is not None:
+            self.learner.sharding.barrier()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        metrics = self.train_step(batch, on_policy)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return metrics, time.perf_counter() - start
 
-    def connect_weight_sync(self) -> None:
-        """The layout from the parameters' names, global shapes and dtypes (a sharded
-        learner's DTensors report the full tensor's), so no gather is needed to plan it."""
-        self._weight_sender().connect((name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-                                      for name, p in self.learner.module.named_parameters())
+    def memory(self) -> dict[str, Any]:
+        """Bytes of parameters, gradients and optimizer state this rank holds (its shards,
+        counted exactly), its peak RSS, and on CUDA the allocator's peak."""
+        learner = self.learner
+        out: dict[str, Any] = {"rank": self.rank, **local_bytes(learner.model, learner.optimizer),
+                               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+        if learner.device.type == "cuda":
+            out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(learner.device)
+        return out
 
-    def send_weights(self, version: int) -> None:
-        """Broadcast the current weights as ``version``. Sharded, a collective of the
-        learner's group: every rank gathers the full weights to rank 0 (``export_weights``),
-        then rank 0 alone sends them; the other ranks return."""
-        if self.learner.sharding is None:
-            self._weight_sender().send(version, dict(self.learner.module.named_parameters()))
-            return
-        weights = self.learner.export_weights()
-        if self.learner.is_main:
-            self._weight_sender().send(version, weights)
-
-    def close_weight_sync(self) -> None:
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.close()
-
-    def _weight_sender(self) -> WeightSender:
-        if self._sender is None:
-            raise RuntimeError("the weight-sync group is not open (open_weight_sync first)")
-        return self._sender
-
-
-class LocalLearner:
-    """The learner handle in-process: each call runs on a thread, so the event loop keeps
-    feeding the engine while the learner computes (torch releases the GIL in its kernels).
-    Daemon threads of its own, not asyncio's default pool: a user's loss that never returns
-    must not keep the process alive after a second signal (that pool is joined at exit)."""
-
-    def __init__(self, worker: LearnerWorker) -> None:
-        self.worker = worker
-        self._threads = UserThreads(None, name="asyncrl-learner")
-
-    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._threads.call(fn, *args, what=f"learner {fn.__name__}")
-
-    async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
-        return await self._call(self.worker.train_step, batch, on_policy)
-
-    async def publish(self) -> dict[str, torch.Tensor]:
-        """A snapshot of the weights: the next step may start before every engine loads it."""
-        return await self._call(self.worker.export_weights)
-
-    async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
-        return await self._call(self.worker.save_checkpoint, path, extra, files)
-
-    async def load_checkpoint(self, path: Path) -> int:
-        return await self._call(self.worker.load_checkpoint, path)
-
-    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
-                               backend: str) -> SyncAddress:
-        return await self._call(self.worker.open_weight_sync, receivers, bucket_mb, timeout_s, backend)
-
-    async def connect_weight_sync(self) -> None:
-        await self._call(self.worker.connect_weight_sync)
-
-    async def send_weights(self, version: int) -> None:
-        await self._call(self.worker.send_weights, version)
-
-    async def close_weight_sync(self) -> None:
-        self.worker.close_weight_sync()
-
-    FINISH_S = 30.0
-    """How long shutdown lets a learner call under way finish, unless a second signal ended the run."""
-
-    async def shutdown(self) -> None:
-        """The learner lives and dies with this process; only its idle threads end. A step
-        under way when the run ends on an error (a non-finite advantage from the rollout
-        side, say) is first let finish, up to :attr:`FINISH_S`: a daemon thread still inside
-        torch when the interpreter finalizes is ended mid-C++ and aborts the process
-        (SIGABRT, "terminate called without an active exception") instead of letting it exit
-        with the run's status. Not while this task is being cancelled (a second signal):
-        that exit must not wait for a loss that never returns."""
-        task = asyncio.current_task()
-        if task is None or not task.cancelling():
-            await self._threads.settle(self.FINISH_S)
-        self._threads.close()
+    def pid(self) -> int:
+        return os.getpid()

@@ -1,9 +1,15 @@
 """The two handles the orchestrator holds: one learner, one rollout side.
 
-Both runtimes (``local``: this process; ``ray``: actors) implement them with the same
-explicit methods, so the trainer reads the same whichever runs underneath. Published
-weights are opaque to the orchestrator: a dict of tensors in-process, an object-store
-reference on Ray; it only carries them from ``publish`` to ``sync_weights``/``evaluate``.
+Both runtimes (``local``: this process; ``ray``: actors) implement them, so the trainer
+reads the same whichever runs underneath. The learner handle is one class for every
+runtime (``LearnerGroup`` in ``transport.py``): each call of :class:`LearnerHandle` but
+``apply`` and ``shutdown`` is the worker's method of the same name, run on every rank.
+Adding a learner call is one method on ``LearnerWorker`` and its line here.
+
+Published weights are opaque to the orchestrator: a dict of tensors in-process,
+:class:`StoredWeights` on Ray; it only carries them from ``publish`` to
+``sync_weights``/``evaluate``. ``apply`` is how a part below the runtime (weight sync)
+installs and drives its own state inside the workers without a method on every handle.
 """
 
 from __future__ import annotations
@@ -24,15 +30,12 @@ Weights = Any
 
 
 @dataclass(frozen=True)
-class SyncAddress:
-    """Where a rollout worker meets the learner for ``weight_sync.method: collective``:
-    the learner's store and what the group is made of (``runtime/weight_sync.py``)."""
+class StoredWeights:
+    """Published weights left in Ray's object store: the reference travels, the bytes do
+    not pass through the driver. Wrapped, because Ray resolves a bare reference it meets
+    as a call's argument or result."""
 
-    host: str
-    port: int
-    world_size: int
-    backend: str
-    timeout_s: float
+    ref: Any
 
 
 class LearnerHandle(Protocol):
@@ -50,23 +53,18 @@ class LearnerHandle(Protocol):
         """Weights, optimizer, schedule and RNG of ``path``; returns its version."""
         ...
 
-    # weight_sync.method: collective (runtime/weight_sync.py) — the learner is rank 0
-    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
-                               backend: str) -> SyncAddress:
-        """Host the group's store for ``receivers`` engines; returns where they meet it."""
+    async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on every rank's worker, in rank order; each rank's value.
+        ``fn`` must be importable by name (it crosses to rank processes and actors)."""
         ...
-
-    async def connect_weight_sync(self) -> None:
-        """Wait for every receiver to join, then form the group; raises naming a missing one."""
-        ...
-
-    async def send_weights(self, version: int) -> None:
-        """Broadcast the current weights as ``version``; returns once every receiver has them."""
-        ...
-
-    async def close_weight_sync(self) -> None: ...
 
     async def shutdown(self) -> None: ...
+
+
+LEARNER_CALLS = tuple(name for name in vars(LearnerHandle)
+                      if not name.startswith("_") and name not in ("apply", "shutdown"))
+"""The calls a ``LearnerGroup`` forwards to its workers, rank 0's value returned: every
+method of :class:`LearnerHandle` but the two the group implements itself."""
 
 
 class RolloutHandle(Protocol):
@@ -94,20 +92,9 @@ class RolloutHandle(Protocol):
         engine reports serving (a Ray worker replaced meanwhile starts from these weights)."""
         ...
 
-    async def join_weight_sync(self, address: SyncAddress) -> None:
-        """Every engine joins the learner's weight-sync group (rollout worker i as rank i+1)."""
-        ...
-
-    async def receive_weights(self, version: int, mode: PartialRollout) -> list[int]:
-        """Every engine receives ``version`` from the learner's broadcast and loads it as
-        ``sync_weights`` would; returns the version each one serves afterwards."""
-        ...
-
-    async def leave_weight_sync(self) -> None: ...
-
-    async def fingerprints(self) -> list[tuple[int, str]]:
-        """Per engine: the version it serves and a digest of its weights
-        (``weight_sync.fingerprint``): a pass over every weight, for checks, not every step."""
+    async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, i, *args)`` on every rollout worker i (awaited when it returns an
+        awaitable); each worker's value, in worker order."""
         ...
 
     async def busy_s(self) -> float:

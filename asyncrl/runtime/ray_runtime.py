@@ -3,12 +3,13 @@ the orchestrator (gate, buffer, loops, logs).
 
 - Each rollout worker is an async actor holding one engine replica
   (:class:`RolloutWorker`); groups go to the least-loaded worker.
-- Weights go from the learner to every worker through the object store: the learner
-  actor's ``export_weights`` result *is* the one put (the driver never fetches it),
-  and each worker gets it when its ``sync_weights`` call runs. The version travels
-  with the reference.
-- With ``learner.world_size`` = N > 1 the learner is N :class:`RankWorker` actors in one
-  placement group (:class:`RayShardedLearner`), one process group between them.
+- The learner is ``learner.world_size`` :class:`RayLearnerWorker` actors in one
+  placement group (:class:`RayActors`, the transport under the one learner handle),
+  one process group between them when there are several.
+- Weights go from the learner to every worker through the object store: learner rank 0
+  puts them itself (the driver holds only the reference, :class:`StoredWeights`), and
+  each worker gets them when its ``sync_weights`` call runs. The version travels with
+  the reference.
 - A worker that dies is replaced (loading the latest weights and version) and the
   group it was running is re-issued to a live one; past ``ray.max_worker_restarts``
   replacements the run stops with the last error.
@@ -16,7 +17,7 @@ the orchestrator (gate, buffer, loops, logs).
 On GPUs the object-store hop (device → host → store → host → device) is the slow part
 of a weight sync. ``weight_sync.method: collective`` replaces it with a broadcast from the
 learner actor (learner rank 0's, when sharded, after every rank gathered the weights to
-it) to the workers over a process group of their own (``weight_sync.py``); the workers
+it) to the workers over a process group of their own (``asyncrl/weight_sync``); the workers
 then cannot be replaced mid-run, since the group has a fixed size.
 """
 
@@ -24,21 +25,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import EngineClosedError
 from asyncrl.eval_scoring import EvalResult
-from asyncrl.learner import TrainBatch
 from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
-from asyncrl.runtime.protocol import SyncAddress
+from asyncrl.runtime.protocol import StoredWeights, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
-from asyncrl.runtime.sharded_learner import LearnerRankError, RankCalls, RankWorker
+from asyncrl.runtime.transport import LearnerRankError
 from asyncrl.seeding import rollout_worker_seed
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
@@ -76,53 +73,23 @@ def start_ray(cfg: Config) -> bool:
     return started
 
 
+def _in_store(weights: Weights | None) -> Any:
+    """The object-store reference of published weights (put now when they are not there
+    yet), to pass to actors as a bare reference, which Ray resolves in the actor."""
+    if weights is None or isinstance(weights, _ray().ObjectRef):
+        return weights
+    return weights.ref if isinstance(weights, StoredWeights) else _ray().put(weights)
+
+
 def stop_ray(started: bool) -> None:
     """Shut Ray down if :func:`start_ray` started it (a cluster we joined stays up)."""
     if started:
         _ray().shutdown()
 
 
-class RayLearner:
-    """The learner handle on Ray: a :class:`LearnerWorker` actor."""
-
-    def __init__(self, cfg: Config) -> None:
-        ray, r = _ray(), cfg.ray
-        actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(LearnerWorker)
-        self.actor = actor.remote(cfg, num_threads=max(1, int(r.learner_cpus)))
-
-    async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
-        return await self.actor.train_step.remote(batch, on_policy)
-
-    async def publish(self) -> Any:
-        """An ObjectRef to the weights, left in the object store (not fetched here)."""
-        return self.actor.export_weights.remote()
-
-    async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
-        return await self.actor.save_checkpoint.remote(path, extra, files)
-
-    async def load_checkpoint(self, path: Path) -> int:
-        return await self.actor.load_checkpoint.remote(path)
-
-    async def open_weight_sync(self, receivers: int, bucket_mb: float, timeout_s: float,
-                               backend: str) -> SyncAddress:
-        return await self.actor.open_weight_sync.remote(receivers, bucket_mb, timeout_s, backend)
-
-    async def connect_weight_sync(self) -> None:
-        await self.actor.connect_weight_sync.remote()
-
-    async def send_weights(self, version: int) -> None:
-        await self.actor.send_weights.remote(version)
-
-    async def close_weight_sync(self) -> None:
-        await self.actor.close_weight_sync.remote()
-
-    async def shutdown(self) -> None:
-        _ray().kill(self.actor)
-
-
-class RayRankWorker(RankWorker):
-    """A rank as a Ray actor: it meets the others at its node's address, and hands its
-    gathered weights to the object store itself, so the driver awaits a reference, not
+class RayLearnerWorker(LearnerWorker):
+    """A learner rank as a Ray actor: it meets the others at its node's address, and hands
+    its gathered weights to the object store itself, so the driver holds a reference, not
     the weights."""
 
     def rendezvous(self) -> str:
@@ -130,19 +97,18 @@ class RayRankWorker(RankWorker):
         host = ray.util.get_node_ip_address()
         return f"tcp://{host}:{free_port(host)}"
 
-    def publish(self) -> list[Any] | None:
-        """Rank 0: ``[ObjectRef]`` of the full weights (a list, so Ray does not resolve it)."""
-        weights = self.export_weights()
-        return [_ray().put(weights)] if self.rank == 0 else None
+    def publish(self) -> StoredWeights | None:
+        weights = super().publish()
+        return StoredWeights(_ray().put(weights)) if self.rank == 0 else None
 
 
-class RayShardedLearner(RankCalls):
-    """The learner handle on Ray for ``learner.world_size`` = N > 1: N :class:`RayRankWorker`
-    actors, one per bundle of a placement group (``PACK``: on as few nodes as possible).
-    Checkpoints need a directory every rank's node sees. Call :meth:`start` first."""
+class RayActors:
+    """The transport on Ray: ``learner.world_size`` :class:`RayLearnerWorker` actors, one
+    per bundle of a placement group (``PACK``: on as few nodes as possible). With several
+    ranks, checkpoints need a directory every rank's node sees."""
 
-    def __init__(self, cfg: Config, *, worker_cls: type[RayRankWorker] | None = None) -> None:
-        """``worker_cls``: the rank's class (a subclass of :class:`RayRankWorker`, e.g. a test's)."""
+    def __init__(self, cfg: Config, *, worker_cls: type[RayLearnerWorker] = RayLearnerWorker) -> None:
+        """``worker_cls``: the rank's class (a subclass of :class:`RayLearnerWorker`, e.g. a test's)."""
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -150,7 +116,7 @@ class RayShardedLearner(RankCalls):
         self.world_size = cfg.learner.world_size
         bundle = {k: v for k, v in (("CPU", r.learner_cpus), ("GPU", r.learner_gpus)) if v > 0} or {"CPU": 0.01}
         self.group = placement_group([bundle] * self.world_size, strategy="PACK")
-        actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(worker_cls or RayRankWorker)
+        actor = ray.remote(num_cpus=r.learner_cpus, num_gpus=r.learner_gpus)(worker_cls)
         self.actors = [actor.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                            self.group, placement_group_bundle_index=rank)).remote(
                            cfg, rank=rank, world_size=self.world_size, num_threads=max(1, int(r.learner_cpus)))
@@ -166,16 +132,15 @@ class RayShardedLearner(RankCalls):
             raise RuntimeError(f"the learner's placement group ({self.world_size} bundles) was not placed in "
                                f"{timeout_s:g} s; the cluster lacks the resources") from None
         async with self._lock:
-            init_method = (await self._all([self.actors[0].rendezvous.remote()], ranks=[0]))[0]
+            init_method = (await self._all([self.actors[0].rendezvous.remote()]))[0]
             # each actor sees only its own GPU, so its device index is 0
             await self._all([a.join.remote(init_method, 0) for a in self.actors])
 
-    async def _all(self, refs: list[Any], ranks: list[int] | None = None) -> list[Any]:
+    async def _all(self, refs: list[Any]) -> list[Any]:
         """Every rank's result; the first failure kills every rank (the others may be
         waiting for it in a collective) and raises naming it."""
         if self._failed is not None:
             raise self._failed
-        ranks = ranks or list(range(len(refs)))
 
         async def one(rank: int, ref: Any) -> Any:
             try:
@@ -183,7 +148,7 @@ class RayShardedLearner(RankCalls):
             except Exception as exc:  # RayTaskError carries the rank's traceback; RayActorError its death
                 raise LearnerRankError(rank, self.world_size, str(exc)) from exc
 
-        tasks = [asyncio.ensure_future(one(rank, ref)) for rank, ref in zip(ranks, refs)]
+        tasks = [asyncio.ensure_future(one(rank, ref)) for rank, ref in enumerate(refs)]
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in tasks if t in done and t.exception() is not None]
         if failed:
@@ -195,30 +160,18 @@ class RayShardedLearner(RankCalls):
         return [t.result() for t in tasks]
 
     async def call(self, method: str, *args: Any) -> list[Any]:
-        """``method(*args)`` on every rank; returns each rank's value."""
+        """``method(*args)`` on every rank; each argument is put once, every rank reads it."""
         async with self._lock:
+            if self.world_size > 1:
+                args = tuple(_ray().put(a) for a in args)
             return await self._all([getattr(a, method).remote(*args) for a in self.actors])
-
-    async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
-        ref = _ray().put(batch)  # one put; each rank takes its rows
-        return (await self.call("train_step", ref, on_policy))[0]
-
-    async def publish(self) -> Any:
-        """An ObjectRef to rank 0's gathered weights, left in the object store."""
-        return (await self.call("publish"))[0][0]
-
-    async def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
-        return (await self.call("save_checkpoint", path, extra, files))[0]
-
-    async def load_checkpoint(self, path: Path) -> int:
-        return (await self.call("load_checkpoint", path))[0]
 
     def _kill(self) -> None:
         ray = _ray()
         for actor in self.actors:
             ray.kill(actor)
 
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
         if self._failed is None and not self._lock.locked():
@@ -241,7 +194,7 @@ class RayRollout:
         ray, r = _ray(), cfg.ray
         self.cfg = cfg
         self._actor = ray.remote(num_cpus=r.worker_cpus, num_gpus=r.worker_gpus)(RolloutWorker)
-        self.weights, self.version, self.eval_replica = weights, version, eval_replica
+        self.weights, self.version, self.eval_replica = _in_store(weights), version, eval_replica
         self.restarts = 0
         self.workers = [self._spawn(i) for i in range(r.num_rollout_workers)]
         self.load = [0] * len(self.workers)
@@ -304,9 +257,10 @@ class RayRollout:
         again. ``on_episode`` sees each shard's episodes when the shard returns."""
         shards = {i: tasks[i::len(self.workers)] for i in range(len(self.workers))}
         parts: dict[int, EvalResult] = {}
+        stored = _in_store(weights)
 
         async def shard(i: int) -> EvalResult:
-            result = await self._call(i, lambda w: w.evaluate.remote(shards[i], version, weights))
+            result = await self._call(i, lambda w: w.evaluate.remote(shards[i], version, stored))
             for episode in result.episodes if on_episode is not None else ():
                 on_episode(episode)
             return result
@@ -320,10 +274,9 @@ class RayRollout:
                     raise result
         return EvalResult.merge([parts[i] for i in sorted(parts)])
 
-    async def sync_weights(self, weights: Mapping[str, torch.Tensor] | Any, version: int, mode: str) -> list[int]:
+    async def sync_weights(self, weights: Weights, version: int, mode: str) -> list[int]:
         """The version each live worker serves afterwards (a replaced one starts from these)."""
-        ray = _ray()
-        self.weights = weights if isinstance(weights, ray.ObjectRef) else ray.put(weights)
+        self.weights = _in_store(weights)
         self.version = version  # a worker spawned from now on starts from these
         results = await asyncio.gather(
             *[self._call(i, lambda w: w.sync_weights.remote(self.weights, version, mode)) for i in range(len(self.workers))],
@@ -333,24 +286,11 @@ class RayRollout:
                 raise result
         return [v for result in results if isinstance(result, list) for v in result]
 
-    async def join_weight_sync(self, address: SyncAddress) -> None:
-        """Worker i joins as rank i+1 (``weight_sync.method: collective``)."""
-        await asyncio.gather(*[self._call(i, lambda w, r=i + 1: w.join_weight_sync.remote(address, r))
-                               for i in range(len(self.workers))])
-
-    async def receive_weights(self, version: int, mode: str) -> list[int]:
-        self.version = version
-        results = await asyncio.gather(*[self._call(i, lambda w: w.receive_weights.remote(version, mode))
-                                         for i in range(len(self.workers))])
-        return [v for result in results for v in result]
-
-    async def leave_weight_sync(self) -> None:
-        await asyncio.gather(*[w.leave_weight_sync.remote() for w in self.workers], return_exceptions=True)
-
-    async def fingerprints(self) -> list[tuple[int, str]]:
-        results = await asyncio.gather(*[self._call(i, lambda w: w.fingerprints.remote())
-                                         for i in range(len(self.workers))])
-        return [f for result in results for f in result]
+    async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, i, *args)`` on every worker i, in the worker's process."""
+        parts = await asyncio.gather(*[self._call(i, lambda w, i=i: w.apply.remote(fn, *args, index=i))
+                                       for i in range(len(self.workers))])
+        return [value for part in parts for value in part]
 
     async def busy_s(self) -> float:
         """Mean decode seconds per worker (a replaced worker starts again from 0)."""
@@ -373,9 +313,6 @@ class RayRollout:
             for key, value in (result if isinstance(result, dict) else {}).items():
                 total[key] = total.get(key, 0) + value
         return total
-
-    async def pids(self) -> list[int]:
-        return list(await asyncio.gather(*[self._call(i, lambda w: w.pid.remote()) for i in range(len(self.workers))]))
 
     async def shutdown(self) -> None:
         """Let each engine stop cleanly (vLLM has processes of its own), then end the actors."""

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
+import inspect
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -33,8 +34,6 @@ from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.eval_scoring import EvalResult, evaluate
 from asyncrl.gateway import Gateway, get_parser
 from asyncrl.policy import check_policy, load_policy, resolve_model_path
-from asyncrl.runtime.protocol import SyncAddress
-from asyncrl.runtime.weight_sync import WeightReceiver, fingerprint
 from asyncrl.seeding import Purpose, derive_seed, episode_seed
 from asyncrl.tasks.base import Task
 from asyncrl.threads import UserThreads
@@ -72,7 +71,7 @@ class RolloutWorker:
         self._eval_lock = asyncio.Lock()  # one evaluation at a time holds the replica's weights
         self._ready = asyncio.Event()
         self._start_error: BaseException | None = None
-        self._receiver: WeightReceiver | None = None  # weight_sync.method: collective
+        self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight receiver); closed by shutdown
 
     async def start(self) -> None:
         """Build the engine (vLLM starts its own processes, hence async and separate). A
@@ -116,7 +115,8 @@ class RolloutWorker:
             self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
         self.engine = make(model, self._seed)
 
-    async def _engine(self) -> RolloutEngine:
+    async def ready_engine(self) -> RolloutEngine:
+        """The engine once started (raises what stopped it from starting)."""
         await self._ready.wait()
         if self._start_error is not None:
             raise RuntimeError(f"the rollout engine failed to start: {self._start_error!r}") from self._start_error
@@ -133,9 +133,6 @@ class RolloutWorker:
         counts = self.gateway.counts if self.gateway is not None else {}
         return {**{k: counts.get(k, 0) for k in GATEWAY_COUNTS},
                 "user_threads_abandoned": self.user_threads.abandoned_total}
-
-    async def pid(self) -> int:
-        return os.getpid()
 
     async def busy_s(self) -> float:
         """Seconds the engine spent decoding (for the idle ratios); 0 while it starts."""
@@ -154,7 +151,7 @@ class RolloutWorker:
     async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
         """``n`` episodes of ``task``, in sample order; a failing episode comes back as an
         error episode. ``draw``: the train epoch the task was handed out in (its seeds)."""
-        engine = await self._engine()
+        engine = await self.ready_engine()
         return list(await asyncio.gather(*[self._episode(task, engine, self.sampling, "train", draw, i)
                                            for i in range(n)]))
 
@@ -162,7 +159,7 @@ class RolloutWorker:
                        on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
         """Score ``tasks`` on ``version``: on the evaluation replica, loading ``weights``
         first when given, else on the rollout engine (which must serve ``version``)."""
-        engine = await self._engine()
+        engine = await self.ready_engine()
         async with self._eval_lock:
             if self.eval_engine is not None:
                 engine = self.eval_engine
@@ -183,7 +180,7 @@ class RolloutWorker:
         if not self._ready.is_set():  # still starting: it loads these when it is up
             self._weights, self._version = weights, version
             return [version]
-        engine = await self._engine()
+        engine = await self.ready_engine()
         if mode == "continue":
             await engine.update_weights(weights, version)
         else:
@@ -192,36 +189,17 @@ class RolloutWorker:
             await engine.resume()
         return [engine.version]
 
-    # ---------------------------------------------- weight_sync.method: collective
-    async def join_weight_sync(self, address: SyncAddress, rank: int = 1) -> None:
-        """Join the learner's weight-sync group as ``rank`` (blocks a thread, not the loop,
-        until every rank has joined)."""
-        self._receiver = WeightReceiver(address, rank)
-        await asyncio.to_thread(self._receiver.join)
-
-    async def receive_weights(self, version: int, mode: str) -> list[int]:
-        """Take ``version`` from the learner's broadcast while the engine goes on generating,
-        then load it like :meth:`sync_weights` (all weights at once, between decode steps)."""
-        if self._receiver is None:
-            raise RuntimeError("receive_weights before join_weight_sync")
-        weights = await asyncio.to_thread(self._receiver.receive, version)
-        return await self.sync_weights(weights, version, mode)
-
-    async def leave_weight_sync(self) -> None:
-        receiver, self._receiver = self._receiver, None
-        if receiver is not None:
-            receiver.close()
-
-    async def fingerprints(self) -> list[tuple[int, str]]:
-        """``[(version, digest of the engine's weights)]`` (torch engine; for checks)."""
-        engine = await self._engine()
-        if not isinstance(engine, TorchEngine):
-            raise NotImplementedError("fingerprints reads the torch engine's weights; vLLM keeps them in its workers")
-        return [(engine.version, await asyncio.to_thread(fingerprint, engine.model.named_parameters()))]
+    async def apply(self, fn: Callable[..., Any], *args: Any, index: int = 0) -> list[Any]:
+        """``[fn(self, index, *args)]``, awaited when it returns an awaitable: how weight
+        sync installs its receiver here (``index``: this worker's place among them)."""
+        result = fn(self, index, *args)
+        return [await result if inspect.isawaitable(result) else result]
 
     async def shutdown(self) -> None:
         self.user_threads.close()  # threads stuck in user code are daemons: not waited for
-        await self.leave_weight_sync()
+        for thing in reversed(list(self.attached.values())):
+            thing.close()
+        self.attached.clear()
         if self.gateway is not None:
             await self.gateway.stop()
         for engine in (self.engine, self.eval_engine):
