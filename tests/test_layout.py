@@ -144,8 +144,11 @@ def test_a_learner_call_is_one_method_on_the_worker_with_the_protocols_parameter
     from asyncrl.runtime.protocol import LEARNER_CALLS, LearnerHandle
     from asyncrl.runtime.transport import LearnerGroup
 
-    assert set(LEARNER_CALLS) == {"train_step", "publish", "save_checkpoint", "load_checkpoint"}
+    assert set(LEARNER_CALLS) == {"train_step", "accumulate", "finish_step", "publish", "save_checkpoint",
+                                  "load_checkpoint"}
     for name in LEARNER_CALLS:
         declared = inspect.signature(getattr(LearnerHandle, name)).parameters
-        assert list(inspect.signature(getattr(LearnerWorker, name)).parameters) == list(declared), name
+        worker = [p for p in inspect.signature(getattr(LearnerWorker, name)).parameters
+                  if p != "_ray_trace_ctx"]  # added in place by ray.remote when a Ray test ran in this process
+        assert worker == list(declared), name
         assert inspect.iscoroutinefunction(getattr(LearnerGroup, name)), name

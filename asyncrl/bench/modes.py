@@ -15,6 +15,12 @@ T_train of the same number of steps. Perfect overlap would take max(T_gen, T_tra
 instead of T_gen + T_train, so the ideal speedup is (T_gen + T_train) / max(...), and
 ``overlap_efficiency`` is the achieved async speedup over sync divided by that bound.
 
+``streaming=both`` runs every mode twice, side by side — the learner training on a whole
+batch, then streaming (``learner.streaming``: forward and backward on each group as it
+arrives, the optimizer step once the batch is in) — and reports each mode's
+``streaming_speedup`` (batched wall / streamed wall) and both runs' learner idle ratio
+(``trainer/learner_idle_ratio``: the part of a step the learner is not computing).
+
 Each mode trains in a child process of its own (``asyncrl train`` on the mode's config,
 written beside its run directory), so its ``peak_rss_mb`` is that run's alone
 (``bench/child.py``); the pure times are measured in this process.
@@ -61,17 +67,21 @@ class ModesBenchSettings(Section):
     lr: float = Field(3e-4, gt=0)
     stalenesses: list[int] = [1, 2, 4]
     partial_rollouts: list[str] = ["abort", "continue"]
+    streaming: Literal["off", "on", "both"] = "off"
+    """``learner.streaming`` in every run (``on``), in none, or each mode both ways (``both``:
+    the streamed run named ``<mode>_streamed``, run right after the batched one)."""
     seed: int = 0
 
 
-def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int, partial: str) -> Any:
+def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int, partial: str,
+            streaming: bool = False) -> Any:
     common = [
         f"output_dir={out}", f"seed={s.seed}", f"model.path={policy}",
         f"task.num_train={s.steps * s.batch_size * 4}", "task.num_validation=16", f"mode={mode}",
         f"max_staleness={eta}", f"partial_rollout={partial}", f"total_steps={s.steps}",
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0", "eval.num_tasks=16",
         "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}", f"optim.lr={s.lr}",
-        "algorithm.filter_zero_variance=false",
+        "algorithm.filter_zero_variance=false", f"learner.streaming={str(streaming).lower()}",
     ]
     if s.task == "search":  # the example's own config: agent, task, sampling, algorithm
         return load_config(SEARCH_EXAMPLE, common)
@@ -87,6 +97,8 @@ def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
         "wall_s": wall, "samples": len(samples), "samples_per_s": len(samples) / wall,
         "trainer_idle_ratio": statistics.mean(r["trainer/idle_ratio"] for r in rows),
         "rollout_idle_ratio": statistics.mean(r["rollout/idle_ratio"] for r in rows),
+        "learner_idle_ratio": statistics.mean(r["trainer/learner_idle_ratio"] for r in rows),
+        "learner_s": sum(r["time/learner"] for r in rows),  # the learner computing, over the run
         "staleness_max": max(staleness), "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
         "staleness_bound": eta_bound, "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
         "final_reward": statistics.mean(r["reward/mean"] for r in rows[-max(1, len(rows) // 5):]),
@@ -147,14 +159,19 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     if s.task == "search":  # read by the agent when it starts its retrieval service (once per process)
         os.environ["ASYNCRL_RETRIEVAL_LATENCY_S"] = str(s.tool_latency_s)
     policy = _policy(s, out)
-    runs = [("sync", "sync", 0, "off"), ("one_step_off", "one_step_off", 1, "off")]
-    runs += [(f"async_eta{eta}_{p}", "async", eta, p) for eta in s.stalenesses for p in s.partial_rollouts]
+    schedules = [("sync", "sync", 0, "off"), ("one_step_off", "one_step_off", 1, "off")]
+    schedules += [(f"async_eta{eta}_{p}", "async", eta, p) for eta in s.stalenesses for p in s.partial_rollouts]
+    ways = {"off": [False], "on": [True], "both": [False, True]}[s.streaming]
+    runs = [(name + ("_streamed" if streamed and s.streaming == "both" else ""), mode, eta, partial, streamed)
+            for name, mode, eta, partial in schedules for streamed in ways]
     modes: dict[str, Any] = {}
-    for i, (name, mode, eta, partial) in enumerate(runs, 1):
+    for i, (name, mode, eta, partial, streamed) in enumerate(runs, 1):
         with phase("modes", f"{name} (run {i}/{len(runs)})") as progress:  # the trainer shows its own bar
-            peak_mb = train_in_child(_config(s, policy, out / name, mode, eta, partial), out / f"{name}.yaml")
-            modes[name] = {**_summarise(out / name, eta), "peak_rss_mb": peak_mb}
+            peak_mb = train_in_child(_config(s, policy, out / name, mode, eta, partial, streamed), out / f"{name}.yaml")
+            modes[name] = {**_summarise(out / name, eta), "streaming": streamed, "peak_rss_mb": peak_mb}
             progress.figure = f"{modes[name]['samples_per_s']:.1f} samples/s, wall {modes[name]['wall_s']:.1f} s"
+    # the figures below compare the schedules: each mode's first way (batched, unless streaming=on)
+    streamed_too = {name: modes.pop(f"{name}_streamed") for name, *_ in schedules} if s.streaming == "both" else {}
     t_gen, t_train = _pure_times(s, policy, out)
     best_async = min((v["wall_s"], k) for k, v in modes.items() if k.startswith("async"))
     speedup = modes["sync"]["wall_s"] / best_async[0]
@@ -171,18 +188,26 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
         "ideal_async_wall_s": max(t_gen, t_train),
         "async_vs_ideal": max(t_gen, t_train) / best_async[0],
     }
-    print(f"{'mode':24s} {'wall_s':>8s} {'samples/s':>10s} {'trainer idle':>12s} {'rollout idle':>12s} "
-          f"{'stale max':>9s} {'reward':>7s} {'peak MB':>8s}")
-    for name, m in modes.items():
-        print(f"{name:24s} {m['wall_s']:8.1f} {m['samples_per_s']:10.1f} {m['trainer_idle_ratio']:12.2f} "
-              f"{m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} {m['final_reward']:7.3f} "
-              f"{m['peak_rss_mb']:8.0f}")
+    if streamed_too:
+        result["modes"] = {k: v for name, m in streamed_too.items()
+                           for k, v in ((name, modes[name]), (f"{name}_streamed", m))}
+        result["streaming_speedup"] = {name: modes[name]["wall_s"] / m["wall_s"] for name, m in streamed_too.items()}
+    print(f"{'mode':28s} {'wall_s':>8s} {'samples/s':>10s} {'trainer idle':>12s} {'learner idle':>12s} "
+          f"{'rollout idle':>12s} {'stale max':>9s} {'reward':>7s} {'peak MB':>8s}")
+    for name, m in result["modes"].items():
+        print(f"{name:28s} {m['wall_s']:8.1f} {m['samples_per_s']:10.1f} {m['trainer_idle_ratio']:12.2f} "
+              f"{m['learner_idle_ratio']:12.2f} {m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} "
+              f"{m['final_reward']:7.3f} {m['peak_rss_mb']:8.0f}")
     if s.task == "search":
-        print(f"{'agent profile':24s} " + " ".join(f"{k.split('/')[1]:>20s}" for k in AGENT_PROFILE))
-        for name, m in modes.items():
-            print(f"{name:24s} " + " ".join(f"{m.get(k, float('nan')):20.3f}" for k in AGENT_PROFILE))
+        print(f"{'agent profile':28s} " + " ".join(f"{k.split('/')[1]:>20s}" for k in AGENT_PROFILE))
+        for name, m in result["modes"].items():
+            print(f"{name:28s} " + " ".join(f"{m.get(k, float('nan')):20.3f}" for k in AGENT_PROFILE))
     print(f"T_gen={t_gen:.1f}s T_train={t_train:.1f}s ideal_overlap_bound={bound:.2f} "
           f"async_speedup_vs_sync={speedup:.2f} ({best_async[1]}) overlap_efficiency={speedup / bound:.2f}")
+    for name, ratio in result.get("streaming_speedup", {}).items():
+        print(f"streaming {name}: wall {modes[name]['wall_s']:.1f} s → {streamed_too[name]['wall_s']:.1f} s "
+              f"({ratio:.2f}×), learner idle {modes[name]['learner_idle_ratio']:.2f} → "
+              f"{streamed_too[name]['learner_idle_ratio']:.2f}")
     print(f"sync bubble (wall beyond T_gen + T_train) = {result['sync_bubble_s']:.1f}s; best async reached "
           f"{result['async_vs_ideal']:.2f} of perfect overlap (max(T_gen, T_train) / its wall)")
     return result

@@ -50,11 +50,12 @@ class RolloutEngine(Protocol):
         """Sample one completion. Cancelling the awaiting task aborts the request."""
         ...
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
+    async def pause(self, mode: PauseMode = "keep") -> int | None:
         """Stop between two decode steps. ``keep``: in-flight sequences wait with their KV
         cache; ``abort``: they return now with finish reason ``abort`` and their partial
         tokens (the client resumes them); ``wait``: admit nothing new and return once the
-        in-flight sequences have finished on the current weights."""
+        in-flight sequences have finished on the current weights. Returns how many running
+        sequences ``abort`` ended, where the engine knows (None where it does not)."""
         ...
 
     async def resume(self) -> None: ...

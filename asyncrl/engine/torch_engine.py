@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -33,6 +33,8 @@ from asyncrl.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, SamplingParams
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -113,7 +115,7 @@ class TorchEngine:
                 self._post(lambda: self._drop(req), req.future, loop)
             raise
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
+    async def pause(self, mode: PauseMode = "keep") -> int | None:
         if mode == "wait":
             loop = asyncio.get_running_loop()
             drained: asyncio.Future[None] = loop.create_future()
@@ -125,14 +127,17 @@ class TorchEngine:
             self._post(drain, drained, loop)
             await drained
 
-        def pause() -> None:
+        def pause() -> int:
             self._scheduler.pause()
-            if mode == "abort":
-                for req in self._scheduler.abort_running():
-                    self._settle(req)
-                self._kv = None
+            if mode != "abort":
+                return 0
+            aborted = self._scheduler.abort_running()
+            for req in aborted:
+                self._settle(req)
+            self._kv = None
+            return len(aborted)
 
-        await self._call(pause)
+        return await self._call(pause)
 
     async def resume(self) -> None:
         await self._call(self._scheduler.resume)
@@ -173,20 +178,20 @@ class TorchEngine:
             self._inbox.append((fn, future, loop))
             self._wake.notify()
 
-    async def _call(self, fn: Callable[[], Any]) -> None:
+    async def _call(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[T] = loop.create_future()
 
         def run() -> None:
             try:
-                fn()
+                value = fn()
             except Exception as exc:  # handed to the caller, not swallowed
                 settle_threadsafe(loop, done, None, exc)
                 return
-            settle_threadsafe(loop, done, None, None)
+            settle_threadsafe(loop, done, value, None)
 
         self._post(run, done, loop)
-        await done
+        return await done
 
     def _run(self) -> None:
         if self.num_threads is not None:

@@ -177,12 +177,13 @@ class VLLMEngine:
             versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
         return Completion(tokens, logprobs, versions, _FINISH_REASONS[final.finish_reason])
 
-    async def pause(self, mode: PauseMode = "keep") -> None:
+    async def pause(self, mode: PauseMode = "keep") -> int | None:
         """vLLM's own pause modes match ours one to one. The KV cache is kept here; it is
-        ``update_weights`` that drops it."""
+        ``update_weights`` that drops it. How many sequences an abort ended is vLLM's to know."""
         await self._live().pause_generation(mode=mode, clear_cache=False)
         self._paused = True
         self._update_busy()
+        return None
 
     async def resume(self) -> None:
         await self._live().resume_generation()

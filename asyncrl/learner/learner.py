@@ -14,6 +14,13 @@ Micro-batches accumulate gradients within an optimizer step; each micro-batch's 
 weighted by its share of the mini-batch's tokens (or sequences), so any micro-batch size
 gives the same step as one big mini-batch.
 
+A batch can also come in parts, as its groups finish (``learner.streaming``):
+``accumulate`` runs forward and backward on each part, ``finish_step`` takes the one
+optimizer step. Each micro-batch's loss is then weighted by its own count, and the summed
+gradients are divided by the whole batch's count at the step, before clipping: the same
+step as ``train_step`` on the whole batch, up to float rounding (docs/design.md,
+"Streaming the learner").
+
 With a :class:`~asyncrl.learner.distributed.Sharding` the same learner is one rank of a
 data-parallel group (``learner.world_size`` > 1): it trains on its rows of the batch, the
 shares are of the whole batch's counts (summed over ranks), and metrics are summed over
@@ -30,6 +37,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +145,7 @@ class Learner:
                                            weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         self.pad_id = tokenizer.pad_token_id or 0
+        self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
 
     # ------------------------------------------------------------------ math
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
@@ -179,6 +188,7 @@ class Learner:
         the recompute (a full extra forward pass) is skipped; the step is then exactly
         the bypass form. Metrics are means over the batch's tokens (or sequences) and over
         its epochs; ``actor/grad_norm`` is the mean over optimizer steps (before clipping)."""
+        self._stream = None  # a streamed step left unfinished (a stop) is dropped: zero_grad below
         steps = mini_batch_rows(batch.size, epochs=self.optim.ppo_epochs, mini_batches=self.optim.mini_batches,
                                 seed=derive_seed(self.seed, "mini_batches", self.version))
         first, last = self.sharding.rows(batch.size) if self.sharding is not None else (0, batch.size)
@@ -203,6 +213,12 @@ class Learner:
                 mine.select(local), counts, weight,
                 proximal=None if proximal is None else proximal[local], proximal_from_forward=from_forward,
                 reference=None if reference is None else reference[local], sums=sums))
+        return self._end_batch(sums, norms, batch_counts[0])
+
+    def _end_batch(self, sums: dict[str, torch.Tensor], norms: list[float], tokens: torch.Tensor) -> dict[str, float]:
+        """After a batch's optimizer steps (their gradient ``norms``): the LR schedule, the
+        weights' finite check, the new version, and the metrics from ``sums`` (each already
+        the batch's mean over its ``tokens``, or sequences)."""
         self.scheduler.step()
         self.model.eval()
         sums["nonfinite_weights"] = self._local_nonfinite()  # summed over ranks and read with the metrics
@@ -219,8 +235,47 @@ class Learner:
         if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
         out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/tokens": float(batch_counts[0]), "actor/optimizer_steps": float(len(steps))})
+                    "actor/tokens": float(tokens), "actor/optimizer_steps": float(len(norms))})
         return out
+
+    # ------------------------------------------------------------ streamed step
+    def accumulate(self, batch: TrainBatch, *, on_policy: bool = False) -> None:
+        """Forward and backward on ``batch``, one part of a batch whose other parts come
+        later (``learner.streaming``); :meth:`finish_step` takes the batch's one optimizer
+        step. Until then the gradients and metric sums hold each micro-batch's loss times its
+        own token (or sequence) count — sums, not means, because the whole batch's counts
+        are known only once its last part is in — and the weights do not move, so π_prox is
+        each pass's own forward, detached (μ for an ``on_policy`` part, or in bypass), as in
+        a one-step :meth:`train_step`. One rank and one optimizer step per batch only."""
+        if self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
+            raise ValueError("a streamed step is one optimizer step on one rank: it needs learner.world_size=1, "
+                             "optim.ppo_epochs=1 and optim.mini_batches=1")
+        if self._stream is None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._stream = _Stream(torch.zeros(2, device=self.device))
+        stream, batch = self._stream, batch.to(self.device)
+        self.model.train()
+        reference = self.logprobs(self.reference, batch) if self.reference is not None else None
+        stream.counts += _counts(batch.loss_mask)
+        ones = torch.ones(2, device=self.device)  # shares of 1 per token (or sequence): sums, divided at the step
+        self._backward(batch, ones, ones, proximal=None, reference=reference, sums=stream.token_sums,
+                       own_sums=stream.own_sums, losses=stream.losses,
+                       proximal_from_forward=not (self.algorithm.bypass or on_policy))
+
+    def finish_step(self) -> dict[str, float]:
+        """The optimizer step of the batch given part by part to :meth:`accumulate`: the
+        summed gradients and metrics divided by the whole batch's token (or sequence) count,
+        then a batched step's clip, checks, AdamW step and metrics; version becomes version + 1."""
+        stream, self._stream = self._stream, None
+        if stream is None:
+            raise RuntimeError("finish_step without a part accumulated since the last step")
+        tokens, sequences = stream.counts.clamp(min=1)
+        per = tokens if self.algorithm.aggregation == "token_mean" else sequences
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad.div_(per)
+        sums = {k: v / tokens for k, v in stream.token_sums.items()} | {k: v / per for k, v in stream.own_sums.items()}
+        return self._end_batch(sums, [self._clip_and_step(stream.losses)], stream.counts[0])
 
     def _optimizer_step(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
                         proximal: torch.Tensor | None, reference: torch.Tensor | None,
@@ -228,11 +283,25 @@ class Learner:
         """One optimizer step on ``batch`` (this rank's rows of one mini-batch, whose whole
         token and sequence ``counts`` weigh each micro-batch's loss); adds its metrics,
         weighted by ``weight`` (token, sequence), to ``sums``. Returns the gradient norm."""
+        self.optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        self._backward(batch, counts, weight, proximal=proximal, reference=reference, sums=sums, losses=losses,
+                       proximal_from_forward=proximal_from_forward)
+        return self._clip_and_step(losses)
+
+    def _backward(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
+                  proximal: torch.Tensor | None, reference: torch.Tensor | None, sums: dict[str, torch.Tensor],
+                  losses: list[torch.Tensor], proximal_from_forward: bool = False,
+                  own_sums: dict[str, torch.Tensor] | None = None) -> None:
+        """Forward and backward of each micro-batch of ``batch``, adding to the gradients its
+        loss times its share of ``counts``; its metrics go to ``sums`` weighted as
+        :meth:`_optimizer_step` says (the policy loss's by tokens; entropy, KL and loss, the
+        learner's own, by the aggregation's count, into ``own_sums`` if given) and its loss
+        to ``losses``."""
+        own_sums = sums if own_sums is None else own_sums
         tokens, sequences = counts.clamp(min=1)
         scale = self.sharding.loss_scale if self.sharding is not None else 1.0
-        self.optimizer.zero_grad(set_to_none=True)
         parts = self.micro_batches(batch)
-        losses = []
         for i, (start, part) in enumerate(parts):
             width = part.loss_mask.shape[1]
 
@@ -263,9 +332,13 @@ class Learner:
             losses.append(ours["loss"])
             step_weight = weight[0] if self.algorithm.aggregation == "token_mean" else weight[1]
             # the policy loss's own metrics are token means whatever the aggregation
-            for w, values in ((token_share * weight[0], metrics), (share * step_weight, ours)):
+            for w, values, into in ((token_share * weight[0], metrics, sums), (share * step_weight, ours, own_sums)):
                 for key, value in values.items():
-                    sums[key] = sums.get(key, 0.0) + value.detach() * w
+                    into[key] = into.get(key, 0.0) + value.detach() * w
+
+    def _clip_and_step(self, losses: list[torch.Tensor]) -> float:
+        """Clip the accumulated gradients, check them and the ``losses`` for non-finite
+        values, take the optimizer step. Returns the gradient norm (before clipping)."""
         # the gradients are the whole mini-batch's on every rank (or their shards): a global norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
         # before the step, so the weights stay the last good ones: a NaN loss on any rank makes
@@ -395,6 +468,18 @@ class Learner:
     def _barrier(self) -> None:
         if self.sharding is not None:
             self.sharding.barrier()
+
+
+@dataclass
+class _Stream:
+    """A streamed step's parts so far (:meth:`Learner.accumulate`): their (token, sequence)
+    counts, metric sums (the policy loss's by tokens, the learner's own by the aggregation's
+    count) and micro-batch losses."""
+
+    counts: torch.Tensor
+    token_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    own_sums: dict[str, torch.Tensor] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
 
 
 def _counts(loss_mask: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,27 @@ groups, in stream order — exactly ``mode=sync``'s. With per-episode seeds
 (``asyncrl/seeding.py``) that makes ``mode=async`` with ``max_staleness=0`` train on
 ``mode=sync``'s samples (``tests/test_reproducible.py``). At η > 0 which groups are
 ready when the learner asks is timing, and so is a batch.
+
+A group that would age past η, and how none does (``stale_groups``)
+-----------------------------------------------------------------
+The gate's proof needs groups consumed in start order, and at η > 0 they are not: the
+learner takes what is ready, so a slow group (long responses) can watch younger ones fill
+batch after batch until it is too old, and is dropped. With ``stale_groups: drop`` that
+is what happens (counted: ``buffer/stale_dropped_total``, with their trajectories and
+tokens); it throws away generation, and the slowest — the longest — groups first, which
+biases training towards short responses. With ``stale_groups: wait`` (the default) the
+learner takes groups earliest deadline first (a group's deadline is the last version it
+is fresh for: its oldest token's version + η; a group still generating has at least the
+version it started under, so its deadline is at least that + η) and waits before a batch
+that would leave some group no step to be trained in fresh: for every deadline D, the
+groups due by D — ready or still generating — must fit in the slots the steps up to D
+have left. The gate makes that always possible: the groups started under versions ≤ D −
+η number at most (D + 1)·B (its count argument), so taking earliest deadlines first
+keeps the check true from step to step, and a wait ends when a group it waits on lands or
+is filtered. It costs the learner a wait where ``drop`` would have trained younger groups
+and thrown the old one away. The age check stays: a group that went stale anyway (an
+episode replayed from before a resume carries older tokens than its start) is dropped and
+counted, and ``trainable`` still stops the run on one older than η.
 """
 
 from __future__ import annotations
@@ -39,22 +60,51 @@ class ReadyGroup:
         """The oldest policy version any of its model tokens came from."""
         return min(t.behavior_version_min for t in self.trajectories)
 
+    @property
+    def model_tokens(self) -> int:
+        return sum(t.num_model_tokens for t in self.trajectories)
+
+
+STALE_GROUPS = ("wait", "drop")
+
 
 class GroupBuffer:
-    def __init__(self, gate: AsyncStalenessGate, max_staleness: int) -> None:
+    def __init__(self, gate: AsyncStalenessGate, max_staleness: int, stale_groups: str = "wait") -> None:
+        """``stale_groups``: ``wait`` or ``drop`` (the module's docstring)."""
+        if stale_groups not in STALE_GROUPS:
+            raise ValueError(f"stale_groups must be one of {STALE_GROUPS}, got {stale_groups!r}")
         self.gate = gate
         self.max_staleness = max_staleness
+        self.stale_groups = stale_groups
         self.stale_dropped = 0
+        self.counts: dict[str, int] = dict.fromkeys(BUFFER_COUNTS, 0)
+        """``rollout/<name>_total``: the rollout loop shares the watchdog's counters here."""
         self._ready: list[ReadyGroup] = []
+        self._running: dict[int, int] = {}  # start order -> the oldest version its tokens can have
+        self._taken: tuple[int, int] = (-1, 0)  # (trained version, groups taken for it so far)
         self._changed = asyncio.Condition()
 
     def __len__(self) -> int:
         return len(self._ready)
 
+    def running(self, start_order: int, version: int) -> None:
+        """A group starts generating, and none of its tokens will be older than ``version``
+        (the engines hold at least the gate's version): the learner may wait for it."""
+        self._running[start_order] = version
+
     async def put(self, ready: ReadyGroup) -> None:
         await self.gate.accept()
         async with self._changed:
+            self._running.pop(ready.start_order, None)
             self._ready.append(ready)
+            self._changed.notify_all()
+
+    async def reject(self, start_order: int) -> None:
+        """A running group was filtered or every episode failed: its quota goes back to the
+        gate, and a learner waiting on it is told."""
+        await self.gate.release_rejected()
+        async with self._changed:
+            self._running.pop(start_order, None)
             self._changed.notify_all()
 
     def snapshot(self) -> list[ReadyGroup]:
@@ -66,19 +116,57 @@ class GroupBuffer:
         self._ready.extend(groups)
 
     async def take(self, n: int, trained_version: int) -> list[ReadyGroup]:
-        """Wait for ``n`` groups fresh enough to train version ``trained_version`` on."""
+        """Wait for ``n`` groups fresh enough to train version ``trained_version`` on (with
+        ``stale_groups: wait``, and for a batch that leaves every group a fresh step)."""
         async with self._changed:
+            waited = False
             while True:
                 stale = [g for g in self._ready if trained_version - g.oldest_version > self.max_staleness]
                 for group in stale:
                     self._ready.remove(group)
                     self.stale_dropped += 1
+                    self.counts["stale_dropped_trajectories"] += len(group.trajectories)
+                    self.counts["stale_dropped_tokens"] += group.model_tokens
                     await self.gate.release_rejected(was_accepted=True)
                 if len(self._ready) >= n:
-                    self._ready.sort(key=lambda g: g.start_order)
-                    taken, self._ready = self._ready[:n], self._ready[n:]
-                    return taken
+                    if self.stale_groups == "drop":
+                        self._ready.sort(key=lambda g: g.start_order)
+                    else:  # earliest deadline first; at η = 0 every deadline is the same: start order
+                        self._ready.sort(key=lambda g: (g.oldest_version, g.start_order))
+                    if self.stale_groups == "drop" or self._leaves_each_a_fresh_step(n, trained_version):
+                        version, before = self._taken
+                        self._taken = (trained_version, (before if version == trained_version else 0) + n)
+                        taken, self._ready = self._ready[:n], self._ready[n:]
+                        return taken
+                    if not waited:
+                        waited = True
+                        self.counts["deadline_waits"] += 1
                 await self._changed.wait()
+
+    def _leaves_each_a_fresh_step(self, n: int, trained_version: int) -> bool:
+        """Whether taking the first ``n`` ready groups (earliest deadline first) leaves every
+        other group — ready, or generating with a deadline not yet past — a step at which it
+        is still fresh: for each deadline D, those due by D fit in the slots left to the
+        steps up to D (this step's after this take, B a step after it). A deadline that no
+        choice can meet (more groups due than slots, however chosen) is no reason to wait."""
+        eta, per_step, t = self.max_staleness, self.gate.gate.groups_per_step, trained_version
+        version, before = self._taken
+        left_now = max(0, per_step - (before if version == t else 0) - n)  # this step's slots after this take
+        taken = [g.oldest_version + eta for g in self._ready[:n]]
+        due = [g.oldest_version + eta for g in self._ready[n:]]
+        due += [v + eta for v in self._running.values() if v + eta >= t]
+        for deadline in sorted(set(due)):
+            slots = left_now + (deadline - t) * per_step
+            pending = sum(d <= deadline for d in due)
+            if pending > slots and pending + sum(d <= deadline for d in taken) - n <= slots:
+                return False  # a batch with more of the groups due by then would save them
+        return True
+
+
+BUFFER_COUNTS = ("stale_dropped_trajectories", "stale_dropped_tokens", "deadline_waits")
+"""What the buffer counts besides ``stale_dropped``: the trajectories and model tokens of the
+groups dropped as stale (their mean length against the trained ones' is the bias a drop
+makes), and the takes that waited for a group that would otherwise have gone stale."""
 
 
 def trainable(groups: list[ReadyGroup], trained_version: int, max_staleness: int) -> tuple[list[Trajectory], list[float]]:

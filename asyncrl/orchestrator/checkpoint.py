@@ -28,13 +28,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from asyncrl.config import ConfigError
 from asyncrl.jsonl import read_jsonl
+from asyncrl.learner.learner import OPTIMIZER_DIR
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.orchestrator.task_stream import Draw
 from asyncrl.types import Group
 
 RUN_STATE_FILE = "run_state.json"
+IN_FLIGHT_FILE = "in_flight.jsonl"
+"""The journals of the episodes under way at the checkpoint (``asyncrl/journal.py``): what
+they had generated, continued on resume instead of generated again."""
 LEARNER_STATE_FILE = "trainer_state.pt"
 
 
@@ -76,6 +82,16 @@ class RunState:
         return [ReadyGroup(Group.from_dict(g["group"]), g["start_order"]) for g in self.buffered]
 
 
+def encode_in_flight(journals: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(j) + "\n" for j in journals)
+
+
+def read_in_flight(checkpoint: Path) -> list[dict[str, Any]]:
+    """The checkpoint's in-flight journals; none for a checkpoint written before they were kept."""
+    path = checkpoint / IN_FLIGHT_FILE
+    return read_jsonl(path) if path.is_file() else []
+
+
 def checkpoint_steps(ckpt_dir: Path) -> list[tuple[int, Path]]:
     """Complete checkpoints, oldest first. A ``.tmp`` directory (a crash mid-write) never counts."""
     if not ckpt_dir.is_dir():
@@ -100,7 +116,7 @@ def starting_point(output_dir: Path, resume: bool) -> Path | None:
             print(f"asyncrl: {note}", file=sys.stderr)
     checkpoint = latest_checkpoint(output_dir / "checkpoints")
     if resume and checkpoint is not None:
-        return checkpoint
+        return sound_checkpoint(output_dir / "checkpoints")
     if found:
         shown = ", ".join(found[:6]) + (", …" if len(found) > 6 else "")
         if resume:
@@ -109,6 +125,42 @@ def starting_point(output_dir: Path, resume: bool) -> Path | None:
         raise ConfigError(f"output_dir {str(output_dir)!r} is not empty ({shown}); continue that run with "
                           "resume=true, or choose a new output_dir (nothing is overwritten)")
     return None
+
+
+def damage(checkpoint: Path) -> str | None:
+    """What is wrong with a complete-looking checkpoint (a file truncated or overwritten
+    after it was renamed into place: a disk that filled, a copy cut short), or None. Reads
+    every file's header or whole small file, not the weights: seconds, not minutes."""
+    from safetensors import safe_open
+
+    try:
+        RunState.from_json((checkpoint / RUN_STATE_FILE).read_text())
+        if (checkpoint / IN_FLIGHT_FILE).is_file():
+            read_jsonl(checkpoint / IN_FLIGHT_FILE, torn_tail="raise")
+        torch.load(checkpoint / LEARNER_STATE_FILE, map_location="cpu", weights_only=False)
+        weights = sorted(checkpoint.glob("*.safetensors"))
+        if not weights:
+            return "no *.safetensors weights"
+        for path in weights:
+            with safe_open(path, "pt") as f:
+                f.keys()
+        if (checkpoint / OPTIMIZER_DIR).is_dir() and not (checkpoint / OPTIMIZER_DIR / ".metadata").is_file():
+            return f"{OPTIMIZER_DIR}/.metadata is missing"
+    except Exception as exc:  # any reader's failure is the answer
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+    return None
+
+
+def sound_checkpoint(ckpt_dir: Path) -> Path | None:
+    """The newest complete checkpoint that reads back whole; a damaged newer one is left
+    where it is (nothing is deleted) and named, with the one resumed from instead."""
+    for _, path in reversed(checkpoint_steps(ckpt_dir)):
+        problem = damage(path)
+        if problem is None:
+            return path
+        print(f"asyncrl: checkpoint {path} is damaged ({problem}); not resuming from it", file=sys.stderr)
+    raise ConfigError(f"no checkpoint in {str(ckpt_dir)!r} reads back whole (each is named above); nothing to "
+                      "resume from")
 
 
 def clear_unfinished(ckpt_dir: Path) -> list[str]:

@@ -50,6 +50,9 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         # chat turns whose template rewrote earlier turns, so they began a new trajectory (asyncrl/client.py)
         "rollout/template_rewrites": sum(e.metadata.get("template_rewrites", 0) for g in groups for e in g.group.episodes),
         **{f"buffer/{k}": v for k, v in buffer.items()},
+        # since the run began: groups accepted / filtered / all_error, saturated / hopeless (all
+        # samples scored the same, solved or not), stale_dropped_trajectories / _tokens (the
+        # groups in buffer/stale_dropped_total), deadline_waits, sampler_skipped, episodes_error, …
         **{f"rollout/{k}_total": v for k, v in counters.items()},
         **({} if filtered_fraction_window is None else {"rollout/filtered_fraction_window": filtered_fraction_window}),
         **agent_metrics([e for g in groups for e in g.group.episodes]),

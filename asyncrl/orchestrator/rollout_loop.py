@@ -14,9 +14,10 @@ import torch
 from asyncrl.algorithms import compute_advantages
 from asyncrl.algorithms.finite import check_advantages, check_rewards
 from asyncrl.config import Config
-from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
+from asyncrl.orchestrator.buffer import BUFFER_COUNTS, GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import RunState
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
+from asyncrl.orchestrator.task_sampler import SAMPLER_COUNTS, TaskSampler, group_outcome
 from asyncrl.orchestrator.task_stream import Draw, TaskStream
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RolloutHandle
@@ -26,9 +27,14 @@ from asyncrl.types import Episode, Group
 
 class RolloutLoop:
     def __init__(self, cfg: Config, tasks: list[Task], version: int, watchdog: Watchdog,
-                 state: RunState | None = None) -> None:
-        """A fresh loop at ``version``, or the one checkpointed in ``state``."""
+                 state: RunState | None = None, in_flight: list[dict[str, Any]] | None = None) -> None:
+        """A fresh loop at ``version``, or the one checkpointed in ``state``, whose episodes
+        under way (``in_flight``: their journals) continue when their tasks are re-issued."""
         self.cfg, self.tasks, self.watchdog = cfg, tasks, watchdog
+        self.replays: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}  # (task id, draw) -> sample -> journal
+        for journal in in_flight or []:
+            key = journal["key"]
+            self.replays.setdefault((key["task_id"], key["draw"]), {})[key["sample"]] = journal
         eta = cfg.effective_max_staleness
         self.started = 0  # groups admitted so far: the start order of the next fresh one is started + 1
         self.in_flight: dict[int, Draw] = {}  # start order -> its draw, until the group is done
@@ -46,6 +52,7 @@ class RolloutLoop:
             self.buffer.stale_dropped = state.stale_dropped
             self.started = state.started
             self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue)
+        self._count_drops_and_sample()
 
     async def run(self, rollout: RolloutHandle, now: Callable[[], float], on_episode: Callable[[Episode], None],
                   on_generated: Callable[[float, float, int], None]) -> None:
@@ -59,13 +66,18 @@ class RolloutLoop:
                     self.started += 1
                     draw = draw._replace(order=self.started)
                 self.in_flight[draw.order] = draw
-                tg.create_task(self._group(rollout, self.tasks[draw.index], draw.epoch, draw.order, now, on_episode,
-                                           on_generated))
+                task = self.tasks[draw.index]
+                replay = self.replays.pop((task.id, draw.epoch), None)
+                tg.create_task(self._group(rollout, task, draw.epoch, draw.order, now, on_episode, on_generated,
+                                           replay))
 
     async def _group(self, rollout: RolloutHandle, task: Task, epoch: int, start_order: int, now: Callable[[], float],
-                     on_episode: Callable[[Episode], None], on_generated: Callable[[float, float, int], None]) -> None:
+                     on_episode: Callable[[Episode], None], on_generated: Callable[[float, float, int], None],
+                     replay: dict[int, dict[str, Any]] | None = None) -> None:
         started = now()
-        episodes = await rollout.run_group(task, self.cfg.group_size, epoch)
+        if not replay:  # the learner may wait for it (buffer.py); replayed tokens can be older than now
+            self.buffer.running(start_order, self.gate.gate.version)
+        episodes = await rollout.run_group(task, self.cfg.group_size, epoch, replay)
         on_generated(started, now(), start_order)
         for episode in episodes:
             on_episode(episode)
@@ -73,10 +85,12 @@ class RolloutLoop:
         step = self.gate.gate.version + 1  # the step being prepared
         check_rewards([e.reward for e in ok], max_abs=self.cfg.algorithm.max_abs_reward, task_id=task.id, step=step)
         self.finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
+        if ok:
+            self._outcome(self.in_flight[start_order].index, [e.reward for e in ok])
         rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
         if not ok or (self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all())):
             self.watchdog.group("filtered" if ok else "all_error")
-            await self.gate.release_rejected()
+            await self.buffer.reject(start_order)
         else:
             computed = compute_advantages(self.cfg.algorithm.advantage, rewards)[0]
             check_advantages(computed, estimator=self.cfg.algorithm.advantage, task_id=task.id, step=step)
@@ -84,6 +98,46 @@ class RolloutLoop:
             self.watchdog.group("accepted")
             await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
         del self.in_flight[start_order]  # only now: a cancelled group is re-issued on resume
+
+    def _outcome(self, index: int, rewards: list[float]) -> None:
+        """A task's group scored: counted if every sample scored the same, and told to the sampler."""
+        outcome = group_outcome(rewards, self.cfg.eval.success_threshold)
+        if outcome != "mixed":
+            self.watchdog.counts[f"groups_{outcome}"] += 1
+        if self.stream.sampler is not None:
+            self.stream.sampler.observe(index, outcome)
+
+    def _count_drops_and_sample(self) -> None:
+        """The buffer's and the sampler's counts join the watchdog's (``rollout/<name>_total``,
+        kept across a resume), and ``task.sampler`` and ``stale_groups`` take effect."""
+        counts = self.watchdog.counts
+        for name in (*BUFFER_COUNTS, *SAMPLER_COUNTS):
+            counts.setdefault(name, 0)
+        self.buffer.counts, self.buffer.stale_groups = counts, self.cfg.stale_groups
+        sampler = self.cfg.task.sampler
+        if sampler.name == "adaptive":
+            self.stream.sampler = TaskSampler(self.cfg.seed, sampler.window, sampler.min_probability, counts)
+
+    def replay_note(self) -> str:
+        """What a resume does with the episodes that were under way, said at the start."""
+        journals = [j for samples in self.replays.values() for j in samples.values()]
+        if not journals:
+            return "no episode was under way at the checkpoint with tokens to keep"
+        tokens = sum(len(s["token_ids"]) for j in journals for s in j["segments"])
+        agent = (" A user's agent replays as long as it asks for what it asked before; from its first different "
+                 "call it samples afresh (counted in rollout/replay_diverged_total)."
+                 if self.cfg.workflow.name == "openai_agent" else "")
+        return (f"{len(journals)} episodes under way at the checkpoint continue from the {tokens:,} tokens they had "
+                f"generated (replayed, not sampled again; cut-off replies resume with their partial tokens).{agent}")
+
+    def journals_to_keep(self, journals: list[dict[str, Any]], reissue: list[Draw]) -> list[dict[str, Any]]:
+        """Of the workers' journals (``RolloutHandle.in_flight``), those of the groups a
+        checkpoint re-issues (``reissue``, from :meth:`snapshot`), with the replays not yet
+        started: what a restart continues. A group finished meanwhile is in the buffer or
+        trained, and its journals go."""
+        wanted = {(self.tasks[d.index].id, d.epoch) for d in reissue}
+        waiting = [j for key, samples in self.replays.items() if key in wanted for j in samples.values()]
+        return [j for j in journals if (j["key"]["task_id"], j["key"]["draw"]) in wanted] + waiting
 
     def take_finished_rewards(self) -> list[float]:
         finished, self.finished_rewards = self.finished_rewards, []

@@ -7,6 +7,7 @@ from collections import deque
 from collections.abc import Iterable
 from typing import NamedTuple
 
+from asyncrl.orchestrator.task_sampler import TaskSampler
 from asyncrl.seeding import derive_seed
 from asyncrl.tasks.base import Task
 
@@ -26,14 +27,16 @@ class Draw(NamedTuple):
 class TaskStream:
     """Train tasks in a fresh seeded order each epoch. The cursor (epoch, index) and the
     tasks to re-issue (handed out before a resume, never finished, each with its epoch and
-    start order) are what a resume needs."""
+    start order) are what a resume needs. With a ``sampler`` (``task.sampler: adaptive``)
+    the cursor passes over some tasks (``asyncrl/orchestrator/task_sampler.py``)."""
 
     def __init__(self, tasks: list[Task], seed: int, epoch: int = 0, index: int = 0,
-                 reissue: Iterable[Draw] = ()) -> None:
+                 reissue: Iterable[Draw] = (), sampler: TaskSampler | None = None) -> None:
         """``reissue``: the draws to hand out again before the cursor's next task, in order."""
         self.tasks, self.seed = tasks, seed
         self.epoch, self.index = epoch, index
         self.reissue: deque[Draw] = deque(reissue)
+        self.sampler = sampler
         self._order = self._shuffled()
 
     def _shuffled(self) -> list[int]:
@@ -48,14 +51,17 @@ class TaskStream:
 
     def next_draw(self) -> Draw:
         """Re-issued tasks first, with their own epoch and start order; then the epoch's
-        next task (no start order yet)."""
+        next task the sampler, if any, does not pass over (no start order yet)."""
         if self.reissue:
             return self.reissue.popleft()
-        if self.index == len(self._order):
-            self.epoch, self.index = self.epoch + 1, 0
-            self._order = self._shuffled()
-        self.index += 1
-        return Draw(self._order[self.index - 1], self.epoch)
+        while True:
+            if self.index == len(self._order):
+                self.epoch, self.index = self.epoch + 1, 0
+                self._order = self._shuffled()
+            self.index += 1
+            index = self._order[self.index - 1]
+            if self.sampler is None or self.sampler.visit(index, self.epoch, self.index - 1):
+                return Draw(index, self.epoch)
 
     def next_index(self) -> int:
         return self.next_draw().index

@@ -18,16 +18,34 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from asyncrl import chat_format
 from asyncrl.algorithms.finite import check_rewards
-from asyncrl.config import Config, save_config
-from asyncrl.learner import pack_batch
+from asyncrl.config import (
+    CONFIG_FILE,
+    Config,
+    changed_settings,
+    describe_changes,
+    record_config_changes,
+    run_settings,
+    save_config,
+)
+from asyncrl.learner import TrainBatch, pack_batch
 from asyncrl.orchestrator.buffer import ReadyGroup, trainable
-from asyncrl.orchestrator.checkpoint import RUN_STATE_FILE, RunState, rollback_logs, rotate, starting_point
+from asyncrl.orchestrator.checkpoint import (
+    IN_FLIGHT_FILE,
+    RUN_STATE_FILE,
+    RunState,
+    encode_in_flight,
+    read_in_flight,
+    rollback_logs,
+    rotate,
+    starting_point,
+)
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.metrics import StepTimes, eval_metrics, sample_rows, step_row
 from asyncrl.orchestrator.preflight import preflight
@@ -36,7 +54,9 @@ from asyncrl.orchestrator.runlog import RunLog
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import Weights, start
-from asyncrl.types import Episode
+from asyncrl.types import Episode, Trajectory
+
+T = TypeVar("T")
 
 
 class Trainer:
@@ -44,6 +64,11 @@ class Trainer:
         """Everything that can be wrong with the input fails here, before any work."""
         self.cfg, self.output_dir = cfg, Path(cfg.output_dir)
         checkpoint = starting_point(self.output_dir, cfg.resume)
+        state = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()) if checkpoint else None
+        # a resume: the settings that differ from those the run last trained with, and whether
+        # anything is left to train (a finished run: run() says so and writes nothing)
+        self.changed_settings = changed_settings(run_settings(self.output_dir) or {}, cfg) if state else {}
+        self.finished = state is not None and state.step >= cfg.total_steps
         checked = preflight(cfg, "train")
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
@@ -53,11 +78,11 @@ class Trainer:
         self.last_checkpoint: Path | None = checkpoint
         self._saved_step: int | None = None
         self.save_seconds: dict[int, float] = {}  # each checkpoint save's wall time, by step (off a benchmark's clock)
-        state = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()) if checkpoint else None
         self.resumed_from = state
         self.step = self.version = state.step if state else 0  # one optimizer step makes one version
         self._served_version = self.version  # what the rollout engines hold
-        self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state)
+        in_flight = read_in_flight(checkpoint) if checkpoint else []
+        self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state, in_flight)
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
         self.watchdog.counts.update(state.counters if state else {})
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
@@ -96,6 +121,31 @@ class Trainer:
             return None
         return chat_format.describe(chat_format.probe(self.tokenizer))
 
+    def finished_note(self) -> str:
+        """What a resume of a finished run says: its latest checkpoint is at (or past)
+        ``total_steps``, so there is nothing to train, and nothing was written."""
+        step, total = self.resumed_from.step, self.cfg.total_steps
+        lines = [f"asyncrl train: {self.output_dir} is finished: its latest checkpoint is step {step}"
+                 + (f" of total_steps={total}" if step == total else f", past total_steps={total}")
+                 + "; nothing to train, nothing written",
+                 f"  to train on from step {step}, add total_steps=N with N > {step} to resume=true"]
+        if self.changed_settings:
+            lines.append("  not applied, as nothing trains: " + ", ".join(describe_changes(self.changed_settings)))
+        return "\n".join(lines)
+
+    def _save_config(self) -> None:
+        """A new run writes ``config.yaml``. A resume leaves it as the run began: settings that
+        differ from those the run last trained with are said and appended to
+        ``config_changes.jsonl`` beside it."""
+        path = self.output_dir / CONFIG_FILE
+        if self.resumed_from is None or not path.is_file():
+            save_config(self.cfg, path)
+        elif self.changed_settings:
+            record = record_config_changes(self.output_dir, self.resumed_from.step, self.changed_settings)
+            shown = "".join(f"\n  {line}" for line in describe_changes(self.changed_settings))
+            print(f"asyncrl: resuming with settings changed from the run's (recorded in {record}; "
+                  f"{CONFIG_FILE} keeps those it began with):{shown}", file=sys.stderr, flush=True)
+
     def stop(self) -> None:
         """Finish the current step, checkpoint and return, as a first Ctrl-C does. Safe from
         any thread, and from a hook."""
@@ -104,10 +154,13 @@ class Trainer:
     # ---------------------------------------------------------------- main
     async def run_async(self) -> Path:
         """The whole run on the caller's event loop; returns the final checkpoint."""
+        if self.finished:  # a resume with nothing left to train: said, and not a file touched
+            print(self.finished_note(), file=sys.stderr, flush=True)
+            return self.last_checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        save_config(self.cfg, self.output_dir / "config.yaml")
         state, first_step = self.resumed_from, self.step
         print(self.banner(), file=sys.stderr, flush=True)
+        self._save_config()
         with self._stop.installed():
             async with start(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
@@ -117,18 +170,20 @@ class Trainer:
                     removed = rollback_logs(self.output_dir, state)
                     print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
                           f"written after it: {removed}", file=sys.stderr)
+                    print(f"asyncrl: {self.rollouts.replay_note()}", file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
                 self.start_time = time.perf_counter() - (state.elapsed_s if state else 0.0)
                 try:
-                    last = await self._loops(evaluate_first=state is None)
-                    if (last > first_step or state is None) and self._saved_step != last:
-                        await self._save(last)
+                    await self._loops(evaluate_first=state is None, first_step=first_step)
                     self.wall_s = self._now()
                 finally:
                     self.log.close()
         return self.last_checkpoint
 
-    async def _loops(self, evaluate_first: bool) -> int:
+    async def _loops(self, evaluate_first: bool, first_step: int) -> int:
+        """Training, with the rollout loop beside it, until the last step or a stop; then the
+        final checkpoint, taken while the rollouts still run so that the episodes under way
+        are in it (``in_flight.jsonl``), and only then the rollouts are cancelled."""
         try:
             async with asyncio.TaskGroup() as self._tasks:
                 side = [self._tasks.create_task(self.watchdog.watch(self._show_starved))]
@@ -143,6 +198,8 @@ class Trainer:
                     for task in list(self._evaluations):
                         task.cancel()
                 await self.log.flushed()
+                if (last > first_step or evaluate_first) and self._saved_step != last:
+                    await self._save(last)
                 for task in side:
                     task.cancel()
             return last
@@ -155,21 +212,16 @@ class Trainer:
     async def _train_loop(self) -> int:
         while self.step < self.cfg.total_steps and not self._stop.is_set():
             t0, busy0 = time.perf_counter(), await self.rollout.busy_s()
-            groups = await self._take_unless_stopped()
-            if groups is None:  # asked to stop while waiting for data: nothing half-done to finish
-                break
-            waited = time.perf_counter() - t0
             trained_version, step = self.version, self.step + 1
-            trajectories, advantages = trainable(groups, trained_version, self.max_staleness)
-            t_train = self._now()
-            on_policy = all(t.behavior_version_max == trained_version for t in trajectories)
-            actor = await self.learner.train_step(pack_batch(trajectories, advantages, self.tokenizer.pad_token_id or 0),
-                                                  on_policy)
+            train = self._train_streamed if self.cfg.learner.streaming else self._train_batched
+            trained = await train(trained_version, step)
+            if trained is None:  # asked to stop while waiting for data: nothing half-done to finish
+                break
+            groups, trajectories, actor = trained.groups, trained.trajectories, trained.actor
             self.step, self.version = step, self.version + 1
-            self.log.event("train", t_train, self._now(), step=step)
             weights = await self._sync_weights(actor) if step % self.cfg.sync_every == 0 else None
             busy = await self.rollout.busy_s() - busy0
-            times = StepTimes(time.perf_counter() - t0, waited, busy, self._now())
+            times = StepTimes(time.perf_counter() - t0, trained.waited_s, busy, self._now())
             buffer = self.rollouts.buffer
             # the window's fraction and the group counts are read together, before any await
             filtered_window, counters = self.watchdog.starvation.fraction, self._counters()
@@ -179,6 +231,10 @@ class Trainer:
                            {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped},
                            filtered_fraction_window=filtered_window)
             row["rollout/errors_unlogged_total"] = self.log.errors_unlogged  # failed attempts past errors.jsonl's cap
+            # the learner computing (its calls, awaited) against the whole step: waits for data, the
+            # weight sync and the logging are its idle time
+            row["time/learner"] = trained.learner_s
+            row["trainer/learner_idle_ratio"] = max(0.0, 1 - trained.learner_s / times.wall_s)
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
             due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             self.log.step(row, await self._evaluation(step, weights) if due else None)
@@ -190,8 +246,58 @@ class Trainer:
                 await self._save(step)
         return self.step
 
-    async def _take_unless_stopped(self) -> list[ReadyGroup] | None:
-        take = asyncio.ensure_future(self.rollouts.buffer.take(self.cfg.batch_size, self.version))
+    async def _train_batched(self, version: int, step: int) -> _Trained | None:
+        """Wait for the step's B groups, then one ``train_step`` on them all."""
+        t0 = time.perf_counter()
+        groups = await self._take_unless_stopped(self.cfg.batch_size)
+        if groups is None:
+            return None
+        trained = _Trained(waited_s=time.perf_counter() - t0)
+        trained.actor = await self._learn(trained, step, self.learner.train_step(*self._batch(trained, groups, version)))
+        return trained
+
+    async def _train_streamed(self, version: int, step: int) -> _Trained | None:
+        """``learner.streaming``: forward and backward (``accumulate``) on every group ready
+        now, up to the step's B, while the others generate; then on each as it comes (or
+        all that came meanwhile); the optimizer step (``finish_step``) once B are in. The
+        buffer picks the groups of each take by its own rule, as for a batched step's one
+        take (it counts the takes of a version); each passes the same staleness check at
+        ``version``; the rows list the step's groups in start order. Asked to stop while
+        waiting, it puts the groups taken back in the buffer (a checkpoint keeps them
+        untrained, as it would have had they waited there) and their gradients are dropped."""
+        trained, buffer = _Trained(), self.rollouts.buffer
+        while len(trained.groups) < self.cfg.batch_size:
+            t0 = time.perf_counter()
+            groups = await self._take_unless_stopped(min(self.cfg.batch_size - len(trained.groups), max(1, len(buffer))))
+            trained.waited_s += time.perf_counter() - t0
+            if groups is None:
+                buffer.restore(trained.groups)
+                return None
+            await self._learn(trained, step, self.learner.accumulate(*self._batch(trained, groups, version)))
+        trained.actor = await self._learn(trained, step, self.learner.finish_step())
+        trained.groups.sort(key=lambda g: g.start_order)
+        return trained
+
+    def _batch(self, trained: _Trained, groups: list[ReadyGroup], version: int) -> tuple[TrainBatch, bool]:
+        """``groups``, each checked fresh enough to train ``version`` on (``trainable``) and
+        added to ``trained``, packed; and whether ``version`` sampled every token of them
+        (then π_prox = μ, and the learner skips its recompute)."""
+        trajectories, advantages = trainable(groups, version, self.max_staleness)
+        trained.groups += groups
+        trained.trajectories += trajectories
+        on_policy = all(t.behavior_version_max == version for t in trajectories)
+        return pack_batch(trajectories, advantages, self.tokenizer.pad_token_id or 0), on_policy
+
+    async def _learn(self, trained: _Trained, step: int, call: Awaitable[T]) -> T:
+        """A learner call of ``step``: timed into ``trained.learner_s``, and on the timeline."""
+        t_train, start = self._now(), time.perf_counter()
+        out = await call
+        trained.learner_s += time.perf_counter() - start
+        self.log.event("train", t_train, self._now(), step=step)
+        return out
+
+    async def _take_unless_stopped(self, n: int) -> list[ReadyGroup] | None:
+        take = asyncio.ensure_future(self.rollouts.buffer.take(n, self.version))
         stop = asyncio.ensure_future(self._stop.wait())
         self.watchdog.waiting(True)
         try:
@@ -237,10 +343,13 @@ class Trainer:
     async def _save(self, step: int) -> None:
         start = time.perf_counter()
         await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
+        journals = await self.rollout.in_flight()  # the episodes under way, continued after a restart
         state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), **self.rollouts.snapshot())
+        in_flight = self.rollouts.journals_to_keep(journals, state.reissue)
         ckpt_dir = self.output_dir / "checkpoints"
-        self.last_checkpoint = await self.learner.save_checkpoint(ckpt_dir / f"step_{step}", {"step": step},
-                                                                  {RUN_STATE_FILE: state.to_json()})
+        self.last_checkpoint = await self.learner.save_checkpoint(
+            ckpt_dir / f"step_{step}", {"step": step},
+            {RUN_STATE_FILE: state.to_json(), IN_FLIGHT_FILE: encode_in_flight(in_flight)})
         self._saved_step = step
         rotate(ckpt_dir, self.cfg.keep_last, newest=self.last_checkpoint)
         self.save_seconds[step] = time.perf_counter() - start
@@ -293,6 +402,18 @@ class Trainer:
                               step=step)
         self.log.event("eval", t_eval, self._now(), step=step, version=version)
         return eval_metrics(result, version, self._now() - t_eval)
+
+
+@dataclass
+class _Trained:
+    """One step's training: its groups and trajectories, the learner's ``actor/*`` metrics,
+    the seconds it waited for groups with nothing to compute and the seconds it computed."""
+
+    groups: list[ReadyGroup] = field(default_factory=list)
+    trajectories: list[Trajectory] = field(default_factory=list)
+    actor: dict[str, float] = field(default_factory=dict)
+    waited_s: float = 0.0
+    learner_s: float = 0.0
 
 
 def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:

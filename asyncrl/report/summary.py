@@ -108,8 +108,56 @@ def summarize(run: Run) -> dict[str, Any]:
         # a lower bound past ``logging.max_errors_per_step``: the trainer only counts the rest
         "failed episode attempts (in errors.jsonl)": len(run.errors),
         "most frequent exception": f"{common[0]} (×{common[1]})" if common else None,
+        **drop_summary(run),
         **_agent_summary(train),
     }
+
+
+DROPS = (  # why a generated group was not trained, and the counter (cumulative) that says how often
+    ("filtered: every sample scored the same", "rollout/groups_filtered_total"),
+    ("every episode failed", "rollout/groups_all_error_total"),
+    ("stale: older than η when the learner came to it", "buffer/stale_dropped_total"),
+)
+
+
+def drop_summary(run: Run) -> dict[str, Any]:
+    """Generated groups by what became of them, from the last step's counters: each reason
+    for a drop with its share of the groups generated, the mean response length of the
+    groups dropped as stale beside the trained ones' (the bias such drops make), the
+    learner's waits that kept a group from going stale, the tasks the sampler passed over.
+    A counter a run did not log (an older run) is left out."""
+    last = run.train_metrics[-1] if run.train_metrics else {}
+
+    def count(key: str) -> int | None:
+        value = finite(last.get(key))
+        return None if value is None else int(value)
+
+    outcomes = [count(k) for k in ("rollout/groups_accepted_total", "rollout/groups_filtered_total",
+                                   "rollout/groups_all_error_total")]
+    if any(v is None for v in outcomes):
+        return {}
+    generated = sum(outcomes)
+    out: dict[str, Any] = {"groups generated": generated}
+    for reason, key in DROPS:
+        n = count(key)
+        if n is not None:
+            out[f"groups dropped, {reason}"] = f"{n} ({n / generated:.1%})" if generated else str(n)
+    saturated, hopeless = count("rollout/groups_saturated_total"), count("rollout/groups_hopeless_total")
+    if saturated is not None and hopeless is not None:
+        out["groups whose samples all scored the same: all solved / none solved"] = f"{saturated} / {hopeless}"
+    tokens = [finite(s.get("response_tokens")) for s in run.samples]
+    tokens = [t for t in tokens if t is not None]
+    dropped = count("rollout/stale_dropped_trajectories_total")
+    dropped_tokens = count("rollout/stale_dropped_tokens_total")
+    if tokens or dropped:
+        out["mean response tokens: trained / dropped as stale"] = (
+            f"{format_value(sum(tokens) / len(tokens) if tokens else None)} / "
+            f"{format_value(dropped_tokens / dropped if dropped and dropped_tokens is not None else None)}")
+    for label, key in (("learner waits that kept a group from going stale", "rollout/deadline_waits_total"),
+                       ("tasks passed over by the sampler", "rollout/sampler_skipped_total")):
+        if (n := count(key)) is not None:
+            out[label] = n
+    return out
 
 
 def _agent_summary(train: list[Row]) -> dict[str, Any]:

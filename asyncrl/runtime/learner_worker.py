@@ -95,6 +95,17 @@ class LearnerWorker:
         self._heap.trim(force=True)
         return metrics
 
+    def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
+        self._set_threads()
+        self.learner.accumulate(batch, on_policy=on_policy)
+        self._heap.trim()  # at most once a second: parts come often
+
+    def finish_step(self) -> dict[str, float]:
+        self._set_threads()
+        metrics = self.learner.finish_step()
+        self._heap.trim(force=True)
+        return metrics
+
     def publish(self) -> dict[str, torch.Tensor]:
         """The full weights (on rank 0; ``{}`` on the others)."""
         return self.learner.export_weights()

@@ -14,7 +14,7 @@ installs and drives its own state inside the workers without a method on every h
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +41,16 @@ class StoredWeights:
 class LearnerHandle(Protocol):
     async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
         """One optimizer step (one new version); returns the step's ``actor/*`` metrics."""
+        ...
+
+    async def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
+        """Forward and backward on part of a step's batch (``learner.streaming``); the
+        weights do not change until :meth:`finish_step`."""
+        ...
+
+    async def finish_step(self) -> dict[str, float]:
+        """The optimizer step of the parts accumulated since the last step: what
+        :meth:`train_step` on them all at once would do, metrics included."""
         ...
 
     async def publish(self) -> Weights:
@@ -73,10 +83,17 @@ class RolloutHandle(Protocol):
         """Rollout workers replaced after dying, in this process's lifetime."""
         ...
 
-    async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
+    async def run_group(self, task: Task, n: int, draw: int = 0,
+                        replay: Mapping[int, dict[str, Any]] | None = None) -> list[Episode]:
         """``n`` episodes of ``task``; a failing episode comes back with status ``error``.
         ``draw``: the train epoch the task was handed out in (part of the episodes' seeds,
-        ``asyncrl/seeding.py``)."""
+        ``asyncrl/seeding.py``). ``replay``: sample -> its journal from a checkpoint
+        (``asyncrl/journal.py``), continued rather than generated again."""
+        ...
+
+    async def in_flight(self) -> list[dict[str, Any]]:
+        """The journals of the training episodes under way on every worker, for a
+        checkpoint (running sequences are aborted and resumed to read their tokens)."""
         ...
 
     async def evaluate(self, tasks: list[Task], *, version: int, weights: Weights | None = None,

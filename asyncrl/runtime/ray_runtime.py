@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
@@ -240,12 +240,13 @@ class RayRollout:
             self._replace(i, worker, exc)
             raise _WorkerLost from exc
 
-    async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
+    async def run_group(self, task: Task, n: int, draw: int = 0,
+                        replay: Mapping[int, dict[str, Any]] | None = None) -> list[Episode]:
         while True:  # re-issued after a worker death; _replace bounds the attempts
             i = min(range(len(self.workers)), key=self.load.__getitem__)
             self.load[i] += 1
             try:
-                return await self._call(i, lambda w: w.run_group.remote(task, n, draw))
+                return await self._call(i, lambda w: w.run_group.remote(task, n, draw, replay))
             except _WorkerLost:
                 continue
             finally:
@@ -273,6 +274,15 @@ class RayRollout:
                 elif not isinstance(result, _WorkerLost):  # lost shards go round again
                     raise result
         return EvalResult.merge([parts[i] for i in sorted(parts)])
+
+    async def in_flight(self) -> list[dict[str, Any]]:
+        """Every live worker's journals (a worker lost meanwhile has none to give)."""
+        results = await asyncio.gather(*[self._call(i, lambda w: w.in_flight.remote())
+                                         for i in range(len(self.workers))], return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
+                raise result
+        return [j for result in results if isinstance(result, list) for j in result]
 
     async def sync_weights(self, weights: Weights, version: int, mode: str) -> list[int]:
         """The version each live worker serves afterwards (a replaced one starts from these)."""

@@ -22,6 +22,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import inspect
+import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,6 +35,7 @@ from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.eval_scoring import EvalResult, evaluate
 from asyncrl.gateway import Gateway, get_parser
+from asyncrl.journal import EpisodeKey, Journal
 from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.seeding import Purpose, derive_seed, episode_seed
 from asyncrl.tasks.base import Task
@@ -42,6 +45,9 @@ from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
 
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
+REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
+CHECKPOINT_ABORT_WAIT_S = 5.0
+"""At most this long ``in_flight`` waits for the sequences it aborted to reach their journals."""
 
 
 class RolloutWorker:
@@ -71,6 +77,8 @@ class RolloutWorker:
         self._eval_lock = asyncio.Lock()  # one evaluation at a time holds the replica's weights
         self._ready = asyncio.Event()
         self._start_error: BaseException | None = None
+        self.journals: dict[EpisodeKey, Journal] = {}  # training episodes under way: what a checkpoint keeps
+        self.replay_counts = dict.fromkeys(REPLAY_COUNTS, 0)
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight receiver); closed by shutdown
 
     async def start(self) -> None:
@@ -128,32 +136,91 @@ class RolloutWorker:
         return 0
 
     async def gateway_counts(self) -> dict[str, int]:
-        """The gateway's counts, and ``user_threads_abandoned``: calls of blocking user code
-        given up on (timed out) while their thread was still in it."""
+        """The gateway's counts; ``user_threads_abandoned``: calls of blocking user code
+        given up on (timed out) while their thread was still in it; and what replaying
+        episodes from a checkpoint took from it (``replayed_episodes``, ``replayed_tokens``)
+        and where a workflow asked for something else (``replay_diverged``)."""
         counts = self.gateway.counts if self.gateway is not None else {}
         return {**{k: counts.get(k, 0) for k in GATEWAY_COUNTS},
-                "user_threads_abandoned": self.user_threads.abandoned_total}
+                "user_threads_abandoned": self.user_threads.abandoned_total, **self.replay_counts}
 
     async def busy_s(self) -> float:
         """Seconds the engine spent decoding (for the idle ratios); 0 while it starts."""
         return self.engine.stats.busy_s if self._ready.is_set() and self.engine is not None else 0.0
 
     async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,
-                       draw: int, sample: int) -> Episode:
+                       draw: int, sample: int, replay: dict[str, Any] | None = None,
+                       keys: list[EpisodeKey] | None = None) -> Episode:
+        """One episode. A training one (``keys`` given) keeps a journal of what it generates
+        (:meth:`in_flight`), under a key added to ``keys`` for its group to drop when the
+        whole group is done; ``replay`` (its journal from a checkpoint) is played back into
+        the attempt it was recorded in."""
         w = self.cfg.workflow
+
+        def journal(attempt: int) -> Journal:
+            key = EpisodeKey(task.id, draw, sample, attempt)
+            for old in [k for k in keys if k[:3] == key[:3]]:  # a failed attempt's record is of no use to a restart
+                self._count_replay(self.journals.pop(old, None))
+            keys.append(key)
+            recorded = Journal.for_replay(replay) if replay is not None else None
+            self.journals[key] = recorded if recorded is not None and recorded.key == key else Journal(key)
+            return self.journals[key]
+
         async with self.slots:
             with self.user_threads.current():
-                return await run_episode(self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
-                                         timeout_s=w.timeout_s, max_retries=w.max_retries,
-                                         seed=lambda attempt: episode_seed(self.cfg.seed, purpose, task.id, draw,
-                                                                           sample, attempt))
+                return await run_episode(
+                    self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
+                    timeout_s=w.timeout_s, max_retries=w.max_retries,
+                    seed=lambda attempt: episode_seed(self.cfg.seed, purpose, task.id, draw, sample, attempt),
+                    journal=journal if keys is not None else None)
 
-    async def run_group(self, task: Task, n: int, draw: int = 0) -> list[Episode]:
+    def _count_replay(self, journal: Journal | None) -> None:
+        if journal is None or not (journal.replayed_tokens or journal.diverged):
+            return
+        self.replay_counts["replayed_episodes"] += 1
+        self.replay_counts["replayed_tokens"] += journal.replayed_tokens
+        if journal.diverged:
+            self.replay_counts["replay_diverged"] += 1
+            if self.replay_counts["replay_diverged"] == 1:
+                print(f"asyncrl: episode {tuple(journal.key)} replayed from a checkpoint asked for another context "
+                      "than it had; it sampled afresh from there (a workflow that is not deterministic given the "
+                      "model's replies; counted in rollout/replay_diverged_total)", file=sys.stderr)
+
+    async def run_group(self, task: Task, n: int, draw: int = 0,
+                        replay: Mapping[int, dict[str, Any]] | None = None) -> list[Episode]:
         """``n`` episodes of ``task``, in sample order; a failing episode comes back as an
-        error episode. ``draw``: the train epoch the task was handed out in (its seeds)."""
+        error episode. ``draw``: the train epoch the task was handed out in (its seeds).
+        ``replay``: sample -> its journal from a checkpoint, to continue rather than redo."""
         engine = await self.ready_engine()
-        return list(await asyncio.gather(*[self._episode(task, engine, self.sampling, "train", draw, i)
-                                           for i in range(n)]))
+        replay, keys = replay or {}, []
+        try:  # an episode's journal lives as long as its group: a restart re-issues the whole group
+            return list(await asyncio.gather(*[
+                self._episode(task, engine, self.sampling, "train", draw, i, replay.get(i), keys) for i in range(n)]))
+        finally:
+            for key in keys:
+                self._count_replay(self.journals.pop(key, None))
+
+    async def in_flight(self) -> list[dict[str, Any]]:
+        """The journals of the training episodes under way (``Journal.to_dict``), for a
+        checkpoint. Running sequences are aborted first, so that their tokens so far reach
+        the journals; the clients resume them at once, as after a weight sync (sampling is
+        seeded per position, so the tokens are those they would have sampled anyway)."""
+        if not self._ready.is_set() or self.engine is None or not self.journals:
+            return []
+        journals = list(self.journals.values())
+        returned = [j.calls_returned for j in journals]
+        waiting = [not j.parked for j in journals]
+        aborted = await self.engine.pause("abort")
+        try:
+            deadline = time.monotonic() + CHECKPOINT_ABORT_WAIT_S
+            while time.monotonic() < deadline:
+                back = sum(w and j.calls_returned > r for j, r, w in zip(journals, returned, waiting))
+                if back >= (aborted if aborted is not None else sum(waiting)):
+                    break
+                await asyncio.sleep(0.001)
+            return [j.to_dict() for j in self.journals.values()]
+        finally:
+            await self.engine.resume()
 
     async def evaluate(self, tasks: list[Task], version: int, weights: Mapping[str, torch.Tensor] | None = None,
                        on_episode: Callable[[Episode], None] | None = None) -> EvalResult:

@@ -19,6 +19,7 @@ from typing import Protocol
 
 from asyncrl.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError
+from asyncrl.journal import Journal
 from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.types import AttemptError, Episode
 
@@ -45,17 +46,21 @@ class WorkflowContext:
 
 async def run_episode(
     workflow: Workflow, task: Task, make_client: Callable[[], LLMClient], *, timeout_s: float, max_retries: int,
-    seed: Callable[[int], int] | None = None,
+    seed: Callable[[int], int] | None = None, journal: Callable[[int], Journal] | None = None,
 ) -> Episode:
     """Run ``workflow`` on ``task`` with a fresh client per attempt; never raises for a
     workflow's own failure. ``seed(attempt)`` (attempts count from 1): the sampling seed
-    of that attempt's client, so each attempt samples anew and every one reproducibly."""
+    of that attempt's client, so each attempt samples anew and every one reproducibly.
+    ``journal(attempt)``: where that attempt's client records what it generates (and what
+    it replays after a restart: ``asyncrl/journal.py``)."""
     error, errors = "", []
     for attempt in range(1, max_retries + 2):
         start = time.perf_counter()
         llm = make_client()
         if seed is not None:
             llm.sampling = dataclasses.replace(llm.sampling, seed=seed(attempt))
+        if journal is not None:
+            llm.journal = journal(attempt)
         try:
             async with asyncio.timeout(timeout_s):
                 episode = await workflow.run(task, llm)
