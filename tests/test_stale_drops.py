@@ -35,6 +35,13 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+async def start(gate: AsyncStalenessGate, buffer: GroupBuffer, version: int, *orders: int) -> None:
+    """Groups admitted and generating under ``version``."""
+    for order in orders:
+        await gate.acquire()
+        buffer.running(order, version)
+
+
 def test_the_learner_waits_for_a_group_whose_last_fresh_step_it_is():
     """η = 2, B = 1: three groups start under version 0, the third lands first and is
     trained, a younger one (version 1) lands next. Taking it at step 1 would leave two
@@ -43,14 +50,11 @@ def test_the_learner_waits_for_a_group_whose_last_fresh_step_it_is():
     async def schedule(stale_groups):
         gate = AsyncStalenessGate(StalenessGate(max_staleness=2, groups_per_step=1))
         buffer = GroupBuffer(gate, max_staleness=2, stale_groups=stale_groups)
-        for order in (1, 2, 3):
-            await gate.acquire()
-            buffer.running(order, 0)
+        await start(gate, buffer, 0, 1, 2, 3)
         await buffer.put(ready(3, 0))
         assert [g.start_order for g in await buffer.take(1, trained_version=0)] == [3]
         await gate.set_version(1)
-        await gate.acquire()
-        buffer.running(4, 1)
+        await start(gate, buffer, 1, 4)
         await buffer.put(ready(4, 1))
         step1 = asyncio.create_task(buffer.take(1, trained_version=1))
         await settle()
@@ -61,7 +65,7 @@ def test_the_learner_waits_for_a_group_whose_last_fresh_step_it_is():
         await buffer.put(ready(2, 0))
         trained += [g.start_order for g in await buffer.take(1, trained_version=2)]
         await gate.set_version(3)
-        await gate.acquire()
+        await start(gate, buffer, 3, 5)
         await buffer.put(ready(5, 3))
         trained += [g.start_order for g in await buffer.take(1, trained_version=3)]
         return waited, trained, buffer
@@ -79,14 +83,11 @@ def test_filtering_the_group_waited_for_ends_the_wait():
     async def main_():
         gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=1))
         buffer = GroupBuffer(gate, max_staleness=1)
-        for order in (1, 2):
-            await gate.acquire()
-            buffer.running(order, 0)
+        await start(gate, buffer, 0, 1, 2)
         await buffer.put(ready(2, 0))
         await buffer.take(1, trained_version=0)
         await gate.set_version(1)
-        await gate.acquire()
-        buffer.running(3, 1)
+        await start(gate, buffer, 1, 3)
         await buffer.put(ready(3, 1))
         step1 = asyncio.create_task(buffer.take(1, trained_version=1))
         await settle()
@@ -146,9 +147,8 @@ async def simulate(stale_groups: str, eta: int, per_step: int, seed: int, steps:
             await gate.set_version(version)
             take = ask()
         while gate.gate.can_start():
-            await gate.acquire()
             order += 1
-            buffer.running(order, version)
+            await start(gate, buffer, version, order)
             duration = rng.randint(8, 40) if rng.random() < 1 / 6 else rng.randint(1, 3)
             first = tick + rng.randint(0, min(duration - 1, 2))
             running[order] = [tick + duration, first, version]

@@ -70,6 +70,9 @@ class ModesBenchSettings(Section):
     streaming: Literal["off", "on", "both"] = "off"
     """``learner.streaming`` in every run (``on``), in none, or each mode both ways (``both``:
     the streamed run named ``<mode>_streamed``, run right after the batched one)."""
+    stale_groups: Literal["wait", "drop"] = "wait"
+    """Every run's ``stale_groups``: ``drop`` shows what dropping groups older than η costs
+    (how many, and their mean response length against the trained ones')."""
     seed: int = 0
 
 
@@ -82,6 +85,7 @@ def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int,
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0", "eval.num_tasks=16",
         "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}", f"optim.lr={s.lr}",
         "algorithm.filter_zero_variance=false", f"learner.streaming={str(streaming).lower()}",
+        f"stale_groups={s.stale_groups}",
     ]
     if s.task == "search":  # the example's own config: agent, task, sampling, algorithm
         return load_config(SEARCH_EXAMPLE, common)
@@ -103,7 +107,18 @@ def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
         "staleness_bound": eta_bound, "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
         "final_reward": statistics.mean(r["reward/mean"] for r in rows[-max(1, len(rows) // 5):]),
         **{key: statistics.mean(r[key] for r in rows) for key in AGENT_PROFILE if key in rows[0]},
+        **_stale_drops(rows[-1], samples),
     }
+
+
+def _stale_drops(last: dict[str, Any], samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """Groups dropped as older than η, the learner's waits that kept one fresh, and the mean
+    response length of the dropped trajectories against the trained ones'."""
+    dropped, tokens = (last.get(f"rollout/stale_dropped_{k}_total") for k in ("trajectories", "tokens"))
+    return {"stale_dropped": last["buffer/stale_dropped_total"],
+            "deadline_waits": last.get("rollout/deadline_waits_total"),
+            "trained_mean_tokens": statistics.mean(s["response_tokens"] for s in samples),
+            "stale_dropped_mean_tokens": tokens / dropped if dropped else None}
 
 
 def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, float]:
@@ -198,6 +213,11 @@ def run_modes_bench(overrides: list[str], out: Path) -> dict[str, Any]:
         print(f"{name:28s} {m['wall_s']:8.1f} {m['samples_per_s']:10.1f} {m['trainer_idle_ratio']:12.2f} "
               f"{m['learner_idle_ratio']:12.2f} {m['rollout_idle_ratio']:12.2f} {m['staleness_max']:9d} "
               f"{m['final_reward']:7.3f} {m['peak_rss_mb']:8.0f}")
+    print(f"stale_groups={s.stale_groups}: groups dropped as older than η (mean response tokens trained / dropped)")
+    for name, m in result["modes"].items():
+        dropped = m["stale_dropped_mean_tokens"]
+        print(f"{name:28s} {m['stale_dropped']:4d} dropped, {m['deadline_waits'] or 0:4d} waits "
+              f"({m['trained_mean_tokens']:.1f} / {'-' if dropped is None else f'{dropped:.1f}'})")
     if s.task == "search":
         print(f"{'agent profile':28s} " + " ".join(f"{k.split('/')[1]:>20s}" for k in AGENT_PROFILE))
         for name, m in result["modes"].items():

@@ -28,13 +28,28 @@ is fresh for: its oldest token's version + η; a group still generating has at l
 version it started under, so its deadline is at least that + η) and waits before a batch
 that would leave some group no step to be trained in fresh: for every deadline D, the
 groups due by D — ready or still generating — must fit in the slots the steps up to D
-have left. The gate makes that always possible: the groups started under versions ≤ D −
-η number at most (D + 1)·B (its count argument), so taking earliest deadlines first
-keeps the check true from step to step, and a wait ends when a group it waits on lands or
-is filtered. It costs the learner a wait where ``drop`` would have trained younger groups
-and thrown the old one away. The age check stays: a group that went stale anyway (an
-episode replayed from before a resume carries older tokens than its start) is dropped and
-counted, and ``trainable`` still stops the run on one older than η.
+have left. Why such a batch always comes (B groups a step; the invariant, at the start of
+step t: for every D ≥ t at most (D − t + 1)·B groups not consumed or rejected are due by
+D):
+
+- at t = 0 every group started under version 0, so is due at η or later, and the gate
+  admits at most (η + 1)·B;
+- once every group due by D has landed or been filtered, taking earliest deadlines first
+  takes min(B, due by D) of them, which leaves at most (D − t)·B by the invariant: a wait
+  ends, because groups generating land or are filtered;
+- so after step t at most (D − t)·B are left due by each D < t + η, and no group admitted
+  during step t (under version t) is due before t + η; for D ≥ t + η the gate bounds the
+  count itself: groups started under versions ≤ D − η number at most (D + 1)·B (its count
+  argument), and the (t + 1)·B consumed by then were all started under versions ≤ t, so
+  at most (D − t)·B = (D − (t + 1) + 1)·B are left. The invariant holds at step t + 1.
+
+(A deadline the buffer sees is never earlier than the one argued with: a group registers
+the version when it begins generating, at least the one it was admitted under, and its
+tokens are no older.) It costs the learner a wait where ``drop`` would have trained
+younger groups and thrown the old one away. The age check stays: a group that went
+stale anyway (an episode replayed from before a resume carries older tokens than its
+restart; a resume with a smaller η) is dropped and counted, and ``trainable`` still
+stops the run on one older than η.
 """
 
 from __future__ import annotations
