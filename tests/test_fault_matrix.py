@@ -81,7 +81,7 @@ POINTS = {  # point -> (config, n-th hit to die on: after the step-2 checkpoint)
     "mid-checkpoint-write": (COUNTDOWN, 2),
     "before-checkpoint-rename": (COUNTDOWN, 2),
     "mid-evaluation": (COUNTDOWN, 5),
-    "agent-episode-in-flight": (AGENT, 80),
+    "agent-episode-in-flight": (AGENT, 55),  # a run makes 80 chat calls; step_2 is saved after the 44th
 }
 
 

@@ -145,22 +145,39 @@ def test_kill_9_then_resume_continues_the_episodes_in_flight(tmp_path, policy_di
     assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 3
 
 
-def slow_parity(task, text):
-    """``test_reproducible``'s parity reward, slow enough that the groups of the next step
-    are still under way (generated, being scored) when a checkpoint is taken."""
-    time.sleep(2.0)
-    return float(len(text) % 2)
-
-
 def test_a_resumed_sync_run_replays_its_episodes_and_equals_the_uninterrupted_one(tmp_path, policy_dir):
+    """Stopped at step 2 and resumed with the groups of step 3 under way: whatever the
+    checkpoint found under way is replayed, and every group it found finished is turned
+    into one under way whose journals hold its episodes' replies (as a checkpoint taken a
+    moment earlier would have), so the resume always replays. The run equals the
+    uninterrupted one: the same samples, weights within float noise."""
     from test_reproducible import METRIC_KEYS, WEIGHT_ATOL, run, same_run
 
-    slow = ["mode=sync", "partial_rollout=off", "task.reward_fn=test_in_flight:slow_parity"]
-    whole = run(tmp_path, policy_dir, "whole", *slow)
-    run(tmp_path, policy_dir, "parts", *slow, "total_steps=2")
-    journals = (tmp_path / "parts" / "checkpoints" / "step_2" / IN_FLIGHT_FILE).read_text().splitlines()
-    assert journals, "the groups of step 3 are under way when step 2 is saved"
-    resumed = run(tmp_path, policy_dir, "parts", *slow, "resume=true")
-    assert resumed[1][-1]["rollout/replayed_tokens_total"] > 0
+    from asyncrl.workflows.registry import build_tasks
+
+    sync = ["mode=sync", "partial_rollout=off"]
+    whole = run(tmp_path, policy_dir, "whole", *sync)
+    run(tmp_path, policy_dir, "parts", *sync, "total_steps=2")
+    checkpoint = tmp_path / "parts" / "checkpoints" / "step_2"
+    state = json.loads((checkpoint / "run_state.json").read_text())
+    journals = [json.loads(line) for line in (checkpoint / IN_FLIGHT_FILE).read_text().splitlines()]
+    cfg = load_config("examples/countdown/async.yaml", ["task.num_train=64", "task.num_validation=8"])
+    index = {t.id: i for i, t in enumerate(build_tasks(cfg).train)}
+    for g in state.pop("buffered"):
+        group = g["group"]
+        state["reissue"].append({"index": index[group["task_id"]], "epoch": 0, "order": g["start_order"]})
+        state["counters"]["groups_accepted"] -= 1  # not finished, so not counted yet
+        for sample, episode in enumerate(group["episodes"]):
+            (t,) = episode["trajectories"]
+            journals.append({"key": {"task_id": group["task_id"], "draw": 0, "sample": sample, "attempt": 1},
+                             "segments": [{"context": t["prompt_ids"], "token_ids": t["response_ids"],
+                                           "logprobs": t["logprobs"], "versions": t["versions"],
+                                           "finish_reason": t["finish_reason"], "num_resumes": t["num_resumes"]}]})
+    (checkpoint / "run_state.json").write_text(json.dumps({**state, "buffered": []}))
+    (checkpoint / IN_FLIGHT_FILE).write_text("".join(json.dumps(j) + "\n" for j in journals))
+    kept = sum(len(seg["token_ids"]) for j in journals for seg in j["segments"])
+    assert kept > 0
+    resumed = run(tmp_path, policy_dir, "parts", *sync, "resume=true")
+    assert resumed[1][-1]["rollout/replayed_tokens_total"] == kept
     since_last_step = ("rollout/reward_mean", "rollout/episodes")
     assert same_run(whole, resumed, [k for k in METRIC_KEYS if k not in since_last_step]) <= WEIGHT_ATOL
