@@ -89,7 +89,7 @@ FLOORS = {
     # 4 runs: the gate, the loops, the entry points of train, eval and serve
     "asyncrl.orchestrator": 4,
     # 5 top: what drives or reads whole runs
-    "asyncrl.cli": 5, "asyncrl.report": 5, "asyncrl.bench": 5, "asyncrl.tiny": 5,
+    "asyncrl.cli": 5, "asyncrl.report": 5, "asyncrl.bench": 5, "asyncrl.tiny": 5, "asyncrl.plan": 5,
 }
 
 

@@ -43,8 +43,7 @@ from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack_batch
-from asyncrl.modes import trajectory_staleness
-from asyncrl.orchestrator.metrics import training_seconds
+from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.policy import load_policy
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
@@ -95,15 +94,9 @@ def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int,
 def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
     rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
     samples = read_jsonl(run_dir / "samples.jsonl")
-    staleness = [trajectory_staleness(s["trained_version"], s["behavior_version_min"]) for s in samples]
-    wall = training_seconds(rows)
     return {
-        "wall_s": wall, "samples": len(samples), "samples_per_s": len(samples) / wall,
-        "trainer_idle_ratio": statistics.mean(r["trainer/idle_ratio"] for r in rows),
-        "rollout_idle_ratio": statistics.mean(r["rollout/idle_ratio"] for r in rows),
-        "learner_idle_ratio": statistics.mean(r["trainer/learner_idle_ratio"] for r in rows),
+        **run_figures(run_dir),
         "learner_s": sum(r["time/learner"] for r in rows),  # the learner computing, over the run
-        "staleness_max": max(staleness), "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
         "staleness_bound": eta_bound, "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
         "final_reward": statistics.mean(r["reward/mean"] for r in rows[-max(1, len(rows) // 5):]),
         **{key: statistics.mean(r[key] for r in rows) for key in AGENT_PROFILE if key in rows[0]},

@@ -4,11 +4,14 @@ keys. Key names are a promise to users' scripts (docs/usage.md lists them)."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from asyncrl.eval_scoring import EvalResult
+from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.types import AgentDiagnostics, Episode, Trajectory
@@ -97,7 +100,8 @@ def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
                     "reward": t.reward, "advantage": advantage,
                     "behavior_version_min": t.behavior_version_min,
                     "behavior_version_max": t.behavior_version_max, "trained_version": trained_version,
-                    "response_tokens": t.num_model_tokens, "finish_reason": t.finish_reason,
+                    "response_tokens": t.num_model_tokens, "prompt_tokens": len(t.prompt_ids),
+                    "finish_reason": t.finish_reason,
                     "resumed": t.resumed, "num_resumes": t.num_resumes, "response": response,
                     "response_segments": segments,
                 })
@@ -173,3 +177,20 @@ def training_seconds(step_rows: list[Mapping[str, Any]]) -> float:
     from the start of the first step to the end of the last, as the benchmarks count it."""
     first, last = step_rows[0], step_rows[-1]
     return last["time/elapsed"] - first["time/elapsed"] + first["time/step"]
+
+
+def run_figures(run_dir: Path) -> dict[str, Any]:
+    """A finished run's throughput, idle fractions and staleness, from its files: what the
+    benchmarks and ``asyncrl plan`` compare runs by."""
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step" in r]
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    staleness = [trajectory_staleness(s["trained_version"], s["behavior_version_min"]) for s in samples]
+    wall = training_seconds(rows)
+    return {
+        "wall_s": wall, "samples": len(samples), "samples_per_s": len(samples) / wall,
+        "trainer_idle_ratio": statistics.mean(r["trainer/idle_ratio"] for r in rows),
+        "rollout_idle_ratio": statistics.mean(r["rollout/idle_ratio"] for r in rows),
+        "learner_idle_ratio": statistics.mean(r["trainer/learner_idle_ratio"] for r in rows),
+        "staleness_max": max(staleness),
+        "staleness_hist": {str(k): staleness.count(k) for k in sorted(set(staleness))},
+    }

@@ -31,21 +31,24 @@ class Checked:
     hooks: Hooks
 
 
-def preflight(cfg: Config, command: Literal["train", "eval"]) -> Checked:
-    if command == "train":
+def preflight(cfg: Config, command: Literal["train", "eval", "plan"]) -> Checked:
+    """``plan``: a training run whose engines and learner are simulated (``asyncrl plan``):
+    the checks of ``train`` without the engine or the weights, which it never runs."""
+    trains = command in ("train", "plan")
+    if trains:
         check_trainable(cfg)
-    if cfg.runtime == "local":  # on Ray the workers' environment is what counts
+    if cfg.runtime == "local" and command != "plan":  # on Ray the workers' environment is what counts
         require_engine(cfg.engine)
     # this process needs the weights only where it runs a learner or a torch engine itself
-    needs_model = cfg.runtime == "local" and (command == "train" or cfg.engine == "torch")
+    needs_model = cfg.runtime == "local" and (command == "train" or (command == "eval" and cfg.engine == "torch"))
     model, tokenizer = load_policy(cfg.model) if needs_model else (None, check_policy(cfg.model))
     check_tokenizer(cfg, tokenizer)
     splits = build_tasks(cfg)
-    if command == "train" and not splits.train:
+    if trains and not splits.train:
         raise ConfigError("task: the train split is empty")
     build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
-    hooks = Hooks.from_config(cfg.hooks) if command == "train" else Hooks()
-    if command == "train":
+    hooks = Hooks.from_config(cfg.hooks) if trains else Hooks()
+    if trains:
         try:
             resolve(ADVANTAGE_ESTIMATORS, cfg.algorithm.advantage, "advantage estimator")
         except KeyError as exc:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,15 +52,18 @@ from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.watchdog import Watchdog
-from asyncrl.runtime import Weights, start
+from asyncrl.runtime import RuntimeStarter, Weights, start
 from asyncrl.types import Episode, Trajectory
 
 T = TypeVar("T")
 
 
 class Trainer:
-    def __init__(self, cfg: Config) -> None:
-        """Everything that can be wrong with the input fails here, before any work."""
+    def __init__(self, cfg: Config, runtime: RuntimeStarter = start) -> None:
+        """Everything that can be wrong with the input fails here, before any work.
+        ``runtime``: what starts the learner and rollout handles (``asyncrl.runtime.start``;
+        ``asyncrl plan`` passes simulated ones, and no weights are loaded then)."""
+        self._start_runtime = runtime
         self.cfg, self.output_dir = cfg, Path(cfg.output_dir)
         checkpoint = starting_point(self.output_dir, cfg.resume)
         state = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()) if checkpoint else None
@@ -69,7 +71,7 @@ class Trainer:
         # anything is left to train (a finished run: run() says so and writes nothing)
         self.changed_settings = changed_settings(run_settings(self.output_dir) or {}, cfg) if state else {}
         self.finished = state is not None and state.step >= cfg.total_steps
-        checked = preflight(cfg, "train")
+        checked = preflight(cfg, "train" if runtime is start else "plan")
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
         self.max_staleness = cfg.effective_max_staleness
@@ -162,7 +164,7 @@ class Trainer:
         print(self.banner(), file=sys.stderr, flush=True)
         self._save_config()
         with self._stop.installed():
-            async with start(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
+            async with self._start_runtime(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
                 self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
@@ -172,7 +174,7 @@ class Trainer:
                           f"written after it: {removed}", file=sys.stderr)
                     print(f"asyncrl: {self.rollouts.replay_note()}", file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
-                self.start_time = time.perf_counter() - (state.elapsed_s if state else 0.0)
+                self.start_time = _clock() - (state.elapsed_s if state else 0.0)
                 try:
                     await self._loops(evaluate_first=state is None, first_step=first_step)
                     self.wall_s = self._now()
@@ -211,7 +213,7 @@ class Trainer:
 
     async def _train_loop(self) -> int:
         while self.step < self.cfg.total_steps and not self._stop.is_set():
-            t0, busy0 = time.perf_counter(), await self.rollout.busy_s()
+            t0, work0 = _clock(), await self.rollout.engine_work()
             trained_version, step = self.version, self.step + 1
             train = self._train_streamed if self.cfg.learner.streaming else self._train_batched
             trained = await train(trained_version, step)
@@ -219,9 +221,11 @@ class Trainer:
                 break
             groups, trajectories, actor = trained.groups, trained.trajectories, trained.actor
             self.step, self.version = step, self.version + 1
+            t_sync = _clock()
             weights = await self._sync_weights(actor) if step % self.cfg.sync_every == 0 else None
-            busy = await self.rollout.busy_s() - busy0
-            times = StepTimes(time.perf_counter() - t0, trained.waited_s, busy, self._now())
+            sync_s = _clock() - t_sync
+            work = await self.rollout.engine_work()
+            times = StepTimes(_clock() - t0, trained.waited_s, work["busy_s"] - work0["busy_s"], self._now())
             buffer = self.rollouts.buffer
             # the window's fraction and the group counts are read together, before any await
             filtered_window, counters = self.watchdog.starvation.fraction, self._counters()
@@ -233,7 +237,9 @@ class Trainer:
             row["rollout/errors_unlogged_total"] = self.log.errors_unlogged  # failed attempts past errors.jsonl's cap
             # the learner computing (its calls, awaited) against the whole step: waits for data, the
             # weight sync and the logging are its idle time
-            row["time/learner"] = trained.learner_s
+            row["time/learner"], row["time/weight_sync"] = trained.learner_s, sync_s
+            # what the engines did meanwhile, summed over them: what `asyncrl plan --from` fits their costs to
+            row.update({f"rollout/{key}": work[key] - work0.get(key, 0) for key in work})
             row["trainer/learner_idle_ratio"] = max(0.0, 1 - trained.learner_s / times.wall_s)
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
             due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
@@ -248,11 +254,11 @@ class Trainer:
 
     async def _train_batched(self, version: int, step: int) -> _Trained | None:
         """Wait for the step's B groups, then one ``train_step`` on them all."""
-        t0 = time.perf_counter()
+        t0 = _clock()
         groups = await self._take_unless_stopped(self.cfg.batch_size)
         if groups is None:
             return None
-        trained = _Trained(waited_s=time.perf_counter() - t0)
+        trained = _Trained(waited_s=_clock() - t0)
         trained.actor = await self._learn(trained, step, self.learner.train_step(*self._batch(trained, groups, version)))
         return trained
 
@@ -267,9 +273,9 @@ class Trainer:
         untrained, as it would have had they waited there) and their gradients are dropped."""
         trained, buffer = _Trained(), self.rollouts.buffer
         while len(trained.groups) < self.cfg.batch_size:
-            t0 = time.perf_counter()
+            t0 = _clock()
             groups = await self._take_unless_stopped(min(self.cfg.batch_size - len(trained.groups), max(1, len(buffer))))
-            trained.waited_s += time.perf_counter() - t0
+            trained.waited_s += _clock() - t0
             if groups is None:
                 buffer.restore(trained.groups)
                 return None
@@ -290,9 +296,9 @@ class Trainer:
 
     async def _learn(self, trained: _Trained, step: int, call: Awaitable[T]) -> T:
         """A learner call of ``step``: timed into ``trained.learner_s``, and on the timeline."""
-        t_train, start = self._now(), time.perf_counter()
+        t_train, start = self._now(), _clock()
         out = await call
-        trained.learner_s += time.perf_counter() - start
+        trained.learner_s += _clock() - start
         self.log.event("train", t_train, self._now(), step=step)
         return out
 
@@ -332,7 +338,7 @@ class Trainer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _now(self) -> float:
-        return time.perf_counter() - self.start_time
+        return _clock() - self.start_time
 
     # ------------------------------------------------- checkpoints (a hook may ask)
     async def save(self) -> Path:
@@ -341,7 +347,7 @@ class Trainer:
         return self.last_checkpoint
 
     async def _save(self, step: int) -> None:
-        start = time.perf_counter()
+        start = _clock()
         await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
         journals = await self.rollout.in_flight()  # the episodes under way, continued after a restart
         state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), **self.rollouts.snapshot())
@@ -352,7 +358,7 @@ class Trainer:
             {RUN_STATE_FILE: state.to_json(), IN_FLIGHT_FILE: encode_in_flight(in_flight)})
         self._saved_step = step
         rotate(ckpt_dir, self.cfg.keep_last, newest=self.last_checkpoint)
-        self.save_seconds[step] = time.perf_counter() - start
+        self.save_seconds[step] = _clock() - start
 
     def _counters(self) -> dict[str, int]:
         """Since the run began (across resumes)."""
@@ -414,6 +420,12 @@ class _Trained:
     actor: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0
     learner_s: float = 0.0
+
+
+def _clock() -> float:
+    """The event loop's clock: every time a run measures is on it, so on a simulated clock
+    (``asyncrl plan``: ``asyncrl/plan/virtual_clock.py``) the metrics are in simulated seconds."""
+    return asyncio.get_running_loop().time()
 
 
 def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:

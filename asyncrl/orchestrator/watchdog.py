@@ -109,16 +109,25 @@ class StarvationGuard:
         return "\n".join(lines)
 
 
+def loop_time() -> float:
+    """The running event loop's clock (a simulated one under ``asyncrl plan``), else the
+    monotonic clock a standard loop uses."""
+    try:
+        return asyncio.get_running_loop().time()
+    except RuntimeError:
+        return time.monotonic()
+
+
 class Watchdog:
     """Counts what happens to episodes and groups (the ``rollout/*_total`` metrics come
     from here) and judges, from those counts, whether the run can still make progress."""
 
-    def __init__(self, cfg: WatchdogConfig, clock: Callable[[], float] = time.monotonic) -> None:
-        self.cfg, self.clock = cfg, clock
+    def __init__(self, cfg: WatchdogConfig, clock: Callable[[], float] | None = None) -> None:
+        self.cfg, self.clock = cfg, clock or loop_time
         self.counts = {"episodes_error": 0, "groups_filtered": 0, "groups_all_error": 0, "groups_accepted": 0}
         self.recent: deque[bool] = deque(maxlen=cfg.window)  # True = the episode failed
         self.last_error: tuple[str, str] | None = None  # (where, traceback)
-        self._last_accept = clock()
+        self._last_accept: float | None = None  # none yet: the wait counts from its own start
         self._waiting_since: float | None = None
         self.starvation = StarvationGuard(cfg.starvation_window, cfg.starvation_warn_fraction,
                                           cfg.starvation_stop_fraction)
@@ -155,7 +164,8 @@ class Watchdog:
             return (f"{sum(self.recent)} of the last {w.window} episodes failed "
                     f"(watchdog.max_error_rate={w.max_error_rate})")
         if self._waiting_since is not None:
-            stalled = self.clock() - max(self._waiting_since, self._last_accept)
+            since = self._waiting_since if self._last_accept is None else max(self._waiting_since, self._last_accept)
+            stalled = self.clock() - since
             if stalled > w.stall_s:
                 why = ("every group was filtered because all its samples scored the same"
                        if self.counts["groups_filtered"] and not self.counts["groups_all_error"] else

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -30,7 +31,7 @@ from asyncrl.runtime.transport import InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
 from asyncrl.weight_sync import WeightSync, open_weight_sync
 
-__all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "Weights", "WeightSync", "start"]
+__all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "RuntimeStarter", "Weights", "WeightSync", "start"]
 
 
 @dataclass
@@ -38,6 +39,14 @@ class Runtime:
     learner: LearnerHandle | None  # None when only scoring (``asyncrl eval``)
     rollout: RolloutHandle
     weight_sync: WeightSync | None = None  # how the learner's weights reach the engines; None without a learner
+
+
+class RuntimeStarter(Protocol):
+    """:func:`start`'s signature: what a trainer is given to start its runtime with."""
+
+    def __call__(self, cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase,
+                 train: bool = True, checkpoint: Path | None = None,
+                 version: int = 0) -> AbstractAsyncContextManager[Runtime]: ...
 
 
 def _thread_split(cfg: Config) -> tuple[int | None, int | None]:

@@ -114,8 +114,11 @@ class RolloutHandle(Protocol):
         awaitable); each worker's value, in worker order."""
         ...
 
-    async def busy_s(self) -> float:
-        """Seconds the engines spent generating (mean per worker), for the idle ratios."""
+    async def engine_work(self) -> dict[str, float]:
+        """What the engines did so far: ``busy_s``, the seconds spent generating (mean per
+        worker, for the idle ratios), and where the engine counts them, summed over the
+        workers, ``decode_steps``, ``prefills`` and ``tokens`` (sampled): what ``asyncrl
+        plan --from`` fits an engine's cost model to."""
         ...
 
     async def gateway_counts(self) -> dict[str, int]:

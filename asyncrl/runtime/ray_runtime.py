@@ -302,15 +302,16 @@ class RayRollout:
                                        for i in range(len(self.workers))])
         return [value for part in parts for value in part]
 
-    async def busy_s(self) -> float:
-        """Mean decode seconds per worker (a replaced worker starts again from 0)."""
-        results = await asyncio.gather(*[self._call(i, lambda w: w.busy_s.remote()) for i in range(len(self.workers))],
-                                       return_exceptions=True)
+    async def engine_work(self) -> dict[str, float]:
+        """Mean busy seconds per worker, counts summed (a replaced worker starts again from 0)."""
+        results = await asyncio.gather(*[self._call(i, lambda w: w.engine_work.remote())
+                                         for i in range(len(self.workers))], return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
                 raise result
-        busy = [r for r in results if isinstance(r, float)]
-        return sum(busy) / max(1, len(busy))
+        work = [r for r in results if isinstance(r, dict)]
+        total = {key: sum(w[key] for w in work) for key in (work[0] if work else {}) if all(key in w for w in work)}
+        return {**total, "busy_s": total.get("busy_s", 0.0) / max(1, len(work))}
 
     async def gateway_counts(self) -> dict[str, int]:
         """Summed over the live workers (a replaced worker's counts start again from 0)."""

@@ -45,6 +45,8 @@ from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
 
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
+ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "tokens": "tokens"}
+"""``engine_work``'s counts, by the field of the engine's stats they come from."""
 REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
 CHECKPOINT_ABORT_WAIT_S = 5.0
 """At most this long ``in_flight`` waits for the sequences it aborted to reach their journals."""
@@ -144,9 +146,13 @@ class RolloutWorker:
         return {**{k: counts.get(k, 0) for k in GATEWAY_COUNTS},
                 "user_threads_abandoned": self.user_threads.abandoned_total, **self.replay_counts}
 
-    async def busy_s(self) -> float:
-        """Seconds the engine spent decoding (for the idle ratios); 0 while it starts."""
-        return self.engine.stats.busy_s if self._ready.is_set() and self.engine is not None else 0.0
+    async def engine_work(self) -> dict[str, float]:
+        """The engine's busy seconds and step counts (``RolloutHandle.engine_work``); 0 while it starts."""
+        if not self._ready.is_set() or self.engine is None:
+            return {"busy_s": 0.0}
+        stats = self.engine.stats
+        return {"busy_s": stats.busy_s, **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items()
+                                           if hasattr(stats, field)}}
 
     async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,
                        draw: int, sample: int, replay: dict[str, Any] | None = None,

@@ -1,0 +1,267 @@
+"""What the simulated parts cost: engines, learner, weight sync, and the workload's
+lengths — fitted to a real run's measurements (:func:`fit_run`) or read from a table
+describing a cluster (:func:`read_cluster`).
+
+The engine model is continuous batching's: one decode step advances every running
+sequence by one token and takes ``step_s + per_sequence_s · b + per_context_token_s · c``
+for ``b`` sequences holding ``c`` tokens of context; a prefill of newcomers takes
+``prefill_s + prefill_per_token_s`` per prompt token. The learner's step takes
+``step_s + per_token_s`` per token trained (prompt and response), times
+``1 + recompute`` when the batch was not sampled by the version it trains (the proximal
+policy's forward pass). A weight sync takes ``fixed_s + bytes / bytes_per_s +
+per_engine_s`` per engine, with every engine paused meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from asyncrl.jsonl import read_jsonl
+from asyncrl.modes import trajectory_staleness
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    step_s: float
+    per_sequence_s: float = 0.0
+    per_context_token_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    max_batch: int = 256
+
+    def decode_step(self, sequences: int, context_tokens: int) -> float:
+        return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
+
+    def prefill(self, prompt_tokens: int) -> float:
+        return self.prefill_s + self.prefill_per_token_s * prompt_tokens
+
+
+@dataclass(frozen=True)
+class LearnerCosts:
+    per_token_s: float
+    step_s: float = 0.0
+    recompute: float = 0.0
+    """Extra cost, as a fraction of a step, when the proximal logprobs must be recomputed."""
+    overhead_s: float = 0.0
+    """Per step, outside the learner's computation (logging, bookkeeping): the train loop's own time."""
+
+    def step(self, tokens: int, on_policy: bool) -> float:
+        compute = self.step_s + self.per_token_s * tokens
+        return compute * (1 if on_policy else 1 + self.recompute)
+
+
+@dataclass(frozen=True)
+class SyncCosts:
+    fixed_s: float = 0.0
+    bytes: float = 0.0
+    bytes_per_s: float = math.inf
+    per_engine_s: float = 0.0
+
+    def sync(self, engines: int) -> float:
+        return self.fixed_s + self.bytes / self.bytes_per_s + self.per_engine_s * engines
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Lengths drawn per sample, i.i.d.: from a run's trained samples or a log-normal."""
+
+    response_tokens: tuple[int, ...] = ()
+    prompt_tokens: tuple[int, ...] = (64,)
+    lognormal: tuple[float, float, int] | None = None  # (mean, sigma, max) when no list is given
+    filtered_fraction: float = 0.0
+    """Of the groups generated, the share whose samples all score the same (filtered out)."""
+
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        """(prompt tokens, response tokens) of one sample."""
+        prompt = rng.choice(self.prompt_tokens)
+        if self.response_tokens:
+            return prompt, rng.choice(self.response_tokens)
+        mean, sigma, cap = self.lognormal or (256.0, 0.5, 1024)
+        mu = math.log(mean) - sigma * sigma / 2  # so that the uncapped mean is ``mean``
+        return prompt, max(1, min(cap, round(rng.lognormvariate(mu, sigma))))
+
+    @property
+    def max_response(self) -> int:
+        return max(self.response_tokens) if self.response_tokens else (self.lognormal or (0, 0, 1024))[2]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Everything a plan simulates with, and where it came from."""
+
+    engine: EngineCosts
+    learner: LearnerCosts
+    sync: SyncCosts
+    workload: Workload
+    engines: int = 1
+    """Rollout engines (each on its own devices) for the learner."""
+    source: str = ""
+    notes: list[str] = field(default_factory=list)
+    sync_engines: int | None = None
+    """Engines for the ``sync`` baseline where it differs (a colocated baseline uses every device)."""
+    sync_learner: LearnerCosts | None = None
+    """The learner of the ``sync`` baseline where it differs (colocated: every device trains)."""
+    table: dict[str, Any] | None = None
+    """The cluster table these came from (a sweep divides its devices anew)."""
+
+    def describe(self) -> list[str]:
+        e, lr, s, w = self.engine, self.learner, self.sync, self.workload
+        lengths = (f"{len(w.response_tokens)} measured, mean {statistics.mean(w.response_tokens):.1f}, "
+                   f"max {max(w.response_tokens)}" if w.response_tokens else
+                   "log-normal mean {:g}, σ {:g}, max {}".format(*(w.lognormal or (256, 0.5, 1024))))
+        return [
+            f"engines: {self.engines}" + (f" (sync baseline: {self.sync_engines})" if self.sync_engines else ""),
+            f"decode step: {e.step_s * 1e3:.3g} ms + {e.per_sequence_s * 1e3:.3g} ms per sequence + "
+            f"{e.per_context_token_s * 1e6:.3g} µs per context token; prefill {e.prefill_s * 1e3:.3g} ms + "
+            f"{e.prefill_per_token_s * 1e6:.3g} µs per token; at most {e.max_batch} sequences",
+            f"learner: {lr.step_s * 1e3:.3g} ms + {lr.per_token_s * 1e6:.3g} µs per token, recompute +{lr.recompute:.0%}"
+            f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step",
+            f"weight sync: {s.sync(self.engines):.3g} s",
+            f"responses: {lengths}; prompts mean {statistics.mean(w.prompt_tokens):.0f} tokens; "
+            f"groups filtered {w.filtered_fraction:.0%}",
+        ]
+
+    def for_mode(self, mode: str) -> Costs:
+        if mode != "sync" or (self.sync_engines is None and self.sync_learner is None):
+            return self
+        return replace(self, engines=self.sync_engines or self.engines, learner=self.sync_learner or self.learner)
+
+
+# ------------------------------------------------------------------ fitting a run
+def _nonnegative_fit(features: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient ≥ 0: the best fit over the subsets of features
+    (few columns, so every subset is tried)."""
+    best, best_err = np.zeros(features.shape[1]), float(np.sum(target ** 2))
+    for k in range(1, features.shape[1] + 1):
+        for cols in itertools.combinations(range(features.shape[1]), k):
+            sub = features[:, cols]
+            coef, *_ = np.linalg.lstsq(sub, target, rcond=None)
+            if (coef < 0).any():
+                continue
+            err = float(np.sum((sub @ coef - target) ** 2))
+            if err < best_err - 1e-12:
+                best, best_err = np.zeros(features.shape[1]), err
+                best[list(cols)] = coef
+    return best
+
+
+def fit_run(run_dir: Path) -> Costs:
+    """The costs a finished ``asyncrl train`` run measured (``metrics.jsonl``,
+    ``samples.jsonl``, ``config.yaml``): the engine's busy seconds regressed on its decode
+    steps, sampled tokens and prefills per step; the learner's seconds on the tokens it
+    trained, on- and off-policy steps apart; the weight sync's mean; the rest of each
+    step (logging, bookkeeping) as the loop's overhead; the lengths as sampled."""
+    rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step" in r]
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
+    missing = [k for k in ("rollout/decode_steps", "time/weight_sync") if k not in rows[0]]
+    if missing:
+        raise ValueError(f"{run_dir}/metrics.jsonl has no {', '.join(missing)}: it was written by an older "
+                         "asyncrl; train again to plan from it")
+    notes: list[str] = []
+    workers = cfg.get("ray", {}).get("num_rollout_workers", 1) if cfg.get("runtime") == "ray" else 1
+
+    busy = np.array([r["rollout/busy_s"] * workers for r in rows])
+    counts = np.array([[r["rollout/decode_steps"], r["rollout/tokens"], r["rollout/prefills"]] for r in rows], float)
+    step_s, per_token_s, prefill_s = _nonnegative_fit(counts, busy)
+    # one decode step advances b sequences: a step's cost with b rows is step_s + per_token_s · b
+    engine = EngineCosts(step_s=step_s, per_sequence_s=per_token_s, prefill_s=prefill_s,
+                         max_batch=cfg.get("rollout", {}).get("max_batch_size", 256))
+    predicted = counts @ np.array([step_s, per_token_s, prefill_s])
+    notes.append(f"engine: busy seconds per step fitted to decode steps, tokens, prefills "
+                 f"(R² {_r2(predicted, busy):.2f} over {len(rows)} steps)")
+
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for s in samples:
+        by_step.setdefault(s["step"], []).append(s)
+    tokens = {k: sum(s["response_tokens"] + s.get("prompt_tokens", 0) for s in v) for k, v in by_step.items()}
+    on_policy = {k: all(trajectory_staleness(s["trained_version"], s["behavior_version_min"]) == 0
+                        and s["behavior_version_max"] == s["trained_version"] for s in v) for k, v in by_step.items()}
+    fits: dict[bool, tuple[float, float]] = {}
+    for regime in (True, False):
+        chosen = [r for r in rows if r["step"] in tokens and on_policy[r["step"]] == regime]
+        if len(chosen) >= 3:
+            x = np.array([[1.0, tokens[r["step"]]] for r in chosen])
+            y = np.array([r["time/learner"] for r in chosen])
+            fits[regime] = tuple(_nonnegative_fit(x, y))  # type: ignore[assignment]
+    if not fits:
+        raise ValueError(f"{run_dir}: fewer than 3 trained steps to fit the learner to")
+    base_on = fits.get(True) or fits[False]
+    recompute = 0.0
+    if True in fits and False in fits:
+        mean_tokens = statistics.mean(tokens.values())
+        on, off = (fits[k][0] + fits[k][1] * mean_tokens for k in (True, False))
+        recompute = max(0.0, off / on - 1)
+    elif False not in fits:
+        notes.append("learner: every step was on-policy, so the recompute's cost was not measured (taken as 0)")
+    learner_step_s, learner_per_token_s = base_on
+    overhead = statistics.mean(max(0.0, r["time/step"] * (1 - r["trainer/idle_ratio"]) - r["time/learner"]
+                                   - r["time/weight_sync"]) for r in rows)
+    learner = LearnerCosts(per_token_s=learner_per_token_s, step_s=learner_step_s, recompute=recompute,
+                           overhead_s=overhead)
+    sync = SyncCosts(fixed_s=statistics.mean(r["time/weight_sync"] for r in rows))
+    groups = rows[-1].get("rollout/groups_accepted_total", 0) + rows[-1].get("rollout/groups_filtered_total", 0)
+    prompts = tuple(s["prompt_tokens"] for s in samples if "prompt_tokens" in s) or (64,)
+    if "prompt_tokens" not in samples[0]:
+        notes.append("workload: samples.jsonl has no prompt_tokens (an older run): prompts taken as 64 tokens")
+    workload = Workload(response_tokens=tuple(max(1, s["response_tokens"]) for s in samples), prompt_tokens=prompts,
+                        filtered_fraction=rows[-1].get("rollout/groups_filtered_total", 0) / groups if groups else 0.0)
+    return Costs(engine=engine, learner=learner, sync=sync, workload=workload, engines=workers,
+                 source=f"measured in {run_dir}", notes=notes)
+
+
+def _r2(predicted: np.ndarray, actual: np.ndarray) -> float:
+    residual = float(np.sum((actual - predicted) ** 2))
+    total = float(np.sum((actual - actual.mean()) ** 2))
+    return 1 - residual / total if total > 0 else float("nan")
+
+
+# ------------------------------------------------------------ a cluster, on paper
+def read_cluster(path: Path) -> tuple[Costs, dict[str, Any]]:
+    """A cluster table (YAML; ``docs/planner.md`` lists its keys): the costs, and the
+    settings it fixes for the run (``batch_size``, ``group_size``, ``max_staleness``, …)."""
+    table = yaml.safe_load(Path(path).read_text())
+    try:
+        return cluster_costs(table), dict(table.get("run", {}))
+    except KeyError as exc:
+        raise ValueError(f"{path}: the cluster table has no {exc.args[0]!r}") from None
+
+
+def cluster_costs(table: dict[str, Any]) -> Costs:
+    rollout_devices, learner_devices = table["rollout_devices"], table["learner_devices"]
+    per_engine = table.get("devices_per_engine", 1)
+    e, lr, w = table["engine"], table["learner"], table["workload"]
+    engine = EngineCosts(step_s=e["decode_step_s"], per_sequence_s=e.get("per_sequence_s", 0.0),
+                         per_context_token_s=e.get("per_context_token_s", 0.0), prefill_s=e.get("prefill_s", 0.0),
+                         prefill_per_token_s=1 / e["prefill_tokens_per_s"] if e.get("prefill_tokens_per_s") else 0.0,
+                         max_batch=e.get("max_batch", 256))
+
+    def learner_on(devices: int) -> LearnerCosts:
+        return LearnerCosts(per_token_s=1 / (lr["tokens_per_s_per_device"] * devices), step_s=lr.get("step_s", 0.0),
+                            recompute=lr.get("recompute", 0.0), overhead_s=lr.get("overhead_s", 0.0))
+
+    s = table.get("weight_sync", {})
+    sync = SyncCosts(fixed_s=s.get("fixed_s", 0.0), bytes=table.get("model_params_b", 0) * 1e9 * s.get("bytes_per_param", 2),
+                     bytes_per_s=s.get("gb_per_s", math.inf) * 1e9, per_engine_s=s.get("per_engine_s", 0.0))
+    lengths = w["response_tokens"]
+    workload = Workload(
+        response_tokens=tuple(lengths) if isinstance(lengths, list) else (),
+        prompt_tokens=tuple(w["prompt_tokens"]) if isinstance(w.get("prompt_tokens"), list) else (w.get("prompt_tokens", 256),),
+        lognormal=None if isinstance(lengths, list) else (lengths["mean"], lengths.get("sigma", 0.5), lengths["max"]),
+        filtered_fraction=w.get("filtered_fraction", 0.0))
+    colocated = table.get("sync_baseline", "colocated") == "colocated"
+    everything = rollout_devices + learner_devices
+    return Costs(engine=engine, learner=learner_on(learner_devices), sync=sync, workload=workload,
+                 engines=rollout_devices // per_engine, source=table.get("name", "cluster table"), table=table,
+                 notes=list(table.get("notes", [])),
+                 sync_engines=everything // per_engine if colocated else None,
+                 sync_learner=learner_on(everything) if colocated else None)

@@ -1,0 +1,181 @@
+"""``asyncrl plan``: the real trainer on a virtual clock against cost models, for one
+configuration, its ``sync`` baseline and a sweep over η and the rollout/learner split.
+
+Each simulated run is an ordinary ``Trainer`` whose runtime is ``simulated.py``'s, run on
+``virtual_clock.py``'s loop; it writes a run directory like any other (``metrics.jsonl``,
+``samples.jsonl``, ``timeline.jsonl``), and the figures below are read back from those
+files exactly as ``asyncrl bench modes`` reads its runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from asyncrl.config import Config
+from asyncrl.orchestrator.metrics import run_figures
+from asyncrl.orchestrator.trainer import Trainer
+from asyncrl.plan.costs import Costs
+from asyncrl.plan.simulated import simulated_runtime, unit_for
+from asyncrl.plan.virtual_clock import run_virtual
+
+ETAS = (1, 2, 4, 8)
+"""The async η a sweep tries, besides ``sync`` (η = 0) and ``one_step_off``."""
+
+
+@dataclass(frozen=True)
+class Schedule:
+    name: str
+    mode: str
+    eta: int
+    partial: str
+
+    @classmethod
+    def of(cls, cfg: Config) -> Schedule:
+        eta, partial = cfg.effective_max_staleness, cfg.effective_partial_rollout
+        name = cfg.mode if cfg.mode != "async" else f"async_eta{eta}_{partial}"
+        return cls(name, cfg.mode, eta, partial)
+
+
+SYNC = Schedule("sync", "sync", 0, "off")
+
+
+def simulate(cfg: Config, costs: Costs, out: Path) -> dict[str, Any]:
+    """One simulated run of ``cfg`` into ``out``; its figures, read from its files."""
+    # the simulated handles carry the sync's cost themselves; evaluations are left out
+    cfg = changed(cfg, output_dir=str(out), resume=False, save_every=0, eval_every=0,
+                  weight_sync={**cfg.weight_sync.model_dump(), "method": "object_store"})
+    unit = unit_for(min(costs.workload.max_response, cfg.sampling.max_tokens))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    with open(out.with_name(out.name + ".log"), "w") as log, contextlib.redirect_stderr(log):  # banners and bars of many runs
+        trainer = Trainer(cfg, runtime=simulated_runtime(costs, unit))
+        _, simulated_s = run_virtual(trainer.run_async())
+    summary = run_figures(out)
+    return {**summary, "simulated_s": simulated_s, "real_s": time.perf_counter() - start, "tokens_per_unit": unit}
+
+
+def changed(cfg: Config, **changes: Any) -> Config:
+    """``cfg`` with ``changes``, validated as a whole (a mode and its partial rollout together)."""
+    return Config.model_validate({**cfg.model_dump(), **changes})
+
+
+def with_schedule(cfg: Config, schedule: Schedule) -> Config:
+    return changed(cfg, mode=schedule.mode, max_staleness=max(1, schedule.eta), partial_rollout=schedule.partial)
+
+
+def sweep_schedules(cfg: Config) -> list[Schedule]:
+    partial = cfg.partial_rollout if cfg.partial_rollout != "off" else "continue"
+    return [SYNC, Schedule("one_step_off", "one_step_off", 1, "off"),
+            *[Schedule(f"async_eta{eta}_{partial}", "async", eta, partial) for eta in ETAS]]
+
+
+def splits(costs: Costs) -> list[tuple[str, Costs]]:
+    """The rollout/learner splits a sweep tries: a cluster's devices divided anew (the same
+    total), or a measured run's engine replicated beside its one learner."""
+    if costs.table is not None:
+        from asyncrl.plan.costs import cluster_costs
+
+        total = costs.table["rollout_devices"] + costs.table["learner_devices"]
+        per_engine = costs.table.get("devices_per_engine", 1)
+        out = []
+        for ratio in (1, 2, 3, 4, 7):  # rollout devices per learner device
+            learners = total // (ratio + 1)
+            rollout = (total - learners) // per_engine * per_engine
+            if learners >= 1 and rollout >= per_engine:
+                table = {**costs.table, "rollout_devices": rollout, "learner_devices": learners}
+                out.append((f"{rollout}:{learners}", cluster_costs(table)))
+        return out
+    return [(f"{k} engine{'s' if k > 1 else ''}:1 learner", replace(costs, engines=k)) for k in (1, 2, 4)]
+
+
+def plan(cfg: Config, costs: Costs, out: Path, sweep: bool = True,
+         progress: Any = None) -> dict[str, Any]:
+    """The configuration as given, its sync baseline and (``sweep``) the η × split grid."""
+    out.mkdir(parents=True, exist_ok=True)
+    here = Schedule.of(cfg)
+    runs = {"sync": simulate(with_schedule(cfg, SYNC), costs, out / "runs" / "sync")}
+    if here != SYNC:
+        runs[here.name] = simulate(cfg, costs, out / "runs" / here.name)
+    result: dict[str, Any] = {
+        "config": {"mode": cfg.mode, "max_staleness": here.eta, "partial_rollout": here.partial,
+                   "batch_size": cfg.batch_size, "group_size": cfg.group_size, "total_steps": cfg.total_steps,
+                   "max_tokens": cfg.sampling.max_tokens},
+        "costs": costs.describe(), "notes": costs.notes, "source": costs.source,
+        "prediction": {**runs[here.name], "speedup_vs_sync": runs[here.name]["samples_per_s"] / runs["sync"]["samples_per_s"]},
+        "sync": runs["sync"],
+    }
+    if sweep:
+        grid: dict[str, dict[str, Any]] = {}
+        for label, split in splits(costs):
+            grid[label] = {}
+            for schedule in sweep_schedules(cfg):
+                name = f"{label.replace(':', '-').replace(' ', '_')}/{schedule.name}"
+                grid[label][schedule.name] = simulate(with_schedule(cfg, schedule), split, out / "sweep" / name)
+                if progress is not None:
+                    progress()
+            base = grid[label]["sync"]["samples_per_s"]
+            for cell in grid[label].values():
+                cell["speedup_vs_sync"] = cell["samples_per_s"] / base
+        result["sweep"] = grid
+        result["figure"] = _figure(grid, out / "plan.png")
+    return result
+
+
+def _figure(grid: dict[str, dict[str, Any]], path: Path) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, cells in grid.items():
+        names = list(cells)
+        left.plot(range(len(names)), [cells[n]["samples_per_s"] for n in names], marker="o", label=label)
+        right.plot(range(len(names)), [cells[n]["speedup_vs_sync"] for n in names], marker="o", label=label)
+    for ax, title in ((left, "samples/s"), (right, "speed-up over sync (same split)")):
+        ax.set_xticks(range(len(names)), [n.replace("async_", "").replace("_", "\n", 1) for n in names], fontsize=8)
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    left.legend(title="rollout:learner", fontsize=8)
+    fig.suptitle("asyncrl plan: the trainer on a simulated clock")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return str(path)
+
+
+def print_plan(result: dict[str, Any]) -> None:
+    p, s = result["prediction"], result["sync"]
+    print(f"costs: {result['source']}")
+    for line in result["costs"]:
+        print(f"  {line}")
+    for note in result["notes"]:
+        print(f"  note: {note}")
+    c = result["config"]
+    print(f"{c['mode']} (η = {c['max_staleness']}, {c['partial_rollout']}), {c['batch_size']} × {c['group_size']}, "
+          f"{c['total_steps']} steps: {p['samples_per_s']:.2f} samples/s, {p['speedup_vs_sync']:.2f}× sync "
+          f"({s['samples_per_s']:.2f} samples/s); idle: trainer {p['trainer_idle_ratio']:.2f}, rollout "
+          f"{p['rollout_idle_ratio']:.2f}, learner {p['learner_idle_ratio']:.2f}; staleness "
+          + " ".join(f"{k}:{v}" for k, v in p["staleness_hist"].items())
+          + f"; {_duration(p['simulated_s'])} simulated in {p['real_s']:.1f} s")
+    if "sweep" in result:
+        names = list(next(iter(result["sweep"].values())))
+        print(f"{'samples/s (× sync)':22s} " + " ".join(f"{n:>20s}" for n in names))
+        for label, cells in result["sweep"].items():
+            print(f"{label:22s} " + " ".join(
+                f"{cells[n]['samples_per_s']:10.2f} ({cells[n]['speedup_vs_sync']:4.2f}×)" for n in names))
+        if result.get("figure"):
+            print(f"figure: {result['figure']}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else \
+        f"{seconds:.1f} s"
+
+
