@@ -32,6 +32,14 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")
     report.add_argument("run_dir", help="output directory of an asyncrl train run")
+    plan = sub.add_parser("plan", help="the scheduler on a simulated clock: samples/s, speed-up over sync, "
+                                        "idle fractions, staleness, a sweep over η and the rollout/learner split")
+    plan.add_argument("config", help="YAML config file of the run to plan (e.g. examples/countdown/async.yaml)")
+    plan.add_argument("overrides", nargs="*", metavar="key=value", help="optional overrides of the file's keys")
+    plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", help="fit the costs to a finished asyncrl train run")
+    plan.add_argument("--cluster", metavar="TABLE", help="a cluster table (YAML; keys in docs/planner.md)")
+    plan.add_argument("--out", default=None, help="output directory (default plan/<timestamp>)")
+    plan.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the config and its sync baseline")
     add_models_command(sub)
     return parser
 
@@ -138,6 +146,10 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
             from asyncrl.bench import run_bench
 
             run_bench(args.suite, args.overrides, args.out)
+        elif args.command == "plan":
+            from asyncrl.plan.planner import run_plan_command
+
+            run_plan_command(args.config, args.overrides, args.from_run, args.cluster, args.out, args.sweep)
         elif args.command == "models":
             return run_models_command(args)
         elif args.command == "report":

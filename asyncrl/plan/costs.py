@@ -5,7 +5,9 @@ describing a cluster (:func:`read_cluster`).
 The engine model is continuous batching's: one decode step advances every running
 sequence by one token and takes ``step_s + per_sequence_s · b + per_context_token_s · c``
 for ``b`` sequences holding ``c`` tokens of context; a prefill of newcomers takes
-``prefill_s + prefill_per_token_s`` per prompt token. The learner's step takes
+``prefill_s`` plus ``prefill_per_row_s`` per prompt run through the model (a group's
+samples share one, as with the torch engine's group prefill; a resumed sequence is its
+own) plus ``prefill_per_token_s`` per token of those. The learner's step takes
 ``step_s + per_token_s`` per token trained (prompt and response), times
 ``1 + recompute`` when the batch was not sampled by the version it trains (the proximal
 policy's forward pass). A weight sync takes ``fixed_s + bytes / bytes_per_s +
@@ -35,14 +37,15 @@ class EngineCosts:
     per_sequence_s: float = 0.0
     per_context_token_s: float = 0.0
     prefill_s: float = 0.0
+    prefill_per_row_s: float = 0.0
     prefill_per_token_s: float = 0.0
     max_batch: int = 256
 
     def decode_step(self, sequences: int, context_tokens: int) -> float:
         return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
 
-    def prefill(self, prompt_tokens: int) -> float:
-        return self.prefill_s + self.prefill_per_token_s * prompt_tokens
+    def prefill(self, rows: int, prompt_tokens: int) -> float:
+        return self.prefill_s + self.prefill_per_row_s * rows + self.prefill_per_token_s * prompt_tokens
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,8 @@ class LearnerCosts:
     """Extra cost, as a fraction of a step, when the proximal logprobs must be recomputed."""
     overhead_s: float = 0.0
     """Per step, outside the learner's computation (logging, bookkeeping): the train loop's own time."""
+    warmup_s: float = 0.0
+    """Added to the first step (a fresh process's first forward and backward are slower)."""
 
     def step(self, tokens: int, on_policy: bool) -> float:
         compute = self.step_s + self.per_token_s * tokens
@@ -122,9 +127,10 @@ class Costs:
             f"engines: {self.engines}" + (f" (sync baseline: {self.sync_engines})" if self.sync_engines else ""),
             f"decode step: {e.step_s * 1e3:.3g} ms + {e.per_sequence_s * 1e3:.3g} ms per sequence + "
             f"{e.per_context_token_s * 1e6:.3g} µs per context token; prefill {e.prefill_s * 1e3:.3g} ms + "
-            f"{e.prefill_per_token_s * 1e6:.3g} µs per token; at most {e.max_batch} sequences",
+            f"{e.prefill_per_row_s * 1e3:.3g} ms per prompt + {e.prefill_per_token_s * 1e6:.3g} µs per token; "
+            f"at most {e.max_batch} sequences",
             f"learner: {lr.step_s * 1e3:.3g} ms + {lr.per_token_s * 1e6:.3g} µs per token, recompute +{lr.recompute:.0%}"
-            f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step",
+            f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step, first step +{lr.warmup_s:.3g} s",
             f"weight sync: {s.sync(self.engines):.3g} s",
             f"responses: {lengths}; prompts mean {statistics.mean(w.prompt_tokens):.0f} tokens; "
             f"groups filtered {w.filtered_fraction:.0%}",
@@ -163,7 +169,7 @@ def fit_run(run_dir: Path) -> Costs:
     rows = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "time/step" in r]
     samples = read_jsonl(run_dir / "samples.jsonl")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
-    missing = [k for k in ("rollout/decode_steps", "time/weight_sync") if k not in rows[0]]
+    missing = [k for k in ("rollout/prefill_rows", "time/weight_sync") if k not in rows[0]]
     if missing:
         raise ValueError(f"{run_dir}/metrics.jsonl has no {', '.join(missing)}: it was written by an older "
                          "asyncrl; train again to plan from it")
@@ -171,14 +177,16 @@ def fit_run(run_dir: Path) -> Costs:
     workers = cfg.get("ray", {}).get("num_rollout_workers", 1) if cfg.get("runtime") == "ray" else 1
 
     busy = np.array([r["rollout/busy_s"] * workers for r in rows])
-    counts = np.array([[r["rollout/decode_steps"], r["rollout/tokens"], r["rollout/prefills"]] for r in rows], float)
-    step_s, per_token_s, prefill_s = _nonnegative_fit(counts, busy)
-    # one decode step advances b sequences: a step's cost with b rows is step_s + per_token_s · b
-    engine = EngineCosts(step_s=step_s, per_sequence_s=per_token_s, prefill_s=prefill_s,
+    # a forward pass of the engine (decode step or prefill) costs step_s, plus per_token_s per
+    # sequence it advances, plus per_row_s per prompt a prefill runs through the model
+    counts = np.array([[r["rollout/decode_steps"] + r["rollout/prefills"], r["rollout/tokens"],
+                        r["rollout/prefill_rows"]] for r in rows], float)
+    coef = _nonnegative_fit(counts, busy)
+    step_s, per_token_s, per_row_s = (float(c) for c in coef)
+    engine = EngineCosts(step_s=step_s, per_sequence_s=per_token_s, prefill_s=step_s, prefill_per_row_s=per_row_s,
                          max_batch=cfg.get("rollout", {}).get("max_batch_size", 256))
-    predicted = counts @ np.array([step_s, per_token_s, prefill_s])
-    notes.append(f"engine: busy seconds per step fitted to decode steps, tokens, prefills "
-                 f"(R² {_r2(predicted, busy):.2f} over {len(rows)} steps)")
+    notes.append(f"engine: busy seconds per step fitted to forward passes, tokens sampled, prompts prefilled "
+                 f"(R² {_r2(counts @ coef, busy):.2f} over {len(rows)} steps)")
 
     by_step: dict[int, list[dict[str, Any]]] = {}
     for s in samples:
@@ -187,8 +195,9 @@ def fit_run(run_dir: Path) -> Costs:
     on_policy = {k: all(trajectory_staleness(s["trained_version"], s["behavior_version_min"]) == 0
                         and s["behavior_version_max"] == s["trained_version"] for s in v) for k, v in by_step.items()}
     fits: dict[bool, tuple[float, float]] = {}
+    steady = rows[1:] if len(rows) > 4 else rows  # the first step warms up (its extra time: warmup_s)
     for regime in (True, False):
-        chosen = [r for r in rows if r["step"] in tokens and on_policy[r["step"]] == regime]
+        chosen = [r for r in steady if r["step"] in tokens and on_policy[r["step"]] == regime]
         if len(chosen) >= 3:
             x = np.array([[1.0, tokens[r["step"]]] for r in chosen])
             y = np.array([r["time/learner"] for r in chosen])
@@ -204,10 +213,13 @@ def fit_run(run_dir: Path) -> Costs:
     elif False not in fits:
         notes.append("learner: every step was on-policy, so the recompute's cost was not measured (taken as 0)")
     learner_step_s, learner_per_token_s = base_on
+    first = rows[0]
+    a, b = fits.get(on_policy.get(first["step"], True)) or base_on
+    warmup = max(0.0, first["time/learner"] - (a + b * tokens.get(first["step"], 0))) if steady is not rows else 0.0
     overhead = statistics.mean(max(0.0, r["time/step"] * (1 - r["trainer/idle_ratio"]) - r["time/learner"]
                                    - r["time/weight_sync"]) for r in rows)
     learner = LearnerCosts(per_token_s=learner_per_token_s, step_s=learner_step_s, recompute=recompute,
-                           overhead_s=overhead)
+                           overhead_s=overhead, warmup_s=warmup)
     sync = SyncCosts(fixed_s=statistics.mean(r["time/weight_sync"] for r in rows))
     groups = rows[-1].get("rollout/groups_accepted_total", 0) + rows[-1].get("rollout/groups_filtered_total", 0)
     prompts = tuple(s["prompt_tokens"] for s in samples if "prompt_tokens" in s) or (64,)
@@ -242,6 +254,7 @@ def cluster_costs(table: dict[str, Any]) -> Costs:
     e, lr, w = table["engine"], table["learner"], table["workload"]
     engine = EngineCosts(step_s=e["decode_step_s"], per_sequence_s=e.get("per_sequence_s", 0.0),
                          per_context_token_s=e.get("per_context_token_s", 0.0), prefill_s=e.get("prefill_s", 0.0),
+                         prefill_per_row_s=e.get("prefill_per_prompt_s", 0.0),
                          prefill_per_token_s=1 / e["prefill_tokens_per_s"] if e.get("prefill_tokens_per_s") else 0.0,
                          max_batch=e.get("max_batch", 256))
 

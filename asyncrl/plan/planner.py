@@ -10,15 +10,20 @@ files exactly as ``asyncrl bench modes`` reads its runs.
 from __future__ import annotations
 
 import contextlib
+import json
+import shutil
+import sys
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config
+from tqdm import tqdm
+
+from asyncrl.config import Config, ConfigError, load_config
 from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.orchestrator.trainer import Trainer
-from asyncrl.plan.costs import Costs
+from asyncrl.plan.costs import Costs, cluster_costs, fit_run, read_cluster
 from asyncrl.plan.simulated import simulated_runtime, unit_for
 from asyncrl.plan.virtual_clock import run_virtual
 
@@ -77,8 +82,6 @@ def splits(costs: Costs) -> list[tuple[str, Costs]]:
     """The rollout/learner splits a sweep tries: a cluster's devices divided anew (the same
     total), or a measured run's engine replicated beside its one learner."""
     if costs.table is not None:
-        from asyncrl.plan.costs import cluster_costs
-
         total = costs.table["rollout_devices"] + costs.table["learner_devices"]
         per_engine = costs.table.get("devices_per_engine", 1)
         out = []
@@ -179,3 +182,40 @@ def _duration(seconds: float) -> str:
         f"{seconds:.1f} s"
 
 
+
+
+def run_plan_command(config: str | None, overrides: list[str], from_run: str | None, cluster: str | None,
+                     out: str | None, sweep: bool = True) -> dict[str, Any]:
+    """``asyncrl plan``: the costs from ``--from RUN_DIR`` or ``--cluster TABLE`` (whose
+    ``run:`` settings sit between the config file and the command line's overrides),
+    the plan printed and written to ``OUT/plan.json`` (with ``plan.png``)."""
+    if (from_run is None) == (cluster is None):
+        raise ConfigError("asyncrl plan needs the costs from exactly one of --from RUN_DIR (a finished asyncrl "
+                          "train run) or --cluster TABLE (a cluster table, docs/planner.md)")
+    settings: list[str] = []
+    try:
+        if from_run is not None:
+            costs = fit_run(Path(from_run))
+        else:
+            costs, run = read_cluster(Path(cluster))
+            settings = [f"{key}={json.dumps(value)}" for key, value in run.items()]
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConfigError(str(exc)) from None
+    cfg = load_config(config, [*settings, *overrides])
+    target = Path(out or f"plan/{time.strftime('%Y%m%d-%H%M%S')}")
+    if target.exists() and any(target.iterdir()):
+        if not (target / PLAN_FILE).is_file():
+            raise ConfigError(f"--out {target} is not empty and holds no {PLAN_FILE}: choose a new directory "
+                              "(a plan replaces only its own)")
+        for part in ("runs", "sweep"):  # a plan's own simulated runs, replaced by this one's
+            shutil.rmtree(target / part, ignore_errors=True)
+    steps = len(splits(costs)) * len(sweep_schedules(cfg)) if sweep else 0
+    with tqdm(total=steps + 2, desc="plan", unit="run", file=sys.stderr) as bar:
+        result = plan(cfg, costs, target, sweep=sweep, progress=lambda: bar.update())
+    (target / PLAN_FILE).write_text(json.dumps(result, indent=2))
+    print_plan(result)
+    print(f"plan: {target / PLAN_FILE}")
+    return result
+
+
+PLAN_FILE = "plan.json"

@@ -39,6 +39,7 @@ class _Sequence:
     prompt: int  # units
     target: int  # units of response it will have when done
     done: asyncio.Future[None]
+    group: tuple[str, int]  # (task id, draw): a group's samples share a prompt
     versions: list[int] = field(default_factory=list)  # one per response unit, as sampled
     resumes: int = 0
 
@@ -58,7 +59,8 @@ class SimulatedEngine:
         self.waiting: list[_Sequence] = []
         self.running: list[_Sequence] = []
         self.busy_s = 0.0
-        self.decode_steps = self.prefills = self.tokens = 0
+        self.decode_steps = self.prefills = self.prefill_rows = self.tokens = 0
+        self._prefilled: set[tuple[str, int]] = set()  # prompts prefilled (the torch engine keeps them)
         self._wake = asyncio.Event()
         self._hold = asyncio.Event()  # set while a weight sync holds the engine
         self._parked = asyncio.Event()  # the engine stands between steps, held
@@ -68,8 +70,8 @@ class SimulatedEngine:
     def load(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    async def generate(self, prompt: int, target: int) -> _Sequence:
-        seq = _Sequence(prompt, target, asyncio.get_running_loop().create_future())
+    async def generate(self, prompt: int, target: int, group: tuple[str, int]) -> _Sequence:
+        seq = _Sequence(prompt, target, asyncio.get_running_loop().create_future(), group)
         self.waiting.append(seq)
         self._wake.set()
         await seq.done
@@ -89,10 +91,14 @@ class SimulatedEngine:
                 continue
             if admit:  # prefill: a resumed sequence's partial response is prefilled with its prompt
                 del self.waiting[:len(admit)]
-                cost = self.costs.prefill(sum(s.context for s in admit) * self.unit)
+                rows = [s for s in admit if s.versions] + [next(s for s in admit if s.group == g) for g in dict.fromkeys(
+                    s.group for s in admit if not s.versions and s.group not in self._prefilled)]
+                self._prefilled.update(s.group for s in admit)
+                cost = self.costs.prefill(len(rows), sum(s.context for s in rows) * self.unit)
                 await asyncio.sleep(cost)
                 self.busy_s += cost
                 self.prefills += 1
+                self.prefill_rows += len(rows)
                 for s in admit:  # a prefill samples each newcomer's next unit
                     s.versions.append(self.version)
                 self.tokens += len(admit) * self.unit
@@ -163,7 +169,8 @@ class SimulatedRollout:
 
         async def sample(prompt: int, response: int) -> _Sequence:
             engine = min(self.engines, key=lambda e: e.load)
-            return await engine.generate(max(1, prompt // self.unit), min(max_units, max(1, response // self.unit)))
+            return await engine.generate(max(1, prompt // self.unit), min(max_units, max(1, response // self.unit)),
+                                         (task.id, draw))
 
         sequences = await asyncio.gather(*[sample(p, r) for p, r in lengths])
         return [Episode(task.id, [Trajectory(
@@ -193,7 +200,8 @@ class SimulatedRollout:
     async def engine_work(self) -> dict[str, float]:
         e = self.engines
         return {"busy_s": sum(x.busy_s for x in e) / len(e), "decode_steps": sum(x.decode_steps for x in e),
-                "prefills": sum(x.prefills for x in e), "tokens": sum(x.tokens for x in e)}
+                "prefills": sum(x.prefills for x in e), "prefill_rows": sum(x.prefill_rows for x in e),
+                "tokens": sum(x.tokens for x in e)}
 
     async def gateway_counts(self) -> dict[str, int]:
         return {}
@@ -208,12 +216,17 @@ class SimulatedLearner:
     def __init__(self, costs: LearnerCosts, unit: int, version: int = 0) -> None:
         self.costs, self.unit, self.version = costs, unit, version
         self._pending = 0.0  # streaming: seconds accumulated towards the step
+        self._first = True
 
     def _tokens(self, batch: TrainBatch) -> int:
         return int(batch.attention_mask.sum()) * self.unit
 
+    def _warmup(self) -> float:
+        first, self._first = self._first, False
+        return self.costs.warmup_s if first else 0.0
+
     async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
-        seconds = self.costs.step(self._tokens(batch), on_policy)
+        seconds = self.costs.step(self._tokens(batch), on_policy) + self._warmup()
         await asyncio.sleep(seconds + self.costs.overhead_s)
         self.version += 1
         return {"actor/simulated_s": seconds}
@@ -221,6 +234,7 @@ class SimulatedLearner:
     async def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
         seconds = self.costs.step(self._tokens(batch), on_policy) - self.costs.step_s * (1 if on_policy else
                                                                                           1 + self.costs.recompute)
+        seconds += self._warmup()
         self._pending += seconds
         await asyncio.sleep(seconds)
 

@@ -117,8 +117,9 @@ class RolloutHandle(Protocol):
     async def engine_work(self) -> dict[str, float]:
         """What the engines did so far: ``busy_s``, the seconds spent generating (mean per
         worker, for the idle ratios), and where the engine counts them, summed over the
-        workers, ``decode_steps``, ``prefills`` and ``tokens`` (sampled): what ``asyncrl
-        plan --from`` fits an engine's cost model to."""
+        workers, ``decode_steps``, ``prefills``, ``prefill_rows`` (prompts run through the
+        model) and ``tokens`` (sampled): what ``asyncrl plan --from`` fits an engine's cost
+        model to."""
         ...
 
     async def gateway_counts(self) -> dict[str, int]:

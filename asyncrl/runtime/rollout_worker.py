@@ -45,7 +45,7 @@ from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
 
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
-ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "tokens": "tokens"}
+ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows": "prefill_rows", "tokens": "tokens"}
 """``engine_work``'s counts, by the field of the engine's stats they come from."""
 REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
 CHECKPOINT_ABORT_WAIT_S = 5.0
