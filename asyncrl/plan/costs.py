@@ -136,6 +136,15 @@ class Costs:
             f"groups filtered {w.filtered_fraction:.0%}",
         ]
 
+    def scaled(self, factor: float) -> Costs:
+        """Every duration times ``factor`` (a slowed or hastened copy of the same run)."""
+        def times(costs: Any) -> Any:
+            return replace(costs, **{f: getattr(costs, f) * factor for f in costs.__dataclass_fields__
+                                     if f.endswith("_s") and f != "bytes_per_s"})
+        return replace(self, engine=times(self.engine), learner=times(self.learner),
+                       sync=replace(times(self.sync), bytes_per_s=self.sync.bytes_per_s / factor),
+                       sync_learner=self.sync_learner and times(self.sync_learner))
+
     def for_mode(self, mode: str) -> Costs:
         if mode != "sync" or (self.sync_engines is None and self.sync_learner is None):
             return self

@@ -88,7 +88,7 @@ def splits(costs: Costs) -> list[tuple[str, Costs]]:
         for ratio in (1, 2, 3, 4, 7):  # rollout devices per learner device
             learners = total // (ratio + 1)
             rollout = (total - learners) // per_engine * per_engine
-            if learners >= 1 and rollout >= per_engine:
+            if learners >= 1 and rollout >= per_engine and f"{rollout}:{learners}" not in dict(out):
                 table = {**costs.table, "rollout_devices": rollout, "learner_devices": learners}
                 out.append((f"{rollout}:{learners}", cluster_costs(table)))
         return out

@@ -1,0 +1,179 @@
+"""``asyncrl plan``: the virtual clock, the simulated runtime under the real trainer, the
+costs fitted to a real run, and the command. The proof that the virtual clock changes
+nothing but the speed: the same simulated run on the virtual clock and on a standard
+event loop (really sleeping, the costs scaled down) writes the same events in the same
+order, and the virtual one takes a fraction of the simulated time."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.config import load_config
+from asyncrl.jsonl import read_jsonl
+from asyncrl.orchestrator.metrics import run_figures
+from asyncrl.orchestrator.trainer import Trainer
+from asyncrl.plan import virtual_clock
+from asyncrl.plan.costs import Costs, EngineCosts, LearnerCosts, SyncCosts, Workload, fit_run, read_cluster
+from asyncrl.plan.planner import simulate
+from asyncrl.plan.simulated import simulated_runtime
+from asyncrl.plan.virtual_clock import SimulationStuck, run_virtual
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = str(ROOT / "examples/countdown/async.yaml")
+
+
+def test_the_virtual_clock_jumps_to_each_timer_and_keeps_their_order():
+    async def main():
+        loop, order = asyncio.get_running_loop(), []
+
+        async def wake(name: int, after: float) -> None:
+            await asyncio.sleep(after)
+            order.append((name, loop.time()))
+
+        async with asyncio.TaskGroup() as tg:
+            for i in range(4):
+                tg.create_task(wake(i, 3600.0 * (4 - i)))
+        return order
+
+    start = time.perf_counter()
+    order, simulated = run_virtual(main())
+    assert order == [(3, 3600.0), (2, 7200.0), (1, 10800.0), (0, 14400.0)]
+    assert simulated == 14400.0 and time.perf_counter() - start < 5  # four simulated hours
+
+
+def test_work_on_a_thread_takes_no_simulated_time_and_comes_back_before_later_timers():
+    async def main():
+        loop, seen = asyncio.get_running_loop(), []
+
+        async def timer() -> None:
+            await asyncio.sleep(0.001)
+            seen.append(("timer", loop.time()))
+
+        async def thread() -> None:
+            await asyncio.to_thread(time.sleep, 0.2)  # 200 real ms, against a 1-ms simulated timer
+            seen.append(("thread", loop.time()))
+
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(timer())
+            tg.create_task(thread())
+        return seen
+
+    seen, _ = run_virtual(main())
+    assert seen == [("thread", 0.0), ("timer", 0.001)]
+
+
+def test_a_simulation_that_can_never_wake_says_so(monkeypatch):
+    monkeypatch.setattr(virtual_clock, "STUCK_AFTER_S", 0.2)
+
+    async def waits_forever():
+        await asyncio.Event().wait()
+
+    with pytest.raises(SimulationStuck, match="stuck"):
+        run_virtual(waits_forever())
+
+
+COSTS = Costs(  # a run of a few simulated minutes: 0.25 s per decode step, 10 s per learner step
+    engine=EngineCosts(step_s=0.25, per_sequence_s=0.02, prefill_s=0.5, prefill_per_row_s=0.1),
+    learner=LearnerCosts(per_token_s=0.02, step_s=4.0, recompute=0.25, overhead_s=0.3, warmup_s=2.0),
+    sync=SyncCosts(fixed_s=1.0), workload=Workload(response_tokens=(3, 7, 12, 20), prompt_tokens=(30,)))
+
+
+def _events(run_dir: Path) -> list[tuple]:
+    return [(e["kind"], e.get("group"), e.get("step"), e.get("version")) for e in read_jsonl(run_dir / "timeline.jsonl")]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_virtual_clock_runs_the_same_events_in_the_same_order_as_a_slowed_real_run(tmp_path, mode):
+    """Minutes of simulated training in seconds; the same simulated run on a standard loop
+    (sleeping for real, every cost scaled by 1/60) gives the same timeline and samples."""
+    overrides = [f"mode={mode}", "total_steps=6", "batch_size=2", "group_size=2", "eval_every=0", "save_every=0",
+                 "weight_sync.method=object_store", f"partial_rollout={'continue' if mode == 'async' else 'off'}"]
+    virtual_cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'virtual'}", *overrides])
+    start = time.perf_counter()
+    _, simulated = run_virtual(Trainer(virtual_cfg, runtime=simulated_runtime(COSTS, 1)).run_async())
+    virtual_s = time.perf_counter() - start
+
+    scale = 1 / 60
+    real_cfg = load_config(EXAMPLE, [f"output_dir={tmp_path / 'real'}", *overrides])
+    start = time.perf_counter()
+    asyncio.run(Trainer(real_cfg, runtime=simulated_runtime(COSTS.scaled(scale), 1)).run_async())
+    real_s = time.perf_counter() - start
+
+    assert simulated > 60, "the simulated run is minutes long"
+    assert virtual_s < simulated / 10, (virtual_s, simulated)
+    assert real_s >= simulated * scale * 0.9  # it really slept
+    assert _events(tmp_path / "virtual") == _events(tmp_path / "real")
+    versions = [[(s["task_id"], s["behavior_version_min"], s["behavior_version_max"], s["trained_version"])
+                 for s in read_jsonl(tmp_path / name / "samples.jsonl")] for name in ("virtual", "real")]
+    assert versions[0] == versions[1]
+    rows = read_jsonl(tmp_path / "virtual" / "metrics.jsonl")
+    assert rows[-1]["time/elapsed"] == pytest.approx(simulated, rel=0.05)  # metrics are in simulated seconds
+
+
+def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
+    """A small real async run (the shipped Countdown example), then ``plan --from`` it: the
+    simulated run's samples/s within 30 % of the real one (the docs table holds the
+    tighter figures of longer runs) and its staleness within η."""
+    run = tmp_path / "run"
+    assert main(["train", EXAMPLE, f"output_dir={run}", "total_steps=16", "batch_size=4", "eval_every=0"]) == 0
+    costs = fit_run(run)
+    assert costs.engine.decode_step(8, 0) > 0 and costs.learner.step(1000, on_policy=False) > 0
+    cfg = load_config(str(run / "config.yaml"), [])
+    predicted, measured = simulate(cfg, costs, tmp_path / "plan"), run_figures(run)
+    assert predicted["samples"] == measured["samples"]
+    assert predicted["samples_per_s"] == pytest.approx(measured["samples_per_s"], rel=0.30)
+    assert predicted["staleness_max"] <= 2
+
+
+def test_the_plan_command_writes_a_plan_with_a_sweep(tmp_path, capsys):
+    table = tmp_path / "cluster.yaml"
+    table.write_text(json.dumps({
+        "name": "a test cluster", "rollout_devices": 4, "learner_devices": 4, "model_params_b": 1,
+        "engine": {"decode_step_s": 0.02, "per_sequence_s": 0.0002, "max_batch": 64},
+        "learner": {"tokens_per_s_per_device": 4000},
+        "weight_sync": {"fixed_s": 0.5},
+        "workload": {"prompt_tokens": 100, "response_tokens": {"mean": 300, "sigma": 0.8, "max": 1000}},
+        "run": {"batch_size": 4, "group_size": 4, "total_steps": 8, "sampling.max_tokens": 1000},
+    }))
+    out = tmp_path / "plan"
+    assert main(["plan", EXAMPLE, "--cluster", str(table), "--out", str(out)]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["config"]["batch_size"] == 4 and plan["prediction"]["samples"] == 8 * 4 * 4
+    assert plan["prediction"]["speedup_vs_sync"] > 1  # async with η = 2 beats sync on a long tail
+    assert list(plan["sweep"]) == ["4:4", "6:2", "7:1"]  # rollout:learner devices, 8 in all
+    cells = next(iter(plan["sweep"].values()))
+    assert list(cells) == ["sync", "one_step_off", "async_eta1_abort", "async_eta2_abort",
+                           "async_eta4_abort", "async_eta8_abort"]
+    assert all(int(k) <= 8 for cell in cells.values() for k in cell["staleness_hist"])
+    if plan["figure"]:
+        assert Path(plan["figure"]).is_file()
+    assert "speed-up" not in capsys.readouterr().err  # the table goes to stdout
+    # a second plan into the same directory replaces its own runs
+    assert main(["plan", EXAMPLE, "--cluster", str(table), "--out", str(out), "--no-sweep"]) == 0
+    assert not (out / "sweep").exists()
+
+
+def test_the_plan_command_refuses_what_it_cannot_plan_from(tmp_path, capsys):
+    assert main(["plan", EXAMPLE]) == 2
+    assert "--from RUN_DIR" in capsys.readouterr().err
+    assert main(["plan", EXAMPLE, "--from", str(tmp_path / "nothing")]) == 2
+    assert "nothing" in capsys.readouterr().err
+    table = tmp_path / "t.yaml"
+    table.write_text("rollout_devices: 2\n")
+    with pytest.raises(ValueError, match="learner_devices"):
+        read_cluster(table)
+    assert main(["plan", EXAMPLE, "--cluster", str(table)]) == 2
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("mine")
+    table.write_text(json.dumps({"rollout_devices": 1, "learner_devices": 1, "engine": {"decode_step_s": 0.01},
+                                 "learner": {"tokens_per_s_per_device": 1e4},
+                                 "workload": {"response_tokens": [5, 9]}}))
+    assert main(["plan", EXAMPLE, "--cluster", str(table), "--out", str(busy)]) == 2
+    assert "not empty" in capsys.readouterr().err and (busy / "x").read_text() == "mine"
