@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from functools import cached_property
 
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, check_staleness
 from asyncrl.types import Group, Trajectory
@@ -70,9 +71,10 @@ class ReadyGroup:
     def trajectories(self) -> list[Trajectory]:
         return [t for e in self.group.episodes for t in e.trajectories]
 
-    @property
+    @cached_property
     def oldest_version(self) -> int:
-        """The oldest policy version any of its model tokens came from."""
+        """The oldest policy version any of its model tokens came from (a ready group's
+        tokens no longer change; the buffer's ordering asks for it often)."""
         return min(t.behavior_version_min for t in self.trajectories)
 
     @property

@@ -81,9 +81,20 @@ class Workload:
 
     response_tokens: tuple[int, ...] = ()
     prompt_tokens: tuple[int, ...] = (64,)
+    groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    """A run's groups as (prompt tokens, response lengths): a group is drawn whole, because
+    the samples of one task are alike (a hard task's are all long)."""
     lognormal: tuple[float, float, int] | None = None  # (mean, sigma, max) when no list is given
     filtered_fraction: float = 0.0
     """Of the groups generated, the share whose samples all score the same (filtered out)."""
+
+    def draw_group(self, rng: random.Random, n: int) -> list[tuple[int, int]]:
+        """(prompt tokens, response tokens) of a group's ``n`` samples: one of the run's
+        groups (resampled to ``n``), or ``n`` independent draws."""
+        if not self.groups:
+            return [self.draw(rng) for _ in range(n)]
+        prompt, lengths = rng.choice(self.groups)
+        return [(prompt, lengths[i] if len(lengths) == n else rng.choice(lengths)) for i in range(n)]
 
     def draw(self, rng: random.Random) -> tuple[int, int]:
         """(prompt tokens, response tokens) of one sample."""
@@ -234,7 +245,12 @@ def fit_run(run_dir: Path) -> Costs:
     prompts = tuple(s["prompt_tokens"] for s in samples if "prompt_tokens" in s) or (64,)
     if "prompt_tokens" not in samples[0]:
         notes.append("workload: samples.jsonl has no prompt_tokens (an older run): prompts taken as 64 tokens")
+    grouped: dict[tuple[int, Any], list[dict[str, Any]]] = {}
+    for s in samples:
+        grouped.setdefault((s["step"], s.get("group", s["task_id"])), []).append(s)
     workload = Workload(response_tokens=tuple(max(1, s["response_tokens"]) for s in samples), prompt_tokens=prompts,
+                        groups=tuple((g[0].get("prompt_tokens", 64), tuple(max(1, s["response_tokens"]) for s in g))
+                                     for g in grouped.values()),
                         filtered_fraction=rows[-1].get("rollout/groups_filtered_total", 0) / groups if groups else 0.0)
     return Costs(engine=engine, learner=learner, sync=sync, workload=workload, engines=workers,
                  source=f"measured in {run_dir}", notes=notes)
@@ -258,32 +274,69 @@ def read_cluster(path: Path) -> tuple[Costs, dict[str, Any]]:
 
 
 def cluster_costs(table: dict[str, Any]) -> Costs:
+    """A cluster table's costs. The engine's decode step is given (``decode_step_s``,
+    ``per_sequence_s``) or calibrated so that the sync baseline generates a step's batch
+    in the published ``sync_baseline.generation_s``; the learner is given as tokens/s per
+    device or as ``seconds_per_step`` at the workload's mean step; the sync baseline runs
+    colocated on every device (``sync_baseline.layout``) unless the table says ``split``."""
     rollout_devices, learner_devices = table["rollout_devices"], table["learner_devices"]
     per_engine = table.get("devices_per_engine", 1)
-    e, lr, w = table["engine"], table["learner"], table["workload"]
-    engine = EngineCosts(step_s=e["decode_step_s"], per_sequence_s=e.get("per_sequence_s", 0.0),
+    e, lr, w, base = table["engine"], table["learner"], table["workload"], table.get("sync_baseline", {})
+    run = table.get("run", {})
+    lengths = w["response_tokens"]
+    max_tokens = run.get("sampling.max_tokens", 1 << 30)
+    workload = Workload(
+        response_tokens=tuple(lengths) if isinstance(lengths, list) else (),
+        prompt_tokens=tuple(w["prompt_tokens"]) if isinstance(w.get("prompt_tokens"), list)
+        else (w.get("prompt_tokens", 256),),
+        lognormal=None if isinstance(lengths, list) else (lengths["mean"], lengths.get("sigma", 0.5),
+                                                           min(lengths["max"], max_tokens)),
+        filtered_fraction=w.get("filtered_fraction", 0.0))
+    colocated = base.get("layout", "colocated") == "colocated"
+    everything = rollout_devices + learner_devices
+    sync_engines = (everything if colocated else rollout_devices) // per_engine
+    per_step = run.get("batch_size", 1) * run.get("group_size", 1)
+    draws = _draws(workload, per_step)
+    notes = list(table.get("notes", []))
+
+    if "decode_step_s" in e:
+        step_s, per_sequence_s = e["decode_step_s"], e.get("per_sequence_s", 0.0)
+    else:  # calibrated: a step with b sequences costs step_s · (1 + b / batch_doubling)
+        doubling = e.get("batch_doubling", 64)
+        shape = statistics.mean(max(max(part, default=0) + sum(part) / doubling
+                                    for part in (batch[i::sync_engines] for i in range(sync_engines)))
+                                for batch in draws)
+        step_s = e["sync_generation_s"] / shape
+        per_sequence_s = step_s / doubling
+        notes.append(f"engine: decode step calibrated to the sync baseline's {e['sync_generation_s']:g} s of "
+                     f"generation per step: {step_s * 1e3:.3g} ms + {per_sequence_s * 1e3:.3g} ms per sequence "
+                     f"(assumed: {doubling} sequences double a step's time)")
+    engine = EngineCosts(step_s=step_s, per_sequence_s=per_sequence_s,
                          per_context_token_s=e.get("per_context_token_s", 0.0), prefill_s=e.get("prefill_s", 0.0),
                          prefill_per_row_s=e.get("prefill_per_prompt_s", 0.0),
                          prefill_per_token_s=1 / e["prefill_tokens_per_s"] if e.get("prefill_tokens_per_s") else 0.0,
                          max_batch=e.get("max_batch", 256))
+    mean_tokens = statistics.mean(sum(batch) for batch in draws) + per_step * statistics.mean(workload.prompt_tokens)
 
-    def learner_on(devices: int) -> LearnerCosts:
-        return LearnerCosts(per_token_s=1 / (lr["tokens_per_s_per_device"] * devices), step_s=lr.get("step_s", 0.0),
-                            recompute=lr.get("recompute", 0.0), overhead_s=lr.get("overhead_s", 0.0))
+    def learner(devices: int, seconds_per_step: float | None, overhead_s: float = 0.0) -> LearnerCosts:
+        per_token = (seconds_per_step / mean_tokens if seconds_per_step is not None
+                     else 1 / (lr["tokens_per_s_per_device"] * devices))
+        return LearnerCosts(per_token_s=per_token, step_s=lr.get("step_s", 0.0), recompute=lr.get("recompute", 0.0),
+                            overhead_s=lr.get("overhead_s", 0.0) + overhead_s)
 
+    split_learner = learner(learner_devices, lr.get("seconds_per_step"))
+    sync_learner = learner(everything if colocated else learner_devices, base.get("learner_seconds_per_step"),
+                           base.get("other_s", 0.0))
     s = table.get("weight_sync", {})
-    sync = SyncCosts(fixed_s=s.get("fixed_s", 0.0), bytes=table.get("model_params_b", 0) * 1e9 * s.get("bytes_per_param", 2),
+    sync = SyncCosts(fixed_s=s.get("fixed_s", 0.0),
+                     bytes=table.get("model_params_b", 0) * 1e9 * s.get("bytes_per_param", 2),
                      bytes_per_s=s.get("gb_per_s", math.inf) * 1e9, per_engine_s=s.get("per_engine_s", 0.0))
-    lengths = w["response_tokens"]
-    workload = Workload(
-        response_tokens=tuple(lengths) if isinstance(lengths, list) else (),
-        prompt_tokens=tuple(w["prompt_tokens"]) if isinstance(w.get("prompt_tokens"), list) else (w.get("prompt_tokens", 256),),
-        lognormal=None if isinstance(lengths, list) else (lengths["mean"], lengths.get("sigma", 0.5), lengths["max"]),
-        filtered_fraction=w.get("filtered_fraction", 0.0))
-    colocated = table.get("sync_baseline", "colocated") == "colocated"
-    everything = rollout_devices + learner_devices
-    return Costs(engine=engine, learner=learner_on(learner_devices), sync=sync, workload=workload,
+    return Costs(engine=engine, learner=split_learner, sync=sync, workload=workload,
                  engines=rollout_devices // per_engine, source=table.get("name", "cluster table"), table=table,
-                 notes=list(table.get("notes", [])),
-                 sync_engines=everything // per_engine if colocated else None,
-                 sync_learner=learner_on(everything) if colocated else None)
+                 notes=notes, sync_engines=sync_engines, sync_learner=sync_learner)
+
+
+def _draws(workload: Workload, per_step: int, steps: int = 8) -> list[list[int]]:
+    """``steps`` batches of response lengths as the workload draws them (fixed seed)."""
+    rng = random.Random(0)
+    return [[workload.draw(rng)[1] for _ in range(per_step)] for _ in range(steps)]  # a table's draws are i.i.d.

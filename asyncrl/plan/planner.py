@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
+import statistics
 import sys
 import time
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncrl.config import Config, ConfigError, load_config
+from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.plan.costs import Costs, cluster_costs, fit_run, read_cluster
@@ -48,6 +50,13 @@ class Schedule:
 SYNC = Schedule("sync", "sync", 0, "off")
 
 
+class _PlannedTrainer(Trainer):
+    """Keeps no checkpoints: nothing resumes a plan, and encoding a large buffer is real time."""
+
+    async def _save(self, step: int) -> None:
+        self._saved_step = step
+
+
 def simulate(cfg: Config, costs: Costs, out: Path) -> dict[str, Any]:
     """One simulated run of ``cfg`` into ``out``; its figures, read from its files."""
     # the simulated handles carry the sync's cost themselves; evaluations are left out
@@ -57,9 +66,14 @@ def simulate(cfg: Config, costs: Costs, out: Path) -> dict[str, Any]:
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     with open(out.with_name(out.name + ".log"), "w") as log, contextlib.redirect_stderr(log):  # banners and bars of many runs
-        trainer = Trainer(cfg, runtime=simulated_runtime(costs, unit))
+        trainer = _PlannedTrainer(cfg, runtime=simulated_runtime(costs, unit))
         _, simulated_s = run_virtual(trainer.run_async())
     summary = run_figures(out)
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "time/step" in r]
+    t_r, t_t, t_w = (statistics.mean(f(r) for r in rows) for f in (
+        lambda r: r["time/step"] * r["trainer/idle_ratio"], lambda r: r["time/learner"], lambda r: r["time/weight_sync"]))
+    # Slime's bound on overlapping this run's phases: (t_R + t_T + t_W) / (max(t_R, t_T) + t_W)
+    summary["overlap_bound"] = (t_r + t_t + t_w) / (max(t_r, t_t) + t_w)
     return {**summary, "simulated_s": simulated_s, "real_s": time.perf_counter() - start, "tokens_per_unit": unit}
 
 
@@ -68,8 +82,12 @@ def changed(cfg: Config, **changes: Any) -> Config:
     return Config.model_validate({**cfg.model_dump(), **changes})
 
 
-def with_schedule(cfg: Config, schedule: Schedule) -> Config:
-    return changed(cfg, mode=schedule.mode, max_staleness=max(1, schedule.eta), partial_rollout=schedule.partial)
+def with_schedule(cfg: Config, schedule: Schedule, costs: Costs) -> Config:
+    """``cfg`` on ``schedule``; a colocated sync baseline trains only after generating (its
+    devices do one or the other), so it does not stream."""
+    streaming = cfg.learner.streaming and not (schedule.mode == "sync" and costs.sync_engines is not None)
+    return changed(cfg, mode=schedule.mode, max_staleness=max(1, schedule.eta), partial_rollout=schedule.partial,
+                   learner={**cfg.learner.model_dump(), "streaming": streaming})
 
 
 def sweep_schedules(cfg: Config) -> list[Schedule]:
@@ -100,7 +118,7 @@ def plan(cfg: Config, costs: Costs, out: Path, sweep: bool = True,
     """The configuration as given, its sync baseline and (``sweep``) the η × split grid."""
     out.mkdir(parents=True, exist_ok=True)
     here = Schedule.of(cfg)
-    runs = {"sync": simulate(with_schedule(cfg, SYNC), costs, out / "runs" / "sync")}
+    runs = {"sync": simulate(with_schedule(cfg, SYNC, costs), costs, out / "runs" / "sync")}
     if here != SYNC:
         runs[here.name] = simulate(cfg, costs, out / "runs" / here.name)
     result: dict[str, Any] = {
@@ -117,7 +135,8 @@ def plan(cfg: Config, costs: Costs, out: Path, sweep: bool = True,
             grid[label] = {}
             for schedule in sweep_schedules(cfg):
                 name = f"{label.replace(':', '-').replace(' ', '_')}/{schedule.name}"
-                grid[label][schedule.name] = simulate(with_schedule(cfg, schedule), split, out / "sweep" / name)
+                grid[label][schedule.name] = simulate(with_schedule(cfg, schedule, split), split,
+                                                      out / "sweep" / name)
                 if progress is not None:
                     progress()
             base = grid[label]["sync"]["samples_per_s"]
@@ -167,6 +186,8 @@ def print_plan(result: dict[str, Any]) -> None:
           f"{p['rollout_idle_ratio']:.2f}, learner {p['learner_idle_ratio']:.2f}; staleness "
           + " ".join(f"{k}:{v}" for k, v in p["staleness_hist"].items())
           + f"; {_duration(p['simulated_s'])} simulated in {p['real_s']:.1f} s")
+    print(f"sync's phases (generation wait, learner, weight sync) overlapped perfectly would give "
+          f"{s['overlap_bound']:.2f}× (Slime's bound; removing sync's long-tail bubble can beat it)")
     if "sweep" in result:
         names = list(next(iter(result["sweep"].values())))
         print(f"{'samples/s (× sync)':22s} " + " ".join(f"{n:>20s}" for n in names))

@@ -80,7 +80,9 @@ class SimulatedEngine:
     async def run(self) -> None:
         """The engine's loop, until cancelled."""
         loop = asyncio.get_running_loop()
-        while True:
+        while True:  # a sequence whose caller went away (a cancelled group) is dropped, as an engine aborts it
+            self.running = [s for s in self.running if not s.done.cancelled()]
+            self.waiting = [s for s in self.waiting if not s.done.cancelled()]
             room = self.costs.max_batch - len(self.running)
             admit = [] if self._draining else self.waiting[:max(0, room)]
             if self._hold.is_set() or not (admit or self.running):
@@ -127,7 +129,8 @@ class SimulatedEngine:
         finished = [s for s in self.running if len(s.versions) >= s.target]
         self.running = [s for s in self.running if len(s.versions) < s.target]
         for s in finished:
-            s.done.set_result(None)
+            if not s.done.done():
+                s.done.set_result(None)
 
     async def load_weights(self, version: int, mode: str, seconds: float) -> None:
         """A sync of ``version`` taking ``seconds``: ``continue`` goes on with the new weights
@@ -162,7 +165,7 @@ class SimulatedRollout:
     async def run_group(self, task: Task, n: int, draw: int = 0,
                         replay: Mapping[int, dict[str, Any]] | None = None) -> list[Episode]:
         rng = random.Random(derive_seed(self.cfg.seed, "plan", task.id, draw))
-        lengths = [self.costs.workload.draw(rng) for _ in range(n)]
+        lengths = self.costs.workload.draw_group(rng, n)
         filtered = rng.random() < self.costs.workload.filtered_fraction
         rewards = [0.0] * n if filtered else [float(i % 2) for i in range(n)]
         max_units = max(1, self.cfg.sampling.max_tokens // self.unit)
