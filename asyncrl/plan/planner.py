@@ -160,7 +160,7 @@ def _figure(grid: dict[str, dict[str, Any]], path: Path) -> str | None:
         names = list(cells)
         left.plot(range(len(names)), [cells[n]["samples_per_s"] for n in names], marker="o", label=label)
         right.plot(range(len(names)), [cells[n]["speedup_vs_sync"] for n in names], marker="o", label=label)
-    for ax, title in ((left, "samples/s"), (right, "speed-up over sync (same split)")):
+    for ax, title in ((left, "samples/s"), (right, "speed-up over the sync baseline")):
         ax.set_xticks(range(len(names)), [n.replace("async_", "").replace("_", "\n", 1) for n in names], fontsize=8)
         ax.set_title(title)
         ax.grid(alpha=0.3)
