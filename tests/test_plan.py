@@ -177,3 +177,27 @@ def test_the_plan_command_refuses_what_it_cannot_plan_from(tmp_path, capsys):
                                  "workload": {"response_tokens": [5, 9]}}))
     assert main(["plan", EXAMPLE, "--cluster", str(table), "--out", str(busy)]) == 2
     assert "not empty" in capsys.readouterr().err and (busy / "x").read_text() == "mine"
+
+
+def test_a_cluster_table_calibrated_to_a_published_sync_baseline_reproduces_it(tmp_path):
+    """The decode step is calibrated so that the colocated sync baseline generates a step's
+    batch in ``sync_generation_s`` (queueing beyond ``max_batch`` included), and its step is
+    that plus the published training and remaining seconds."""
+    table = tmp_path / "published.yaml"
+    table.write_text(json.dumps({
+        "rollout_devices": 2, "learner_devices": 2, "devices_per_engine": 1,
+        "engine": {"sync_generation_s": 60.0, "batch_doubling": 16, "max_batch": 8},
+        "learner": {"seconds_per_step": 30.0},
+        "sync_baseline": {"layout": "colocated", "learner_seconds_per_step": 40.0, "other_s": 5.0},
+        "workload": {"prompt_tokens": 50, "response_tokens": {"mean": 200, "sigma": 0.7, "max": 800}},
+        "run": {"batch_size": 6, "group_size": 4, "total_steps": 12, "sampling.max_tokens": 800},
+    }))
+    costs, run = read_cluster(table)
+    assert costs.engines == 2 and costs.sync_engines == 4
+    cfg = load_config(EXAMPLE, [f"{k}={json.dumps(v)}" for k, v in run.items()] + ["mode=sync", "partial_rollout=off"])
+    simulate(cfg, costs, tmp_path / "sync")
+    rows = [r for r in read_jsonl(tmp_path / "sync" / "metrics.jsonl") if "time/step" in r]
+    waits = [r["time/step"] * r["trainer/idle_ratio"] for r in rows]
+    learner = [r["time/learner"] for r in rows]
+    assert sum(waits) / len(waits) == pytest.approx(60.0, rel=0.15)  # other draws than the calibration's
+    assert sum(learner) / len(learner) == pytest.approx(45.0, rel=0.10)  # 40 s training + 5 s the rest
