@@ -99,8 +99,9 @@ def test_bench_trl_smoke(tmp_path, capsys):
     result = json.loads((out / "bench.json").read_text())
     systems = result["systems"]
     assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
-    assert {"sync_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched", "target_reward",
-            "target_rule", "target_above_start"} <= set(result)
+    assert {"sync_vs_trl_samples_per_s", "async_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched",
+            "target_reward", "target_rule", "target_above_start"} <= set(result)
+    assert "sizes" not in result  # one size: its keys at the top level only
     start = systems["trl"]["held_out"][0]
     assert start["step"] == 0 and start["time_s"] == 0.0
     target = result["target_reward"]
@@ -129,6 +130,38 @@ def test_bench_trl_smoke(tmp_path, capsys):
         "held-out eval: start policy": r"reward [\d.]+, pass@1 [\d.]+",
         "held-out eval: trl (2 checkpoints)": held, "held-out eval: asyncrl_sync (2 checkpoints)": held,
         "held-out eval: asyncrl_async (2 checkpoints)": held})
+
+
+def test_bench_trl_batch_sizes_without_held_out(tmp_path, capsys):
+    """Several sizes in one invocation, speed only: each size's three systems under ``sizes``,
+    the first size's also at the top level; no checkpoint saved or scored."""
+    pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
+    out = tmp_path / "trl"
+    assert main(["bench", "trl", "steps=2", "batch_sizes=[1,2]", "group_size=2", "max_tokens=4", "held_out=false",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert set(result["sizes"]) == {"1x2", "2x2"}
+    for label, size in result["sizes"].items():
+        systems = size["systems"]
+        assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
+        assert size["samples_per_step"] == int(label[0]) * 2
+        for name in ("sync", "async"):
+            ratio = systems[f"asyncrl_{name}"]["samples_per_s"] / systems["trl"]["samples_per_s"]
+            assert size[f"{name}_vs_trl_samples_per_s"] == pytest.approx(ratio)
+        for system in systems.values():
+            assert system["samples_per_s"] > 0 and len(system["train_curve"]) == 2
+            assert system["held_out"] == [] and system["time_to_target_s"] is None
+            assert system["save_s"] == 0
+        assert size["target_reward"] is None and size["async_vs_trl_time_to_target"] is None
+        assert not (out / label / "trl" / "checkpoints").exists()
+    first = result["sizes"]["1x2"]
+    for key in ("systems", "sync_vs_trl_samples_per_s", "async_vs_trl_samples_per_s"):
+        assert result[key] == first[key]
+    printed = capsys.readouterr().out
+    runs = r"[\d.]+ samples/s, final reward [\d.]+"
+    assert_phases(printed, "trl", {"1x2: trl (run 1/3)": runs, "2x2: asyncrl_async (run 3/3)": runs})
+    assert "held-out eval:" not in printed and "held-out evaluation skipped (held_out=false)" in printed
+    assert re.search(r"^2x2 +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", printed, re.MULTILINE), printed
 
 
 def test_bench_trl_checkpoints_and_time_to_target():

@@ -30,6 +30,13 @@ started (``target_above_start`` false: short runs, as held-out reward moves slow
 this task), every system is at the target at time 0 and the ratio is ``None``; the
 table says so. The training reward curve stays in ``train_curve``; ``final_reward`` is
 its mean over the last ``smooth`` steps.
+
+Several batch sizes in one sitting (``batch_sizes=[4,8,16]``, groups per step; it
+overrides ``batch_size``): the three systems train at each size in turn, smallest first
+as listed, and each size's results go under ``sizes``, keyed ``"BxG"`` (``"4x8"``); the
+top-level keys are the first size's, as for a single one. ``held_out=false``: a
+speed-only run: no checkpoints are saved inside the clocks and none is scored
+(``time_to_target_s`` is then ``None`` and the table says skipped).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from __future__ import annotations
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field
 
@@ -70,6 +77,17 @@ class TrlBenchSettings(Section):
     """Countdown validation tasks per held-out evaluation (the first N of the split)."""
     eval_samples: int = Field(2, ge=1)
     """Samples per validation task."""
+    batch_sizes: list[Annotated[int, Field(ge=1)]] | None = None
+    """Tasks per step for each size to measure, one after another (overrides ``batch_size``)."""
+    held_out: bool = True
+    """Save and score checkpoints on held-out tasks; false: samples/s only (no saves, no evaluation)."""
+
+    def sizes(self) -> list[int]:
+        return list(self.batch_sizes) if self.batch_sizes else [self.batch_size]
+
+    def label(self) -> str:
+        """This size's key in ``sizes``: tasks × samples per step."""
+        return f"{self.batch_size}x{self.group_size}"
 
 
 class Run:
@@ -84,6 +102,8 @@ class Run:
 
 
 def checkpoint_steps(s: TrlBenchSettings) -> list[int]:
+    if not s.held_out:
+        return []
     return sorted({*range(s.eval_every, s.steps + 1, s.eval_every), s.steps})
 
 
@@ -105,7 +125,7 @@ def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
         f"total_steps={s.steps}", f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0",
         "eval.num_tasks=8", "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}",
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
-        f"save_every={s.eval_every}", f"keep_last={len(steps) + 1}",
+        f"save_every={s.eval_every if s.held_out else 0}", f"keep_last={len(steps) + 1}",
     ])
     trainer = Trainer(cfg)
     trainer.run()
@@ -188,66 +208,96 @@ def held_out_eval(s: TrlBenchSettings, model_dir: Path, out: Path) -> dict[str, 
 
 def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     s = validate(TrlBenchSettings, apply_overrides({}, overrides))
+    sizes = [s.model_copy(update={"batch_size": b, "batch_sizes": None}) for b in s.sizes()]
+    if len(sizes) == 1:  # one size: its directories and phase names as they always were
+        result = {"settings": s.model_dump(), **_bench_size(sizes[0], out, "")}
+        _print_table(result)
+        return result
+    per_size = {}
+    for size in sizes:
+        per_size[size.label()] = _bench_size(size, out / size.label(), f"{size.label()}: ")
+    result = {"settings": s.model_dump(), **per_size[sizes[0].label()], "sizes": per_size}
+    for label, size_result in per_size.items():
+        print(f"--- {label} ({size_result['samples_per_step']} samples per step)")
+        _print_table(size_result)
+    _print_size_table(per_size)
+    return result
+
+
+def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
+    """The three systems at ``s.batch_size``: trained in turn, then (``held_out``) their
+    checkpoints scored; ``prefix`` starts each phase's name."""
     trainers = {"trl": lambda: _trl_run(s, out / "trl"),  # TRL and the trainer show their own bars
                 "asyncrl_sync": lambda: _asyncrl_run(s, out / "asyncrl_sync", "sync"),
                 "asyncrl_async": lambda: _asyncrl_run(s, out / "asyncrl_async", "async")}
     samples = s.steps * s.batch_size * s.group_size
     runs: dict[str, Run] = {}
     for i, (name, train) in enumerate(trainers.items(), 1):
-        with phase("trl", f"{name} (run {i}/{len(trainers)})") as progress:
+        with phase("trl", f"{prefix}{name} (run {i}/{len(trainers)})") as progress:
             runs[name] = run = train()
             progress.figure = (f"{samples / run.wall_s:.1f} samples/s, "
                                f"final reward {_smoothed(run.train_curve, s.smooth)[-1][1]:.3f}")
 
     # held-out evaluation, after all training: the start policy once, then every checkpoint
-    with phase("trl", "held-out eval: start policy") as progress:
-        start = held_out_eval(s, Path(s.model_path), out / "start_policy_eval")
-        progress.figure = f"reward {start['reward_mean']:.3f}, pass@1 {start['pass@1']:.3f}"
-    held_out: dict[str, list[dict[str, Any]]] = {}
-    for name, run in runs.items():
-        with phase("trl", f"held-out eval: {name} ({len(run.checkpoints)} checkpoints)",
-                   total=len(run.checkpoints), unit="checkpoint") as progress:
-            held_out[name] = [{"step": 0, "time_s": 0.0, **start}]
-            for step, t, path in run.checkpoints:
-                scores = held_out_eval(s, path, out / name / "held_out_eval" / f"step_{step}")
-                held_out[name].append({"step": step, "time_s": t, **scores})
-                progress.advance()
-            progress.figure = " → ".join(f"{p['reward_mean']:.3f}" for p in held_out[name])
+    held_out: dict[str, list[dict[str, Any]]] = {name: [] for name in runs}
+    start = None
+    if s.held_out:
+        with phase("trl", f"{prefix}held-out eval: start policy") as progress:
+            start = held_out_eval(s, Path(s.model_path), out / "start_policy_eval")
+            progress.figure = f"reward {start['reward_mean']:.3f}, pass@1 {start['pass@1']:.3f}"
+        for name, run in runs.items():
+            with phase("trl", f"{prefix}held-out eval: {name} ({len(run.checkpoints)} checkpoints)",
+                       total=len(run.checkpoints), unit="checkpoint") as progress:
+                held_out[name] = [{"step": 0, "time_s": 0.0, **start}]
+                for step, t, path in run.checkpoints:
+                    scores = held_out_eval(s, path, out / name / "held_out_eval" / f"step_{step}")
+                    held_out[name].append({"step": step, "time_s": t, **scores})
+                    progress.advance()
+                progress.figure = " → ".join(f"{p['reward_mean']:.3f}" for p in held_out[name])
 
-    target = held_out["trl"][-1]["reward_mean"]
+    target = held_out["trl"][-1]["reward_mean"] if s.held_out else None
     systems = {}
     for name, run in runs.items():
         systems[name] = {
             "samples_per_s": samples / run.wall_s, "wall_s": run.wall_s,
             "final_reward": _smoothed(run.train_curve, s.smooth)[-1][1],
-            "time_to_target_s": time_to_target(held_out[name], target),
-            "final_held_out_reward": held_out[name][-1]["reward_mean"], "held_out": held_out[name],
-            "save_s": run.save_s, "train_curve": run.train_curve,
+            "time_to_target_s": time_to_target(held_out[name], target) if s.held_out else None,
+            "final_held_out_reward": held_out[name][-1]["reward_mean"] if s.held_out else None,
+            "held_out": held_out[name], "save_s": run.save_s, "train_curve": run.train_curve,
         }
     trl_t, async_t = systems["trl"]["time_to_target_s"], systems["asyncrl_async"]["time_to_target_s"]
-    result = {
-        "settings": s.model_dump(), "target_reward": target, "target_rule": TARGET_RULE,
+    trl_rate = systems["trl"]["samples_per_s"]
+    return {
+        "batch_size": s.batch_size, "samples_per_step": s.batch_size * s.group_size,
+        "target_reward": target, "target_rule": TARGET_RULE,
         "held_out_eval": {"split": "countdown validation", "tasks": s.eval_tasks, "samples_per_task": s.eval_samples,
                           "max_tokens": s.max_tokens, "temperature": EvalConfig().temperature,
-                          "evaluator": "asyncrl eval (run_eval) on each checkpoint directory"},
-        "target_above_start": target > start["reward_mean"] + 1e-9,
+                          "evaluator": "asyncrl eval (run_eval) on each checkpoint directory"} if s.held_out else None,
+        "target_above_start": target > start["reward_mean"] + 1e-9 if s.held_out else None,
         "systems": systems,
-        "sync_vs_trl_samples_per_s": systems["asyncrl_sync"]["samples_per_s"] / systems["trl"]["samples_per_s"],
+        "sync_vs_trl_samples_per_s": systems["asyncrl_sync"]["samples_per_s"] / trl_rate,
+        "async_vs_trl_samples_per_s": systems["asyncrl_async"]["samples_per_s"] / trl_rate,
         "async_vs_trl_time_to_target": async_t / trl_t if async_t is not None and trl_t else None,
         "unmatched": " ".join(__doc__.split("Not matched, and why: ")[1].split("\n\n")[0].split()),
     }
-    _print_table(result)
-    return result
 
 
 def _print_table(result: dict[str, Any]) -> None:
     systems = result["systems"]
     print(f"{'system':14s} {'wall_s':>7s} {'save_s':>6s} {'samples/s':>10s} {'train reward':>12s} "
           f"{'held-out final':>14s} {'time to target':>14s}")
+    held = result["target_reward"] is not None
     for name, v in systems.items():
         ttt = "never" if v["time_to_target_s"] is None else f"{v['time_to_target_s']:.1f}s"
+        final = f"{v['final_held_out_reward']:14.3f}" if held else f"{'skipped':>14s}"
         print(f"{name:14s} {v['wall_s']:7.1f} {v['save_s']:6.2f} {v['samples_per_s']:10.1f} {v['final_reward']:12.3f} "
-              f"{v['final_held_out_reward']:14.3f} {ttt:>14s}")
+              f"{final} {ttt if held else 'skipped':>14s}")
+    if not held:
+        print(f"held-out evaluation skipped (held_out=false); sync_vs_trl_samples_per_s="
+              f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_samples_per_s="
+              f"{result['async_vs_trl_samples_per_s']:.2f}")
+        print("not matched:", result["unmatched"])
+        return
     steps = [p["step"] for p in systems["trl"]["held_out"]]
     print("held-out reward (pass@1) [time s] by step:")
     print(f"{'step':14s} " + " ".join(f"{k:>20d}" for k in steps))
@@ -256,10 +306,20 @@ def _print_table(result: dict[str, Any]) -> None:
         print(f"{name:14s} " + " ".join(f"{c:>20s}" for c in cells))
     ratio = result["async_vs_trl_time_to_target"]
     print(f"target = {result['target_rule']}: {result['target_reward']:.3f}; sync_vs_trl_samples_per_s="
-          f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_time_to_target="
+          f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_samples_per_s="
+          f"{result['async_vs_trl_samples_per_s']:.2f}; async_vs_trl_time_to_target="
           f"{'n/a' if ratio is None else f'{ratio:.2f}'}")
     if not result["target_above_start"]:
         print(f"note: TRL's last held-out reward does not exceed the start policy's "
               f"({systems['trl']['held_out'][0]['reward_mean']:.3f}), so every system is at the target at step 0: "
               "the run is too short for time-to-target to rank anything (raise steps)")
     print("not matched:", result["unmatched"])
+
+
+def _print_size_table(per_size: dict[str, dict[str, Any]]) -> None:
+    """samples/s of each system at each size, and asyncrl's ratios to TRL."""
+    print(f"{'size':8s} {'trl':>10s} {'asyncrl_sync':>13s} {'asyncrl_async':>14s} {'sync/trl':>9s} {'async/trl':>10s}")
+    for label, r in per_size.items():
+        rate = {name: v["samples_per_s"] for name, v in r["systems"].items()}
+        print(f"{label:8s} {rate['trl']:10.1f} {rate['asyncrl_sync']:13.1f} {rate['asyncrl_async']:14.1f} "
+              f"{r['sync_vs_trl_samples_per_s']:9.2f} {r['async_vs_trl_samples_per_s']:10.2f}")
