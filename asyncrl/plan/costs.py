@@ -29,23 +29,7 @@ import yaml
 
 from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
-
-
-@dataclass(frozen=True)
-class EngineCosts:
-    step_s: float
-    per_sequence_s: float = 0.0
-    per_context_token_s: float = 0.0
-    prefill_s: float = 0.0
-    prefill_per_row_s: float = 0.0
-    prefill_per_token_s: float = 0.0
-    max_batch: int = 256
-
-    def decode_step(self, sequences: int, context_tokens: int) -> float:
-        return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
-
-    def prefill(self, rows: int, prompt_tokens: int) -> float:
-        return self.prefill_s + self.prefill_per_row_s * rows + self.prefill_per_token_s * prompt_tokens
+from asyncrl.plan.engine import EngineCosts, generation_time
 
 
 @dataclass(frozen=True)
@@ -304,7 +288,7 @@ def cluster_costs(table: dict[str, Any]) -> Costs:
     else:  # calibrated: a step with b sequences costs step_s · (1 + b / batch_doubling)
         doubling = e.get("batch_doubling", 64)
         shape = EngineCosts(step_s=1.0, per_sequence_s=1 / doubling, max_batch=e.get("max_batch", 256))
-        step_s = e["sync_generation_s"] / _generation_time(shape, draws, sync_engines)
+        step_s = e["sync_generation_s"] / generation_time(shape, draws, sync_engines)
         per_sequence_s = step_s / doubling
         notes.append(f"engine: decode step calibrated to the sync baseline's {e['sync_generation_s']:g} s of "
                      f"generation per step: {step_s * 1e3:.3g} ms + {per_sequence_s * 1e3:.3g} ms per sequence "
@@ -332,28 +316,6 @@ def cluster_costs(table: dict[str, Any]) -> Costs:
     return Costs(engine=engine, learner=split_learner, sync=sync, workload=workload,
                  engines=rollout_devices // per_engine, source=table.get("name", "cluster table"), table=table,
                  notes=notes, sync_engines=sync_engines, sync_learner=sync_learner)
-
-
-def _generation_time(engine: EngineCosts, draws: list[list[int]], engines: int) -> float:
-    """Mean over ``draws`` of the time ``engines`` simulated engines take to generate one
-    batch dealt out evenly (the slowest engine's), on the virtual clock."""
-    import asyncio
-
-    from asyncrl.plan.simulated import SimulatedEngine, unit_for
-    from asyncrl.plan.virtual_clock import run_virtual
-
-    unit = unit_for(max(max(batch) for batch in draws))
-
-    async def one(batch: list[int]) -> float:
-        sims = [SimulatedEngine(engine, unit) for _ in range(engines)]
-        loops = [asyncio.ensure_future(s.run()) for s in sims]
-        await asyncio.gather(*[sims[i % engines].generate(1, max(1, n // unit), ("calibration", i))
-                               for i, n in enumerate(batch)])
-        for loop in loops:
-            loop.cancel()
-        return asyncio.get_running_loop().time()
-
-    return statistics.mean(run_virtual(one(batch))[0] for batch in draws[:2])
 
 
 def _draws(workload: Workload, per_step: int, steps: int = 8) -> list[list[int]]:

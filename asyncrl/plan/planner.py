@@ -26,7 +26,8 @@ from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.plan.costs import Costs, cluster_costs, fit_run, read_cluster
-from asyncrl.plan.simulated import simulated_runtime, unit_for
+from asyncrl.plan.engine import unit_for
+from asyncrl.plan.simulated import simulated_runtime
 from asyncrl.plan.virtual_clock import run_virtual
 
 ETAS = (1, 2, 4, 8)

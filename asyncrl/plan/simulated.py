@@ -12,19 +12,18 @@ carries the version that sampled it — the version can change only between unit
 from __future__ import annotations
 
 import asyncio
-import math
 import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
-from asyncrl.plan.costs import Costs, EngineCosts, LearnerCosts
-from asyncrl.runtime import Runtime
+from asyncrl.plan.costs import Costs, LearnerCosts
+from asyncrl.plan.engine import SimulatedEngine, SimulatedSequence
+from asyncrl.runtime import Runtime, RuntimeStarter
 from asyncrl.seeding import derive_seed
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, Trajectory
@@ -32,126 +31,6 @@ from asyncrl.weight_sync import ObjectStoreSync
 
 FILLER_TOKEN = 1
 """The id every simulated token carries: lengths and versions are what a plan is about."""
-
-
-@dataclass(eq=False)
-class _Sequence:
-    prompt: int  # units
-    target: int  # units of response it will have when done
-    done: asyncio.Future[None]
-    group: tuple[str, int]  # (task id, draw): a group's samples share a prompt
-    versions: list[int] = field(default_factory=list)  # one per response unit, as sampled
-    resumes: int = 0
-
-    @property
-    def context(self) -> int:
-        return self.prompt + len(self.versions)
-
-
-class SimulatedEngine:
-    """Continuous batching on a cost model: newcomers are prefilled together between decode
-    steps, one decode step advances every running sequence by a unit, and a weight sync
-    lands between steps — as the torch engine does it."""
-
-    def __init__(self, costs: EngineCosts, unit: int) -> None:
-        self.costs, self.unit = costs, unit
-        self.version = 0
-        self.waiting: list[_Sequence] = []
-        self.running: list[_Sequence] = []
-        self.busy_s = 0.0
-        self.decode_steps = self.prefills = self.prefill_rows = self.tokens = 0
-        self._prefilled: set[tuple[str, int]] = set()  # prompts prefilled (the torch engine keeps them)
-        self._wake = asyncio.Event()
-        self._hold = asyncio.Event()  # set while a weight sync holds the engine
-        self._parked = asyncio.Event()  # the engine stands between steps, held
-        self._draining = False  # a sync that lets running sequences finish first: no admissions
-
-    @property
-    def load(self) -> int:
-        return len(self.waiting) + len(self.running)
-
-    async def generate(self, prompt: int, target: int, group: tuple[str, int]) -> _Sequence:
-        seq = _Sequence(prompt, target, asyncio.get_running_loop().create_future(), group)
-        self.waiting.append(seq)
-        self._wake.set()
-        await seq.done
-        return seq
-
-    async def run(self) -> None:
-        """The engine's loop, until cancelled."""
-        loop = asyncio.get_running_loop()
-        while True:  # a sequence whose caller went away (a cancelled group) is dropped, as an engine aborts it
-            self.running = [s for s in self.running if not s.done.cancelled()]
-            self.waiting = [s for s in self.waiting if not s.done.cancelled()]
-            room = self.costs.max_batch - len(self.running)
-            admit = [] if self._draining else self.waiting[:max(0, room)]
-            if self._hold.is_set() or not (admit or self.running):
-                self._parked.set()
-                self._wake.clear()
-                await self._wake.wait()
-                self._parked.clear()
-                continue
-            if admit:  # prefill: a resumed sequence's partial response is prefilled with its prompt
-                del self.waiting[:len(admit)]
-                rows = [s for s in admit if s.versions] + [next(s for s in admit if s.group == g) for g in dict.fromkeys(
-                    s.group for s in admit if not s.versions and s.group not in self._prefilled)]
-                self._prefilled.update(s.group for s in admit)
-                cost = self.costs.prefill(len(rows), sum(s.context for s in rows) * self.unit)
-                await asyncio.sleep(cost)
-                self.busy_s += cost
-                self.prefills += 1
-                self.prefill_rows += len(rows)
-                for s in admit:  # a prefill samples each newcomer's next unit
-                    s.versions.append(self.version)
-                self.tokens += len(admit) * self.unit
-                self.running += admit
-                self._settle()
-                continue
-            unit_s = self.unit * self.costs.decode_step(len(self.running),
-                                                       sum(s.context for s in self.running) * self.unit)
-            steps = min(s.target - len(s.versions) for s in self.running)  # units until the first one ends
-            start = loop.time()
-            self._wake.clear()
-            try:  # a newcomer or a sync interrupts at the next unit's boundary
-                await asyncio.wait_for(self._wake.wait(), steps * unit_s)
-                done = min(steps, max(1, math.ceil((loop.time() - start) / unit_s - 1e-9)))
-                await asyncio.sleep(max(0.0, start + done * unit_s - loop.time()))
-            except TimeoutError:
-                done = steps
-            self.busy_s += done * unit_s
-            self.decode_steps += done * self.unit
-            self.tokens += done * len(self.running) * self.unit
-            for s in self.running:
-                s.versions += [self.version] * done
-            self._settle()
-
-    def _settle(self) -> None:
-        finished = [s for s in self.running if len(s.versions) >= s.target]
-        self.running = [s for s in self.running if len(s.versions) < s.target]
-        for s in finished:
-            if not s.done.done():
-                s.done.set_result(None)
-
-    async def load_weights(self, version: int, mode: str, seconds: float) -> None:
-        """A sync of ``version`` taking ``seconds``: ``continue`` goes on with the new weights
-        after it, ``abort`` sends running sequences back to be prefilled again with their
-        partial response (a resume), ``off`` finishes them on the old weights first."""
-        if mode == "off":
-            self._draining = True
-            while self.running:
-                await asyncio.wait([s.done for s in self.running], return_when=asyncio.FIRST_COMPLETED)
-        self._hold.set()
-        self._wake.set()
-        await self._parked.wait()
-        if mode == "abort":
-            for s in self.running:
-                s.resumes += 1
-            self.waiting[:0], self.running = self.running, []
-        await asyncio.sleep(seconds)
-        self.version = version
-        self._hold.clear()
-        self._draining = False
-        self._wake.set()
 
 
 class SimulatedRollout:
@@ -170,7 +49,7 @@ class SimulatedRollout:
         rewards = [0.0] * n if filtered else [float(i % 2) for i in range(n)]
         max_units = max(1, self.cfg.sampling.max_tokens // self.unit)
 
-        async def sample(prompt: int, response: int) -> _Sequence:
+        async def sample(prompt: int, response: int) -> SimulatedSequence:
             engine = min(self.engines, key=lambda e: e.load)
             return await engine.generate(max(1, prompt // self.unit), min(max_units, max(1, response // self.unit)),
                                          (task.id, draw))
@@ -267,12 +146,7 @@ class SimulatedLearner:
         """Nothing held."""
 
 
-def unit_for(max_response: int, max_units: int = 512) -> int:
-    """Tokens per simulated unit: 1 unless responses run past ``max_units`` tokens."""
-    return max(1, math.ceil(max_response / max_units))
-
-
-def simulated_runtime(costs: Costs, unit: int):  # noqa: ANN201 - a RuntimeStarter
+def simulated_runtime(costs: Costs, unit: int) -> RuntimeStarter:
     """A ``RuntimeStarter`` (``asyncrl.runtime``) whose handles are simulated on ``costs``
     (``costs.for_mode(cfg.mode)``: a colocated sync baseline gets every device)."""
 

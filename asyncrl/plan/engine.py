@@ -1,0 +1,174 @@
+"""The simulated engine: continuous batching on a cost model (:class:`EngineCosts`),
+spending its time with ``asyncio.sleep`` — on the virtual clock in a plan. Newcomers are
+prefilled together between decode steps (a group's samples share one prompt row, as with
+the torch engine's group prefill), one decode step advances every running sequence by a
+unit of tokens, and a weight sync lands between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import statistics
+from dataclasses import dataclass, field
+
+from asyncrl.plan.virtual_clock import run_virtual
+
+
+@dataclass(frozen=True)
+class EngineCosts:
+    step_s: float
+    per_sequence_s: float = 0.0
+    per_context_token_s: float = 0.0
+    prefill_s: float = 0.0
+    prefill_per_row_s: float = 0.0
+    prefill_per_token_s: float = 0.0
+    max_batch: int = 256
+
+    def decode_step(self, sequences: int, context_tokens: int) -> float:
+        return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
+
+    def prefill(self, rows: int, prompt_tokens: int) -> float:
+        return self.prefill_s + self.prefill_per_row_s * rows + self.prefill_per_token_s * prompt_tokens
+
+
+@dataclass(eq=False)
+class SimulatedSequence:
+    prompt: int  # units
+    target: int  # units of response it will have when done
+    done: asyncio.Future[None]
+    group: tuple[str, int]  # (task id, draw): a group's samples share a prompt
+    versions: list[int] = field(default_factory=list)  # one per response unit, as sampled
+    resumes: int = 0
+
+    @property
+    def context(self) -> int:
+        return self.prompt + len(self.versions)
+
+
+class SimulatedEngine:
+    """Continuous batching on a cost model: newcomers are prefilled together between decode
+    steps, one decode step advances every running sequence by a unit, and a weight sync
+    lands between steps — as the torch engine does it."""
+
+    def __init__(self, costs: EngineCosts, unit: int) -> None:
+        self.costs, self.unit = costs, unit
+        self.version = 0
+        self.waiting: list[SimulatedSequence] = []
+        self.running: list[SimulatedSequence] = []
+        self.busy_s = 0.0
+        self.decode_steps = self.prefills = self.prefill_rows = self.tokens = 0
+        self._prefilled: set[tuple[str, int]] = set()  # prompts prefilled (the torch engine keeps them)
+        self._wake = asyncio.Event()
+        self._hold = asyncio.Event()  # set while a weight sync holds the engine
+        self._parked = asyncio.Event()  # the engine stands between steps, held
+        self._draining = False  # a sync that lets running sequences finish first: no admissions
+
+    @property
+    def load(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    async def generate(self, prompt: int, target: int, group: tuple[str, int]) -> SimulatedSequence:
+        seq = SimulatedSequence(prompt, target, asyncio.get_running_loop().create_future(), group)
+        self.waiting.append(seq)
+        self._wake.set()
+        await seq.done
+        return seq
+
+    async def run(self) -> None:
+        """The engine's loop, until cancelled."""
+        loop = asyncio.get_running_loop()
+        while True:  # a sequence whose caller went away (a cancelled group) is dropped, as an engine aborts it
+            self.running = [s for s in self.running if not s.done.cancelled()]
+            self.waiting = [s for s in self.waiting if not s.done.cancelled()]
+            room = self.costs.max_batch - len(self.running)
+            admit = [] if self._draining else self.waiting[:max(0, room)]
+            if self._hold.is_set() or not (admit or self.running):
+                self._parked.set()
+                self._wake.clear()
+                await self._wake.wait()
+                self._parked.clear()
+                continue
+            if admit:  # prefill: a resumed sequence's partial response is prefilled with its prompt
+                del self.waiting[:len(admit)]
+                rows = [s for s in admit if s.versions] + [next(s for s in admit if s.group == g) for g in dict.fromkeys(
+                    s.group for s in admit if not s.versions and s.group not in self._prefilled)]
+                self._prefilled.update(s.group for s in admit)
+                cost = self.costs.prefill(len(rows), sum(s.context for s in rows) * self.unit)
+                await asyncio.sleep(cost)
+                self.busy_s += cost
+                self.prefills += 1
+                self.prefill_rows += len(rows)
+                for s in admit:  # a prefill samples each newcomer's next unit
+                    s.versions.append(self.version)
+                self.tokens += len(admit) * self.unit
+                self.running += admit
+                self._settle()
+                continue
+            unit_s = self.unit * self.costs.decode_step(len(self.running),
+                                                       sum(s.context for s in self.running) * self.unit)
+            steps = min(s.target - len(s.versions) for s in self.running)  # units until the first one ends
+            start = loop.time()
+            self._wake.clear()
+            try:  # a newcomer or a sync interrupts at the next unit's boundary
+                await asyncio.wait_for(self._wake.wait(), steps * unit_s)
+                done = min(steps, max(1, math.ceil((loop.time() - start) / unit_s - 1e-9)))
+                await asyncio.sleep(max(0.0, start + done * unit_s - loop.time()))
+            except TimeoutError:
+                done = steps
+            self.busy_s += done * unit_s
+            self.decode_steps += done * self.unit
+            self.tokens += done * len(self.running) * self.unit
+            for s in self.running:
+                s.versions += [self.version] * done
+            self._settle()
+
+    def _settle(self) -> None:
+        finished = [s for s in self.running if len(s.versions) >= s.target]
+        self.running = [s for s in self.running if len(s.versions) < s.target]
+        for s in finished:
+            if not s.done.done():
+                s.done.set_result(None)
+
+    async def load_weights(self, version: int, mode: str, seconds: float) -> None:
+        """A sync of ``version`` taking ``seconds``: ``continue`` goes on with the new weights
+        after it, ``abort`` sends running sequences back to be prefilled again with their
+        partial response (a resume), ``off`` finishes them on the old weights first."""
+        if mode == "off":
+            self._draining = True
+            while self.running:
+                await asyncio.wait([s.done for s in self.running], return_when=asyncio.FIRST_COMPLETED)
+        self._hold.set()
+        self._wake.set()
+        await self._parked.wait()
+        if mode == "abort":
+            for s in self.running:
+                s.resumes += 1
+            self.waiting[:0], self.running = self.running, []
+        await asyncio.sleep(seconds)
+        self.version = version
+        self._hold.clear()
+        self._draining = False
+        self._wake.set()
+
+
+def unit_for(max_response: int, max_units: int = 512) -> int:
+    """Tokens per simulated unit: 1 unless responses run past ``max_units`` tokens."""
+    return max(1, math.ceil(max_response / max_units))
+
+
+def generation_time(engine: EngineCosts, draws: list[list[int]], engines: int) -> float:
+    """Mean over ``draws`` of the time ``engines`` simulated engines take to generate one
+    batch dealt out evenly (the slowest engine's), on the virtual clock."""
+    unit = unit_for(max(max(batch) for batch in draws))
+
+    async def one(batch: list[int]) -> float:
+        sims = [SimulatedEngine(engine, unit) for _ in range(engines)]
+        loops = [asyncio.ensure_future(s.run()) for s in sims]
+        await asyncio.gather(*[sims[i % engines].generate(1, max(1, n // unit), ("calibration", i))
+                               for i, n in enumerate(batch)])
+        for loop in loops:
+            loop.cancel()
+        return asyncio.get_running_loop().time()
+
+    return statistics.mean(run_virtual(one(batch))[0] for batch in draws[:2])
