@@ -19,7 +19,7 @@ from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.plan import virtual_clock
-from asyncrl.plan.costs import Costs, EngineCosts, LearnerCosts, SyncCosts, Workload, fit_run, read_cluster
+from asyncrl.plan.costs import Costs, EngineCosts, LearnerCosts, SyncCosts, Workload, _fit_engine, fit_run, read_cluster
 from asyncrl.plan.planner import simulate
 from asyncrl.plan.simulated import simulated_runtime
 from asyncrl.plan.virtual_clock import SimulationStuck, run_virtual
@@ -114,6 +114,30 @@ def test_the_virtual_clock_runs_the_same_events_in_the_same_order_as_a_slowed_re
     assert versions[0] == versions[1]
     rows = read_jsonl(tmp_path / "virtual" / "metrics.jsonl")
     assert rows[-1]["time/elapsed"] == pytest.approx(simulated, rel=0.05)  # metrics are in simulated seconds
+
+
+def test_the_engine_fit_recovers_decode_and_prefill_costs_timed_apart_or_together():
+    """Step rows made from known costs (decode 4 ms + 0.5 ms per sequence; prefill 6 ms +
+    9 ms per prompt row): with ``rollout/prefill_s`` both parts come back; without it (an
+    engine that does not time its prefills) the one fit over all busy seconds ties a
+    prefill's fixed cost to a decode step's and reproduces each step only roughly."""
+    rows = []
+    for decode_steps, prefills, fresh, reused, sequences in [(7, 2, 3, 5, 60), (9, 3, 3, 9, 90), (5, 1, 1, 7, 30),
+                                                             (12, 4, 6, 10, 140), (8, 2, 4, 4, 70)]:
+        prefill_s = 0.006 * prefills + 0.009 * fresh
+        decode_s = 0.004 * decode_steps + 0.0005 * sequences
+        rows.append({"rollout/busy_s": decode_s + prefill_s, "rollout/prefill_s": prefill_s,
+                     "rollout/decode_steps": decode_steps, "rollout/prefills": prefills, "rollout/prefill_rows": fresh,
+                     "rollout/prefill_reused": reused, "rollout/tokens": sequences + fresh + reused})
+    apart = _fit_engine(rows, 1, 64, [])
+    assert (apart.step_s, apart.per_sequence_s) == (pytest.approx(0.004), pytest.approx(0.0005))
+    assert (apart.prefill_s, apart.prefill_per_row_s) == (pytest.approx(0.006), pytest.approx(0.009))
+    together = _fit_engine([{k: v for k, v in r.items() if k != "rollout/prefill_s"} for r in rows], 1, 64, [])
+    assert together.prefill_s == together.step_s
+    for r in rows:
+        busy = (together.decode_step(0, 0) * (r["rollout/decode_steps"] + r["rollout/prefills"])
+                + together.per_sequence_s * r["rollout/tokens"] + together.prefill_per_row_s * r["rollout/prefill_rows"])
+        assert busy == pytest.approx(r["rollout/busy_s"], rel=0.05)
 
 
 def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):

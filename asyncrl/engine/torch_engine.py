@@ -53,6 +53,7 @@ class EngineStats:
     prefill_reused: int = 0  # newcomers that forked another's prefill instead
     tokens: int = 0
     busy_s: float = 0.0
+    prefill_s: float = 0.0  # of busy_s, in prefill steps (the planner fits the two apart)
 
 
 class TorchEngine:
@@ -243,7 +244,10 @@ class TorchEngine:
             tokens, logprobs = self._run_decode()
             self.stats.steps += 1
         self._postprocess(step, tokens, logprobs)
-        self.stats.busy_s += time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        self.stats.busy_s += elapsed
+        if step.is_prefill:
+            self.stats.prefill_s += elapsed
 
     def _postprocess(self, step: ScheduledStep, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
         token_ids, logprob_values = tokens.tolist(), logprobs.tolist()  # one device sync per step

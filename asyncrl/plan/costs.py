@@ -180,17 +180,7 @@ def fit_run(run_dir: Path) -> Costs:
     notes: list[str] = []
     workers = cfg.get("ray", {}).get("num_rollout_workers", 1) if cfg.get("runtime") == "ray" else 1
 
-    busy = np.array([r["rollout/busy_s"] * workers for r in rows])
-    # a forward pass of the engine (decode step or prefill) costs step_s, plus per_token_s per
-    # sequence it advances, plus per_row_s per prompt a prefill runs through the model
-    counts = np.array([[r["rollout/decode_steps"] + r["rollout/prefills"], r["rollout/tokens"],
-                        r["rollout/prefill_rows"]] for r in rows], float)
-    coef = _nonnegative_fit(counts, busy)
-    step_s, per_token_s, per_row_s = (float(c) for c in coef)
-    engine = EngineCosts(step_s=step_s, per_sequence_s=per_token_s, prefill_s=step_s, prefill_per_row_s=per_row_s,
-                         max_batch=cfg.get("rollout", {}).get("max_batch_size", 256))
-    notes.append(f"engine: busy seconds per step fitted to forward passes, tokens sampled, prompts prefilled "
-                 f"(R² {_r2(counts @ coef, busy):.2f} over {len(rows)} steps)")
+    engine = _fit_engine(rows, workers, cfg.get("rollout", {}).get("max_batch_size", 256), notes)
 
     by_step: dict[int, list[dict[str, Any]]] = {}
     for s in samples:
@@ -238,6 +228,39 @@ def fit_run(run_dir: Path) -> Costs:
                         filtered_fraction=rows[-1].get("rollout/groups_filtered_total", 0) / groups if groups else 0.0)
     return Costs(engine=engine, learner=learner, sync=sync, workload=workload, engines=workers,
                  source=f"measured in {run_dir}", notes=notes)
+
+
+def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes: list[str]) -> EngineCosts:
+    """The engine's costs from its per-step work. Where the engine timed its prefills apart
+    (``rollout/prefill_s``, the torch engine), decode and prefill seconds are fitted apart:
+    on short answers forward passes, tokens and prompt rows rise and fall together, and one
+    fit over their sum hands the seconds to any of them — a plan whose engine batches
+    prompts otherwise than the run did would then miss by a third."""
+    busy = np.array([r["rollout/busy_s"] * workers for r in rows])
+    if all("rollout/prefill_s" in r and "rollout/prefill_reused" in r for r in rows):
+        prefill = np.array([r["rollout/prefill_s"] for r in rows])
+        # a decode step costs step_s plus per_sequence_s per sequence it advances (a newcomer's
+        # first token is sampled by its prefill)
+        decode_x = np.array([[r["rollout/decode_steps"], r["rollout/tokens"] - r["rollout/prefill_rows"]
+                              - r["rollout/prefill_reused"]] for r in rows], float)
+        prefill_x = np.array([[r["rollout/prefills"], r["rollout/prefill_rows"]] for r in rows], float)
+        decode_coef, prefill_coef = _nonnegative_fit(decode_x, busy - prefill), _nonnegative_fit(prefill_x, prefill)
+        notes.append(f"engine: decode seconds fitted to decode steps and tokens (R² "
+                     f"{_r2(decode_x @ decode_coef, busy - prefill):.2f}), prefill seconds to prefills and prompt "
+                     f"rows (R² {_r2(prefill_x @ prefill_coef, prefill):.2f}), over {len(rows)} steps")
+        return EngineCosts(step_s=float(decode_coef[0]), per_sequence_s=float(decode_coef[1]),
+                           prefill_s=float(prefill_coef[0]), prefill_per_row_s=float(prefill_coef[1]),
+                           max_batch=max_batch)
+    # an engine that does not time its prefills (vLLM): a forward pass (decode step or prefill)
+    # costs step_s, plus per_sequence_s per sequence it advances, plus per_row_s per prompt row
+    counts = np.array([[r["rollout/decode_steps"] + r["rollout/prefills"], r["rollout/tokens"],
+                        r["rollout/prefill_rows"]] for r in rows], float)
+    coef = _nonnegative_fit(counts, busy)
+    step_s, per_token_s, per_row_s = (float(c) for c in coef)
+    notes.append(f"engine: busy seconds per step fitted to forward passes, tokens sampled, prompts prefilled "
+                 f"(R² {_r2(counts @ coef, busy):.2f} over {len(rows)} steps)")
+    return EngineCosts(step_s=step_s, per_sequence_s=per_token_s, prefill_s=step_s, prefill_per_row_s=per_row_s,
+                       max_batch=max_batch)
 
 
 def _r2(predicted: np.ndarray, actual: np.ndarray) -> float:

@@ -56,8 +56,8 @@ class SimulatedEngine:
         self.version = 0
         self.waiting: list[SimulatedSequence] = []
         self.running: list[SimulatedSequence] = []
-        self.busy_s = 0.0
-        self.decode_steps = self.prefills = self.prefill_rows = self.tokens = 0
+        self.busy_s = self.prefill_s = 0.0
+        self.decode_steps = self.prefills = self.prefill_rows = self.prefill_reused = self.tokens = 0
         self._prefilled: set[tuple[str, int]] = set()  # prompts prefilled (the torch engine keeps them)
         self._wake = asyncio.Event()
         self._hold = asyncio.Event()  # set while a weight sync holds the engine
@@ -97,8 +97,10 @@ class SimulatedEngine:
                 cost = self.costs.prefill(len(rows), sum(s.context for s in rows) * self.unit)
                 await asyncio.sleep(cost)
                 self.busy_s += cost
+                self.prefill_s += cost
                 self.prefills += 1
                 self.prefill_rows += len(rows)
+                self.prefill_reused += len(admit) - len(rows)
                 for s in admit:  # a prefill samples each newcomer's next unit
                     s.versions.append(self.version)
                 self.tokens += len(admit) * self.unit

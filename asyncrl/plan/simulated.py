@@ -83,7 +83,8 @@ class SimulatedRollout:
         e = self.engines
         return {"busy_s": sum(x.busy_s for x in e) / len(e), "decode_steps": sum(x.decode_steps for x in e),
                 "prefills": sum(x.prefills for x in e), "prefill_rows": sum(x.prefill_rows for x in e),
-                "tokens": sum(x.tokens for x in e)}
+                "prefill_reused": sum(x.prefill_reused for x in e), "tokens": sum(x.tokens for x in e),
+                "prefill_s": sum(x.prefill_s for x in e)}
 
     async def gateway_counts(self) -> dict[str, int]:
         return {}

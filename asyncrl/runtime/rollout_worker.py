@@ -45,8 +45,9 @@ from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
 
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
-ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows": "prefill_rows", "tokens": "tokens"}
-"""``engine_work``'s counts, by the field of the engine's stats they come from."""
+ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows": "prefill_rows",
+                 "prefill_reused": "prefill_reused", "tokens": "tokens", "prefill_s": "prefill_s"}
+"""``engine_work``'s counts (and the prefill steps' seconds), by the engine stats' field."""
 REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
 CHECKPOINT_ABORT_WAIT_S = 5.0
 """At most this long ``in_flight`` waits for the sequences it aborted to reach their journals."""
