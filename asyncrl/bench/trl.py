@@ -1,6 +1,6 @@
 """``asyncrl bench trl``: TRL's ``GRPOTrainer`` against asyncrl ``sync`` and ``async`` in
 one run, same model directory, task, reward function, group size, batch and learning
-rate (optional dependency ``trl``).
+rate (optional dependency ``trl``), each run in a fresh process of its own.
 
 Matched: model and tokenizer (the same directory), Countdown train tasks (same seed),
 reward function, n samples per task, tasks per step, learning rate, temperature, max
@@ -41,8 +41,11 @@ speed-only run: no checkpoints are saved inside the clocks and none is scored
 
 from __future__ import annotations
 
+import multiprocessing
 import statistics
 import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -224,17 +227,26 @@ def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     return result
 
 
+def _in_own_process(train: Callable[..., Run], *args: Any) -> Run:
+    """``train(*args)`` in a fresh (spawned) process, as a user runs either system: what one
+    run leaves in a process slows the next — TRL trains on the main thread, whose OpenMP
+    team then sits idle beside asyncrl's threads (``asyncrl.runtime.one_torch_thread``) —
+    and each system's clock starts at its first step, so start-up is not counted."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(train, *args).result()
+
+
 def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     """The three systems at ``s.batch_size``: trained in turn, then (``held_out``) their
     checkpoints scored; ``prefix`` starts each phase's name."""
-    trainers = {"trl": lambda: _trl_run(s, out / "trl"),  # TRL and the trainer show their own bars
-                "asyncrl_sync": lambda: _asyncrl_run(s, out / "asyncrl_sync", "sync"),
-                "asyncrl_async": lambda: _asyncrl_run(s, out / "asyncrl_async", "async")}
+    trainers = {"trl": (_trl_run, s, out / "trl"),  # TRL and the trainer show their own bars
+                "asyncrl_sync": (_asyncrl_run, s, out / "asyncrl_sync", "sync"),
+                "asyncrl_async": (_asyncrl_run, s, out / "asyncrl_async", "async")}
     samples = s.steps * s.batch_size * s.group_size
     runs: dict[str, Run] = {}
-    for i, (name, train) in enumerate(trainers.items(), 1):
+    for i, (name, (train, *args)) in enumerate(trainers.items(), 1):
         with phase("trl", f"{prefix}{name} (run {i}/{len(trainers)})") as progress:
-            runs[name] = run = train()
+            runs[name] = run = _in_own_process(train, *args)
             progress.figure = (f"{samples / run.wall_s:.1f} samples/s, "
                                f"final reward {_smoothed(run.train_curve, s.smooth)[-1][1]:.3f}")
 

@@ -179,6 +179,11 @@ class TorchEngine:
             self._inbox.append((fn, future, loop))
             self._wake.notify()
 
+    async def call_between_steps(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on the engine's thread, before its next step: in ``sync`` the learner's
+        calls run here, so that one OS thread (one OpenMP team) does all the computing."""
+        return await self._call(fn)
+
     async def _call(self, fn: Callable[[], T]) -> T:
         loop = asyncio.get_running_loop()
         done: asyncio.Future[T] = loop.create_future()

@@ -52,7 +52,7 @@ from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.watchdog import Watchdog
-from asyncrl.runtime import RuntimeStarter, Weights, start
+from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.types import Episode, Trajectory
 
 T = TypeVar("T")
@@ -71,7 +71,8 @@ class Trainer:
         # anything is left to train (a finished run: run() says so and writes nothing)
         self.changed_settings = changed_settings(run_settings(self.output_dir) or {}, cfg) if state else {}
         self.finished = state is not None and state.step >= cfg.total_steps
-        checked = preflight(cfg, "train" if runtime is start else "plan")
+        with one_torch_thread():  # the model loads here: no OpenMP team on the caller's thread
+            checked = preflight(cfg, "train" if runtime is start else "plan")
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
         self.max_staleness = cfg.effective_max_staleness

@@ -14,8 +14,8 @@ with`` releases all.
 from __future__ import annotations
 
 import copy
-from collections.abc import AsyncIterator
-from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -24,6 +24,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config
+from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
@@ -49,13 +50,33 @@ class RuntimeStarter(Protocol):
                  version: int = 0) -> AbstractAsyncContextManager[Runtime]: ...
 
 
-def _thread_split(cfg: Config) -> tuple[int | None, int | None]:
+def _thread_split(cfg: Config) -> tuple[int, int]:
     """torch threads for (engine, learner) in one process: when both compute at once
     (every mode but ``sync``), half the cores each, unless the config says otherwise."""
+    cores = torch.get_num_threads() or 2
+    half = max(1, cores // 2)
     shared = cfg.mode != "sync"
-    half = max(1, (torch.get_num_threads() or 2) // 2)
-    return (cfg.rollout.num_threads or (half if shared else None),
-            cfg.rollout.learner_threads or (half if shared else None))
+    return (cfg.rollout.num_threads or (half if shared else cores),
+            cfg.rollout.learner_threads or (half if shared else cores))
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """The calling thread computes with one torch thread inside, as it was after.
+
+    torch's intra-op threads are an OpenMP team per OS thread that ever ran a parallel op,
+    and libgomp, once the process holds more team threads than cores, stops spinning and
+    puts every team's threads to sleep between ops. A thread with a team of two that merely
+    exists (idle) made the learner's step 1.6× slower on a 2-core machine (measured
+    2026-11-23: 107 → 171 ms), and the engine's decode too. So the event loop's thread,
+    which only orchestrates, loads and copies with one thread and never forms a team; the
+    engine's and the learner's threads set their own counts (:func:`_thread_split`)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @asynccontextmanager
@@ -66,10 +87,11 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
     policy already loaded in this process (``None`` where the workers load their own).
     Whatever was started is shut down on the way out, also when starting fails."""
     eval_replica = train and cfg.background_eval
+    engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
     async with AsyncExitStack() as stack:  # callbacks run in reverse: rollout, learner, Ray
+        stack.enter_context(one_torch_thread())
         learner: LearnerHandle | None = None
         weights = None
-        engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
         if cfg.runtime == "ray":
             from asyncrl.runtime.ray_runtime import RayActors, RayRollout, start_ray, stop_ray
 
@@ -105,6 +127,9 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             stack.push_async_callback(local.shutdown)
             await local.start()
             rollout = local
+            if cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(local.engine, TorchEngine):
+                # the engine and the learner take turns: one thread for both, so one OpenMP team
+                transport.share_thread(local.engine)
         sync = None
         if learner is not None:  # weight_sync.method; a collective group is formed here and closed first
             sync = await open_weight_sync(cfg, learner, rollout)

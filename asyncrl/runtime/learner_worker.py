@@ -47,10 +47,11 @@ class LearnerWorker:
         self.learner: Learner | None = None  # set by join()
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight sender); closed by leave()
         self._heap = HeapTrimmer()  # a step frees its activations: hand them back (asyncrl/heap.py)
-        self._set_threads()
 
     def _set_threads(self) -> None:
-        if self.num_threads is not None:  # per OS thread in torch: set on whichever runs the call
+        # per OS thread in torch: set on whichever runs the call, never on the constructing one
+        # (in this process that is the event loop's, which keeps one: asyncrl.runtime.start)
+        if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
 
     # ------------------------------------------------------------ the group
@@ -61,6 +62,7 @@ class LearnerWorker:
     def join(self, init_method: str | None = None, local_rank: int = 0) -> None:
         """Join the process group (when there is more than one rank), then load the policy,
         sharded. ``local_rank``: this rank's index on its machine (its GPU)."""
+        self._set_threads()
         sharding = None
         if self.world_size > 1:
             device = rank_device(self.cfg.model.device, local_rank)

@@ -11,12 +11,17 @@ for it inside a collective that would never complete.
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LEARNER_CALLS, LearnerHandle
 from asyncrl.threads import UserThreads
+
+if TYPE_CHECKING:
+    from asyncrl.engine.torch_engine import TorchEngine
 
 
 class LearnerRankError(RuntimeError):
@@ -85,12 +90,24 @@ class InProcess:
     def __init__(self, worker: LearnerWorker) -> None:
         self.worker = worker
         self._threads = UserThreads(None, name="asyncrl-learner")
+        self._engine: TorchEngine | None = None
+
+    def share_thread(self, engine: TorchEngine) -> None:
+        """From now on run the calls on ``engine``'s thread, between its steps (``sync``,
+        where the two take turns: ``asyncrl.runtime.one_torch_thread`` says why one thread)."""
+        self._engine = engine
 
     async def start(self) -> None:
         await self.call("join")
 
     async def call(self, method: str, *args: Any) -> list[Any]:
-        return [await self._threads.call(getattr(self.worker, method), *args, what=f"learner {method}")]
+        fn = getattr(self.worker, method)
+        if self._engine is not None:
+            try:
+                return [await self._engine.call_between_steps(functools.partial(fn, *args))]
+            except EngineClosedError:  # the engine is shutting down (or failed): the call never ran
+                self._engine = None
+        return [await self._threads.call(fn, *args, what=f"learner {method}")]
 
     async def close(self) -> None:
         """The learner lives and dies with this process; only its idle threads end. A step
