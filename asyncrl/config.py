@@ -226,6 +226,12 @@ class LearnerConfig(Section):
     rounding. It fills the learner's wait for the step's last groups. One optimizer step
     per batch on one rank only: ``learner.world_size=1``, ``optim.ppo_epochs=1``,
     ``optim.mini_batches=1``."""
+    share_prompts: bool = True
+    """Run each distinct prompt of a micro-batch through the model once, and the responses
+    on its keys and values: a group's samples share their task's prompt, so at 8 samples
+    of a 30-token prompt the learner computes on a third of the tokens. The same logprobs
+    and gradients up to float rounding (``tests/test_shared_prompts.py``). One rank only:
+    a sharded learner (``world_size`` > 1) runs every row whole."""
 
     @property
     def effective_strategy(self) -> str:

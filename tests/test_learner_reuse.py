@@ -34,9 +34,9 @@ def reuse_batch(model, tokenizer):
     return pack_batch(trajectories, [0.9, -0.5, 0.3, -0.7], tokenizer.pad_token_id)
 
 
-def learner(model, tokenizer, lr=1e-2, **optim):
+def learner(model, tokenizer, lr=1e-2, share_prompts=True, **optim):
     return Learner(model, tokenizer, algorithm=AlgorithmConfig(), total_steps=10, temperature=1.0,
-                   optim=OptimConfig(lr=lr, **optim))
+                   optim=OptimConfig(lr=lr, **optim), share_prompts=share_prompts)
 
 
 def logprobs(model, b):
@@ -53,7 +53,9 @@ def test_one_epoch_of_one_mini_batch_is_the_plain_decoupled_ppo_step(char_tokeni
     base, tokenizer = build_tiny_model(char_tokenizer, seed=5)
     b = reuse_batch(base, tokenizer)
     trained, by_hand = copy.deepcopy(base), copy.deepcopy(base)
-    metrics = learner(trained, tokenizer).train_step(b)
+    # rows whole, as written out below (learner.share_prompts gives this step up to float
+    # rounding: tests/test_shared_prompts.py)
+    metrics = learner(trained, tokenizer, share_prompts=False).train_step(b)
 
     cfg = AlgorithmConfig()
     proximal = logprobs(by_hand, b)

@@ -135,7 +135,7 @@ def _pure_times(s: ModesBenchSettings, policy: Path, out: Path) -> tuple[float, 
         t_gen, result = asyncio.run(generate())
         progress.figure = f"T_gen {t_gen:.1f} s, {len(result.episodes)} samples"
     learner = Learner(model, tokenizer, algorithm=cfg.algorithm, optim=cfg.optim, total_steps=s.steps,
-                      temperature=1.0)
+                      temperature=1.0, share_prompts=cfg.learner.share_prompts)
     episodes = result.episodes
     per_step = s.batch_size * s.group_size
     t_train = 0.0

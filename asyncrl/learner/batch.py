@@ -21,6 +21,7 @@ class TrainBatch:
     loss_mask: torch.Tensor  # (B, L-1) 1 where the target is a model token
     behavior_logprobs: torch.Tensor  # (B, L-1) μ from the engine, 0 elsewhere
     advantages: torch.Tensor  # (B,)
+    prompt_lengths: torch.Tensor  # (B,) long: row i's prompt is input_ids[i, :prompt_lengths[i]]
 
     @property
     def size(self) -> int:
@@ -31,19 +32,19 @@ class TrainBatch:
         length = int(self.attention_mask[start:stop].sum(-1).max())
         return TrainBatch(self.input_ids[start:stop, :length], self.attention_mask[start:stop, :length],
                           self.loss_mask[start:stop, :length - 1], self.behavior_logprobs[start:stop, :length - 1],
-                          self.advantages[start:stop])
+                          self.advantages[start:stop], self.prompt_lengths[start:stop])
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) at full width; unlike :meth:`slice`, may be empty (a rank
         of a sharded learner with no rows of a small batch)."""
         return TrainBatch(self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
-                          self.behavior_logprobs[start:stop], self.advantages[start:stop])
+                          self.behavior_logprobs[start:stop], self.advantages[start:stop],
+                          self.prompt_lengths[start:stop])
 
     def select(self, index: torch.Tensor) -> TrainBatch:
         """The rows at ``index`` (a 1-D long tensor, possibly empty), at full width."""
         index = index.to(self.input_ids.device)
-        return TrainBatch(*(t.index_select(0, index) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                                               self.behavior_logprobs, self.advantages)))
+        return TrainBatch(*(t.index_select(0, index) for t in self._tensors()))
 
     @staticmethod
     def filler(pad_id: int, device: torch.device) -> TrainBatch:
@@ -51,11 +52,15 @@ class TrainBatch:
         runs when it has fewer micro-batches than the others, which wait for its passes."""
         ids = torch.full((1, 2), pad_id, dtype=torch.long, device=device)
         zeros = torch.zeros((1, 1), dtype=torch.float32, device=device)
-        return TrainBatch(ids, torch.ones_like(ids), zeros, zeros.clone(), torch.zeros(1, device=device))
+        return TrainBatch(ids, torch.ones_like(ids), zeros, zeros.clone(), torch.zeros(1, device=device),
+                          torch.ones(1, dtype=torch.long, device=device))
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(*(t.to(device) for t in (self.input_ids, self.attention_mask, self.loss_mask,
-                                                   self.behavior_logprobs, self.advantages)))
+        return TrainBatch(*(t.to(device) for t in self._tensors()))
+
+    def _tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.input_ids, self.attention_mask, self.loss_mask, self.behavior_logprobs, self.advantages,
+                self.prompt_lengths)
 
 
 def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int) -> TrainBatch:
@@ -74,4 +79,5 @@ def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: 
         attention_mask[i, :p + r] = 1
         loss_mask[i, p - 1:p + r - 1] = torch.tensor(t.loss_mask, dtype=torch.float32)
         behavior[i, p - 1:p + r - 1] = torch.tensor(t.logprobs, dtype=torch.float32)
-    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, torch.tensor(advantages, dtype=torch.float32))
+    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, torch.tensor(advantages, dtype=torch.float32),
+                      torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long))

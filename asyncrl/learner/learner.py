@@ -50,6 +50,7 @@ from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, first_non
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.distributed import Sharding
+from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 
 OPTIMIZER_DIR = "optimizer"
@@ -123,13 +124,14 @@ class Learner:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
-                 sharding: Sharding | None = None, seed: int = 0) -> None:
+                 sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
         full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
         from which each batch's mini-batch shuffle derives (with the version, so a resumed
         run shuffles as the uninterrupted one would)."""
         self.sharding = sharding
+        self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
         self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
         self.model = sharding.wrap(model) if sharding is not None else model
@@ -151,11 +153,19 @@ class Learner:
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors."""
+        shared = prompt_index(batch) if self.share_prompts and self.sharding is None else None
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logits = logits[:, :-1].float() / self.temperature  # (B, L-1, V)
-        logprobs = torch.log_softmax(logits, -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
+            if shared is not None:  # each distinct prompt once (shared_prompts.py)
+                responses = response_logits(model, batch, *shared)
+                logits, targets = responses.logits.float() / self.temperature, responses.targets  # (B, R, V)
+            else:
+                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+                logits, targets = logits[:, :-1].float() / self.temperature, batch.input_ids[:, 1:]  # (B, L-1, V)
+        logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
         entropy = entropy_from_logits(logits.detach()) if with_entropy else None
+        if shared is not None:
+            logprobs = responses.to_target_axis(logprobs)
+            entropy = None if entropy is None else responses.to_target_axis(entropy)
         return logprobs, entropy
 
     def micro_batches(self, batch: TrainBatch) -> list[tuple[int | None, TrainBatch]]:

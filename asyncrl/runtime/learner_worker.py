@@ -76,7 +76,8 @@ class LearnerWorker:
         self._policy = None
         c = self.cfg
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
-                               temperature=c.sampling.temperature, sharding=sharding, seed=c.seed)
+                               temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
+                               share_prompts=c.learner.share_prompts)
 
     def leave(self) -> None:
         """Close what ``apply`` attached, then leave the process group."""
