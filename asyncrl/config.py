@@ -230,7 +230,8 @@ class LearnerConfig(Section):
     """Run each distinct prompt of a micro-batch through the model once, and the responses
     on its keys and values: a group's samples share their task's prompt, so at 8 samples
     of a 30-token prompt the learner computes on a third of the tokens. The same logprobs
-    and gradients up to float rounding (``tests/test_shared_prompts.py``). One rank only:
+    and gradients up to float rounding (``tests/test_shared_prompts.py``). Used where it
+    pays (the two passes cover at most 70 % of the whole rows' positions); one rank only:
     a sharded learner (``world_size`` > 1) runs every row whole."""
 
     @property

@@ -31,7 +31,7 @@ def _batch(tokenizer, prompts: list[str], responses: list[list[str]]):
     return pack_batch(trajectories, advantages, tokenizer.pad_token_id)
 
 
-PROMPTS = ["3 5 7 -> 15 =", "12 4 -> 3 ="]
+PROMPTS = ["Use 3 5 7 to make 15 with + - * /, one line: =", "Use 12 4 to make 3, one line please: ="]
 RESPONSES = [["3+5+7", "7+5+3 ok", "15", "5*3|(tool says 15)done"], ["12/4", "4*3 no", "3"]]
 
 
@@ -80,3 +80,13 @@ def test_a_training_step_with_shared_prompts_is_the_step_of_whole_rows():
     whole, shared = (torch.cat([p.detach().flatten() for p in lr.model.parameters()]) - start for lr in learners)
     assert whole.norm() > 0.1
     assert (shared - whole).norm() / whole.norm() < 1e-3
+
+
+def test_rows_that_share_no_prompt_or_too_little_of_one_run_whole():
+    tokenizer = build_char_tokenizer()
+    assert prompt_index(_batch(tokenizer, PROMPTS, [["15"], ["3"]])) is None
+    empty = _batch(tokenizer, PROMPTS[:1], [["", "15"]])
+    assert prompt_index(empty) is None  # a row with no response: nothing of it to predict
+    long_answers = _batch(tokenizer, ["1 2 ="], [["1+2 is three, since one and two make three", "3"]])
+    assert prompt_index(long_answers) is None  # a shared 5-token prompt saves too little for a second pass
+    assert prompt_index(_batch(tokenizer, PROMPTS, RESPONSES)) is not None
