@@ -105,7 +105,11 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             transport = RankProcesses(cfg, num_threads=max(1, (learner_threads or torch.get_num_threads())
                                                            // cfg.learner.world_size))
         elif train:
-            worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=learner_threads)
+            # in sync the learner will share the engine's thread; until then (joining, loading a
+            # checkpoint) it runs on a thread of its own with one torch thread, so that thread
+            # forms no OpenMP team that would stay beside the engine's (one_torch_thread)
+            shares = cfg.mode == "sync" and cfg.engine == "torch"
+            worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=1 if shares else learner_threads)
             transport = InProcess(worker)
         if transport is not None:
             learner = LearnerGroup(transport)
@@ -130,6 +134,8 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             if cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(local.engine, TorchEngine):
                 # the engine and the learner take turns: one thread for both, so one OpenMP team
                 transport.share_thread(local.engine)
+            if isinstance(transport, InProcess):
+                transport.worker.num_threads = learner_threads  # the step's own threads from here on
         sync = None
         if learner is not None:  # weight_sync.method; a collective group is formed here and closed first
             sync = await open_weight_sync(cfg, learner, rollout)
