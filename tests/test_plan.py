@@ -149,7 +149,7 @@ def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
     costs = fit_run(run)
     # the engine's busy seconds are spread over forward passes, tokens and prompt rows by the fit
     # (on ~6-token Countdown answers these are nearly collinear, so which one carries them varies)
-    assert costs.engine.decode_step(8, 0) + costs.engine.prefill(1, 0) > 0
+    assert costs.engine.decode_step(8, 0) + costs.engine.prefill([15]) > 0
     assert costs.learner.step(1000, on_policy=False) > 0
     cfg = load_config(str(run / "config.yaml"), [])
     predicted, measured = simulate(cfg, costs, tmp_path / "plan"), run_figures(run)
@@ -228,3 +228,76 @@ def test_a_cluster_table_calibrated_to_a_published_sync_baseline_reproduces_it(t
     learner = [r["time/learner"] for r in rows]
     assert sum(waits) / len(waits) == pytest.approx(60.0, rel=0.15)  # other draws than the calibration's
     assert sum(learner) / len(learner) == pytest.approx(45.0, rel=0.10)  # 40 s training + 5 s the rest
+
+
+def test_the_learner_computes_slower_while_the_engine_it_shares_the_cores_with_is_busy():
+    """1 s of learner work at contention 0.5 beside an engine busy for its first 0.6 s: 0.4 s
+    of work done then (at 1/1.5 speed), the other 0.6 s alone: it ends at 1.2 s."""
+    from asyncrl.plan.engine import SharedCores
+
+    async def main():
+        cores = SharedCores()
+        cores.set_engine(True)
+        asyncio.get_running_loop().call_later(0.6, cores.set_engine, False)
+        await cores.compute(1.0, 0.5)
+        return asyncio.get_running_loop().time()
+
+    ended, _ = run_virtual(main())
+    assert ended == pytest.approx(1.2)
+
+
+def _fake_run(run: Path, steps: list[dict], tokens: list[int]) -> None:
+    """A finished run's files as ``fit_run`` reads them: one on-policy group per step."""
+    run.mkdir()
+    (run / "config.yaml").write_text("mode: async\n")
+    rows = [{"step": i + 1, "trainer/idle_ratio": 0.0, "rollout/groups_accepted_total": i + 1, **row}
+            for i, row in enumerate(steps)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    samples = [{"step": i + 1, "task_id": str(i), "group": i, "response_tokens": n - 10, "prompt_tokens": 10,
+                "trained_version": i, "behavior_version_min": i, "behavior_version_max": i} for i, n in enumerate(tokens)]
+    (run / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
+
+
+def test_the_fits_find_how_much_learner_and_engine_slow_each_other_and_leave_out_drain_waits(tmp_path):
+    """Steps made from known costs: the learner 100 µs per token alone and 1.5× slower beside
+    the busy engine, the engine's decode 2 ms per step alone and 1.25× slower beside the
+    learner; each step's overlap fraction differs. Both factors come back, and the alone
+    costs. With every step fully shared the two cannot be told apart: no factor, and the
+    learner's cost is its shared one. A weight sync's wait for running sequences
+    (``rollout/drain_s``) is not counted as its cost."""
+    tokens = [1000, 2000, 3000, 1500, 2500, 1000, 2000, 3000]
+
+    def steps(fractions):
+        out = []
+        for n, f in zip(tokens, fractions):
+            work = 1e-4 * n
+            learner_s = work / (1 - f * 0.5 / 1.5)  # learner_s = work + k·overlap, overlap = f·learner_s
+            overlap = f * learner_s
+            decode_steps = 40 + n // 100
+            decode_s = 0.002 * decode_steps + overlap * 0.25 / 1.25  # the same law with k = c / (1 + c)
+            out.append({"time/learner": learner_s, "time/learner_overlap": overlap, "time/step": learner_s + 0.01,
+                        "time/weight_sync": 0.002 + 0.05 * f, "rollout/drain_s": 0.05 * f,
+                        "rollout/busy_s": decode_s + 0.001, "rollout/prefill_s": 0.001, "rollout/prefills": 1,
+                        "rollout/prefill_rows": 1, "rollout/prefill_reused": 0, "rollout/decode_steps": decode_steps,
+                        "rollout/tokens": 1 + decode_steps})
+        return out
+
+    _fake_run(tmp_path / "mixed", steps([0.0, 1.0, 0.2, 0.9, 0.1, 1.0, 0.0, 0.8]), tokens)
+    mixed = fit_run(tmp_path / "mixed")
+    assert mixed.learner.contention == pytest.approx(0.5, rel=1e-3)
+    assert mixed.engine.contention == pytest.approx(0.25, rel=1e-3)
+    assert mixed.engine.step_s == pytest.approx(0.002, rel=1e-3)
+    assert mixed.sync.fixed_s == pytest.approx(0.002)
+    _fake_run(tmp_path / "shared", steps([1.0] * 8), tokens)
+    shared = fit_run(tmp_path / "shared")
+    assert shared.learner.contention == 0 and shared.engine.contention == 0
+    assert shared.learner.per_token_s == pytest.approx(1.5e-4, rel=0.05)  # what the learner cost beside the engine
+
+
+def test_a_plan_deals_a_runs_groups_rather_than_drawing_them():
+    """Each group of the run once per round, in a shuffled order: a plan as long as its run
+    generates its tokens."""
+    groups = tuple((10, (n, n + 1)) for n in range(1, 40))
+    dealt = Workload(groups=groups).deal(seed=3)
+    first, second = [next(dealt) for _ in groups], [next(dealt) for _ in groups]
+    assert sorted(first) == sorted(second) == sorted(groups) and first != list(groups)

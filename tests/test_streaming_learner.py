@@ -164,6 +164,11 @@ def streaming_trainer(batch_size):
     trainer.cfg, trainer.version, trainer.max_staleness, trainer.start_time = cfg, 0, 1, time.perf_counter()
     gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=batch_size))
     trainer.rollouts = SimpleNamespace(buffer=GroupBuffer(gate, max_staleness=1))
+
+    async def engine_work():
+        return {"busy_s": 0.0}
+
+    trainer.rollout = SimpleNamespace(engine_work=engine_work)  # read around each learner call
     trainer.learner, trainer._stop, trainer.watchdog = RecordingLearner(), StopControl(), Watchdog(cfg.watchdog)
     trainer.log, trainer.tokenizer = SimpleNamespace(event=lambda *a, **k: None), SimpleNamespace(pad_token_id=0)
     return trainer

@@ -50,6 +50,7 @@ class EngineStats:
     steps: int = 0
     prefills: int = 0  # prefill steps (each admits one or more newcomers)
     prefill_rows: int = 0  # prompts run through the model by those steps
+    prefill_tokens: int = 0  # positions those prompts filled, padded to each step's longest
     prefill_reused: int = 0  # newcomers that forked another's prefill instead
     tokens: int = 0
     busy_s: float = 0.0
@@ -284,6 +285,7 @@ class TorchEngine:
         if block is not None:
             self._prefixes.remember(fresh, [len(prompts[key]) for key in fresh], block)
         self.stats.prefill_rows += len(fresh)
+        self.stats.prefill_tokens += len(fresh) * max((len(prompts[key]) for key in fresh), default=0)
         self.stats.prefill_reused += len(newcomers) - len(fresh)
 
         lengths = [len(r.prompt_ids) for r in newcomers]

@@ -239,6 +239,7 @@ class Trainer:
             # the learner computing (its calls, awaited) against the whole step: waits for data, the
             # weight sync and the logging are its idle time
             row["time/learner"], row["time/weight_sync"] = trained.learner_s, sync_s
+            row["time/learner_overlap"] = trained.overlap_s
             # what the engines did meanwhile, summed over them: what `asyncrl plan --from` fits their costs to
             row.update({f"rollout/{key}": work[key] - work0.get(key, 0) for key in work})
             row["trainer/learner_idle_ratio"] = max(0.0, 1 - trained.learner_s / times.wall_s)
@@ -296,10 +297,13 @@ class Trainer:
         return pack_batch(trajectories, advantages, self.tokenizer.pad_token_id or 0), on_policy
 
     async def _learn(self, trained: _Trained, step: int, call: Awaitable[T]) -> T:
-        """A learner call of ``step``: timed into ``trained.learner_s``, and on the timeline."""
+        """A learner call of ``step``: timed into ``trained.learner_s``, and on the timeline;
+        the engines' busy seconds meanwhile go to ``trained.overlap_s`` (on shared cores the
+        two slow each other down: ``asyncrl plan --from`` fits by how much)."""
         t_train, start = self._now(), _clock()
-        out = await call
+        before, out = await asyncio.gather(self.rollout.engine_work(), call)
         trained.learner_s += _clock() - start
+        trained.overlap_s += (await self.rollout.engine_work())["busy_s"] - before["busy_s"]
         self.log.event("train", t_train, self._now(), step=step)
         return out
 
@@ -421,6 +425,7 @@ class _Trained:
     actor: dict[str, float] = field(default_factory=dict)
     waited_s: float = 0.0
     learner_s: float = 0.0
+    overlap_s: float = 0.0  # the engines' busy seconds (mean per engine) during the learner's calls
 
 
 def _clock() -> float:

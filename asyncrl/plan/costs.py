@@ -12,6 +12,12 @@ own) plus ``prefill_per_token_s`` per token of those. The learner's step takes
 ``1 + recompute`` when the batch was not sampled by the version it trains (the proximal
 policy's forward pass). A weight sync takes ``fixed_s + bytes / bytes_per_s +
 per_engine_s`` per engine, with every engine paused meanwhile.
+
+Where the learner and an engine share the cores (one machine, ``async``), each computes
+slower while the other does: the learner by ``1 + LearnerCosts.contention``, the engine's
+decode steps by ``1 + EngineCosts.contention``. A run measures the engine's busy seconds
+during the learner's calls (``time/learner_overlap``), and the fits find both factors
+from how the learner's and the engine's seconds grow with that overlap.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import itertools
 import math
 import random
 import statistics
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,9 @@ class LearnerCosts:
     """Per step, outside the learner's computation (logging, bookkeeping): the train loop's own time."""
     warmup_s: float = 0.0
     """Added to the first step (a fresh process's first forward and backward are slower)."""
+    contention: float = 0.0
+    """How much slower the learner computes while the engine it shares the cores with is busy
+    (0.5: 1.5× the time)."""
 
     def step(self, tokens: int, on_policy: bool) -> float:
         compute = self.step_s + self.per_token_s * tokens
@@ -66,18 +76,28 @@ class Workload:
     response_tokens: tuple[int, ...] = ()
     prompt_tokens: tuple[int, ...] = (64,)
     groups: tuple[tuple[int, tuple[int, ...]], ...] = ()
-    """A run's groups as (prompt tokens, response lengths): a group is drawn whole, because
+    """A run's groups as (prompt tokens, response lengths): a group is dealt whole, because
     the samples of one task are alike (a hard task's are all long)."""
     lognormal: tuple[float, float, int] | None = None  # (mean, sigma, max) when no list is given
     filtered_fraction: float = 0.0
     """Of the groups generated, the share whose samples all score the same (filtered out)."""
 
-    def draw_group(self, rng: random.Random, n: int) -> list[tuple[int, int]]:
-        """(prompt tokens, response tokens) of a group's ``n`` samples: one of the run's
-        groups (resampled to ``n``), or ``n`` independent draws."""
-        if not self.groups:
+    def deal(self, seed: int) -> Iterator[tuple[int, tuple[int, ...]]]:
+        """The run's groups in a shuffled order, shuffled again each time round: dealt, not
+        drawn with replacement, so that a plan as long as its run generates the same tokens
+        (on a long tail, drawing them missed the run's mean length by up to a tenth)."""
+        rng, deck = random.Random(seed), list(self.groups)
+        while deck:
+            rng.shuffle(deck)
+            yield from deck
+
+    def group(self, dealt: tuple[int, tuple[int, ...]] | None, rng: random.Random,
+              n: int) -> list[tuple[int, int]]:
+        """(prompt tokens, response tokens) of a group's ``n`` samples: the ``dealt`` group
+        of a run (resampled to ``n``), or ``n`` independent draws."""
+        if dealt is None:
             return [self.draw(rng) for _ in range(n)]
-        prompt, lengths = rng.choice(self.groups)
+        prompt, lengths = dealt
         return [(prompt, lengths[i] if len(lengths) == n else rng.choice(lengths)) for i in range(n)]
 
     def draw(self, rng: random.Random) -> tuple[int, int]:
@@ -125,7 +145,9 @@ class Costs:
             f"{e.prefill_per_row_s * 1e3:.3g} ms per prompt + {e.prefill_per_token_s * 1e6:.3g} µs per token; "
             f"at most {e.max_batch} sequences",
             f"learner: {lr.step_s * 1e3:.3g} ms + {lr.per_token_s * 1e6:.3g} µs per token, recompute +{lr.recompute:.0%}"
-            f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step, first step +{lr.warmup_s:.3g} s",
+            f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step, first step +{lr.warmup_s:.3g} s"
+            + (f"; sharing the cores, the learner is {1 + lr.contention:.2f}× and a decode step "
+               f"{1 + e.contention:.2f}× slower while the other computes" if lr.contention or e.contention else ""),
             f"weight sync: {s.sync(self.engines):.3g} s",
             f"responses: {lengths}; prompts mean {statistics.mean(w.prompt_tokens):.0f} tokens; "
             f"groups filtered {w.filtered_fraction:.0%}",
@@ -189,13 +211,20 @@ def fit_run(run_dir: Path) -> Costs:
     on_policy = {k: all(trajectory_staleness(s["trained_version"], s["behavior_version_min"]) == 0
                         and s["behavior_version_max"] == s["trained_version"] for s in v) for k, v in by_step.items()}
     fits: dict[bool, tuple[float, float]] = {}
+    overlap = {r["step"]: r.get("time/learner_overlap", 0.0) for r in rows}
+    shared: dict[bool, tuple[float, int]] = {}  # per regime: the overlap's coefficient, and steps fitted
     steady = rows[1:] if len(rows) > 4 else rows  # the first step warms up (its extra time: warmup_s)
     for regime in (True, False):
         chosen = [r for r in steady if r["step"] in tokens and on_policy[r["step"]] == regime]
         if len(chosen) >= 3:
-            x = np.array([[1.0, tokens[r["step"]]] for r in chosen])
+            # the learner's seconds = its work alone + k × the engine's busy seconds meanwhile
+            # (working 1 / (1 + c) as fast then: k = c / (1 + c))
+            x = np.array([[1.0, tokens[r["step"]], overlap[r["step"]]] for r in chosen])
             y = np.array([r["time/learner"] for r in chosen])
-            fits[regime] = tuple(_nonnegative_fit(x, y))  # type: ignore[assignment]
+            coef = _nonnegative_fit(x if _shared_sometimes(x[:, 2] / y) else x[:, :2], y)
+            coef = np.append(coef, 0.0) if len(coef) == 2 else coef
+            fits[regime] = (float(coef[0]), float(coef[1]))
+            shared[regime] = (float(coef[2]), len(chosen))
     if not fits:
         raise ValueError(f"{run_dir}: fewer than 3 trained steps to fit the learner to")
     base_on = fits.get(True) or fits[False]
@@ -208,13 +237,19 @@ def fit_run(run_dir: Path) -> Costs:
         notes.append("learner: every step was on-policy, so the recompute's cost was not measured (taken as 0)")
     learner_step_s, learner_per_token_s = base_on
     first = rows[0]
+    shared_k = min(0.9, sum(c * n for c, n in shared.values()) / sum(n for _, n in shared.values()))
     a, b = fits.get(on_policy.get(first["step"], True)) or base_on
-    warmup = max(0.0, first["time/learner"] - (a + b * tokens.get(first["step"], 0))) if steady is not rows else 0.0
+    alone = first["time/learner"] - shared_k * overlap[first["step"]]
+    warmup = max(0.0, alone - (a + b * tokens.get(first["step"], 0))) if steady is not rows else 0.0
     overhead = statistics.mean(max(0.0, r["time/step"] * (1 - r["trainer/idle_ratio"]) - r["time/learner"]
                                    - r["time/weight_sync"]) for r in rows)
     learner = LearnerCosts(per_token_s=learner_per_token_s, step_s=learner_step_s, recompute=recompute,
-                           overhead_s=overhead, warmup_s=warmup)
-    sync = SyncCosts(fixed_s=statistics.mean(r["time/weight_sync"] for r in rows))
+                           overhead_s=overhead, warmup_s=warmup,
+                           contention=shared_k / (1 - shared_k))
+    # a sync that lets running sequences finish (partial_rollout=off) waited for them: the
+    # simulated engines wait for their own, so only the load is a cost
+    sync = SyncCosts(fixed_s=statistics.mean(max(0.0, r["time/weight_sync"] - r.get("rollout/drain_s", 0.0))
+                                             for r in rows))
     groups = rows[-1].get("rollout/groups_accepted_total", 0) + rows[-1].get("rollout/groups_filtered_total", 0)
     prompts = tuple(s["prompt_tokens"] for s in samples if "prompt_tokens" in s) or (64,)
     if "prompt_tokens" not in samples[0]:
@@ -235,22 +270,30 @@ def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes:
     (``rollout/prefill_s``, the torch engine), decode and prefill seconds are fitted apart:
     on short answers forward passes, tokens and prompt rows rise and fall together, and one
     fit over their sum hands the seconds to any of them — a plan whose engine batches
-    prompts otherwise than the run did would then miss by a third."""
+    prompts otherwise than the run did would then miss by a third. The decode seconds grow
+    by ``k`` per second the learner computed beside them (``time/learner_overlap``): the
+    engine decodes ``1 + c`` times slower then, ``k = c / (1 + c)``."""
     busy = np.array([r["rollout/busy_s"] * workers for r in rows])
     if all("rollout/prefill_s" in r and "rollout/prefill_reused" in r for r in rows):
         prefill = np.array([r["rollout/prefill_s"] for r in rows])
         # a decode step costs step_s plus per_sequence_s per sequence it advances (a newcomer's
         # first token is sampled by its prefill)
         decode_x = np.array([[r["rollout/decode_steps"], r["rollout/tokens"] - r["rollout/prefill_rows"]
-                              - r["rollout/prefill_reused"]] for r in rows], float)
-        prefill_x = np.array([[r["rollout/prefills"], r["rollout/prefill_rows"]] for r in rows], float)
+                              - r["rollout/prefill_reused"], r.get("time/learner_overlap", 0.0)] for r in rows], float)
+        # the positions prefilled, where counted (a resumed sequence's row holds its partial response)
+        prefill_x = np.array([[r["rollout/prefills"], r["rollout/prefill_rows"], r.get("rollout/prefill_tokens", 0)]
+                              for r in rows], float)
+        if not _shared_sometimes(decode_x[:, 2] / np.maximum(busy, 1e-9)):
+            decode_x[:, 2] = 0.0
         decode_coef, prefill_coef = _nonnegative_fit(decode_x, busy - prefill), _nonnegative_fit(prefill_x, prefill)
         notes.append(f"engine: decode seconds fitted to decode steps and tokens (R² "
-                     f"{_r2(decode_x @ decode_coef, busy - prefill):.2f}), prefill seconds to prefills and prompt "
-                     f"rows (R² {_r2(prefill_x @ prefill_coef, prefill):.2f}), over {len(rows)} steps")
+                     f"{_r2(decode_x @ decode_coef, busy - prefill):.2f}), prefill seconds to prefills, prompt "
+                     f"rows and their positions (R² {_r2(prefill_x @ prefill_coef, prefill):.2f}), over {len(rows)} steps")
+        shared_k = min(0.9, float(decode_coef[2]))
         return EngineCosts(step_s=float(decode_coef[0]), per_sequence_s=float(decode_coef[1]),
                            prefill_s=float(prefill_coef[0]), prefill_per_row_s=float(prefill_coef[1]),
-                           max_batch=max_batch)
+                           prefill_per_token_s=float(prefill_coef[2]), padded_prefill=True,
+                           max_batch=max_batch, contention=shared_k / (1 - shared_k))
     # an engine that does not time its prefills (vLLM): a forward pass (decode step or prefill)
     # costs step_s, plus per_sequence_s per sequence it advances, plus per_row_s per prompt row
     counts = np.array([[r["rollout/decode_steps"] + r["rollout/prefills"], r["rollout/tokens"],
@@ -261,6 +304,14 @@ def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes:
                  f"(R² {_r2(counts @ coef, busy):.2f} over {len(rows)} steps)")
     return EngineCosts(step_s=step_s, per_sequence_s=per_token_s, prefill_s=step_s, prefill_per_row_s=per_row_s,
                        max_batch=max_batch)
+
+
+def _shared_sometimes(fraction: np.ndarray) -> bool:
+    """Whether a contention factor can be told from a cost: only when some steps computed
+    mostly alone and some mostly beside the other (at least 3 of each). Otherwise the two
+    are collinear — a learner always beside a busy engine fits its seconds to the overlap
+    alone — and the fitted cost keeps the run's usual contention in it (factor 0)."""
+    return int((fraction < 0.5).sum()) >= 3 and int((fraction >= 0.5).sum()) >= 3
 
 
 def _r2(predicted: np.ndarray, actual: np.ndarray) -> float:

@@ -24,12 +24,18 @@ class EngineCosts:
     prefill_per_row_s: float = 0.0
     prefill_per_token_s: float = 0.0
     max_batch: int = 256
+    contention: float = 0.0
+    """How much slower a decode step is while the learner computes on the same cores."""
+    padded_prefill: bool = False
+    """A prefill's rows are padded to its longest (the torch engine): its tokens are rows × longest."""
 
     def decode_step(self, sequences: int, context_tokens: int) -> float:
         return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
 
-    def prefill(self, rows: int, prompt_tokens: int) -> float:
-        return self.prefill_s + self.prefill_per_row_s * rows + self.prefill_per_token_s * prompt_tokens
+    def prefill(self, contexts: list[int]) -> float:
+        """A prefill of rows holding ``contexts`` tokens each."""
+        tokens = len(contexts) * max(contexts, default=0) if self.padded_prefill else sum(contexts)
+        return self.prefill_s + self.prefill_per_row_s * len(contexts) + self.prefill_per_token_s * tokens
 
 
 @dataclass(eq=False)
@@ -46,20 +52,62 @@ class SimulatedSequence:
         return self.prompt + len(self.versions)
 
 
+class SharedCores:
+    """Who computes on the cores an engine shares with the learner (one machine): each
+    slows the other down (``EngineCosts.contention``, ``LearnerCosts.contention``)."""
+
+    def __init__(self) -> None:
+        self.engine_busy = self.learner_busy = False
+        self.engine_changed = asyncio.Event()  # the learner re-times its work on it
+        self.engine_wake: asyncio.Event | None = None  # the engine's: it re-times its next unit
+
+    def set_engine(self, busy: bool) -> None:
+        if busy != self.engine_busy:
+            self.engine_busy = busy
+            self.engine_changed.set()
+
+    def set_learner(self, busy: bool) -> None:
+        if busy != self.learner_busy:
+            self.learner_busy = busy
+            if self.engine_wake is not None:
+                self.engine_wake.set()
+
+    async def compute(self, seconds: float, contention: float) -> None:
+        """The learner's ``seconds`` of work alone, ``1 + contention`` times slower while the engine is busy."""
+        loop = asyncio.get_running_loop()
+        self.set_learner(True)
+        try:
+            while seconds > 1e-12:
+                slowdown = 1 + contention if self.engine_busy else 1.0
+                self.engine_changed.clear()
+                start = loop.time()
+                try:
+                    await asyncio.wait_for(self.engine_changed.wait(), seconds * slowdown)
+                    seconds -= (loop.time() - start) / slowdown
+                except TimeoutError:
+                    seconds = 0.0
+        finally:
+            self.set_learner(False)
+
+
 class SimulatedEngine:
     """Continuous batching on a cost model: newcomers are prefilled together between decode
     steps, one decode step advances every running sequence by a unit, and a weight sync
-    lands between steps — as the torch engine does it."""
+    lands between steps — as the torch engine does it. With ``cores`` it shares them with
+    the learner: its decode steps slow down while the learner computes."""
 
-    def __init__(self, costs: EngineCosts, unit: int) -> None:
-        self.costs, self.unit = costs, unit
+    def __init__(self, costs: EngineCosts, unit: int, cores: SharedCores | None = None) -> None:
+        self.costs, self.unit, self.cores = costs, unit, cores
         self.version = 0
         self.waiting: list[SimulatedSequence] = []
         self.running: list[SimulatedSequence] = []
-        self.busy_s = self.prefill_s = 0.0
-        self.decode_steps = self.prefills = self.prefill_rows = self.prefill_reused = self.tokens = 0
+        self.busy_s = self.prefill_s = self.drain_s = 0.0
+        self.decode_steps = self.prefills = self.prefill_rows = self.prefill_tokens = self.prefill_reused = 0
+        self.tokens = 0
         self._prefilled: set[tuple[str, int]] = set()  # prompts prefilled (the torch engine keeps them)
         self._wake = asyncio.Event()
+        if cores is not None:
+            cores.engine_wake = self._wake
         self._hold = asyncio.Event()  # set while a weight sync holds the engine
         self._parked = asyncio.Event()  # the engine stands between steps, held
         self._draining = False  # a sync that lets running sequences finish first: no admissions
@@ -84,22 +132,27 @@ class SimulatedEngine:
             room = self.costs.max_batch - len(self.running)
             admit = [] if self._draining else self.waiting[:max(0, room)]
             if self._hold.is_set() or not (admit or self.running):
+                if self.cores is not None:
+                    self.cores.set_engine(False)
                 self._parked.set()
                 self._wake.clear()
                 await self._wake.wait()
                 self._parked.clear()
                 continue
+            if self.cores is not None:
+                self.cores.set_engine(True)
             if admit:  # prefill: a resumed sequence's partial response is prefilled with its prompt
                 del self.waiting[:len(admit)]
                 rows = [s for s in admit if s.versions] + [next(s for s in admit if s.group == g) for g in dict.fromkeys(
                     s.group for s in admit if not s.versions and s.group not in self._prefilled)]
                 self._prefilled.update(s.group for s in admit)
-                cost = self.costs.prefill(len(rows), sum(s.context for s in rows) * self.unit)
+                cost = self.costs.prefill([s.context * self.unit for s in rows])
                 await asyncio.sleep(cost)
                 self.busy_s += cost
                 self.prefill_s += cost
                 self.prefills += 1
                 self.prefill_rows += len(rows)
+                self.prefill_tokens += len(rows) * max(s.context for s in rows) * self.unit if rows else 0
                 self.prefill_reused += len(admit) - len(rows)
                 for s in admit:  # a prefill samples each newcomer's next unit
                     s.versions.append(self.version)
@@ -109,6 +162,8 @@ class SimulatedEngine:
                 continue
             unit_s = self.unit * self.costs.decode_step(len(self.running),
                                                        sum(s.context for s in self.running) * self.unit)
+            if self.cores is not None and self.cores.learner_busy:  # re-timed at the next unit when it stops
+                unit_s *= 1 + self.costs.contention
             steps = min(s.target - len(s.versions) for s in self.running)  # units until the first one ends
             start = loop.time()
             self._wake.clear()
@@ -137,9 +192,10 @@ class SimulatedEngine:
         after it, ``abort`` sends running sequences back to be prefilled again with their
         partial response (a resume), ``off`` finishes them on the old weights first."""
         if mode == "off":
-            self._draining = True
+            self._draining, start = True, asyncio.get_running_loop().time()
             while self.running:
                 await asyncio.wait([s.done for s in self.running], return_when=asyncio.FIRST_COMPLETED)
+            self.drain_s += asyncio.get_running_loop().time() - start
         self._hold.set()
         self._wake.set()
         await self._parked.wait()

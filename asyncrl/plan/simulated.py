@@ -22,7 +22,7 @@ from asyncrl.config import Config
 from asyncrl.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.plan.costs import Costs, LearnerCosts
-from asyncrl.plan.engine import SimulatedEngine, SimulatedSequence
+from asyncrl.plan.engine import SharedCores, SimulatedEngine, SimulatedSequence
 from asyncrl.runtime import Runtime, RuntimeStarter
 from asyncrl.seeding import derive_seed
 from asyncrl.tasks.base import Task
@@ -34,17 +34,19 @@ FILLER_TOKEN = 1
 
 
 class SimulatedRollout:
-    """The rollout handle over ``engines``: each sample goes to the least loaded engine."""
+    """The rollout handle over ``engines``: each sample goes to the least loaded engine. The
+    first shares its cores with the learner (``cores``): a measured run's engine did."""
 
-    def __init__(self, cfg: Config, costs: Costs, unit: int) -> None:
+    def __init__(self, cfg: Config, costs: Costs, unit: int, cores: SharedCores | None = None) -> None:
         self.cfg, self.costs, self.unit = cfg, costs, unit
-        self.engines = [SimulatedEngine(costs.engine, unit) for _ in range(costs.engines)]
+        self.engines = [SimulatedEngine(costs.engine, unit, cores if i == 0 else None) for i in range(costs.engines)]
+        self._deck = costs.workload.deal(derive_seed(cfg.seed, "plan"))
         self.restarts = 0
 
     async def run_group(self, task: Task, n: int, draw: int = 0,
                         replay: Mapping[int, dict[str, Any]] | None = None) -> list[Episode]:
         rng = random.Random(derive_seed(self.cfg.seed, "plan", task.id, draw))
-        lengths = self.costs.workload.draw_group(rng, n)
+        lengths = self.costs.workload.group(next(self._deck, None), rng, n)
         filtered = rng.random() < self.costs.workload.filtered_fraction
         rewards = [0.0] * n if filtered else [float(i % 2) for i in range(n)]
         max_units = max(1, self.cfg.sampling.max_tokens // self.unit)
@@ -83,8 +85,9 @@ class SimulatedRollout:
         e = self.engines
         return {"busy_s": sum(x.busy_s for x in e) / len(e), "decode_steps": sum(x.decode_steps for x in e),
                 "prefills": sum(x.prefills for x in e), "prefill_rows": sum(x.prefill_rows for x in e),
+                "prefill_tokens": sum(x.prefill_tokens for x in e),
                 "prefill_reused": sum(x.prefill_reused for x in e), "tokens": sum(x.tokens for x in e),
-                "prefill_s": sum(x.prefill_s for x in e)}
+                "prefill_s": sum(x.prefill_s for x in e), "drain_s": sum(x.drain_s for x in e) / len(e)}
 
     async def gateway_counts(self) -> dict[str, int]:
         return {}
@@ -96,8 +99,8 @@ class SimulatedRollout:
 class SimulatedLearner:
     """The learner handle on a cost model: a step takes the time its tokens cost."""
 
-    def __init__(self, costs: LearnerCosts, unit: int, version: int = 0) -> None:
-        self.costs, self.unit, self.version = costs, unit, version
+    def __init__(self, costs: LearnerCosts, unit: int, version: int = 0, cores: SharedCores | None = None) -> None:
+        self.costs, self.unit, self.version, self.cores = costs, unit, version, cores
         self._pending = 0.0  # streaming: seconds accumulated towards the step
         self._first = True
 
@@ -108,9 +111,16 @@ class SimulatedLearner:
         first, self._first = self._first, False
         return self.costs.warmup_s if first else 0.0
 
+    async def _compute(self, seconds: float) -> None:
+        if self.cores is None or not self.costs.contention:
+            await asyncio.sleep(seconds)
+        else:
+            await self.cores.compute(seconds, self.costs.contention)
+
     async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
         seconds = self.costs.step(self._tokens(batch), on_policy) + self._warmup()
-        await asyncio.sleep(seconds + self.costs.overhead_s)
+        await self._compute(seconds)
+        await asyncio.sleep(self.costs.overhead_s)
         self.version += 1
         return {"actor/simulated_s": seconds}
 
@@ -119,11 +129,12 @@ class SimulatedLearner:
                                                                                           1 + self.costs.recompute)
         seconds += self._warmup()
         self._pending += seconds
-        await asyncio.sleep(seconds)
+        await self._compute(seconds)
 
     async def finish_step(self) -> dict[str, float]:
         seconds, self._pending = self._pending + self.costs.step_s, 0.0
-        await asyncio.sleep(self.costs.step_s + self.costs.overhead_s)
+        await self._compute(self.costs.step_s)
+        await asyncio.sleep(self.costs.overhead_s)
         self.version += 1
         return {"actor/simulated_s": seconds}
 
@@ -155,8 +166,9 @@ def simulated_runtime(costs: Costs, unit: int) -> RuntimeStarter:
     async def start(cfg: Config, *, model: Any, tokenizer: Any, train: bool = True,
                     checkpoint: Path | None = None, version: int = 0) -> AsyncIterator[Runtime]:
         mode_costs = costs.for_mode(cfg.mode)
-        rollout = SimulatedRollout(cfg, mode_costs, unit)
-        learner = SimulatedLearner(mode_costs.learner, unit, version)
+        cores = SharedCores()
+        rollout = SimulatedRollout(cfg, mode_costs, unit, cores)
+        learner = SimulatedLearner(mode_costs.learner, unit, version, cores)
         async with asyncio.TaskGroup() as engines:  # an engine's failure fails the run
             loops = [engines.create_task(e.run()) for e in rollout.engines]
             try:

@@ -118,9 +118,11 @@ class RolloutHandle(Protocol):
         """What the engines did so far: ``busy_s``, the seconds spent generating (mean per
         worker, for the idle ratios), and where the engine counts them, summed over the
         workers, ``decode_steps``, ``prefills``, ``prefill_rows`` (prompts run through the
-        model), ``prefill_reused`` (newcomers that shared another's prompt row), ``tokens``
-        (sampled) and ``prefill_s`` (the prefills' share of the busy seconds): what
-        ``asyncrl plan --from`` fits an engine's cost model to."""
+        model), ``prefill_tokens`` (the positions they filled, padded to each prefill's
+        longest), ``prefill_reused`` (newcomers that shared another's prompt row), ``tokens``
+        (sampled) and ``prefill_s`` (the prefills' share of the busy seconds), and
+        ``drain_s``, the seconds weight syncs waited for running sequences to finish (mean per
+        worker): what ``asyncrl plan --from`` fits an engine's cost model to."""
         ...
 
     async def gateway_counts(self) -> dict[str, int]:

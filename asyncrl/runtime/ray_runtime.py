@@ -303,7 +303,8 @@ class RayRollout:
         return [value for part in parts for value in part]
 
     async def engine_work(self) -> dict[str, float]:
-        """Mean busy seconds per worker, counts summed (a replaced worker starts again from 0)."""
+        """Mean busy and drain seconds per worker (a sync waits for the workers side by side),
+        counts summed (a replaced worker starts again from 0)."""
         results = await asyncio.gather(*[self._call(i, lambda w: w.engine_work.remote())
                                          for i in range(len(self.workers))], return_exceptions=True)
         for result in results:
@@ -311,7 +312,7 @@ class RayRollout:
                 raise result
         work = [r for r in results if isinstance(r, dict)]
         total = {key: sum(w[key] for w in work) for key in (work[0] if work else {}) if all(key in w for w in work)}
-        return {**total, "busy_s": total.get("busy_s", 0.0) / max(1, len(work))}
+        return {**total, **{key: total[key] / max(1, len(work)) for key in ("busy_s", "drain_s") if key in total}}
 
     async def gateway_counts(self) -> dict[str, int]:
         """Summed over the live workers (a replaced worker's counts start again from 0)."""

@@ -46,7 +46,8 @@ from asyncrl.workflows.registry import build_workflow
 
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
 ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows": "prefill_rows",
-                 "prefill_reused": "prefill_reused", "tokens": "tokens", "prefill_s": "prefill_s"}
+                 "prefill_tokens": "prefill_tokens", "prefill_reused": "prefill_reused", "tokens": "tokens",
+                 "prefill_s": "prefill_s"}
 """``engine_work``'s counts (and the prefill steps' seconds), by the engine stats' field."""
 REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
 CHECKPOINT_ABORT_WAIT_S = 5.0
@@ -82,6 +83,7 @@ class RolloutWorker:
         self._start_error: BaseException | None = None
         self.journals: dict[EpisodeKey, Journal] = {}  # training episodes under way: what a checkpoint keeps
         self.replay_counts = dict.fromkeys(REPLAY_COUNTS, 0)
+        self.drain_s = 0.0  # weight syncs' waits for running sequences to finish (partial_rollout=off)
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight receiver); closed by shutdown
 
     async def start(self) -> None:
@@ -152,8 +154,8 @@ class RolloutWorker:
         if not self._ready.is_set() or self.engine is None:
             return {"busy_s": 0.0}
         stats = self.engine.stats
-        return {"busy_s": stats.busy_s, **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items()
-                                           if hasattr(stats, field)}}
+        return {"busy_s": stats.busy_s, "drain_s": self.drain_s,
+                **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items() if hasattr(stats, field)}}
 
     async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,
                        draw: int, sample: int, replay: dict[str, Any] | None = None,
@@ -258,7 +260,10 @@ class RolloutWorker:
         if mode == "continue":
             await engine.update_weights(weights, version)
         else:
+            start = time.perf_counter()
             await engine.pause("abort" if mode == "abort" else "wait")
+            if mode != "abort":  # the wait, apart from the load: a plan simulates the two apart
+                self.drain_s += time.perf_counter() - start
             await engine.update_weights(weights, version)
             await engine.resume()
         return [engine.version]
