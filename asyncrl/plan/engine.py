@@ -202,7 +202,8 @@ class SimulatedEngine:
         if mode == "abort":
             for s in self.running:
                 s.resumes += 1
-            self.waiting[:0], self.running = self.running, []
+            # the client resubmits prompt + partial response: behind what was already waiting
+            self.waiting, self.running = self.waiting + self.running, []
         await asyncio.sleep(seconds)
         self.version = version
         self._hold.clear()

@@ -112,7 +112,7 @@ class SimulatedLearner:
         return self.costs.warmup_s if first else 0.0
 
     async def _compute(self, seconds: float) -> None:
-        if self.cores is None or not self.costs.contention:
+        if self.cores is None:
             await asyncio.sleep(seconds)
         else:
             await self.cores.compute(seconds, self.costs.contention)
