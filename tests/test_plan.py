@@ -81,7 +81,8 @@ def test_a_simulation_that_can_never_wake_says_so(monkeypatch):
 COSTS = Costs(  # a run of a few simulated minutes: 0.25 s per decode step, 10 s per learner step
     engine=EngineCosts(step_s=0.25, per_sequence_s=0.02, prefill_s=0.5, prefill_per_row_s=0.1),
     learner=LearnerCosts(per_token_s=0.02, step_s=4.0, recompute=0.25, overhead_s=0.3, warmup_s=2.0),
-    sync=SyncCosts(fixed_s=1.0), workload=Workload(response_tokens=(3, 7, 12, 20), prompt_tokens=(30,)))
+    sync=SyncCosts(fixed_s=1.0), workload=Workload(response_tokens=(3, 7, 12, 20), prompt_tokens=(30,)),
+    episode_lead_s=0.05, episode_tail_s=0.2)
 
 
 def _events(run_dir: Path) -> list[tuple]:
@@ -151,6 +152,7 @@ def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
     # (on ~6-token Countdown answers these are nearly collinear, so which one carries them varies)
     assert costs.engine.decode_step(8, 0) + costs.engine.prefill([15]) > 0
     assert costs.learner.step(1000, on_policy=False) > 0
+    assert 0 < costs.episode_lead_s < 0.5 and 0 < costs.episode_tail_s < 0.5  # an episode's own time, timed
     cfg = load_config(str(run / "config.yaml"), [])
     predicted, measured = simulate(cfg, costs, tmp_path / "plan"), run_figures(run)
     assert predicted["samples"] == measured["samples"]
@@ -252,6 +254,8 @@ def _fake_run(run: Path, steps: list[dict], tokens: list[int]) -> None:
     (run / "config.yaml").write_text("mode: async\n")
     rows = [{"step": i + 1, "trainer/idle_ratio": 0.0, "rollout/groups_accepted_total": i + 1, **row}
             for i, row in enumerate(steps)]
+    for before, row in zip([None, *rows], rows):  # the steps back to back
+        row["time/elapsed"] = (before["time/elapsed"] if before else 0.0) + row["time/step"]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     samples = [{"step": i + 1, "task_id": str(i), "group": i, "response_tokens": n - 10, "prompt_tokens": 10,
                 "trained_version": i, "behavior_version_min": i, "behavior_version_max": i} for i, n in enumerate(tokens)]

@@ -128,6 +128,10 @@ class Costs:
     notes: list[str] = field(default_factory=list)
     sync_engines: int | None = None
     """Engines for the ``sync`` baseline where it differs (a colocated baseline uses every device)."""
+    episode_lead_s: float = 0.0
+    """An episode's own seconds before it reaches the engine (its workflow, tokenizing)."""
+    episode_tail_s: float = 0.0
+    """An episode's own seconds after its first engine call, outside the engine (reward, tools)."""
     sync_learner: LearnerCosts | None = None
     """The learner of the ``sync`` baseline where it differs (colocated: every device trains)."""
     table: dict[str, Any] | None = None
@@ -148,7 +152,8 @@ class Costs:
             f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step, first step +{lr.warmup_s:.3g} s"
             + (f"; sharing the cores, the learner is {1 + lr.contention:.2f}× and a decode step "
                f"{1 + e.contention:.2f}× slower while the other computes" if lr.contention or e.contention else ""),
-            f"weight sync: {s.sync(self.engines):.3g} s",
+            f"weight sync: {s.sync(self.engines):.3g} s; an episode's own time around the engine: "
+            f"{self.episode_lead_s * 1e3:.3g} ms before, {self.episode_tail_s * 1e3:.3g} ms after",
             f"responses: {lengths}; prompts mean {statistics.mean(w.prompt_tokens):.0f} tokens; "
             f"groups filtered {w.filtered_fraction:.0%}",
         ]
@@ -160,7 +165,8 @@ class Costs:
                                      if f.endswith("_s") and f != "bytes_per_s"})
         return replace(self, engine=times(self.engine), learner=times(self.learner),
                        sync=replace(times(self.sync), bytes_per_s=self.sync.bytes_per_s / factor),
-                       sync_learner=self.sync_learner and times(self.sync_learner))
+                       sync_learner=self.sync_learner and times(self.sync_learner),
+                       episode_lead_s=self.episode_lead_s * factor, episode_tail_s=self.episode_tail_s * factor)
 
     def for_mode(self, mode: str) -> Costs:
         if mode != "sync" or (self.sync_engines is None and self.sync_learner is None):
@@ -243,6 +249,9 @@ def fit_run(run_dir: Path) -> Costs:
     warmup = max(0.0, alone - (a + b * tokens.get(first["step"], 0))) if steady is not rows else 0.0
     overhead = statistics.mean(max(0.0, r["time/step"] * (1 - r["trainer/idle_ratio"]) - r["time/learner"]
                                    - r["time/weight_sync"]) for r in rows)
+    # and between steps, outside any step's time/step: writing the step's row and samples
+    overhead += statistics.mean(max(0.0, b["time/elapsed"] - a["time/elapsed"] - b["time/step"])
+                                for a, b in zip(rows, rows[1:])) if len(rows) > 1 else 0.0
     learner = LearnerCosts(per_token_s=learner_per_token_s, step_s=learner_step_s, recompute=recompute,
                            overhead_s=overhead, warmup_s=warmup,
                            contention=shared_k / (1 - shared_k))
@@ -261,8 +270,11 @@ def fit_run(run_dir: Path) -> Costs:
                         groups=tuple((g[0].get("prompt_tokens", 64), tuple(max(1, s["response_tokens"]) for s in g))
                                      for g in grouped.values()),
                         filtered_fraction=rows[-1].get("rollout/groups_filtered_total", 0) / groups if groups else 0.0)
+    timed = sum(r.get("rollout/timed_episodes", 0) for r in rows)
+    lead, tail = (sum(r.get(f"rollout/episode_{part}_s", 0.0) for r in rows) / timed if timed else 0.0
+                  for part in ("lead", "tail"))
     return Costs(engine=engine, learner=learner, sync=sync, workload=workload, engines=workers,
-                 source=f"measured in {run_dir}", notes=notes)
+                 source=f"measured in {run_dir}", notes=notes, episode_lead_s=lead, episode_tail_s=tail)
 
 
 def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes: list[str]) -> EngineCosts:

@@ -52,9 +52,12 @@ class SimulatedRollout:
         max_units = max(1, self.cfg.sampling.max_tokens // self.unit)
 
         async def sample(prompt: int, response: int) -> SimulatedSequence:
+            await asyncio.sleep(self.costs.episode_lead_s)  # the workflow's own time, then the engine's
             engine = min(self.engines, key=lambda e: e.load)
-            return await engine.generate(max(1, prompt // self.unit), min(max_units, max(1, response // self.unit)),
+            done = await engine.generate(max(1, prompt // self.unit), min(max_units, max(1, response // self.unit)),
                                          (task.id, draw))
+            await asyncio.sleep(self.costs.episode_tail_s)
+            return done
 
         sequences = await asyncio.gather(*[sample(p, r) for p, r in lengths])
         return [Episode(task.id, [Trajectory(

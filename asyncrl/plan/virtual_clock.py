@@ -19,6 +19,9 @@ is stuck, and it says so instead of hanging.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import heapq
+import itertools
 import selectors
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -57,13 +60,34 @@ class _JumpingSelector(selectors.DefaultSelector):
         return []
 
 
+class _FirstComeTimer(asyncio.TimerHandle):
+    """Timers due at the same simulated instant fire in the order they were set — as on a
+    real clock, where the one set later is due a little later."""
+
+    __slots__ = ("order",)
+
+    def __lt__(self, other: asyncio.TimerHandle) -> bool:
+        return (self.when(), self.order) < (other.when(), getattr(other, "order", 0))
+
+
 class VirtualClockLoop(asyncio.SelectorEventLoop):
     """``time()`` starts at 0 and moves only when the loop would otherwise wait."""
 
     def __init__(self) -> None:
         self._now = 0.0
         self.threads_working = 0
+        self._timers_set = itertools.count()
         super().__init__(selector=_JumpingSelector(self))
+
+    def call_at(self, when: float, callback: Callable[..., object], *args: Any,
+                context: contextvars.Context | None = None) -> asyncio.TimerHandle:
+        """As the base loop's, with the timer ordered by when it was set among equals."""
+        self._check_closed()  # type: ignore[attr-defined]
+        timer = _FirstComeTimer(when, callback, args, self, context)
+        timer.order = next(self._timers_set)
+        heapq.heappush(self._scheduled, timer)  # type: ignore[attr-defined]
+        timer._scheduled = True
+        return timer
 
     def time(self) -> float:
         return self._now

@@ -122,7 +122,10 @@ class RolloutHandle(Protocol):
         longest), ``prefill_reused`` (newcomers that shared another's prompt row), ``tokens``
         (sampled) and ``prefill_s`` (the prefills' share of the busy seconds), and
         ``drain_s``, the seconds weight syncs waited for running sequences to finish (mean per
-        worker): what ``asyncrl plan --from`` fits an engine's cost model to."""
+        worker); and the rollout side's own: ``episode_lead_s`` and ``episode_tail_s``, the
+        training episodes' seconds before their first engine call and outside the engine
+        after it, summed, over ``timed_episodes``: what ``asyncrl plan --from`` fits its cost
+        models to."""
         ...
 
     async def gateway_counts(self) -> dict[str, int]:

@@ -40,7 +40,7 @@ from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.seeding import Purpose, derive_seed, episode_seed
 from asyncrl.tasks.base import Task
 from asyncrl.threads import UserThreads
-from asyncrl.types import Episode, SamplingParams
+from asyncrl.types import Completion, Episode, SamplingParams
 from asyncrl.workflows.base import run_episode
 from asyncrl.workflows.registry import build_workflow
 
@@ -50,6 +50,10 @@ ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows"
                  "prefill_s": "prefill_s"}
 """``engine_work``'s counts (and the prefill steps' seconds), by the engine stats' field."""
 REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
+EPISODE_TIMES = ("episode_lead_s", "episode_tail_s", "timed_episodes")
+"""Training episodes' own seconds before their first engine call and outside their engine
+calls after it (workflow, tokenizing, reward, tools), and how many: ``asyncrl plan`` adds
+them around each simulated generation."""
 CHECKPOINT_ABORT_WAIT_S = 5.0
 """At most this long ``in_flight`` waits for the sequences it aborted to reach their journals."""
 
@@ -84,6 +88,7 @@ class RolloutWorker:
         self.journals: dict[EpisodeKey, Journal] = {}  # training episodes under way: what a checkpoint keeps
         self.replay_counts = dict.fromkeys(REPLAY_COUNTS, 0)
         self.drain_s = 0.0  # weight syncs' waits for running sequences to finish (partial_rollout=off)
+        self.episode_times = dict.fromkeys(EPISODE_TIMES, 0.0)
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight receiver); closed by shutdown
 
     async def start(self) -> None:
@@ -154,7 +159,7 @@ class RolloutWorker:
         if not self._ready.is_set() or self.engine is None:
             return {"busy_s": 0.0}
         stats = self.engine.stats
-        return {"busy_s": stats.busy_s, "drain_s": self.drain_s,
+        return {"busy_s": stats.busy_s, "drain_s": self.drain_s, **self.episode_times,
                 **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items() if hasattr(stats, field)}}
 
     async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,
@@ -176,12 +181,19 @@ class RolloutWorker:
             return self.journals[key]
 
         async with self.slots:
+            timed = _TimedEngine(engine)
             with self.user_threads.current():
-                return await run_episode(
-                    self.workflow, task, lambda: LLMClient(engine, self.tokenizer, sampling),
+                episode = await run_episode(
+                    self.workflow, task, lambda: LLMClient(timed, self.tokenizer, sampling),
                     timeout_s=w.timeout_s, max_retries=w.max_retries,
                     seed=lambda attempt: episode_seed(self.cfg.seed, purpose, task.id, draw, sample, attempt),
                     journal=journal if keys is not None else None)
+            if keys is not None and timed.first is not None:
+                lead = timed.first - timed.start
+                self.episode_times["episode_lead_s"] += lead
+                self.episode_times["episode_tail_s"] += time.perf_counter() - timed.start - lead - timed.engine_s
+                self.episode_times["timed_episodes"] += 1
+            return episode
 
     def _count_replay(self, journal: Journal | None) -> None:
         if journal is None or not (journal.replayed_tokens or journal.diverged):
@@ -284,3 +296,27 @@ class RolloutWorker:
         for engine in (self.engine, self.eval_engine):
             if engine is not None:
                 await engine.shutdown()
+
+
+class _TimedEngine:
+    """The engine as one episode's clients see it, their calls timed: the episode's own
+    seconds around them are the rollout side's cost, which ``asyncrl plan`` simulates."""
+
+    def __init__(self, engine: RolloutEngine) -> None:
+        self.engine = engine
+        self.start = time.perf_counter()
+        self.first: float | None = None  # the first call's start
+        self.engine_s = 0.0  # in calls, the engine's queue included
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+        start = time.perf_counter()
+        if self.first is None:
+            self.first = start
+        try:
+            return await self.engine.generate(prompt_ids, sampling)
+        finally:
+            self.engine_s += time.perf_counter() - start
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
