@@ -118,22 +118,29 @@ def test_the_virtual_clock_runs_the_same_events_in_the_same_order_as_a_slowed_re
 
 
 def test_the_engine_fit_recovers_decode_and_prefill_costs_timed_apart_or_together():
-    """Step rows made from known costs (decode 4 ms + 0.5 ms per sequence; prefill 6 ms +
-    9 ms per prompt row): with ``rollout/prefill_s`` both parts come back; without it (an
-    engine that does not time its prefills) the one fit over all busy seconds ties a
-    prefill's fixed cost to a decode step's and reproduces each step only roughly."""
+    """Step rows made from known costs (decode 4 ms + 0.5 ms per sequence + 2 µs per cache
+    position; prefill 6 ms + 9 ms per prompt row): with ``rollout/prefill_s`` every part
+    comes back; without it (an engine that does not time its prefills) the one fit over all
+    busy seconds ties a prefill's fixed cost to a decode step's and reproduces each step
+    only roughly."""
     rows = []
-    for decode_steps, prefills, fresh, reused, sequences in [(7, 2, 3, 5, 60), (9, 3, 3, 9, 90), (5, 1, 1, 7, 30),
-                                                             (12, 4, 6, 10, 140), (8, 2, 4, 4, 70)]:
+    for decode_steps, prefills, fresh, reused, sequences, positions in [
+            (7, 2, 3, 5, 60, 900), (9, 3, 3, 9, 90, 4000), (5, 1, 1, 7, 30, 700), (12, 4, 6, 10, 140, 2500),
+            (8, 2, 4, 4, 70, 3000)]:
         prefill_s = 0.006 * prefills + 0.009 * fresh
-        decode_s = 0.004 * decode_steps + 0.0005 * sequences
+        decode_s = 0.004 * decode_steps + 0.0005 * sequences + 2e-6 * positions
         rows.append({"rollout/busy_s": decode_s + prefill_s, "rollout/prefill_s": prefill_s,
                      "rollout/decode_steps": decode_steps, "rollout/prefills": prefills, "rollout/prefill_rows": fresh,
-                     "rollout/prefill_reused": reused, "rollout/tokens": sequences + fresh + reused})
+                     "rollout/prefill_reused": reused, "rollout/tokens": sequences + fresh + reused,
+                     "rollout/decode_positions": positions})
     apart = _fit_engine(rows, 1, 64, [])
     assert (apart.step_s, apart.per_sequence_s) == (pytest.approx(0.004), pytest.approx(0.0005))
+    assert apart.per_context_token_s == pytest.approx(2e-6) and apart.padded
     assert (apart.prefill_s, apart.prefill_per_row_s) == (pytest.approx(0.006), pytest.approx(0.009))
-    together = _fit_engine([{k: v for k, v in r.items() if k != "rollout/prefill_s"} for r in rows], 1, 64, [])
+    # an engine that times neither its prefills nor its cache positions (and pays nothing per position)
+    rows = [{**{k: v for k, v in r.items() if k not in ("rollout/prefill_s", "rollout/decode_positions")},
+             "rollout/busy_s": r["rollout/busy_s"] - 2e-6 * r["rollout/decode_positions"]} for r in rows]
+    together = _fit_engine(rows, 1, 64, [])
     assert together.prefill_s == together.step_s
     for r in rows:
         busy = (together.decode_step(0, 0) * (r["rollout/decode_steps"] + r["rollout/prefills"])

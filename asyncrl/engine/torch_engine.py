@@ -51,6 +51,7 @@ class EngineStats:
     prefills: int = 0  # prefill steps (each admits one or more newcomers)
     prefill_rows: int = 0  # prompts run through the model by those steps
     prefill_tokens: int = 0  # positions those prompts filled, padded to each step's longest
+    decode_positions: int = 0  # cache positions decode steps attended over, padded (rows × longest)
     prefill_reused: int = 0  # newcomers that forked another's prefill instead
     tokens: int = 0
     busy_s: float = 0.0
@@ -313,6 +314,7 @@ class TorchEngine:
         kv = self._kv
         assert kv is not None
         mask = kv.decode_mask()
+        self.stats.decode_positions += mask.numel()
         out = self.model(input_ids=kv.last_tokens[:, None], attention_mask=mask, position_ids=kv.positions[:, None],
                          past_key_values=kv.cache, use_cache=True)
         tokens, logprobs = sample_tokens(out.logits[:, -1], kv.rows, self._generator, kv.positions + 1)

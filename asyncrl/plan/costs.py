@@ -4,7 +4,8 @@ describing a cluster (:func:`read_cluster`).
 
 The engine model is continuous batching's: one decode step advances every running
 sequence by one token and takes ``step_s + per_sequence_s · b + per_context_token_s · c``
-for ``b`` sequences holding ``c`` tokens of context; a prefill of newcomers takes
+for ``b`` sequences holding ``c`` tokens of context (rows × the longest, where the engine
+pads them as the torch engine does); a prefill of newcomers takes
 ``prefill_s`` plus ``prefill_per_row_s`` per prompt run through the model (a group's
 samples share one, as with the torch engine's group prefill; a resumed sequence is its
 own) plus ``prefill_per_token_s`` per token of those. The learner's step takes
@@ -289,22 +290,25 @@ def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes:
     if all("rollout/prefill_s" in r and "rollout/prefill_reused" in r for r in rows):
         prefill = np.array([r["rollout/prefill_s"] for r in rows])
         # a decode step costs step_s plus per_sequence_s per sequence it advances (a newcomer's
-        # first token is sampled by its prefill)
+        # first token is sampled by its prefill) plus per_context_token_s per cache position
+        # it attends over, where counted
         decode_x = np.array([[r["rollout/decode_steps"], r["rollout/tokens"] - r["rollout/prefill_rows"]
-                              - r["rollout/prefill_reused"], r.get("time/learner_overlap", 0.0)] for r in rows], float)
+                              - r["rollout/prefill_reused"], r.get("rollout/decode_positions", 0),
+                              r.get("time/learner_overlap", 0.0)] for r in rows], float)
         # the positions prefilled, where counted (a resumed sequence's row holds its partial response)
         prefill_x = np.array([[r["rollout/prefills"], r["rollout/prefill_rows"], r.get("rollout/prefill_tokens", 0)]
                               for r in rows], float)
-        if not _shared_sometimes(decode_x[:, 2] / np.maximum(busy, 1e-9)):
-            decode_x[:, 2] = 0.0
+        if not _shared_sometimes(decode_x[:, 3] / np.maximum(busy, 1e-9)):
+            decode_x[:, 3] = 0.0
         decode_coef, prefill_coef = _nonnegative_fit(decode_x, busy - prefill), _nonnegative_fit(prefill_x, prefill)
-        notes.append(f"engine: decode seconds fitted to decode steps and tokens (R² "
+        notes.append(f"engine: decode seconds fitted to decode steps, tokens and cache positions (R² "
                      f"{_r2(decode_x @ decode_coef, busy - prefill):.2f}), prefill seconds to prefills, prompt "
                      f"rows and their positions (R² {_r2(prefill_x @ prefill_coef, prefill):.2f}), over {len(rows)} steps")
-        shared_k = min(0.9, float(decode_coef[2]))
+        shared_k = min(0.9, float(decode_coef[3]))
         return EngineCosts(step_s=float(decode_coef[0]), per_sequence_s=float(decode_coef[1]),
                            prefill_s=float(prefill_coef[0]), prefill_per_row_s=float(prefill_coef[1]),
-                           prefill_per_token_s=float(prefill_coef[2]), padded_prefill=True,
+                           prefill_per_token_s=float(prefill_coef[2]), per_context_token_s=float(decode_coef[2]),
+                           padded=True,
                            max_batch=max_batch, contention=shared_k / (1 - shared_k))
     # an engine that does not time its prefills (vLLM): a forward pass (decode step or prefill)
     # costs step_s, plus per_sequence_s per sequence it advances, plus per_row_s per prompt row

@@ -26,15 +26,16 @@ class EngineCosts:
     max_batch: int = 256
     contention: float = 0.0
     """How much slower a decode step is while the learner computes on the same cores."""
-    padded_prefill: bool = False
-    """A prefill's rows are padded to its longest (the torch engine): its tokens are rows × longest."""
+    padded: bool = False
+    """A step's rows are padded to its longest (the torch engine): its context and a prefill's
+    tokens are rows × longest, not their sum."""
 
     def decode_step(self, sequences: int, context_tokens: int) -> float:
         return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
 
     def prefill(self, contexts: list[int]) -> float:
         """A prefill of rows holding ``contexts`` tokens each."""
-        tokens = len(contexts) * max(contexts, default=0) if self.padded_prefill else sum(contexts)
+        tokens = len(contexts) * max(contexts, default=0) if self.padded else sum(contexts)
         return self.prefill_s + self.prefill_per_row_s * len(contexts) + self.prefill_per_token_s * tokens
 
 
@@ -160,8 +161,9 @@ class SimulatedEngine:
                 self.running += admit
                 self._settle()
                 continue
-            unit_s = self.unit * self.costs.decode_step(len(self.running),
-                                                       sum(s.context for s in self.running) * self.unit)
+            contexts = [s.context for s in self.running]
+            context = len(contexts) * max(contexts) if self.costs.padded else sum(contexts)
+            unit_s = self.unit * self.costs.decode_step(len(self.running), context * self.unit)
             if self.cores is not None and self.cores.learner_busy:  # re-timed at the next unit when it stops
                 unit_s *= 1 + self.costs.contention
             steps = min(s.target - len(s.versions) for s in self.running)  # units until the first one ends

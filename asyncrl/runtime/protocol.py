@@ -119,7 +119,8 @@ class RolloutHandle(Protocol):
         worker, for the idle ratios), and where the engine counts them, summed over the
         workers, ``decode_steps``, ``prefills``, ``prefill_rows`` (prompts run through the
         model), ``prefill_tokens`` (the positions they filled, padded to each prefill's
-        longest), ``prefill_reused`` (newcomers that shared another's prompt row), ``tokens``
+        longest), ``decode_positions`` (the cache positions decode steps attended over, padded
+        like the prefills'), ``prefill_reused`` (newcomers that shared another's prompt row), ``tokens``
         (sampled) and ``prefill_s`` (the prefills' share of the busy seconds), and
         ``drain_s``, the seconds weight syncs waited for running sequences to finish (mean per
         worker); and the rollout side's own: ``episode_lead_s`` and ``episode_tail_s``, the

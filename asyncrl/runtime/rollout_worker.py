@@ -47,7 +47,7 @@ from asyncrl.workflows.registry import build_workflow
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
 ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows": "prefill_rows",
                  "prefill_tokens": "prefill_tokens", "prefill_reused": "prefill_reused", "tokens": "tokens",
-                 "prefill_s": "prefill_s"}
+                 "prefill_s": "prefill_s", "decode_positions": "decode_positions"}
 """``engine_work``'s counts (and the prefill steps' seconds), by the engine stats' field."""
 REPLAY_COUNTS = ("replayed_episodes", "replayed_tokens", "replay_diverged")
 EPISODE_TIMES = ("episode_lead_s", "episode_tail_s", "timed_episodes")
