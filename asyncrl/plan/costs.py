@@ -228,8 +228,9 @@ def fit_run(run_dir: Path) -> Costs:
             # (working 1 / (1 + c) as fast then: k = c / (1 + c))
             x = np.array([[1.0, tokens[r["step"]], overlap[r["step"]]] for r in chosen])
             y = np.array([r["time/learner"] for r in chosen])
-            coef = _nonnegative_fit(x if _shared_sometimes(x[:, 2] / y) else x[:, :2], y)
-            coef = np.append(coef, 0.0) if len(coef) == 2 else coef
+            if not _shared_sometimes(x[:, 2] / y):
+                x[:, 2] = 0.0
+            coef = _nonnegative_fit(x, y)
             fits[regime] = (float(coef[0]), float(coef[1]))
             shared[regime] = (float(coef[2]), len(chosen))
     if not fits:

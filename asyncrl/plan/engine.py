@@ -33,10 +33,14 @@ class EngineCosts:
     def decode_step(self, sequences: int, context_tokens: int) -> float:
         return self.step_s + self.per_sequence_s * sequences + self.per_context_token_s * context_tokens
 
+    def positions(self, contexts: list[int]) -> int:
+        """The positions a step over rows holding ``contexts`` tokens each computes on."""
+        return len(contexts) * max(contexts, default=0) if self.padded else sum(contexts)
+
     def prefill(self, contexts: list[int]) -> float:
         """A prefill of rows holding ``contexts`` tokens each."""
-        tokens = len(contexts) * max(contexts, default=0) if self.padded else sum(contexts)
-        return self.prefill_s + self.prefill_per_row_s * len(contexts) + self.prefill_per_token_s * tokens
+        return (self.prefill_s + self.prefill_per_row_s * len(contexts)
+                + self.prefill_per_token_s * self.positions(contexts))
 
 
 @dataclass(eq=False)
@@ -147,13 +151,14 @@ class SimulatedEngine:
                 rows = [s for s in admit if s.versions] + [next(s for s in admit if s.group == g) for g in dict.fromkeys(
                     s.group for s in admit if not s.versions and s.group not in self._prefilled)]
                 self._prefilled.update(s.group for s in admit)
-                cost = self.costs.prefill([s.context * self.unit for s in rows])
+                contexts = [s.context * self.unit for s in rows]
+                cost = self.costs.prefill(contexts)
                 await asyncio.sleep(cost)
                 self.busy_s += cost
                 self.prefill_s += cost
                 self.prefills += 1
                 self.prefill_rows += len(rows)
-                self.prefill_tokens += len(rows) * max(s.context for s in rows) * self.unit if rows else 0
+                self.prefill_tokens += self.costs.positions(contexts)
                 self.prefill_reused += len(admit) - len(rows)
                 for s in admit:  # a prefill samples each newcomer's next unit
                     s.versions.append(self.version)
@@ -161,9 +166,8 @@ class SimulatedEngine:
                 self.running += admit
                 self._settle()
                 continue
-            contexts = [s.context for s in self.running]
-            context = len(contexts) * max(contexts) if self.costs.padded else sum(contexts)
-            unit_s = self.unit * self.costs.decode_step(len(self.running), context * self.unit)
+            context = self.costs.positions([s.context * self.unit for s in self.running])
+            unit_s = self.unit * self.costs.decode_step(len(self.running), context)
             if self.cores is not None and self.cores.learner_busy:  # re-timed at the next unit when it stops
                 unit_s *= 1 + self.costs.contention
             steps = min(s.target - len(s.versions) for s in self.running)  # units until the first one ends
