@@ -150,7 +150,8 @@ def test_the_engine_fit_recovers_decode_and_prefill_costs_timed_apart_or_togethe
 
 def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
     """A small real async run (the shipped Countdown example), then ``plan --from`` it: the
-    simulated run's samples/s within 30 % of the real one (the docs table holds the
+    simulated run's samples/s within 40 % of the real one — 16 steps are noisy: eight such
+    runs on 2026-11-24 gave −11 … +23 %, one CI run +30 % (the docs table holds the
     tighter figures of longer runs) and its staleness within η."""
     run = tmp_path / "run"
     assert main(["train", EXAMPLE, f"output_dir={run}", "total_steps=16", "batch_size=4", "eval_every=0"]) == 0
@@ -163,7 +164,7 @@ def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
     cfg = load_config(str(run / "config.yaml"), [])
     predicted, measured = simulate(cfg, costs, tmp_path / "plan"), run_figures(run)
     assert predicted["samples"] == measured["samples"]
-    assert predicted["samples_per_s"] == pytest.approx(measured["samples_per_s"], rel=0.30)
+    assert predicted["samples_per_s"] == pytest.approx(measured["samples_per_s"], rel=0.40)
     assert predicted["staleness_max"] <= 2
 
 
