@@ -219,6 +219,15 @@ class LearnerConfig(Section):
     timeout_s: float = Field(600.0, gt=0)
     """A rank waiting this long in a collective (a peer died or hangs) raises, and the run
     fails naming it, rather than waiting forever."""
+    process: bool | None = None
+    """One learner (``world_size`` 1, ``runtime: local``) in a process of its own beside this
+    one, rather than on a thread of it; weights come back through shared memory. ``None``:
+    its own process when it trains on the CPU in a mode where it computes while the engine
+    generates (every mode but ``sync``): the engine's decode steps, the learner's forward
+    pass and the event loop are all short torch calls from Python, and on one GIL each
+    waits for the others' (a 4 × 8 Countdown step's learner 51 → 92 ms and engine 45 → 78 ms
+    beside each other in one process, measured 2026-11-24). On a GPU the kernels run
+    without the GIL and the weights need not cross to the CPU: in this process."""
     streaming: bool = False
     """Start training on a step's groups as they arrive: forward and backward on the groups
     ready now, then on each later one, and the optimizer step once the step has

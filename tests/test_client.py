@@ -137,3 +137,35 @@ def test_abort_resume_is_stitched_token_for_token(tiny_policy):
     ids, lps = traj.response_ids, torch.tensor(traj.logprobs)
     torch.testing.assert_close(lps[:k], reference_logprobs(old_model, p0, ids)[:k], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(lps[k:], reference_logprobs(model, p0, ids)[k:], atol=1e-4, rtol=1e-4)
+
+
+def test_a_groups_prompt_is_rendered_once_and_again_when_the_template_changes(tiny_policy, monkeypatch):
+    """The n samples of a group open with the same messages: one render between them. A
+    changed template, or messages the cache cannot key (not JSON), render afresh."""
+    model, tokenizer = tiny_policy
+    tokenizer = copy.deepcopy(tokenizer)  # its own cache entries and template
+    renders = []
+    real_render = LLMClient.render
+    monkeypatch.setattr(LLMClient, "render", lambda self, *a, **k: renders.append(a) or real_render(self, *a, **k))
+    messages = [{"role": "user", "content": "3 5 7 -> 22"}]
+
+    async def prompts(msgs, n):
+        engine = TorchEngine(model, max_batch_size=4, seed=1)
+        try:
+            clients = [LLMClient(engine, tokenizer, SAMPLING) for _ in range(n)]
+            for llm in clients:
+                await llm.chat(copy.deepcopy(msgs))
+            return [llm.trajectories[0].prompt_ids for llm in clients]
+        finally:
+            await engine.shutdown()
+
+    first = asyncio.run(prompts(messages, 3))
+    assert len(renders) == 1 and first[0] == first[1] == first[2]
+    assert first[0] is not first[1]  # each trajectory its own list
+    assert tokenizer.decode(first[0]) == "<|im_start|>user\n3 5 7 -> 22<|im_end|>\n<|im_start|>assistant\n"
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    changed = asyncio.run(prompts(messages, 2))
+    assert len(renders) == 2 and changed[0] != first[0] and changed[0] == changed[1]
+    odd = [{"role": "user", "content": "3 5 7 -> 22", "meta": object()}]  # not JSON: no key, rendered each time
+    asyncio.run(prompts(odd, 2))
+    assert len(renders) == 4

@@ -1,6 +1,7 @@
 """A fault matrix: ``kill -9`` at many points of a short run, each followed by
-``resume=true``. The kill is real (SIGKILL of the training process, sent by itself at the
-point: a ``sitecustomize`` this test writes wraps the function where the point is), so no
+``resume=true``. The kill is real (SIGKILL of the training run's processes — the driver
+and the learner's own process, one process group — sent by whichever reaches the point:
+a ``sitecustomize`` this test writes wraps the function where the point is), so no
 test hook lives in the package. Each case then resumes and must finish every step once,
 train no sample twice, and keep every trained token within η; a damaged newest checkpoint
 is refused, named, and the run resumes from the one before. ``python
@@ -33,7 +34,7 @@ SITE = textwrap.dedent('''
             if seen[0] == nth:
                 with open(os.environ["ASYNCRL_KILL_MARK"], "w") as f:
                     f.write(point)
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.killpg(os.getpgid(0), signal.SIGKILL)  # the run started a session of its own
 
         def wrap(owner, name, when=lambda *a, **k: True):
             original = getattr(owner, name)
@@ -117,7 +118,8 @@ def kill_then_resume(tmp_path: Path, point: str) -> dict:
     out, mark = tmp_path / point, tmp_path / f"{point}.killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(site), os.path.dirname(__file__)]),
            "ASYNCRL_KILL_AT": f"{point}:{nth}", "ASYNCRL_KILL_MARK": str(mark)}
-    killed = subprocess.run(train_args(config, out), capture_output=True, text=True, env=env, timeout=300)
+    killed = subprocess.run(train_args(config, out), capture_output=True, text=True, env=env, timeout=300,
+                            start_new_session=True)
     assert killed.returncode == -signal.SIGKILL and mark.read_text() == point, killed.stderr[-3000:]
     env.pop("ASYNCRL_KILL_AT")
     resumed = subprocess.run(train_args(config, out, "resume=true"), capture_output=True, text=True, env=env,

@@ -155,12 +155,17 @@ def hang_loss(*args, **kwargs):
     time.sleep(HANG_S)
 
 
-def test_a_second_signal_ends_a_run_whose_loss_never_returns(tmp_path, policy_dir):
-    """The learner's thread is a daemon of its own pool too: a first signal waits for the
-    step (it cannot finish), a second ends the process, naming what was stuck."""
+@pytest.mark.parametrize("own_process,stuck", [
+    (False, "still in user code, not waited for: learner train_step"),
+    (True, "the learner's train_step had not returned after"),
+])
+def test_a_second_signal_ends_a_run_whose_loss_never_returns(tmp_path, policy_dir, own_process, stuck):
+    """The learner's thread is a daemon of its own pool too (or the learner is a process of
+    its own): a first signal waits for the step (it cannot finish), a second ends the run,
+    naming what was stuck."""
     with _train(tmp_path, "loss", f"model.path={policy_dir}", "workflow.name=single_turn",
-                "algorithm.filter_zero_variance=false", "algorithm.policy_loss=test_stoppable:hang_loss") as (
-            proc, _, marker):
+                "algorithm.filter_zero_variance=false", "algorithm.policy_loss=test_stoppable:hang_loss",
+                f"learner.process={str(own_process).lower()}") as (proc, _, marker):
         _wait_for(marker, proc)
         proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
@@ -173,4 +178,4 @@ def test_a_second_signal_ends_a_run_whose_loss_never_returns(tmp_path, policy_di
     assert proc.returncode == 1, text[-3000:]
     assert took < 10, f"{took:.1f} s from the second signal to the exit"
     assert "stopped by a second signal" in text
-    assert "still in user code, not waited for: learner train_step" in text, text[-3000:]
+    assert stuck in text, text[-3000:]

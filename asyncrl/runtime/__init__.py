@@ -4,7 +4,8 @@ The orchestrator gets a :class:`Runtime`: a :class:`LearnerHandle` and a
 :class:`RolloutHandle` (``protocol.py``). The learner is always one
 :class:`~asyncrl.runtime.transport.LearnerGroup` of ``learner.world_size`` worker ranks
 (``learner_worker.py``) over a transport: in this process (``InProcess``), as rank
-processes beside it (``rank_processes.py``, ``learner.world_size`` > 1), or as Ray actors
+processes beside it (``rank_processes.py``: ``learner.world_size`` > 1, or one rank with
+``learner.process``, by default on the CPU in every mode but ``sync``), or as Ray actors
 (``ray_runtime.py``). The rollout side is a :class:`RolloutWorker` in this process, whose
 engine decodes on its own thread, or ``ray.num_rollout_workers`` of them as actors.
 ``start`` owns their whole lifecycle — Ray's own included — so leaving its ``async
@@ -25,6 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config
 from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.policy import resolve_device
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
@@ -48,6 +50,19 @@ class RuntimeStarter(Protocol):
     def __call__(self, cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTrainedTokenizerBase,
                  train: bool = True, checkpoint: Path | None = None,
                  version: int = 0) -> AbstractAsyncContextManager[Runtime]: ...
+
+
+def learner_processes(cfg: Config) -> int:
+    """How many processes of its own the learner of a ``runtime: local`` run has: its
+    ``world_size`` ranks, or for one rank 1 or 0 (on a thread of this process) as
+    ``learner.process`` says; ``None`` there: its own process where it trains on the CPU
+    beside a generating engine (the field's docstring says why)."""
+    if cfg.learner.world_size > 1:
+        return cfg.learner.world_size
+    own = cfg.learner.process
+    if own is None:
+        own = cfg.mode != "sync" and resolve_device(cfg.model.device).type == "cpu"
+    return int(own)
 
 
 def _thread_split(cfg: Config) -> tuple[int, int]:
@@ -99,11 +114,11 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
         transport: Transport | None = None
         if train and cfg.runtime == "ray":
             transport = RayActors(cfg)
-        elif train and cfg.learner.world_size > 1:  # N learner processes; this one keeps the engine
+        elif train and (ranks := learner_processes(cfg)):  # learner processes; this one keeps the engine
             from asyncrl.runtime.rank_processes import RankProcesses
 
-            transport = RankProcesses(cfg, num_threads=max(1, (learner_threads or torch.get_num_threads())
-                                                           // cfg.learner.world_size))
+            transport = RankProcesses(cfg, world_size=ranks,
+                                      num_threads=max(1, (learner_threads or torch.get_num_threads()) // ranks))
         elif train:
             # in sync the learner will share the engine's thread; until then (joining, loading a
             # checkpoint) it runs on a thread of its own with one torch thread, so that thread

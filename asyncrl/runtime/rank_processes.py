@@ -6,8 +6,12 @@ All N ranks are child processes, rank 0 included, rather than rank 0 living in t
 the driver never blocks inside a collective, so it can always watch the ranks, and when
 one raises or dies it kills the rest and fails the run naming that rank and its
 traceback, instead of hanging in an all-reduce that will never complete. The cost is
-that published weights cross a pipe from rank 0 to the engines (plain pickled bytes:
-shared-memory handles would tie the driver's tensors to rank 0's lifetime).
+that published weights cross from rank 0 to the engines: through one shared-memory block
+rank 0 owns, copied out by the driver before the call returns (``shared_weights.py``), so
+the driver's tensors never depend on rank 0's lifetime.
+
+With N = 1 this is the learner in a process of its own (``learner.process``), which on the
+CPU keeps its Python off the GIL the engine's thread and the event loop share.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import asyncio
 import multiprocessing
 import pickle
 import signal
+import sys
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -25,7 +31,18 @@ import torch
 from asyncrl.config import Config, ConfigError
 from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
+from asyncrl.runtime.shared_weights import SharedSnapshot, WeightBlock, WeightReader
 from asyncrl.runtime.transport import LearnerRankError
+
+
+def _context() -> multiprocessing.context.BaseContext:
+    """Rank processes forked from a fork server that imported the learner once: a fresh
+    interpreter importing torch and transformers takes ~4 s of CPU, paid once per driver
+    instead of once per rank process (a test session starts dozens of learners). Not a
+    fork of the driver itself: that would copy its threads' locks mid-use."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["asyncrl.runtime.learner_worker"])
+    return ctx
 
 
 def _serve(conn: Connection, worker_cls: type[LearnerWorker], cfg: Config, rank: int, world_size: int,
@@ -48,19 +65,25 @@ def _serve(conn: Connection, worker_cls: type[LearnerWorker], cfg: Config, rank:
         reply("error", traceback.format_exc())
         return
     reply("ok", None)
-    while True:
-        try:
-            method, args = pickle.loads(conn.recv_bytes())
-        except EOFError:  # the driver is gone
-            break
-        try:
-            value = getattr(worker, method)(*args)
-        except BaseException:
-            reply("error", traceback.format_exc())
-            continue
-        reply("ok", value)
-        if method == "leave":
-            break
+    block = WeightBlock()  # rank 0's published weights (shared_weights.py)
+    try:
+        while True:
+            try:
+                method, args = pickle.loads(conn.recv_bytes())
+            except EOFError:  # the driver is gone
+                break
+            try:
+                value = getattr(worker, method)(*args)
+                if method == "publish" and value:
+                    value = block.write(value)
+            except BaseException:
+                reply("error", traceback.format_exc())
+                continue
+            reply("ok", value)
+            if method == "leave":
+                break
+    finally:
+        block.close()
 
 
 class RankProcesses:
@@ -71,13 +94,15 @@ class RankProcesses:
                  worker_cls: type[LearnerWorker] = LearnerWorker) -> None:
         self.world_size = world_size or cfg.learner.world_size
         self._check_devices(cfg)
-        ctx = multiprocessing.get_context("spawn")  # fork would copy the driver's threads' locks mid-use
+        ctx = _context()
         init_method = f"tcp://127.0.0.1:{free_port()}"
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self.conns: list[Connection] = []
         self._lock = asyncio.Lock()
         self._failed: LearnerRankError | None = None
         self._in_flight = False  # a call's replies are being read (even if its caller was cancelled)
+        self._call: tuple[str, float] | None = None  # the call under way and when it was sent
+        self._weights = WeightReader()
         for rank in range(self.world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(child, worker_cls, cfg, rank, self.world_size, init_method,
@@ -106,7 +131,7 @@ class RankProcesses:
             if self._failed is not None:
                 raise self._failed
             payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
-            self._in_flight = True
+            self._in_flight, self._call = True, (method, time.monotonic())
             for rank, conn in enumerate(self.conns):
                 try:
                     conn.send_bytes(payload)
@@ -136,6 +161,8 @@ class RankProcesses:
                     self._fail(rank, self._death(rank))
                 if status == "error":
                     self._fail(rank, value)
+                if isinstance(value, SharedSnapshot):  # copied out before the next call may rewrite it
+                    value = self._weights.read(value)
                 values[rank] = value
                 del pending[rank]
             for sentinel, rank in sentinels.items():  # exited without a reply
@@ -168,6 +195,10 @@ class RankProcesses:
         """Leave the process group cleanly when idle; kill whatever is left (at once when
         a call is still under way, e.g. one whose caller was cancelled)."""
         grace = 0.0
+        if self._failed is None and self._in_flight and self._call is not None:  # a stop that could not wait for it
+            method, sent = self._call
+            print(f"asyncrl: the learner's {method} had not returned after {time.monotonic() - sent:.0f} s; its "
+                  f"process{'es' if self.world_size > 1 else ''} killed", file=sys.stderr)
         if self._failed is None and not self._in_flight and all(p.is_alive() for p in self.procs):
             try:
                 await asyncio.wait_for(self.call("leave"), timeout=30)
@@ -175,6 +206,7 @@ class RankProcesses:
             except (LearnerRankError, TimeoutError):
                 pass
         await asyncio.to_thread(self._kill, grace)
+        self._weights.close()
         for conn in self.conns:
             conn.close()
 

@@ -37,8 +37,9 @@ once between two decode steps (:func:`~asyncrl.weight_sync.endpoints.receive`, w
 vLLM takes them through its own ``update_weights`` (``reload_weights`` in its workers), as
 with ``object_store``: the collective replaces the learner-to-worker hop, not vLLM's
 load. ``runtime: local`` keeps the engine in the driver's process, with the learner
-(or beside a sharded learner's rank processes, whose rank 0 publishes the gathered
-weights), where a collective would copy through a socket what can be copied in memory:
+or beside its process (or a sharded learner's rank processes, whose rank 0 publishes the
+gathered weights through shared memory: ``asyncrl/runtime/shared_weights.py``), where a
+collective would copy through a socket what can be copied in memory:
 it uses ``object_store`` and says so once. A dead rollout worker cannot be replaced
 under ``collective`` (the group has a fixed size): the run stops naming it, and ``resume=true`` starts a fresh group.
 

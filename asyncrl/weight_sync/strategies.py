@@ -154,7 +154,8 @@ async def open_weight_sync(cfg: Config, learner: LearnerHandle, rollout: Rollout
     has nothing to cross (see the package docstring) and uses ``object_store``."""
     if cfg.weight_sync.method == "collective":
         if cfg.runtime != "ray":
-            where = ("the engine shares the learner's process" if cfg.learner.world_size == 1 else
+            where = ("the engine lives in this process, the learner in it or beside it"
+                     if cfg.learner.world_size == 1 else
                      "the engine lives in this process; learner rank 0 publishes the gathered weights to it")
             print(f"asyncrl: weight_sync.method=collective has nothing to cross with runtime=local ({where}): "
                   "weights are copied in memory (object_store)", file=sys.stderr)
