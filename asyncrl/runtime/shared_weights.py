@@ -13,6 +13,7 @@ which cannot start before this one's reply has been read (a transport serialises
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from multiprocessing import shared_memory
 
@@ -43,14 +44,8 @@ class Layout:
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """Each tensor as a view of ``flat`` (bytes, uint8) laid out this way."""
-        out = {}
-        for name, shape, dtype, offset in zip(self.names, self.shapes, self.dtypes, self.offsets):
-            numel = 1
-            for d in shape:
-                numel *= d
-            size = numel * torch.empty((), dtype=dtype).element_size()
-            out[name] = flat[offset:offset + size].view(dtype).view(shape)
-        return out
+        return {name: flat[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for name, shape, dtype, offset in zip(self.names, self.shapes, self.dtypes, self.offsets)}
 
 
 @dataclass(frozen=True)
