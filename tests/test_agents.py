@@ -28,7 +28,14 @@ def test_an_sdk_agent_trains_on_every_call_it_made(tmp_path, policy_dir):
         assert roles == ["model", "environment", "model"]
         assert "user\ncheck again\nassistant\n" in s["response_segments"][1]["text"]  # specials are not shown
     metrics = rows(out / "metrics.jsonl")
-    assert [m["step"] for m in metrics] == [0, 1, 2] and metrics[-1]["rollout/tool_parse_errors_total"] >= 0
+    assert [m["step"] for m in metrics] == [0, 1, 2]
+    trained = metrics[1:]  # step 0's row is the evaluation before training
+    for m in trained:  # both of the agent's calls counted as turns of one episode, in every episode
+        assert m["agent/turns_mean"] == 2 and m["agent/multi_turn_fraction"] == 1
+    assert metrics[-1]["rollout/sampling_overrides_total"] == 0  # the agent asks for no sampling settings
+    # The agent sends no tool results, so its episodes' tool errors are parse errors, all of
+    # which the gateway counted when their sessions closed (and more, of episodes not trained).
+    assert metrics[-1]["rollout/tool_parse_errors_total"] >= sum(m["agent/tool_errors_total"] for m in trained)
 
 
 def test_a_bad_agent_name_exits_2(tmp_path, policy_dir, capsys):

@@ -20,8 +20,9 @@ class Group:
     accepted: bool = False
 
 
-def _check_invariants(gate: StalenessGate, eta: int, b: int, live: list[Group], consumed: int) -> None:
-    assert gate.running >= 0 and gate.accepted >= 0 and gate.rejected >= 0 and gate.capacity >= 0
+def _check_invariants(gate: StalenessGate, eta: int, b: int, live: list[Group], consumed: int,
+                      rejected: int) -> None:
+    assert gate.rejected == rejected and gate.started == len(live) + consumed
     assert gate.started <= (eta + gate.version + 1) * b
     assert gate.capacity == (eta + gate.version + 1) * b - gate.started
     assert gate.can_start() == (gate.capacity > 0)
@@ -41,7 +42,7 @@ def _check_invariants(gate: StalenessGate, eta: int, b: int, live: list[Group], 
 def test_any_interleaving_keeps_the_rule(eta, b, ops):
     gate = StalenessGate(eta, b)
     live: list[Group] = []  # started, not rejected, not consumed; in start order
-    consumed = 0
+    consumed = rejected = 0
     for op, pick in ops:
         running = [g for g in live if not g.accepted]
         accepted = [g for g in live if g.accepted]
@@ -62,6 +63,7 @@ def test_any_interleaving_keeps_the_rule(eta, b, ops):
             live.remove(pool[pick % len(pool)])
             before = gate.capacity
             gate.on_reject(was_accepted=op == REJECT_ACCEPTED)
+            rejected += 1
             # started never exceeds the limit, so nothing else caps capacity: the release is exact.
             assert gate.capacity == before + 1
         elif op == LEARN:
@@ -74,7 +76,7 @@ def test_any_interleaving_keeps_the_rule(eta, b, ops):
             del live[:b]
             consumed += b
             gate.on_version(gate.version + 1)
-        _check_invariants(gate, eta, b, live, consumed)
+        _check_invariants(gate, eta, b, live, consumed, rejected)
 
 
 def test_rejected_groups_release_quota_without_a_version_bump():
