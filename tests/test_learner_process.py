@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from multiprocessing import shared_memory
+import os
 
 import pytest
 import torch
@@ -38,25 +38,34 @@ def weights(seed):
 def test_shared_weights_cross_exactly_and_the_driver_owns_its_copy():
     layout = Layout.of(weights(0))
     assert all(offset % ALIGN == 0 for offset in layout.offsets) and layout.nbytes >= 15 * 4 + 7 * 2 + 4 * 8 + 4
+    shm_before = set(os.listdir("/dev/shm"))
     block, reader = WeightBlock(), WeightReader()
+
+    def received(snapshot):  # the descriptor as the driver receives it: its own copy of it
+        if snapshot.new:
+            reader.attach(snapshot, os.dup(block.descriptor()))
+        return reader.read(snapshot)
+
     try:
-        first = reader.read(block.write(weights(0)))
+        snapshot = block.write(weights(0))
+        assert snapshot.new
+        first = received(snapshot)
         for name, tensor in weights(0).items():
             assert first[name].dtype == tensor.dtype and torch.equal(first[name], tensor), name
         snapshot = block.write(weights(1))  # the block is rewritten: what was read before stays as it was
+        assert not snapshot.new
         assert torch.equal(first["a.weight"], weights(0)["a.weight"])
-        assert torch.equal(reader.read(snapshot)["a.weight"], weights(1)["a.weight"])
-        grown = {**weights(2), "e.new": torch.ones(4)}  # another layout: another block, and the old one is gone
+        assert torch.equal(received(snapshot)["a.weight"], weights(1)["a.weight"])
+        grown = {**weights(2), "e.new": torch.ones(4)}  # another layout: another block
         moved = block.write(grown)
-        assert moved.block != snapshot.block
-        with pytest.raises(FileNotFoundError):
-            shared_memory.SharedMemory(name=snapshot.block)
-        assert_same_weights(reader.read(moved), grown)
+        assert moved.new and moved.block != snapshot.block
+        with pytest.raises(RuntimeError, match="descriptor never arrived"):  # the old mapping is not read again
+            reader.read(moved)
+        assert_same_weights(received(moved), grown)
+        assert set(os.listdir("/dev/shm")) == shm_before  # anonymous: no name any kill could leave behind
     finally:
         reader.close()
         block.close()
-    with pytest.raises(FileNotFoundError):  # unlinked at close
-        shared_memory.SharedMemory(name=moved.block)
 
 
 def test_one_rank_in_its_own_process_takes_the_in_process_step_and_publishes_it_whole(policy_dir):
@@ -69,16 +78,16 @@ def test_one_rank_in_its_own_process_takes_the_in_process_step_and_publishes_it_
             await learner.transport.start()
             metrics = await learner.train_step(batch(0), False)
             published = await learner.publish()
-            block = learner.transport._weights._shm.name
-            return metrics, published, block
+            return metrics, published, learner.transport._weights._id
         finally:
             await learner.shutdown()
 
+    shm_before = set(os.listdir("/dev/shm"))
     metrics, published, block = asyncio.run(scenario())
     assert_same_metrics(metrics, expected_metrics)
     assert_same_weights(published, expected_weights)
-    with pytest.raises(FileNotFoundError):  # the rank unlinked its block when it left
-        shared_memory.SharedMemory(name=block)
+    assert block == 1  # the weights came through the rank's one shared block, not the pipe
+    assert set(os.listdir("/dev/shm")) == shm_before  # and it was anonymous: nothing named is left
 
 
 def test_an_async_run_with_its_learner_in_a_process_trains_within_the_bound(tmp_path, policy_dir):

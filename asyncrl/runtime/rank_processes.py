@@ -1,6 +1,8 @@
 """``RankProcesses``: the transport for ``runtime: local`` with ``learner.world_size`` = N
-> 1: N spawned processes of this machine, each one :class:`LearnerWorker` rank, driven in
-lock-step over pipes.
+> 1: N processes of this machine, each one :class:`LearnerWorker` rank, driven in
+lock-step over sockets. They come from this driver's fork server (``fork_server.py``:
+started as ``python -c``, so the user's ``__main__`` is never run again, and nothing of
+it outlives the driver).
 
 All N ranks are child processes, rank 0 included, rather than rank 0 living in the driver:
 the driver never blocks inside a collective, so it can always watch the ranks, and when
@@ -10,6 +12,10 @@ that published weights cross from rank 0 to the engines: through one shared-memo
 rank 0 owns, copied out by the driver before the call returns (``shared_weights.py``), so
 the driver's tensors never depend on rank 0's lifetime.
 
+Every way a rank ends is said as what it is, in one line: an error in the rank (its
+traceback), its process killed (by which signal), a bus error (shared memory), the fork
+server gone (and every rank with it). A driver that goes away ends the ranks quietly.
+
 With N = 1 this is the learner in a process of its own (``learner.process``), which on the
 CPU keeps its Python off the GIL the engine's thread and the event loop share.
 """
@@ -17,12 +23,13 @@ CPU keeps its Python off the GIL the engine's thread and the event loop share.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing
 import pickle
 import signal
+import socket
 import sys
 import time
 import traceback
+from multiprocessing import reduction
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -30,60 +37,71 @@ import torch
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.learner.distributed import free_port
+from asyncrl.runtime.fork_server import ForkedProcess, fork_server
 from asyncrl.runtime.learner_worker import LearnerWorker
-from asyncrl.runtime.shared_weights import SharedSnapshot, WeightBlock, WeightReader
+from asyncrl.runtime.shared_weights import BlockUnavailable, SharedSnapshot, WeightBlock, WeightReader
 from asyncrl.runtime.transport import LearnerRankError
 
 
-def _context() -> multiprocessing.context.BaseContext:
-    """Rank processes forked from a fork server that imported the learner once: a fresh
-    interpreter importing torch and transformers takes ~4 s of CPU, paid once per driver
-    instead of once per rank process (a test session starts dozens of learners). Not a
-    fork of the driver itself: that would copy its threads' locks mid-use."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["asyncrl.runtime.learner_worker"])
-    return ctx
-
-
-def _serve(conn: Connection, worker_cls: type[LearnerWorker], cfg: Config, rank: int, world_size: int,
+def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, world_size: int,
            init_method: str, num_threads: int | None) -> None:
     """A rank process: join, then run each call the driver sends until ``leave``. Replies
     are ``("ok", value)`` or ``("error", traceback)``; an error leaves this process
-    serving (the driver decides). A lost driver ends it: at once when idle (the pipe
-    closes), after ``learner.timeout_s`` when waiting in a collective."""
+    serving (the driver decides). A lost driver ends it quietly: at once when idle (the
+    socket closes), or when the fork server, seeing the driver gone, kills it."""
+    conn = Connection(fd)
 
     def reply(status: str, value: Any) -> None:
         conn.send_bytes(pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL))
 
-    # Ctrl-C reaches the whole terminal process group; the driver alone decides what it
-    # means (finish the step, checkpoint), so a rank must not die of it mid-collective
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         worker = worker_cls(cfg, rank=rank, world_size=world_size, num_threads=num_threads)
         worker.join(init_method, local_rank=rank)
     except BaseException:
-        reply("error", traceback.format_exc())
+        _quietly(reply, "error", traceback.format_exc())
         return
-    reply("ok", None)
-    block = WeightBlock()  # rank 0's published weights (shared_weights.py)
+    block: WeightBlock | None = WeightBlock()  # rank 0's published weights (shared_weights.py)
     try:
+        if not _quietly(reply, "ok", None):
+            return
         while True:
             try:
                 method, args = pickle.loads(conn.recv_bytes())
-            except EOFError:  # the driver is gone
+            except (EOFError, OSError):  # the driver is gone
                 break
+            snapshot = None
             try:
                 value = getattr(worker, method)(*args)
-                if method == "publish" and value:
-                    value = block.write(value)
+                if method == "publish" and value and block is not None:
+                    try:
+                        value = snapshot = block.write(value)
+                    except BlockUnavailable as exc:  # the pipe from now on, said once
+                        print(f"asyncrl: learner rank {rank}: {exc}; the weights cross the pipe instead (slower)",
+                              file=sys.stderr, flush=True)
+                        block.close()
+                        block = None
             except BaseException:
-                reply("error", traceback.format_exc())
+                if not _quietly(reply, "error", traceback.format_exc()):
+                    break
                 continue
-            reply("ok", value)
+            if not _quietly(reply, "ok", value):
+                break
+            if snapshot is not None and snapshot.new and block is not None:
+                reduction.send_handle(conn, block.descriptor(), None)
             if method == "leave":
                 break
     finally:
-        block.close()
+        if block is not None:
+            block.close()
+
+
+def _quietly(reply: Any, status: str, value: Any) -> bool:
+    """Send a reply; False when the driver is no longer there to read it."""
+    try:
+        reply(status, value)
+    except OSError:
+        return False
+    return True
 
 
 class RankProcesses:
@@ -94,9 +112,8 @@ class RankProcesses:
                  worker_cls: type[LearnerWorker] = LearnerWorker) -> None:
         self.world_size = world_size or cfg.learner.world_size
         self._check_devices(cfg)
-        ctx = _context()
         init_method = f"tcp://127.0.0.1:{free_port()}"
-        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self.procs: list[ForkedProcess] = []
         self.conns: list[Connection] = []
         self._lock = asyncio.Lock()
         self._failed: LearnerRankError | None = None
@@ -104,13 +121,18 @@ class RankProcesses:
         self._call: tuple[str, float] | None = None  # the call under way and when it was sent
         self._weights = WeightReader()
         for rank in range(self.world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_serve, args=(child, worker_cls, cfg, rank, self.world_size, init_method,
-                                                    num_threads), name=f"asyncrl-learner-rank{rank}", daemon=True)
-            proc.start()
-            child.close()
+            parent, child = socket.socketpair()
+            try:
+                proc = fork_server().fork(_serve, (worker_cls, cfg, rank, self.world_size, init_method, num_threads),
+                                          [child.fileno()], name=f"asyncrl-rank{rank}")
+            except BaseException:
+                parent.close()
+                self._kill()
+                raise
+            finally:
+                child.close()
             self.procs.append(proc)
-            self.conns.append(parent)
+            self.conns.append(Connection(parent.detach()))
 
     def _check_devices(self, cfg: Config) -> None:
         cuda = cfg.model.device.startswith("cuda") or (cfg.model.device == "auto" and torch.cuda.is_available())
@@ -162,6 +184,8 @@ class RankProcesses:
                 if status == "error":
                     self._fail(rank, value)
                 if isinstance(value, SharedSnapshot):  # copied out before the next call may rewrite it
+                    if value.new:
+                        self._weights.attach(value, reduction.recv_handle(conn))
                     value = self._weights.read(value)
                 values[rank] = value
                 del pending[rank]
@@ -171,8 +195,9 @@ class RankProcesses:
         return values
 
     def _death(self, rank: int) -> str:
-        self.procs[rank].join(timeout=5)
-        return f"its process exited with code {self.procs[rank].exitcode} without replying"
+        proc = self.procs[rank]
+        proc.join(timeout=5)
+        return f"{exit_cause(proc)} without replying"
 
     def _fail(self, rank: int, detail: str) -> None:
         """Kill every rank (the others may be waiting in a collective for this one) and raise."""
@@ -209,4 +234,22 @@ class RankProcesses:
         self._weights.close()
         for conn in self.conns:
             conn.close()
+        for proc in self.procs:
+            proc.close()
 
+
+
+def exit_cause(proc: ForkedProcess) -> str:
+    """How a rank process ended, said as what it is."""
+    if proc.server_gone:
+        return "the learner's fork server died, and its process with it"
+    code = proc.exitcode
+    if code is None:
+        return "its process is still running"
+    if code >= 0:
+        return f"its process exited with code {code}"
+    sig = signal.Signals(-code)
+    if sig == signal.SIGBUS:
+        return ("its process died of a bus error (SIGBUS): memory it had mapped could not be backed — most often "
+                "shared memory (/dev/shm) or RAM running out")
+    return f"its process was killed by {sig.name}"
