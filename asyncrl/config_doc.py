@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from asyncrl.config import Config
+from asyncrl.config import COMMON_NAMES, Config
 
 _BOUNDS = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<", "min_length": "length ≥"}
 
@@ -135,7 +135,21 @@ def config_reference(model: type[BaseModel] = Config) -> str:
                 value = value[part]
             out.append(f"| `{prefix}{name}` | {_type(cls.model_fields[name])} | {_default(value)} "
                        f"| {_markdown(docs[name]) or '—'} |")
+    out.append(COMMON_NAMES_HEADER)
+    for name, (ours, source, note) in COMMON_NAMES.items():
+        out.append(f"| {source} | `{name}` | {f'`{ours}`' if ours else '—'} | {_markdown(note) or '—'} |")
     return "\n".join(out) + "\n"
+
+
+COMMON_NAMES_HEADER = """
+## Names from TRL, verl and others
+
+A key named as another framework names it is answered with ours: an unknown key whose
+last dotted part (or a longer tail of it, such as `rollout.n`) is below exits 2 with
+`did you mean` our key, at any nesting (`optim.learning_rate=1e-5` → `optim.lr`).
+
+| whose | their name | ours | what differs |
+|---|---|---|---|"""
 
 
 if __name__ == "__main__":

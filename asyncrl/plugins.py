@@ -11,6 +11,7 @@ would not import there.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -33,14 +34,38 @@ def load_named(spec: str, *, key: str, callable_: bool = True) -> Any:
     if not sep or not target or not attr_path or (":" in target and not is_file):
         raise ValueError(f"{key} {spec!r} must look like 'package.module:function' or 'path/to/file.py:function'")
     obj: Any = _import_file(target, spec, key) if is_file else _import_module(target, spec, key)
-    for part in attr_path.split("."):
+    parts = attr_path.split(".")
+    for i, part in enumerate(parts):
         try:
             obj = getattr(obj, part)
         except AttributeError:
-            raise ValueError(f"{key} {spec!r}: {target!r} has no attribute {attr_path!r}") from None
+            raise ValueError(f"{key} {spec!r}: {target!r} has no attribute {attr_path!r}"
+                             + _did_you_mean(obj, part, f"{target}:" + "".join(f"{p}." for p in parts[:i]),
+                                             callable_)) from None
     if callable_ and not callable(obj):
         raise ValueError(f"{key} {spec!r}: {attr_path!r} is not callable ({type(obj).__name__})")
     return obj
+
+
+MAX_LISTED = 10
+"""Names listed when none is close to the missing one."""
+
+
+def _did_you_mean(owner: Any, missing: str, prefix: str, callables: bool) -> str:
+    """The public names of ``owner`` (a module or class) closest to the ``missing`` one,
+    as whole names to paste (``prefix`` + name); else the ones it defines, so a typo is
+    one edit away. Only callables where the name is to be called (``callables``)."""
+    names = [n for n in dir(owner) if not n.startswith("_") and (not callables or callable(getattr(owner, n, None)))]
+    close = difflib.get_close_matches(missing, names, n=3, cutoff=0.6)
+    if close:
+        return "; did you mean " + " or ".join(repr(prefix + n) for n in close) + "?"
+    own = getattr(owner, "__name__", None)
+    defined = [n for n in names if getattr(getattr(owner, n), "__module__", own) == own] or names
+    if not defined:
+        return "; it has no public " + ("callable" if callables else "name")
+    shown = ", ".join(sorted(defined)[:MAX_LISTED])
+    more = f" and {len(defined) - MAX_LISTED} more" if len(defined) > MAX_LISTED else ""
+    return f"; its public {'callables' if callables else 'names'}: {shown}{more}"
 
 
 def _import_module(module_name: str, spec: str, key: str) -> ModuleType:

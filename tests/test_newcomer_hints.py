@@ -1,0 +1,148 @@
+"""What a newcomer tripped over, each answered where it happens: a setting typed as TRL or
+verl name it (``learning_rate``, ``num_generations``, ``actor_rollout_ref.rollout.n``) is
+answered with our key, and a ``file.py:function`` name with a typo with the names the
+file does have."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from asyncrl.cli import main
+from asyncrl.config import _NOTES, COMMON_NAMES, Config, ConfigError, all_keys, load_config
+from asyncrl.plugins import load_named
+
+
+def config_error(*overrides: str, path=None) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return str(info.value)
+
+
+@pytest.mark.parametrize("override, said", [
+    # TRL's names, at the nesting a user guesses and at the top level
+    ("optim.learning_rate=1e-5", "unknown config key 'optim.learning_rate'; did you mean 'optim.lr'? "
+                                 "(`learning_rate` is TRL's name)"),
+    ("learning_rate=1e-5", "did you mean 'optim.lr'? (`learning_rate` is TRL's name)"),
+    ("num_generations=4", "unknown config key 'num_generations'; did you mean 'group_size'?"),
+    ("max_completion_length=64", "did you mean 'sampling.max_tokens'? (`max_completion_length` is TRL's name)"),
+    ("algorithm.beta=0.04", "did you mean 'algorithm.kl_coef'? (`beta` is TRL's name)"),
+    ("epsilon_high=0.28", "did you mean 'algorithm.clip_high'?"),
+    ("temperature=0.7", "did you mean 'sampling.temperature'? (`temperature` is TRL's and verl's name; "
+                        "`eval.temperature` for evaluation)"),
+    ("max_prompt_length=128", "unknown config key 'max_prompt_length': `max_prompt_length` is TRL's and verl's "
+                              "name; asyncrl does not cut prompts"),
+    # verl's, dotted as its config nests them
+    ("actor_rollout_ref.actor.optim.lr=1e-6", "unknown config key 'actor_rollout_ref.actor.optim.lr'; did you mean "
+                                              "'optim.lr'? (`actor_rollout_ref.actor.optim.lr` is verl's name)"),
+    ("actor_rollout_ref.rollout.n=8", "did you mean 'group_size'? (`rollout.n` is verl's name)"),
+    ("rollout.n=8", "unknown config key 'rollout.n'; did you mean 'group_size'?"),
+    ("data.train_batch_size=64", "did you mean 'batch_size'? (`train_batch_size` is verl's name; prompts (groups) "
+                                 "per optimizer step)"),
+    ("trainer.total_training_steps=100", "did you mean 'total_steps'? (`total_training_steps` is verl's name)"),
+    # one of our keys in another section: its last part names it
+    ("lr=1e-4", "unknown config key 'lr'; did you mean 'optim.lr'?"),
+    ("algorithm.ppo_epochs=2", "did you mean 'optim.ppo_epochs'?"),
+    ("max_tokens=32", "did you mean 'sampling.max_tokens' or 'gateway.max_tokens'?"),
+    # a misspelling still gets the closest spelling
+    ("sampling.temprature=0.5", "unknown config key 'sampling.temprature'; did you mean 'sampling.temperature'?"),
+])
+def test_another_frameworks_name_is_answered_with_ours(override, said):
+    assert said in config_error(override)
+
+
+def test_the_spelling_match_no_longer_wins_over_the_meaning():
+    """``optim.learning_rate`` is closest in spelling to ``optim.mini_batches``: what the
+    hint said before the table of common names."""
+    message = config_error("optim.learning_rate=1e-5")
+    assert "mini_batches" not in message and "'optim.lr'" in message
+
+
+def test_a_pasted_verl_section_is_answered_key_by_key(tmp_path):
+    path = tmp_path / "verl.yaml"
+    path.write_text(yaml.safe_dump({"actor_rollout_ref": {"rollout": {"n": 8, "temperature": 0.9},
+                                                          "actor": {"optim": {"lr": 1e-6}, "ppo_epochs": 2}},
+                                    "seed": 3}))
+    lines = config_error(path=path).splitlines()
+    assert sorted(lines) == sorted([
+        "unknown config key 'actor_rollout_ref.rollout.n'; did you mean 'group_size'? (`rollout.n` is verl's name)",
+        "unknown config key 'actor_rollout_ref.rollout.temperature'; did you mean 'sampling.temperature'? "
+        "(`temperature` is TRL's and verl's name; `eval.temperature` for evaluation)",
+        "unknown config key 'actor_rollout_ref.actor.optim.lr'; did you mean 'optim.lr'? "
+        "(`actor_rollout_ref.actor.optim.lr` is verl's name)",
+        "unknown config key 'actor_rollout_ref.actor.ppo_epochs'; did you mean 'optim.ppo_epochs'? "
+        "(`ppo_epochs` is verl's name)",
+    ])
+
+
+def test_every_common_name_points_at_a_key_we_have_and_is_not_one():
+    keys = set(all_keys(Config))
+    assert {name.rsplit(".", 1)[-1] for name in COMMON_NAMES} >= {"learning_rate", "num_generations", "beta",
+                                                                    "max_completion_length", "n"}
+    for name, common in COMMON_NAMES.items():
+        assert name not in keys, f"{name} is a key of ours: its entry would never be consulted"
+        assert common.key is None or common.key in keys, f"{name} -> {common.key}, which is not a key"
+        assert common.key is not None or common.note, f"{name} has no key of ours: its note must say why"
+    assert set(_NOTES) <= set(COMMON_NAMES), "a note for a name the table does not have is never said"
+
+
+def test_the_cli_exits_2_with_the_hint(capsys):
+    assert main(["train", "examples/countdown/async.yaml", "optim.learning_rate=1e-5"]) == 2
+    assert "did you mean 'optim.lr'? (`learning_rate` is TRL's name)" in capsys.readouterr().err
+
+
+# -- `module:function` and `file.py:function` names ---------------------------------------
+
+REWARD_FILE = """\
+import json
+
+THRESHOLD = 3
+
+
+def score(task, text):
+    return 1.0
+
+
+def score_length(task, text):
+    return float(len(text))
+
+
+class Scorer:
+    def total(self, task, text):
+        return 1.0
+"""
+
+
+@pytest.fixture
+def reward_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "reward.py").write_text(REWARD_FILE)
+    return "reward.py"
+
+
+@pytest.mark.parametrize("attr, said", [
+    ("scor", "task.reward_fn 'reward.py:scor': 'reward.py' has no attribute 'scor'; did you mean 'reward.py:score'"),
+    ("Scorer.tota", "has no attribute 'Scorer.tota'; did you mean 'reward.py:Scorer.total'?"),
+    # nothing close: the callables the file defines, not what it imports nor its constants
+    ("reward", "has no attribute 'reward'; its public callables: Scorer, score, score_length"),
+])
+def test_a_missing_attribute_of_a_file_says_what_it_has(reward_file, attr, said):
+    with pytest.raises(ValueError) as info:
+        load_named(f"{reward_file}:{attr}", key="task.reward_fn")
+    assert said in str(info.value)
+    assert "THRESHOLD" not in str(info.value)
+
+
+def test_a_missing_attribute_of_a_module_says_the_closest():
+    with pytest.raises(ValueError) as info:
+        load_named("asyncrl.tasks.countdown:countdown_rewad", key="task.reward_fn")
+    assert "did you mean 'asyncrl.tasks.countdown:countdown_reward'" in str(info.value)
+
+
+def test_the_hint_reaches_the_cli_as_exit_2(reward_file, policy_dir, capsys):
+    config = Path(__file__).resolve().parents[1] / "examples" / "countdown" / "eval.yaml"
+    assert main(["eval", str(config), "task.reward_fn=reward.py:scor", f"model.path={policy_dir}"]) == 2
+    err = capsys.readouterr().err
+    assert "task.reward_fn" in err and "'reward.py' has no attribute 'scor'; did you mean 'reward.py:score'" in err
