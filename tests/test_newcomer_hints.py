@@ -1,10 +1,11 @@
 """What a newcomer tripped over, each answered where it happens: a setting typed as TRL or
 verl name it (``learning_rate``, ``num_generations``, ``actor_rollout_ref.rollout.n``) is
-answered with our key, and a ``file.py:function`` name with a typo with the names the
-file does have."""
+answered with our key; a ``file.py:function`` name with a typo with the names the file
+does have; a resume's note on the episodes it continues agrees with the counters."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -146,3 +147,63 @@ def test_the_hint_reaches_the_cli_as_exit_2(reward_file, policy_dir, capsys):
     assert main(["eval", str(config), "task.reward_fn=reward.py:scor", f"model.path={policy_dir}"]) == 2
     err = capsys.readouterr().err
     assert "task.reward_fn" in err and "'reward.py' has no attribute 'scor'; did you mean 'reward.py:score'" in err
+
+
+# -- what a resume says it continues, and what the counters count ------------------------
+
+
+def under_way(group: dict, kept: list[float]) -> list[dict]:
+    """Journals of a finished ``group`` (``Group.to_dict``) as if its episodes were under
+    way: sample i's reply cut to its ``kept[i]`` fraction (1: finished, 0: queued)."""
+    journals = []
+    for sample, (episode, fraction) in enumerate(zip(group["episodes"], kept, strict=True)):
+        (t,) = episode["trajectories"]
+        n = int(len(t["response_ids"]) * fraction)
+        cut = {name: t[name][:n] for name in ("logprobs", "versions")}
+        journals.append({"key": {"task_id": group["task_id"], "draw": 0, "sample": sample, "attempt": 1},
+                         "segments": [{"context": t["prompt_ids"], "token_ids": t["response_ids"][:n], **cut,
+                                       "finish_reason": t["finish_reason"] if fraction == 1 else None,
+                                       "num_resumes": 0}]})
+    return journals
+
+
+def test_a_resume_says_the_episodes_it_continues_as_the_counters_count_them(tmp_path, policy_dir, capsys):
+    """A checkpoint keeps every episode under way, also those still queued without a
+    token (a Ctrl-C'd run said "72 episodes under way … continue" where 8 had tokens and
+    ``rollout/replayed_episodes_total`` ended at 8). The note now says how many continue
+    and how many start afresh, and the counters end at its figures. The checkpoint's
+    untrained groups are turned into groups under way, one sample each finished, cut off
+    and queued, as a checkpoint taken a moment earlier would have held them."""
+    from asyncrl.orchestrator.checkpoint import IN_FLIGHT_FILE
+    from asyncrl.workflows.registry import build_tasks
+
+    out = tmp_path / "run"
+    overrides = [f"model.path={policy_dir}", "mode=sync", "partial_rollout=off", "batch_size=2", "group_size=4",
+                 "eval_every=0", "eval.num_tasks=2", "eval.samples_per_task=1", "task.num_train=64",
+                 "task.num_validation=4", "task.reward_fn=test_reproducible:parity",
+                 "algorithm.filter_zero_variance=false"]
+    args = ["train", "examples/countdown/async.yaml", f"output_dir={out}", *overrides]
+    assert main([*args, "total_steps=2"]) == 0
+    checkpoint = out / "checkpoints" / "step_2"
+    state = json.loads((checkpoint / "run_state.json").read_text())
+    journals = [json.loads(line) for line in (checkpoint / IN_FLIGHT_FILE).read_text().splitlines()]
+    index = {t.id: i for i, t in enumerate(build_tasks(load_config("examples/countdown/async.yaml", overrides)).train)}
+    for g in state.pop("buffered"):  # finished, cut off, queued, queued
+        state["reissue"].append({"index": index[g["group"]["task_id"]], "epoch": 0, "order": g["start_order"]})
+        state["counters"]["groups_accepted"] -= 1  # not finished, so not counted yet
+        journals += under_way(g["group"], [1.0, 0.5, 0.0, 0.0])
+    (checkpoint / "run_state.json").write_text(json.dumps({**state, "buffered": []}))
+    (checkpoint / IN_FLIGHT_FILE).write_text("".join(json.dumps(j) + "\n" for j in journals))
+    tokens = [sum(len(s["token_ids"]) for s in j["segments"]) for j in journals]
+    begun, queued = sum(1 for n in tokens if n), sum(1 for n in tokens if not n)
+    assert begun and queued, "the checkpoint should hold episodes of both kinds"
+    capsys.readouterr()
+
+    assert main([*args, "total_steps=4", "resume=true"]) == 0
+    err = capsys.readouterr().err
+    assert (f"{len(journals)} episodes were under way at the checkpoint: {begun} continue from the {sum(tokens):,} "
+            "tokens they had generated") in err, err[-2000:]
+    assert f"the other {queued}, queued without a token, start afresh" in err
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == 4
+    assert (last["rollout/replayed_episodes_total"], last["rollout/replayed_tokens_total"]) == (begun, sum(tokens))

@@ -119,16 +119,28 @@ class RolloutLoop:
             self.stream.sampler = TaskSampler(self.cfg.seed, sampler.window, sampler.min_probability, counts)
 
     def replay_note(self) -> str:
-        """What a resume does with the episodes that were under way, said at the start."""
+        """What a resume does with the episodes that were under way, said at the start.
+
+        Of those, only the ones that had generated a token continue from the checkpoint:
+        the others were queued, and start afresh as if never begun. The note counts the
+        first kind as the rollout workers do, so that once their groups have finished
+        ``rollout/replayed_episodes_total`` and ``rollout/replayed_tokens_total`` equal its
+        figures (a user's agent that diverges is counted there too)."""
         journals = [j for samples in self.replays.values() for j in samples.values()]
-        if not journals:
-            return "no episode was under way at the checkpoint with tokens to keep"
-        tokens = sum(len(s["token_ids"]) for j in journals for s in j["segments"])
+        tokens = [sum(len(s["token_ids"]) for s in j["segments"]) for j in journals]
+        begun = sum(1 for n in tokens if n)
+        if not begun:
+            return ("no episode under way at the checkpoint had generated a token"
+                    + (f" ({len(journals)} were queued and start afresh)" if journals else ""))
+        queued = (f"; the other {len(journals) - begun}, queued without a token, start afresh"
+                  if len(journals) > begun else "")
         agent = (" A user's agent replays as long as it asks for what it asked before; from its first different "
                  "call it samples afresh (counted in rollout/replay_diverged_total)."
                  if self.cfg.workflow.name == "openai_agent" else "")
-        return (f"{len(journals)} episodes under way at the checkpoint continue from the {tokens:,} tokens they had "
-                f"generated (replayed, not sampled again; cut-off replies resume with their partial tokens).{agent}")
+        return (f"{len(journals)} episodes were under way at the checkpoint: {begun} continue from the "
+                f"{sum(tokens):,} tokens they had generated (replayed, not sampled again; cut-off replies resume with "
+                f"their partial tokens; counted in rollout/replayed_episodes_total and rollout/replayed_tokens_total "
+                f"as their groups finish){queued}.{agent}")
 
     def journals_to_keep(self, journals: list[dict[str, Any]], reissue: list[Draw]) -> list[dict[str, Any]]:
         """Of the workers' journals (``RolloutHandle.in_flight``), those of the groups a
