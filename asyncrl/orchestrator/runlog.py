@@ -8,11 +8,20 @@ asked, and a live progress bar.
 A step whose evaluation runs in the background is queued until that evaluation ends;
 later steps queue behind it, so ``metrics.jsonl`` stays in step order and each step
 appears once, with its ``eval/*`` keys.
+
+A row that cannot be written fails the run (exit 1) naming its step, wherever the write
+happens: on the train loop's own call, or in the evaluation's completion callback, where
+an exception would otherwise go to the event loop's handler, be printed and lost while
+the run went on and exited 0. That one is kept (:attr:`RunLog.failure`) and raised by
+:meth:`RunLog.failed`, which the trainer runs beside training, and by the next
+:meth:`RunLog.step` or :meth:`RunLog.flushed`. After a failure no row is written: the rows
+on disk are those before it, in order, each once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 from collections import Counter, deque
@@ -27,6 +36,10 @@ from asyncrl.types import Episode
 LOG_FILES = ("metrics.jsonl", "samples.jsonl", "timeline.jsonl", "errors.jsonl")
 
 
+class LogWriteError(RuntimeError):
+    """A step's row could not be written (``metrics.jsonl``, TensorBoard, W&B): the run fails."""
+
+
 class RunLog:
     def __init__(self, cfg: Config, output_dir: Path, resume_step: int | None = None) -> None:
         # A fresh run starts fresh files: appending would splice two runs under one config.
@@ -38,6 +51,8 @@ class RunLog:
         self._shown: dict[str, str] = {}  # the bar's figures: the latest of each, eval's kept between evals
         self._errors_at: Counter[int] = Counter()
         self._queue: deque[tuple[dict[str, Any], asyncio.Future[dict[str, Any]] | None]] = deque()
+        self.failure: LogWriteError | None = None  # the first row that could not be written
+        self._failed = asyncio.Event()
         self.bar = tqdm(total=cfg.total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
                         dynamic_ncols=True)
         self.tensorboard = None
@@ -54,21 +69,42 @@ class RunLog:
 
     # -- metrics, in step order -----------------------------------------------
     def step(self, row: dict[str, Any], evaluation: asyncio.Future[dict[str, Any]] | None = None) -> None:
-        """Queue a step's row; it is written once ``evaluation`` (if any) has its ``eval/*`` keys."""
+        """Queue a step's row; it is written once ``evaluation`` (if any) has its ``eval/*`` keys.
+        Raises :class:`LogWriteError` for this row, or for an earlier one that failed."""
+        self._raise_failure()
         self._queue.append((row, evaluation))
         if evaluation is not None:
-            evaluation.add_done_callback(lambda _: self._drain())
+            evaluation.add_done_callback(self._drain_after_evaluation)
         self._drain()
 
     async def flushed(self) -> None:
-        """Every queued row written (before a checkpoint, at the end of a run)."""
+        """Every queued row written (before a checkpoint, at the end of a run); raises
+        :class:`LogWriteError` if one could not be."""
         pending = [ev for _, ev in self._queue if ev is not None]
         if pending:
             await asyncio.wait(pending)
         self._drain()
+        self._raise_failure()
+
+    async def failed(self) -> None:
+        """Raises the first :class:`LogWriteError` of a row written in an evaluation's
+        completion callback once there is one; until then it waits. Run beside training,
+        so that such a failure stops the run at once, as one on the train loop's call does."""
+        await self._failed.wait()
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _drain_after_evaluation(self, _: asyncio.Future[dict[str, Any]]) -> None:
+        """The evaluation's completion callback: nothing it raises may reach the event loop's
+        handler, which would print it and let the run go on."""
+        with contextlib.suppress(LogWriteError):  # kept in self.failure: failed() raises it
+            self._drain()
 
     def _drain(self) -> None:
-        while self._queue:
+        while self._queue and self.failure is None:
             row, evaluation = self._queue[0]
             if evaluation is not None:
                 if not evaluation.done() or (not evaluation.cancelled() and evaluation.exception() is not None):
@@ -76,7 +112,14 @@ class RunLog:
                 if not evaluation.cancelled():  # cancelled: cut short by a stop, the row is written without it
                     row = {**row, **evaluation.result()}
             self._queue.popleft()
-            self._write_metrics(row)
+            try:
+                self._write_metrics(row)
+            except Exception as exc:
+                written = "once its evaluation had finished" if evaluation is not None else "at the end of the step"
+                self.failure = LogWriteError(f"writing the metrics row of step {row['step']} ({written}) failed: "
+                                             f"{type(exc).__name__}: {exc}")
+                self._failed.set()
+                raise self.failure from exc
 
     def _write_metrics(self, row: dict[str, Any]) -> None:
         self._write("metrics.jsonl", [row])

@@ -195,6 +195,7 @@ class Trainer:
                 side.append(self._tasks.create_task(self.rollouts.run(
                     self.rollout, self._now, lambda episode: self._seen(episode, "train"),
                     lambda start, end, order: self.log.event("generate", start, end, group=order))))
+                side.append(self._tasks.create_task(self.log.failed()))  # a row written in a callback that failed
                 last = await self._train_loop()
                 if self._stop.is_set():  # a stop waits for no evaluation (user code may hang in one), and
                     side[0].cancel()  # the watchdog does not turn it into a failure while it saves
