@@ -299,6 +299,17 @@ class WatchdogConfig(Section):
     starvation_stop_fraction: float = Field(0.98, ge=0, le=1)
     """More than this fraction filtered: stop (exit 1); at least ``starvation_warn_fraction``
     (1 = never)."""
+    learner_call_s: float = Field(300.0, gt=0)
+    """The least time a call to the learner (a step, a weight publish, a checkpoint) may take
+    before it counts as hung. Its deadline is this or ``learner_call_factor`` times the
+    slowest call of the same kind so far, whichever is longer; past it the learner's process
+    is killed and the run stops (exit 1), naming the call and the process's state."""
+    learner_call_factor: float = Field(10.0, ge=1)
+    """A learner call may take this many times the slowest of its kind so far (and at least
+    ``learner_call_s``) before it counts as hung."""
+    learner_stop_grace_s: float = Field(30.0, gt=0)
+    """After a first Ctrl-C or SIGTERM, a learner call under way gets this long (or twice the
+    slowest of its kind, whichever is longer) to return; then it is ended as a hung one."""
 
 
 class HooksConfig(Section):

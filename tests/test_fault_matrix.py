@@ -1,6 +1,6 @@
 """A fault matrix: ``kill -9`` at many points of a short run, each followed by
-``resume=true``. The kill is real (SIGKILL of the training run's processes — the driver
-and the learner's own process, one process group — sent by whichever reaches the point:
+``resume=true``. The kill is real (SIGKILL of the training run's process group — the driver; the learner's
+fork server and its process follow it out — sent by whichever process reaches the point:
 a ``sitecustomize`` this test writes wraps the function where the point is), so no
 test hook lives in the package. Each case then resumes and must finish every step once,
 train no sample twice, and keep every trained token within η; a damaged newest checkpoint
@@ -34,7 +34,7 @@ SITE = textwrap.dedent('''
             if seen[0] == nth:
                 with open(os.environ["ASYNCRL_KILL_MARK"], "w") as f:
                     f.write(point)
-                os.killpg(os.getpgid(0), signal.SIGKILL)  # the run started a session of its own
+                os.killpg(int(os.environ["ASYNCRL_KILL_GROUP"]), signal.SIGKILL)
 
         def wrap(owner, name, when=lambda *a, **k: True):
             original = getattr(owner, name)
@@ -71,6 +71,10 @@ SITE = textwrap.dedent('''
             wrap(LLMClient, "chat")
 
     if os.environ.get("ASYNCRL_KILL_AT"):
+        # the run started a session of its own: its driver's group is what a hard kill takes
+        # (the learner's fork server has a session of its own and follows the driver out);
+        # the driver starts first, and every later process inherits its environment
+        os.environ.setdefault("ASYNCRL_KILL_GROUP", str(os.getpgid(0)))
         _install()
 ''')
 

@@ -136,8 +136,9 @@ def test_no_import_climbs_to_a_higher_floor():
 
 
 def test_a_learner_call_is_one_method_on_the_worker_with_the_protocols_parameters():
-    """Adding a learner call is a method on ``LearnerWorker`` and one on the Protocol: the
-    one handle (``LearnerGroup``) forwards every call the Protocol declares."""
+    """Adding a learner call is a method on ``LearnerWorker``, one on the Protocol and one on
+    the one handle (``LearnerGroup``), written out so grep finds the call the trainer makes;
+    all three take the same parameters."""
     import inspect
 
     from asyncrl.runtime.learner_worker import LearnerWorker
@@ -152,3 +153,4 @@ def test_a_learner_call_is_one_method_on_the_worker_with_the_protocols_parameter
                   if p != "_ray_trace_ctx"]  # added in place by ray.remote when a Ray test ran in this process
         assert worker == list(declared), name
         assert inspect.iscoroutinefunction(getattr(LearnerGroup, name)), name
+        assert list(inspect.signature(getattr(LearnerGroup, name)).parameters) == list(declared), name

@@ -91,18 +91,23 @@ def test_too_many_stuck_threads_refuse_further_calls():
         pool.close()
 
 
+def train_process(out: Path, marker: Path, config: str, *overrides: str, **popen: object) -> subprocess.Popen:
+    """``asyncrl train CONFIG`` in a child process with this folder's modules importable;
+    user code here announces itself by creating ``marker``."""
+    env = {**os.environ, "PYTHONPATH": TESTS, "ASYNCRL_TEST_MARKER": str(marker), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "train", config, f"output_dir={out}", *overrides],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env, **popen)
+
+
 @contextlib.contextmanager
 def _train(tmp_path: Path, name: str, *overrides: str) -> Iterator[tuple[subprocess.Popen, Path, Path]]:
     """``asyncrl train`` of the agent example in a child process, on the test policy; the
     child is killed on the way out if it still runs (a failed test included)."""
     out, marker = tmp_path / name, tmp_path / f"{name}.called"
-    env = {**os.environ, "PYTHONPATH": TESTS, "ASYNCRL_TEST_MARKER": str(marker), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncrl.cli", "train", "examples/openai_agent/train.yaml", f"output_dir={out}",
-         "total_steps=2", "batch_size=2", "group_size=2", "eval.num_tasks=1", "eval.samples_per_task=1",
-         "task.num_train=16", "task.num_validation=4", "rollout.max_concurrent_episodes=4", "workflow.timeout_s=1",
-         "workflow.max_retries=0", *overrides],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    proc = train_process(out, marker, "examples/openai_agent/train.yaml", "total_steps=2", "batch_size=2",
+                         "group_size=2", "eval.num_tasks=1", "eval.samples_per_task=1", "task.num_train=16",
+                         "task.num_validation=4", "rollout.max_concurrent_episodes=4", "workflow.timeout_s=1",
+                         "workflow.max_retries=0", *overrides)
     try:
         yield proc, out, marker
     finally:

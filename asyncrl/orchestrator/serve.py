@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import threading
 
 from asyncrl.client import stop_token_ids
 from asyncrl.config import Config, ConfigError
@@ -22,6 +23,8 @@ from asyncrl.runtime.rollout_worker import RolloutWorker
 
 
 def serve(cfg: Config) -> None:
+    """Until Ctrl-C or SIGTERM; on a thread other than the main one (an application, a
+    notebook), until the process ends, as signals belong to the main thread."""
     try:
         parser = get_parser(cfg.gateway.tool_parser)
     except ValueError as exc:
@@ -37,8 +40,9 @@ def serve(cfg: Config) -> None:
                           sampling=sampling, settings=cfg.gateway)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        if threading.current_thread() is threading.main_thread():  # only there may Python own signals
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
         try:
             url = await gateway.start(cfg.gateway.host, cfg.gateway.port)
             key = "; 'Authorization: Bearer <gateway.api_key>' required" if cfg.gateway.api_key else ""

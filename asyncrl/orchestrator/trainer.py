@@ -189,13 +189,13 @@ class Trainer:
         are in it (``in_flight.jsonl``), and only then the rollouts are cancelled."""
         try:
             async with asyncio.TaskGroup() as self._tasks:
-                side = [self._tasks.create_task(self.watchdog.watch(self._show_starved))]
+                side = [self._tasks.create_task(self.watchdog.watch(self._show_starved)),
+                        self._tasks.create_task(self._learner_stop_soon())]
                 if evaluate_first:
                     self.log.step({"step": 0, "version": self.version}, await self._evaluation(0))
                 side.append(self._tasks.create_task(self.rollouts.run(
                     self.rollout, self._now, lambda episode: self._seen(episode, "train"),
                     lambda start, end, order: self.log.event("generate", start, end, group=order))))
-                side.append(self._tasks.create_task(self.log.failed()))  # a row written in a callback that failed
                 last = await self._train_loop()
                 if self._stop.is_set():  # a stop waits for no evaluation (user code may hang in one), and
                     side[0].cancel()  # the watchdog does not turn it into a failure while it saves
@@ -212,6 +212,13 @@ class Trainer:
             if first is None:
                 raise
             raise first from first.__cause__
+
+    async def _learner_stop_soon(self) -> None:
+        """Once a stop is asked, a learner call under way gets the stop's grace to return
+        (``watchdog.learner_stop_grace_s``), not its whole deadline: a hung step must not hold
+        a first Ctrl-C forever."""
+        await self._stop.wait()
+        self.learner.stop_soon()
 
     async def _train_loop(self) -> int:
         while self.step < self.cfg.total_steps and not self._stop.is_set():

@@ -157,6 +157,9 @@ class SimulatedLearner:
     async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         raise NotImplementedError("a simulated learner runs no functions in workers (plan syncs by object_store)")
 
+    def stop_soon(self) -> None:
+        """A simulated step always returns: nothing to cut short."""
+
     async def shutdown(self) -> None:
         """Nothing held."""
 

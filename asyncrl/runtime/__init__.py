@@ -30,7 +30,7 @@ from asyncrl.policy import resolve_device
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_worker import RolloutWorker
-from asyncrl.runtime.transport import InProcess, LearnerGroup, Transport
+from asyncrl.runtime.transport import CallDeadlines, InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
 from asyncrl.weight_sync import WeightSync, open_weight_sync
 
@@ -127,7 +127,9 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=1 if shares else learner_threads)
             transport = InProcess(worker)
         if transport is not None:
-            learner = LearnerGroup(transport)
+            w = cfg.watchdog
+            learner = LearnerGroup(transport, CallDeadlines(w.learner_call_s, w.learner_call_factor,
+                                                            w.learner_stop_grace_s))
             stack.push_async_callback(learner.shutdown)
             await transport.start()
             if checkpoint is not None:

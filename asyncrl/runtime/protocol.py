@@ -2,9 +2,10 @@
 
 Both runtimes (``local``: this process; ``ray``: actors) implement them, so the trainer
 reads the same whichever runs underneath. The learner handle is one class for every
-runtime (``LearnerGroup`` in ``transport.py``): each call of :class:`LearnerHandle` but
-``apply`` and ``shutdown`` is the worker's method of the same name, run on every rank.
-Adding a learner call is one method on ``LearnerWorker`` and its line here.
+runtime (``LearnerGroup`` in ``transport.py``): each call of :class:`LearnerHandle` in
+``LEARNER_CALLS`` is the worker's method of the same name, run on every rank. Adding a
+learner call is one method on ``LearnerWorker``, its line here and its line in
+``LearnerGroup``.
 
 Published weights are opaque to the orchestrator: a dict of tensors in-process,
 :class:`StoredWeights` on Ray; it only carries them from ``publish`` to
@@ -68,13 +69,18 @@ class LearnerHandle(Protocol):
         ``fn`` must be importable by name (it crosses to rank processes and actors)."""
         ...
 
+    def stop_soon(self) -> None:
+        """A stop was asked (a first Ctrl-C): a call under way that does not return within
+        the stop's grace is ended, and the run fails naming it, rather than waiting on."""
+        ...
+
     async def shutdown(self) -> None: ...
 
 
 LEARNER_CALLS = tuple(name for name in vars(LearnerHandle)
-                      if not name.startswith("_") and name not in ("apply", "shutdown"))
-"""The calls a ``LearnerGroup`` forwards to its workers, rank 0's value returned: every
-method of :class:`LearnerHandle` but the two the group implements itself."""
+                      if not name.startswith("_") and name not in ("apply", "stop_soon", "shutdown"))
+"""The calls a ``LearnerGroup`` sends to its workers, rank 0's value returned: every
+method of :class:`LearnerHandle` but the three the group implements itself."""
 
 
 class RolloutHandle(Protocol):

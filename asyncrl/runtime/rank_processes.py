@@ -23,6 +23,7 @@ CPU keeps its Python off the GIL the engine's thread and the event loop share.
 from __future__ import annotations
 
 import asyncio
+import os
 import pickle
 import signal
 import socket
@@ -119,6 +120,7 @@ class RankProcesses:
         self._failed: LearnerRankError | None = None
         self._in_flight = False  # a call's replies are being read (even if its caller was cancelled)
         self._call: tuple[str, float] | None = None  # the call under way and when it was sent
+        self._cpu_at_call: list[float] = []  # each rank's CPU seconds when it was sent
         self._weights = WeightReader()
         for rank in range(self.world_size):
             parent, child = socket.socketpair()
@@ -154,11 +156,13 @@ class RankProcesses:
                 raise self._failed
             payload = pickle.dumps((method, args), protocol=pickle.HIGHEST_PROTOCOL)
             self._in_flight, self._call = True, (method, time.monotonic())
+            self._cpu_at_call = [process_state(p.pid)[1] for p in self.procs]
             for rank, conn in enumerate(self.conns):
                 try:
                     conn.send_bytes(payload)
                 except OSError:  # its end is gone: the process died
-                    self._fail(rank, f"its process is gone (exit code {self.procs[rank].exitcode})")
+                    self.procs[rank].join(timeout=5)
+                    self._fail(rank, exit_cause(self.procs[rank]))
             return await asyncio.to_thread(self._replies)
 
     def _replies(self) -> list[Any]:
@@ -216,6 +220,21 @@ class RankProcesses:
         for proc in self.procs:
             proc.join(timeout=10)
 
+    def describe(self) -> str:
+        since = " since the call began" if self._call is not None else ""
+        ranks = []
+        for rank, proc in enumerate(self.procs):
+            state, cpu = process_state(proc.pid)
+            used = cpu - self._cpu_at_call[rank] if rank < len(self._cpu_at_call) else cpu
+            ranks.append(f"rank {rank} (pid {proc.pid}) {state}, {used:.1f} s of CPU{since}")
+        return "; ".join(ranks)
+
+    async def abandon(self, why: str) -> str:
+        detail = f"{why}; ended by the driver"
+        self._failed = LearnerRankError(0, self.world_size, detail)
+        await asyncio.to_thread(self._kill)
+        return f"its process{'es' if self.world_size > 1 else ''} killed"
+
     async def close(self) -> None:
         """Leave the process group cleanly when idle; kill whatever is left (at once when
         a call is still under way, e.g. one whose caller was cancelled)."""
@@ -253,3 +272,19 @@ def exit_cause(proc: ForkedProcess) -> str:
         return ("its process died of a bus error (SIGBUS): memory it had mapped could not be backed — most often "
                 "shared memory (/dev/shm) or RAM running out")
     return f"its process was killed by {sig.name}"
+
+
+_STATES = {"R": "running", "S": "sleeping", "D": "in uninterruptible wait (disk or device)", "T": "stopped (SIGSTOP)",
+           "t": "stopped by a debugger", "Z": "a zombie (exited, not reaped)", "X": "dead"}
+
+
+def process_state(pid: int) -> tuple[str, float]:
+    """A process's state in words and its CPU seconds so far, from ``/proc`` (Linux);
+    ``("gone", 0)`` when it is not there."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return "gone", 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return _STATES.get(fields[0], fields[0]), (int(fields[11]) + int(fields[12])) / ticks

@@ -171,6 +171,14 @@ class RayActors:
         for actor in self.actors:
             ray.kill(actor)
 
+    def describe(self) -> str:
+        return f"{self.world_size} Ray actor{'s' if self.world_size > 1 else ''} (ray.util.state can show their stacks)"
+
+    async def abandon(self, why: str) -> str:
+        self._failed = LearnerRankError(0, self.world_size, f"{why}; ended by the driver")
+        self._kill()
+        return f"its actor{'s' if self.world_size > 1 else ''} killed"
+
     async def close(self) -> None:
         from ray.util.placement_group import remove_placement_group
 
