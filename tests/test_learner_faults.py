@@ -129,6 +129,7 @@ def test_a_stopped_learner_process_ends_the_run_at_its_deadline_naming_the_call(
         ranks = descendants(proc.pid)
         os.kill(rank_of(ranks), signal.SIGSTOP)
         code, err, took = ended(proc, timeout_s=120)
+    print(f"stopped learner: exit {code} {took:.1f} s after the SIGSTOP")
     assert code == 1, err[-3000:]
     assert re.search(r"the learner's \w+ had not returned after \d+ s, past its deadline "
                      r"\(watchdog.learner_call_s=5", err), err[-3000:]
@@ -146,6 +147,7 @@ def test_a_loss_that_never_returns_is_named_at_its_deadline(tmp_path, policy_dir
                   f"learner.process={str(own_process).lower()}") as (proc, _, marker):
         wait_until(marker.exists, proc, "the loss called")
         code, err, took = ended(proc, timeout_s=120)
+    print(f"hung loss (own process {own_process}): exit {code} {took:.1f} s after the loss was called")
     assert code == 1, err[-3000:]
     assert "the learner's train_step had not returned after" in err, err[-3000:]
     if own_process:
@@ -162,6 +164,7 @@ def test_a_first_signal_ends_a_hung_learner_call_within_its_grace(tmp_path, poli
         wait_until(marker.exists, proc, "the loss called")
         proc.send_signal(signal.SIGTERM)
         code, err, took = ended(proc, timeout_s=120)
+    print(f"first signal, hung loss: exit {code} {took:.1f} s after the SIGTERM")
     assert code == 1, err[-3000:]
     assert "a stop was asked, so at most watchdog.learner_stop_grace_s=3 s after it" in err, err[-3000:]
     assert "its process killed" in err
@@ -188,6 +191,8 @@ def test_nothing_of_a_run_outlives_its_driver(tmp_path, policy_dir, kill):
         while alive(run) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = alive(run)
+        print(f"{kill}: {len(run)} processes of the run, {len(left)} left "
+              f"{time.monotonic() - deadline + 10:.1f} s after the driver's exit")
         err = proc.stderr.read().decode() if not left else ""
     assert left == set(), f"alive 10 s after the driver was killed: {sorted(left)}"
     # no block, whatever the kill (the weights' block has no name; other programs' semaphores
