@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
 from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError
 from asyncrl.engine.sampling import RowParams, sample_tokens
@@ -305,18 +306,18 @@ class TorchEngine:
         mask = prompt_mask([len(p) for p in prompts], length, self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = DynamicCache(config=self.model.config)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                         use_cache=True, logits_to_keep=1)
-        layers = [(layer.keys, layer.values) for layer in out.past_key_values.layers]
-        return Prefill(layers, out.logits[:, -1]), out.past_key_values
+        out = forward_with_cache(self.model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
+                                 logits_to_keep=1)
+        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        return Prefill(layers, out.logits[:, -1]), cache
 
     def _run_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv
         assert kv is not None
         mask = kv.decode_mask()
         self.stats.decode_positions += mask.numel()
-        out = self.model(input_ids=kv.last_tokens[:, None], attention_mask=mask, position_ids=kv.positions[:, None],
-                         past_key_values=kv.cache, use_cache=True)
+        out = forward_with_cache(self.model, kv.cache, input_ids=kv.last_tokens[:, None], attention_mask=mask,
+                                 position_ids=kv.positions[:, None])
         tokens, logprobs = sample_tokens(out.logits[:, -1], kv.rows, self._generator, kv.positions + 1)
         kv.advance(mask, tokens)
         return tokens, logprobs

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.learner.batch import TrainBatch
 
 
@@ -69,11 +70,11 @@ def response_logits(model: PreTrainedModel, batch: TrainBatch, prompts: list[lis
     width = max(len(p) for p in prompts)
     prompt_ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=device)
     prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-    prefill = model(input_ids=prompt_ids, attention_mask=prompt_mask,
-                    position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
-                    past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    prompt_cache = DynamicCache(config=model.config)
+    prefill = forward_with_cache(model, prompt_cache, input_ids=prompt_ids, attention_mask=prompt_mask,
+                                 position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
     cache = DynamicCache([(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                          for layer in prefill.past_key_values.layers], config=model.config)
+                          for layer in prompt_cache.layers], config=model.config)
 
     starts = batch.prompt_lengths.to(device)
     response_lengths = batch.attention_mask.sum(-1) - starts
@@ -81,8 +82,9 @@ def response_logits(model: PreTrainedModel, batch: TrainBatch, prompts: list[lis
     inside = steps < response_lengths[:, None]
     seq_len = batch.input_ids.shape[1]
     targets = batch.input_ids.gather(1, (starts[:, None] + steps).clamp(max=seq_len - 1)) * inside
-    out = model(input_ids=targets, attention_mask=torch.cat([prompt_mask.index_select(0, index), inside.long()], 1),
-                position_ids=starts[:, None] + steps, past_key_values=cache, use_cache=True)
+    out = forward_with_cache(model, cache, input_ids=targets,
+                             attention_mask=torch.cat([prompt_mask.index_select(0, index), inside.long()], 1),
+                             position_ids=starts[:, None] + steps)
     # response token 0 is predicted by the prompt's last position, token j by response position j - 1
     logits = torch.cat([prefill.logits[:, -1:].index_select(0, index), out.logits[:, :-1]], 1)
 

@@ -1,0 +1,47 @@
+"""A Hugging Face causal LM's forward over a KV cache we own: the one place that knows how
+the installed transformers takes that cache, so the engine's prefill and decode and the
+learner's shared-prompt forward (``asyncrl/learner/shared_prompts.py``) work across the
+whole range ``pyproject.toml`` declares.
+
+Why a helper and not a higher lower bound: transformers 5.24 renamed the forward's
+``past_key_values`` argument to ``cache`` (the old name warns on every call and goes in
+5.40), and every release before 5.24 knows only ``past_key_values``. Requiring 5.24 would
+refuse every older release of the range (and any package pinned to one) over one word.
+The name is read from the model class's own ``forward`` signature rather than from the
+version number, so a model whose code (``trust_remote_code``) still declares
+``past_key_values`` is called with that name on any version.
+
+Invariant: the cache handed in is the cache the forward extends, in place (every version of
+the range appends to its layers' tensors), so callers keep their own reference and never
+read it back from the output, whose attribute was renamed too (``out.past_key_values`` →
+``out.cache``, the old one warning).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any
+
+from transformers import DynamicCache, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+CACHE_ARGUMENTS = ("cache", "past_key_values")  # the current name first
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The name under which ``model_class.forward`` takes its KV cache."""
+    parameters = inspect.signature(model_class.forward).parameters
+    for name in CACHE_ARGUMENTS:
+        if name in parameters:
+            return name
+    raise TypeError(f"{model_class.__name__}.forward takes no KV cache (neither `cache` nor `past_key_values` in "
+                    f"its signature): the built-in engine and learner.share_prompts call the policy with one; use "
+                    f"a transformers causal LM (a *ForCausalLM class), or engine=vllm and learner.share_prompts=false")
+
+
+def forward_with_cache(model: PreTrainedModel, cache: DynamicCache, **inputs: Any) -> CausalLMOutputWithPast:
+    """``model(**inputs)`` attending over ``cache`` and appending this forward's keys and
+    values to it, in place."""
+    return model(**inputs, **{cache_argument(type(model)): cache}, use_cache=True)
