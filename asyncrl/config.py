@@ -416,7 +416,10 @@ class Config(Section):
     group_size: int = Field(8, ge=1)
     """Samples per task (n)."""
     sync_every: int = Field(1, ge=1)
-    """Optimizer steps between weight syncs to the engines."""
+    """Optimizer steps between weight syncs to the engines; the last step syncs too, and so
+    does a step whose evaluation runs on the engines (not beside training). The engines
+    serve a version for this many steps, so samples are up to ``sync_every`` - 1 versions
+    older when trained: at most η + 1, and η still bounds every trained token."""
     eval_every: int = Field(10, ge=0)
     """Steps between evaluations; evaluation also runs before the first and after the last
     step (0 = only those two)."""

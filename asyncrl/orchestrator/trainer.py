@@ -196,6 +196,7 @@ class Trainer:
                 side.append(self._tasks.create_task(self.rollouts.run(
                     self.rollout, self._now, lambda episode: self._seen(episode, "train"),
                     lambda start, end, order: self.log.event("generate", start, end, group=order))))
+                side.append(self._tasks.create_task(self.log.failed()))  # a row written in a callback that failed
                 last = await self._train_loop()
                 if self._stop.is_set():  # a stop waits for no evaluation (user code may hang in one), and
                     side[0].cancel()  # the watchdog does not turn it into a failure while it saves
@@ -230,8 +231,9 @@ class Trainer:
                 break
             groups, trajectories, actor = trained.groups, trained.trajectories, trained.actor
             self.step, self.version = step, self.version + 1
+            due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             t_sync = _clock()
-            weights = await self._sync_weights(actor) if step % self.cfg.sync_every == 0 else None
+            weights = await self._sync_weights(actor) if self._sync_due(step, bool(due)) else None
             sync_s = _clock() - t_sync
             work = await self.rollout.engine_work()
             times = StepTimes(_clock() - t0, trained.waited_s, work["busy_s"] - work0["busy_s"], self._now())
@@ -252,7 +254,6 @@ class Trainer:
             row.update({f"rollout/{key}": work[key] - work0.get(key, 0) for key in work})
             row["trainer/learner_idle_ratio"] = max(0.0, 1 - trained.learner_s / times.wall_s)
             self.log.samples(sample_rows(step, trained_version, groups, self._decode))
-            due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             self.log.step(row, await self._evaluation(step, weights) if due else None)
             await self._hook("on_step_end", row)
             while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
@@ -261,6 +262,14 @@ class Trainer:
             if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
                 await self._save(step)
         return self.step
+
+    def _sync_due(self, step: int, evaluation_due: bool) -> bool:
+        """Every ``sync_every`` steps; and, whatever ``sync_every``, after the last step (the
+        engines end serving the final policy) and before an evaluation that scores what
+        the engines serve (not beside training): a step's evaluation is of that step's
+        version. An extra sync only makes samples fresher: the gate's bound holds."""
+        return (step % self.cfg.sync_every == 0 or step == self.cfg.total_steps
+                or (evaluation_due and not self.cfg.background_eval))
 
     async def _train_batched(self, version: int, step: int) -> _Trained | None:
         """Wait for the step's B groups, then one ``train_step`` on them all."""
