@@ -250,7 +250,12 @@ class LearnerConfig(Section):
 
 class LoggingConfig(Section):
     tensorboard: bool = False
+    """Also write every metrics row as TensorBoard scalars in ``output_dir/tensorboard``
+    (``pip install -e '.[tensorboard]'``)."""
     wandb: bool = False
+    """Also log every metrics row to Weights & Biases, at its step (``pip install -e
+    '.[wandb]'``); ``WANDB_MODE=offline`` keeps the run in ``output_dir/wandb`` without
+    network or account (``wandb sync`` uploads it later)."""
     wandb_project: str = "asyncrl"
     max_errors_per_step: int = Field(20, ge=0)
     """Failed episode attempts written to ``errors.jsonl`` per step; the rest are only counted."""

@@ -25,12 +25,13 @@ import contextlib
 import json
 import math
 from collections import Counter, deque
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.types import Episode
 
 LOG_FILES = ("metrics.jsonl", "samples.jsonl", "timeline.jsonl", "errors.jsonl")
@@ -42,6 +43,19 @@ class LogWriteError(RuntimeError):
 
 class RunLog:
     def __init__(self, cfg: Config, output_dir: Path, resume_step: int | None = None) -> None:
+        self.tensorboard = None
+        self.wandb = None
+        if cfg.logging.tensorboard:  # the optional loggers first: a missing extra fails before a file is opened
+            with _extra("logging.tensorboard=true", "tensorboard"):
+                from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
+        if cfg.logging.wandb:
+            with _extra("logging.wandb=true", "wandb"):
+                import wandb
+
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(output_dir),
+                                    config=cfg.model_dump())
         # A fresh run starts fresh files: appending would splice two runs under one config.
         # A resumed one appends to files already rolled back to its checkpoint.
         mode = "w" if resume_step is None else "a"
@@ -55,17 +69,6 @@ class RunLog:
         self._failed = asyncio.Event()
         self.bar = tqdm(total=cfg.total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
                         dynamic_ncols=True)
-        self.tensorboard = None
-        self.wandb = None
-        if cfg.logging.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.tensorboard = SummaryWriter(str(output_dir / "tensorboard"))
-        if cfg.logging.wandb:
-            import wandb  # optional dependency
-
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, dir=str(output_dir),
-                                    config=cfg.model_dump())
 
     # -- metrics, in step order -----------------------------------------------
     def step(self, row: dict[str, Any], evaluation: asyncio.Future[dict[str, Any]] | None = None) -> None:
@@ -170,6 +173,17 @@ class RunLog:
             self.tensorboard.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+@contextlib.contextmanager
+def _extra(setting: str, extra: str) -> Iterator[None]:
+    """An optional package a setting needs, missing: a usage error (exit 2) saying how to
+    install it, before any step."""
+    try:
+        yield
+    except ImportError as exc:
+        raise ConfigError(f"{setting} needs the {extra!r} extra ({exc}): pip install -e '.[{extra}]', or set "
+                          f"{setting.split('=')[0]}=false") from None
 
 
 def _strict_json(value: Any) -> Any:
