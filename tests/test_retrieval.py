@@ -121,7 +121,9 @@ def test_latency_is_added_to_each_request_without_blocking_the_others():
     one, alone, many, together = asyncio.run(main())
     assert one[0]["id"] == "volcano" and all(hits[0]["id"] == "rome" for hits in many)
     assert alone >= 0.3
-    assert together < 0.3 * 3  # 16 requests overlapped their waits; one after the other would take 4.8 s
+    # Relative to the lone request just measured (its wait and its overhead, on this machine's
+    # load now): 16 requests that overlapped their waits take about one; in turn, 16 of them.
+    assert together < 4 * alone
 
 
 def test_a_search_slower_than_the_timeout_fails_as_a_message_after_the_retries():
@@ -137,7 +139,7 @@ def test_a_search_slower_than_the_timeout_fails_as_a_message_after_the_retries()
 
     message, elapsed, requests = asyncio.run(main())
     assert message.startswith("search failed: no answer from ") and message.endswith("within 0.15 s (3 attempts)")
-    assert 3 * 0.15 <= elapsed < 2.0
+    assert 3 * 0.15 <= elapsed < 2.0  # under the service's 2 s latency: no reply was waited for
     assert requests == 3 + 3  # each call tried three times
 
 

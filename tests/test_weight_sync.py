@@ -142,7 +142,9 @@ def test_a_worker_that_never_joins_fails_within_the_timeout_naming_it(policy_dir
 
     error, elapsed = asyncio.run(attempt())
     assert "rank 2 (rollout worker 1) did not join the weight-sync group within weight_sync.timeout_s=2 s" in str(error)
-    assert elapsed < 2 + 3  # the timeout, plus starting two engines
+    # the 2 s timeout plus starting two engines, generous for a loaded machine, and far under the
+    # 60 s default an unheeded weight_sync.timeout_s would wait
+    assert elapsed < 2 + 20
 
 
 def test_runtime_local_copies_in_memory_and_says_so(policy_dir, capsys):
@@ -209,7 +211,7 @@ def test_a_sharded_learner_sends_from_rank_0_and_names_a_worker_that_never_joins
     error, elapsed = asyncio.run(scenario())
     assert error.rank == 0  # learner rank 0, the sender, names the rollout worker it waited for
     assert "rank 2 (rollout worker 1) did not join the weight-sync group within weight_sync.timeout_s=2 s" in str(error)
-    assert elapsed < 2 + 5
+    assert elapsed < 2 + 20  # as above: the timeout, generous for a loaded machine, under the 60 s default
 
 
 def _exchange(tensors: dict[str, torch.Tensor], bucket_mb: float, receivers: int = 2) -> list[dict[str, torch.Tensor]]:
@@ -288,7 +290,7 @@ def test_a_receiver_that_does_not_answer_a_sync_is_named():
         with pytest.raises(WeightSyncError, match=r"rank 2 \(rollout worker 1\) did not get ready for the weight "
                                                   r"sync of version 1 within weight_sync.timeout_s=1 s"):
             sender.send(1, tensors)
-        assert time.monotonic() - start < 3
+        assert time.monotonic() - start < 1 + 10  # the 1 s timeout, generous for a loaded machine
         waiting.join(timeout=10)
         assert len(errors) == 1 and "rank 0 (the learner) did not start sending version 1" in str(errors[0])
     finally:
