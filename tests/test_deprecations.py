@@ -9,7 +9,7 @@ ran earlier would hide it). `heard()` takes both, the second with `warning_once`
 cleared, and the workload below goes through every call of ours into transformers that a
 run makes: loading the shipped policy, its chat template, the engine's prefill, group fork
 and decode, the learner's step with and without shared prompts, and `model.generate` (the
-baseline `asyncrl bench engine` and the warm-ups compare against)."""
+baseline `asyncrl bench engine` compares against)."""
 
 from __future__ import annotations
 
