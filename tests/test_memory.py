@@ -46,7 +46,9 @@ def test_trim_returns_freed_memory_that_glibc_keeps():
     assert HeapTrimmer().trim(force=True)
     took = time.perf_counter() - start
     assert before - _rss_mb() > 150, "the ~220 MB freed between survivors stayed resident"
-    assert took < 1.0 and len(kept) == 500
+    # a trim is cheap: 0.04-0.19 s measured with other jobs on both cores (load ≈ 5); the bound
+    # is generous for a loaded machine
+    assert took < 3.0 and len(kept) == 500
 
 
 def test_search_agent_example_peak_memory(tmp_path):

@@ -41,7 +41,7 @@ def test_cache_hit_prints_the_path_without_converting(tmp_path, monkeypatch, cap
     monkeypatch.setattr(model_store, "_require_gguf", no_conversion)  # a cache hit needs no gguf either
     start = time.perf_counter()
     assert run_cli("models", "get", SMOLLM2, "--cache-dir", str(tmp_path)) == 0
-    assert time.perf_counter() - start < 0.5
+    assert time.perf_counter() - start < 5  # milliseconds; generous for a loaded machine, a conversion takes minutes
     assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / SMOLLM2)
     monkeypatch.setenv("ASYNCRL_MODEL_CACHE", str(tmp_path))
     assert model_store.ensure_model(SMOLLM2) == tmp_path / SMOLLM2
