@@ -113,6 +113,10 @@ class WorkflowConfig(Section):
 
 
 class RolloutConfig(Section):
+    num_workers: int = Field(1, ge=1)
+    """``runtime: local``: rollout workers in this process, each one engine replica decoding
+    on a thread of its own (its share of ``num_threads``); groups go to the least loaded,
+    evaluations are sharded over all. ``runtime: ray`` has ``ray.num_rollout_workers``."""
     max_batch_size: int = Field(64, ge=1)
     """Sequences decoded together by one engine."""
     num_threads: int | None = Field(None, ge=1)

@@ -154,3 +154,23 @@ def test_a_learner_call_is_one_method_on_the_worker_with_the_protocols_parameter
         assert worker == list(declared), name
         assert inspect.iscoroutinefunction(getattr(LearnerGroup, name)), name
         assert list(inspect.signature(getattr(LearnerGroup, name)).parameters) == list(declared), name
+
+
+def test_a_rollout_call_is_one_method_on_the_worker_its_protocol_line_and_one_on_the_group():
+    """The rollout side has the learner's shape: every call of ``RolloutHandle`` is written
+    out on ``RolloutGroup`` (the one handle over any transport) with the Protocol's
+    parameters, and each but the group's own bookkeeping is a ``RolloutWorker`` method."""
+    import inspect
+
+    from asyncrl.runtime.protocol import RolloutHandle
+    from asyncrl.runtime.rollout_group import RolloutGroup
+    from asyncrl.runtime.rollout_worker import RolloutWorker
+
+    calls = [name for name in vars(RolloutHandle) if not name.startswith("_") and name != "restarts"]
+    assert set(calls) >= {"run_group", "in_flight", "evaluate", "sync_weights", "apply", "engine_work",
+                          "gateway_counts", "shutdown"}
+    for name in calls:
+        declared = list(inspect.signature(getattr(RolloutHandle, name)).parameters)
+        assert list(inspect.signature(getattr(RolloutGroup, name)).parameters) == declared, name
+        assert inspect.iscoroutinefunction(getattr(RolloutGroup, name)), name
+        assert inspect.iscoroutinefunction(getattr(RolloutWorker, name)), name

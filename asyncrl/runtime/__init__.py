@@ -6,8 +6,10 @@ The orchestrator gets a :class:`Runtime`: a :class:`LearnerHandle` and a
 (``learner_worker.py``) over a transport: in this process (``InProcess``), as rank
 processes beside it (``rank_processes.py``: ``learner.world_size`` > 1, or one rank with
 ``learner.process``, by default on the CPU in every mode but ``sync``), or as Ray actors
-(``ray_runtime.py``). The rollout side is a :class:`RolloutWorker` in this process, whose
-engine decodes on its own thread, or ``ray.num_rollout_workers`` of them as actors.
+(``ray_runtime.py``). The rollout side is likewise one
+:class:`~asyncrl.runtime.rollout_group.RolloutGroup` of :class:`RolloutWorker` instances over a
+transport: ``rollout.num_workers`` in this process, each engine decoding on its own
+thread, or ``ray.num_rollout_workers`` actors.
 ``start`` owns their whole lifecycle — Ray's own included — so leaving its ``async
 with`` releases all.
 """
@@ -29,6 +31,7 @@ from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.policy import resolve_device
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
+from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup, RolloutTransport
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.runtime.transport import CallDeadlines, InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
@@ -108,7 +111,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
         learner: LearnerHandle | None = None
         weights = None
         if cfg.runtime == "ray":
-            from asyncrl.runtime.ray_runtime import RayActors, RayRollout, start_ray, stop_ray
+            from asyncrl.runtime.ray_runtime import RayActors, RayRollouts, start_ray, stop_ray
 
             stack.callback(stop_ray, start_ray(cfg))  # refuses a layout the cluster cannot place
         transport: Transport | None = None
@@ -138,19 +141,25 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                 model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
             elif checkpoint is not None:
                 weights = await learner.publish()
+        rollout_transport: RolloutTransport
         if cfg.runtime == "ray":
-            rollout: RolloutHandle = RayRollout(cfg, weights=weights, version=version, eval_replica=eval_replica)
-            stack.push_async_callback(rollout.shutdown)
+            rollout_transport = RayRollouts(cfg, weights=weights, version=version, eval_replica=eval_replica)
         else:
-            local = RolloutWorker(cfg, model=model, tokenizer=tokenizer, weights=weights, version=version,
-                                  seed=rollout_worker_seed(cfg.seed, 0, version), num_threads=engine_threads,
-                                  eval_replica=eval_replica)
-            stack.push_async_callback(local.shutdown)
-            await local.start()
-            rollout = local
-            if cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(local.engine, TorchEngine):
+            n = cfg.rollout.num_workers
+            rollout_transport = InProcessRollouts([
+                RolloutWorker(cfg, model=model if i == 0 or model is None else copy.deepcopy(model),
+                              tokenizer=tokenizer, weights=weights, version=version,
+                              seed=rollout_worker_seed(cfg.seed, i, version),
+                              num_threads=max(1, engine_threads // n) if engine_threads else None,
+                              eval_replica=eval_replica) for i in range(n)])
+        rollout: RolloutHandle = RolloutGroup(rollout_transport)
+        stack.push_async_callback(rollout.shutdown)
+        if isinstance(rollout_transport, InProcessRollouts):
+            await rollout_transport.start()
+            engine = rollout_transport.workers[0].engine
+            if cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(engine, TorchEngine) and n == 1:
                 # the engine and the learner take turns: one thread for both, so one OpenMP team
-                transport.share_thread(local.engine)
+                transport.share_thread(engine)
             if isinstance(transport, InProcess):
                 transport.worker.num_threads = learner_threads  # the step's own threads from here on
         sync = None

@@ -2,7 +2,8 @@
 the orchestrator (gate, buffer, loops, logs).
 
 - Each rollout worker is an async actor holding one engine replica
-  (:class:`RolloutWorker`); groups go to the least-loaded worker.
+  (:class:`RolloutWorker`), reached through :class:`RayRollouts`, the transport under
+  the one rollout handle (``rollout_group.py``: groups to the least-loaded worker).
 - The learner is ``learner.world_size`` :class:`RayLearnerWorker` actors in one
   placement group (:class:`RayActors`, the transport under the one learner handle),
   one process group between them when there are several.
@@ -25,20 +26,17 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Callable, Mapping
 from typing import Any
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import EngineClosedError
-from asyncrl.eval_scoring import EvalResult
 from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import StoredWeights, Weights
+from asyncrl.runtime.rollout_group import WorkerLost
 from asyncrl.runtime.rollout_worker import RolloutWorker
 from asyncrl.runtime.transport import LearnerRankError
 from asyncrl.seeding import rollout_worker_seed
-from asyncrl.tasks.base import Task
-from asyncrl.types import Episode
 
 
 def _ray():
@@ -191,12 +189,12 @@ class RayActors:
         remove_placement_group(self.group)
 
 
-class _WorkerLost(Exception):
-    pass
+class RayRollouts:
+    """The rollout transport on Ray: ``ray.num_rollout_workers`` :class:`RolloutWorker`
+    actors; one that dies is killed and replaced (with the latest weights) and the call
+    raises :class:`WorkerLost` for the group to send its work round again."""
 
-
-class RayRollout:
-    """The rollout handle on Ray: ``ray.num_rollout_workers`` :class:`RolloutWorker` actors."""
+    in_process = False
 
     def __init__(self, cfg: Config, *, weights: Any, version: int, eval_replica: bool = False) -> None:
         ray, r = _ray(), cfg.ray
@@ -205,7 +203,7 @@ class RayRollout:
         self.weights, self.version, self.eval_replica = _in_store(weights), version, eval_replica
         self.restarts = 0
         self.workers = [self._spawn(i) for i in range(r.num_rollout_workers)]
-        self.load = [0] * len(self.workers)
+        self.size = len(self.workers)
 
     def _spawn(self, i: int):
         """A new worker, told to start its engine; calls made meanwhile wait for it."""
@@ -231,110 +229,28 @@ class RayRollout:
               f"{self.version}", file=sys.stderr)
         self.workers[i] = self._spawn(i)
 
-    async def _call(self, i: int, invoke: Callable[[Any], Any]) -> Any:
-        """``invoke(actor)`` on worker ``i`` (it returns the ObjectRef of one actor method);
-        a dead worker is replaced and ``_WorkerLost`` raised."""
+    async def call(self, i: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Worker ``i``'s ``method``; a dead worker is replaced and :class:`WorkerLost` raised."""
         ray, worker = _ray(), self.workers[i]
         try:
-            return await invoke(worker)
+            return await getattr(worker, method).remote(*args, **kwargs)
         except ray.exceptions.RayActorError as exc:  # dead, or unreachable: kill it to free its resources
             ray.kill(worker)
             self._replace(i, worker, exc)
-            raise _WorkerLost from exc
+            raise WorkerLost from exc
         except ray.exceptions.RayTaskError as exc:
             if not isinstance(exc.cause, EngineClosedError):
                 raise
             ray.kill(worker)  # the process lives on but its engine died: as good as dead
             self._replace(i, worker, exc)
-            raise _WorkerLost from exc
+            raise WorkerLost from exc
 
-    async def run_group(self, task: Task, n: int, draw: int = 0,
-                        replay: Mapping[int, dict[str, Any]] | None = None) -> list[Episode]:
-        while True:  # re-issued after a worker death; _replace bounds the attempts
-            i = min(range(len(self.workers)), key=self.load.__getitem__)
-            self.load[i] += 1
-            try:
-                return await self._call(i, lambda w: w.run_group.remote(task, n, draw, replay))
-            except _WorkerLost:
-                continue
-            finally:
-                self.load[i] -= 1
+    def share(self, weights: Weights, version: int) -> Any:
+        """In the object store once; a worker spawned from now on starts from these."""
+        self.weights, self.version = _in_store(weights), version
+        return self.weights
 
-    async def evaluate(self, tasks: list[Task], *, version: int, weights: Any = None,
-                       on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
-        """Shards of ``tasks`` on every worker; a shard lost with its worker goes round
-        again. ``on_episode`` sees each shard's episodes when the shard returns."""
-        shards = {i: tasks[i::len(self.workers)] for i in range(len(self.workers))}
-        parts: dict[int, EvalResult] = {}
-        stored = _in_store(weights)
-
-        async def shard(i: int) -> EvalResult:
-            result = await self._call(i, lambda w: w.evaluate.remote(shards[i], version, stored))
-            for episode in result.episodes if on_episode is not None else ():
-                on_episode(episode)
-            return result
-
-        while todo := [i for i, part in shards.items() if part and i not in parts]:
-            results = await asyncio.gather(*[shard(i) for i in todo], return_exceptions=True)
-            for i, result in zip(todo, results):
-                if isinstance(result, EvalResult):
-                    parts[i] = result
-                elif not isinstance(result, _WorkerLost):  # lost shards go round again
-                    raise result
-        return EvalResult.merge([parts[i] for i in sorted(parts)])
-
-    async def in_flight(self) -> list[dict[str, Any]]:
-        """Every live worker's journals (a worker lost meanwhile has none to give)."""
-        results = await asyncio.gather(*[self._call(i, lambda w: w.in_flight.remote())
-                                         for i in range(len(self.workers))], return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
-                raise result
-        return [j for result in results if isinstance(result, list) for j in result]
-
-    async def sync_weights(self, weights: Weights, version: int, mode: str) -> list[int]:
-        """The version each live worker serves afterwards (a replaced one starts from these)."""
-        self.weights = _in_store(weights)
-        self.version = version  # a worker spawned from now on starts from these
-        results = await asyncio.gather(
-            *[self._call(i, lambda w: w.sync_weights.remote(self.weights, version, mode)) for i in range(len(self.workers))],
-            return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
-                raise result
-        return [v for result in results if isinstance(result, list) for v in result]
-
-    async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """``fn(worker, i, *args)`` on every worker i, in the worker's process."""
-        parts = await asyncio.gather(*[self._call(i, lambda w, i=i: w.apply.remote(fn, *args, index=i))
-                                       for i in range(len(self.workers))])
-        return [value for part in parts for value in part]
-
-    async def engine_work(self) -> dict[str, float]:
-        """Mean busy and drain seconds per worker (a sync waits for the workers side by side),
-        counts summed (a replaced worker starts again from 0)."""
-        results = await asyncio.gather(*[self._call(i, lambda w: w.engine_work.remote())
-                                         for i in range(len(self.workers))], return_exceptions=True)
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
-                raise result
-        work = [r for r in results if isinstance(r, dict)]
-        total = {key: sum(w[key] for w in work) for key in (work[0] if work else {}) if all(key in w for w in work)}
-        return {**total, **{key: total[key] / max(1, len(work)) for key in ("busy_s", "drain_s") if key in total}}
-
-    async def gateway_counts(self) -> dict[str, int]:
-        """Summed over the live workers (a replaced worker's counts start again from 0)."""
-        results = await asyncio.gather(*[self._call(i, lambda w: w.gateway_counts.remote())
-                                         for i in range(len(self.workers))], return_exceptions=True)
-        total: dict[str, int] = {}
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, _WorkerLost):
-                raise result
-            for key, value in (result if isinstance(result, dict) else {}).items():
-                total[key] = total.get(key, 0) + value
-        return total
-
-    async def shutdown(self) -> None:
+    async def close(self) -> None:
         """Let each engine stop cleanly (vLLM has processes of its own), then end the actors."""
         ray = _ray()
         calls = asyncio.gather(*[w.shutdown.remote() for w in self.workers], return_exceptions=True)

@@ -1,7 +1,8 @@
 """A rollout worker: one engine replica and the workflows that drive it.
 
-For ``runtime: local`` the trainer holds one in its own process; for ``runtime: ray``
-each is the body of a Ray actor (``ray_runtime.py``). Either way the orchestrator asks
+For ``runtime: local`` the trainer holds ``rollout.num_workers`` in its own process; for
+``runtime: ray`` each is the body of a Ray actor (``ray_runtime.py``); the one rollout
+handle over them is ``rollout_group.py``. Either way the orchestrator asks
 it for whole groups, evaluations and weight updates; the staleness gate stays with the
 orchestrator and every token's version is stamped by the engine inside the worker.
 
@@ -139,11 +140,6 @@ class RolloutWorker:
         if self._start_error is not None:
             raise RuntimeError(f"the rollout engine failed to start: {self._start_error!r}") from self._start_error
         return self.engine
-
-    @property
-    def restarts(self) -> int:
-        """An in-process worker is never replaced (the Ray runtime's may be)."""
-        return 0
 
     async def gateway_counts(self) -> dict[str, int]:
         """The gateway's counts; ``user_threads_abandoned``: calls of blocking user code
