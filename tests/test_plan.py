@@ -107,7 +107,10 @@ def test_the_virtual_clock_runs_the_same_events_in_the_same_order_as_a_slowed_re
     real_s = time.perf_counter() - start
 
     assert simulated > 60, "the simulated run is minutes long"
-    assert virtual_s < simulated / 10, (virtual_s, simulated)
+    # A clock that slept would take all of `simulated` (~67 s); the run's own compute took 6.8 s once
+    # with other jobs on both cores, over a tenth. Half is generous for that and still tells a jump
+    # from a sleep.
+    assert virtual_s < simulated / 2, (virtual_s, simulated)
     assert real_s >= simulated * scale * 0.9  # it really slept
     assert _events(tmp_path / "virtual") == _events(tmp_path / "real")
     versions = [[(s["task_id"], s["behavior_version_min"], s["behavior_version_max"], s["trained_version"])

@@ -177,7 +177,7 @@ def test_a_rank_that_raises_fails_fast_and_is_named_and_ctrl_c_is_the_drivers(po
     error, elapsed, procs = asyncio.run(scenario())
     assert error.rank == 1 and "learner rank 1 of 2 failed" in str(error)
     assert "rank one broke on purpose" in str(error) and "Traceback" in str(error)
-    assert elapsed < 20  # not the process group's 120 s timeout
+    assert elapsed < 60  # generous for a loaded machine, and still half the process group's 120 s timeout
     assert not any(p.is_alive() for p in procs)
 
 

@@ -132,11 +132,13 @@ def test_a_signal_ends_a_run_stuck_in_user_code_with_its_checkpoint(tmp_path, po
         time.sleep(1.5)  # past workflow.timeout_s: some calls are abandoned, new ones stuck again
         sent = time.monotonic()
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     text = err.decode()
     assert proc.returncode == 0, text[-3000:]
-    assert took < 10, f"{took:.1f} s from the signal to the exit"
+    # seconds with nothing else running; generous for a loaded 2-core machine, and far under the
+    # hour the stuck code sleeps
+    assert took < 30, f"{took:.1f} s from the signal to the exit"
     what = "agent test_stoppable:hang_forever" if stuck == "agent" else "reward function test_stoppable:hang_reward"
     assert "still in user code, not waited for: " + what in text, text[-3000:]
     assert "interrupted at step 0" in text
@@ -177,10 +179,10 @@ def test_a_second_signal_ends_a_run_whose_loss_never_returns(tmp_path, policy_di
         assert proc.poll() is None  # the step cannot finish
         sent = time.monotonic()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=60)
         took = time.monotonic() - sent
     text = err.decode()
     assert proc.returncode == 1, text[-3000:]
-    assert took < 10, f"{took:.1f} s from the second signal to the exit"
+    assert took < 30, f"{took:.1f} s from the second signal to the exit"  # as above: generous, far under an hour
     assert "stopped by a second signal" in text
     assert stuck in text, text[-3000:]
