@@ -96,7 +96,7 @@ class WorkflowConfig(Section):
     name: str = "single_turn"
     """``single_turn``, or a class as ``module:Class`` or ``path/to/file.py:Class``, built as
     ``Class(ctx, **options)`` (``ctx``: a ``WorkflowContext`` with the reward function) or,
-    when it takes no context, ``Class(**options)``; see ``asyncrl/workflows/registry.py``."""
+    when it takes no context, ``Class(**options)``; see ``asyncrl/rollout/workflows/registry.py``."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of a ``module:Class`` workflow's constructor (e.g. ``max_turns``);
     ``single_turn`` takes none."""

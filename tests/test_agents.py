@@ -56,13 +56,13 @@ def test_the_example_agent_trains_on_ray(tmp_path, policy_dir):
 def test_an_agent_that_raises_or_hangs_is_an_error_episode_and_its_session_closes(tiny_policy):
     import asyncio
 
-    from asyncrl.client import LLMClient
+    from asyncrl.rollout.client import LLMClient
     from asyncrl.engine import TorchEngine
-    from asyncrl.gateway import Gateway, hermes
+    from asyncrl.rollout.gateway import Gateway, hermes
     from asyncrl.tasks.base import Task
     from asyncrl.types import SamplingParams
-    from asyncrl.workflows import run_episode
-    from asyncrl.workflows.openai_agent import OpenAIAgentWorkflow
+    from asyncrl.rollout.workflows import run_episode
+    from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
 
     model, tokenizer = tiny_policy
     seen: list[str] = []

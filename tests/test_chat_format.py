@@ -12,10 +12,10 @@ import pytest
 from real_model import smollm2_dir  # noqa: F401 (a fixture)
 from transformers import AutoTokenizer
 
-import asyncrl.client
-from asyncrl.chat_format import TemplateSupport, describe, prepare, probe
-from asyncrl.client import LLMClient, stop_token_ids
-from asyncrl.gateway import hermes
+import asyncrl.rollout.client
+from asyncrl.rollout.chat_format import TemplateSupport, describe, prepare, probe
+from asyncrl.rollout.client import LLMClient, stop_token_ids
+from asyncrl.rollout.gateway import hermes
 from asyncrl.types import Completion, SamplingParams
 
 NONE = TemplateSupport(tools=False, tool_calls=False, tool_role=False, none_content=False)
@@ -212,7 +212,7 @@ REWRITING = (
 
 
 def test_rewriting_template_starts_a_new_trajectory(char_tokenizer, monkeypatch, caplog):
-    monkeypatch.setattr(asyncrl.client, "_warned_rewrites", set())
+    monkeypatch.setattr(asyncrl.rollout.client, "_warned_rewrites", set())
     tokenizer = copy.deepcopy(char_tokenizer)
     tokenizer.chat_template = REWRITING
     tokenizer.name_or_path = "rewriting-test"
@@ -227,10 +227,10 @@ def test_rewriting_template_starts_a_new_trajectory(char_tokenizer, monkeypatch,
             if question:
                 messages.append({"role": "user", "content": question})
 
-    with caplog.at_level(logging.WARNING, logger="asyncrl.client"):
+    with caplog.at_level(logging.WARNING, logger="asyncrl.rollout.client"):
         asyncio.run(main())
     assert len(llm.trajectories) == 3 and llm.template_rewrites == 2
-    warnings = [r.getMessage() for r in caplog.records if r.name == "asyncrl.client"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "asyncrl.rollout.client"]
     assert len(warnings) == 1  # once per process, not per turn
     assert "'rewriting-test'" in warnings[0] and "rewrites earlier turns" in warnings[0]
     for traj, prompt, reply, text in zip(llm.trajectories, llm.engine.prompts, llm.engine.replies, replies):

@@ -7,7 +7,7 @@ import copy
 
 import torch
 
-from asyncrl.client import LLMClient
+from asyncrl.rollout.client import LLMClient
 from asyncrl.engine import TorchEngine
 from asyncrl.types import NO_VERSION, SamplingParams
 from conftest import SpyEngine, reference_logprobs

@@ -203,7 +203,7 @@ def test_keys_are_listed_with_defaults(capsys):
 
 
 def test_task_options_reach_the_generator_and_typos_exit_2(tmp_path, policy_dir, capsys):
-    from asyncrl.workflows.registry import build_tasks
+    from asyncrl.rollout.workflows.registry import build_tasks
 
     cfg = load_config(None, ["task.options={num_numbers: 4}", "task.num_train=5", "task.num_validation=2"])
     assert all(len(t.data["numbers"]) == 4 for t in build_tasks(cfg).train)

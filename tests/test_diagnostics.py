@@ -10,13 +10,13 @@ import json
 import pytest
 from test_gateway import CALL_TEXT, TOOLS, ScriptedFirstReply, sdk, serving
 
-from asyncrl.client import LLMClient, Response
+from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.orchestrator.metrics import StepTimes, sample_rows, step_row
 from asyncrl.tasks import Task
 from asyncrl.types import AgentDiagnostics, Episode, Group, Step, Trajectory, is_tool_error
-from asyncrl.workflows import MultiTurnWorkflow
-from asyncrl.workflows.openai_agent import OpenAIAgentWorkflow
+from asyncrl.rollout.workflows import MultiTurnWorkflow
+from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
 
 TASK = Task(id="t0", prompt="2+3=", data={"answer": 5})
 TIMES = StepTimes(wall_s=2.0, waited_s=0.5, rollout_busy_s=1.0, elapsed_s=10.0)

@@ -64,10 +64,10 @@ SITE = textwrap.dedent('''
         elif point == "before-checkpoint-rename":  # step_N.tmp complete, not renamed into place
             wrap(os, "replace", lambda src, dst, *a, **k: str(src).endswith(".tmp"))
         elif point == "mid-evaluation":
-            from asyncrl.runtime.rollout_worker import RolloutWorker
+            from asyncrl.rollout.worker import RolloutWorker
             wrap(RolloutWorker, "_episode", lambda self, task, engine, sampling, purpose, *a, **k: purpose == "eval")
         elif point == "agent-episode-in-flight":  # an OpenAI-SDK agent between two calls to the gateway
-            from asyncrl.client import LLMClient
+            from asyncrl.rollout.client import LLMClient
             wrap(LLMClient, "chat")
 
     if os.environ.get("ASYNCRL_KILL_AT"):

@@ -16,9 +16,9 @@ import torch
 from conftest import reference_logprobs
 from openai import AsyncOpenAI
 
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.engine import TorchEngine
-from asyncrl.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, hermes
 from asyncrl.tiny import chat_prompt_ids
 from asyncrl.types import Completion, SamplingParams
 

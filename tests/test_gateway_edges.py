@@ -16,11 +16,11 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
 from asyncrl.cli import main as cli_main
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.config import ConfigError, GatewayConfig, load_config
 from asyncrl.engine import TorchEngine
-from asyncrl.gateway import Gateway, hermes
-from asyncrl.gateway.access import check_exposure, is_loopback
+from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway.access import check_exposure, is_loopback
 from asyncrl.types import SamplingParams
 
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "1 2 -> 3"}]}

@@ -25,11 +25,11 @@ import aiohttp
 import pytest
 from transformers import AutoTokenizer
 
-from asyncrl.client import stop_token_ids
+from asyncrl.rollout.client import stop_token_ids
 from asyncrl.config import GatewayConfig
 from asyncrl.engine import PromptTooLongError
-from asyncrl.gateway import Gateway, hermes
-from asyncrl.gateway.prompt_size import refuse_unfit, text_chars
+from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway.prompt_size import refuse_unfit, text_chars
 from asyncrl.json_api import Refused
 from asyncrl.types import Completion, SamplingParams
 

@@ -16,12 +16,12 @@ import time
 from conftest import SpyEngine
 from test_resume import read_jsonl_safe, run_args
 
-from asyncrl.client import LLMClient
+from asyncrl.rollout.client import LLMClient
 from asyncrl.config import load_config
 from asyncrl.engine import TorchEngine
-from asyncrl.journal import EpisodeKey, Journal
+from asyncrl.rollout.journal import EpisodeKey, Journal
 from asyncrl.orchestrator.checkpoint import IN_FLIGHT_FILE, RunState, latest_checkpoint
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.tasks.countdown import iter_countdown
 from asyncrl.types import SamplingParams
 
@@ -153,7 +153,7 @@ def test_a_resumed_sync_run_replays_its_episodes_and_equals_the_uninterrupted_on
     uninterrupted one: the same samples, weights within float noise."""
     from test_reproducible import METRIC_KEYS, WEIGHT_ATOL, run, same_run
 
-    from asyncrl.workflows.registry import build_tasks
+    from asyncrl.rollout.workflows.registry import build_tasks
 
     sync = ["mode=sync", "partial_rollout=off"]
     whole = run(tmp_path, policy_dir, "whole", *sync)

@@ -176,7 +176,7 @@ def test_a_resume_says_the_episodes_it_continues_as_the_counters_count_them(tmp_
     untrained groups are turned into groups under way, one sample each finished, cut off
     and queued, as a checkpoint taken a moment earlier would have held them."""
     from asyncrl.orchestrator.checkpoint import IN_FLIGHT_FILE
-    from asyncrl.workflows.registry import build_tasks
+    from asyncrl.rollout.workflows.registry import build_tasks
 
     out = tmp_path / "run"
     overrides = [f"model.path={policy_dir}", "mode=sync", "partial_rollout=off", "batch_size=2", "group_size=4",

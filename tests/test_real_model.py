@@ -30,7 +30,7 @@ from test_gateway import ScriptedFirstReply, sdk, serving
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.bench.retokenize import Render, naive_text, retokenization_drift, run_retokenize_bench
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import pack_batch
 from asyncrl.learner.learner import Learner

@@ -20,17 +20,17 @@ import json
 from safetensors.torch import load_file
 
 from asyncrl.cli import main
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.config import load_config
 from asyncrl.engine import TorchEngine
-from asyncrl.eval_scoring import evaluate
+from asyncrl.rollout.eval_scoring import evaluate
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.policy import load_policy
 from asyncrl.seeding import derive_seed, episode_seed
 from asyncrl.tasks import Task
 from asyncrl.types import Episode, SamplingParams
-from asyncrl.workflows import run_episode
-from asyncrl.workflows.registry import build_tasks
+from asyncrl.rollout.workflows import run_episode
+from asyncrl.rollout.workflows.registry import build_tasks
 
 STEPS = 4
 WEIGHT_ATOL = 1e-4  # float noise from μ (module docstring): ~3e-6 measured over these 4 steps; lr = 1e-2

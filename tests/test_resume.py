@@ -23,7 +23,7 @@ from asyncrl.orchestrator.checkpoint import (
     starting_point,
 )
 from asyncrl.orchestrator.task_stream import Draw, TaskStream
-from asyncrl.workflows.registry import build_tasks
+from asyncrl.rollout.workflows.registry import build_tasks
 
 
 def read_jsonl(path):

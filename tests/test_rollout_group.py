@@ -12,7 +12,7 @@ import torch
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.tasks.countdown import iter_countdown
 
 

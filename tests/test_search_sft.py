@@ -20,7 +20,7 @@ pytest.importorskip("bm25s")
 
 import torch
 
-from asyncrl.gateway.tool_calls import hermes
+from asyncrl.rollout.gateway.tool_calls import hermes
 from asyncrl.plugins import load_named
 from asyncrl.tasks import load_tasks
 from asyncrl.tasks.multihop import extract_answer, fact_text, iter_multihop, multihop_corpus, multihop_reward

@@ -17,7 +17,7 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.learner import pack_batch
 from asyncrl.runtime.learner_worker import LearnerWorker
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.runtime.transport import InProcess, LearnerGroup
 from asyncrl.weight_sync import (
     CollectiveSync,

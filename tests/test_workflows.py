@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from asyncrl.client import LLMClient, Message, Response
+from asyncrl.rollout.client import LLMClient, Message, Response
 from asyncrl.engine import TorchEngine
-from asyncrl.eval_scoring import evaluate, pass_at_k
+from asyncrl.rollout.eval_scoring import evaluate, pass_at_k
 from asyncrl.tasks import Task, arithmetic_reward, generate_arithmetic
 from asyncrl.types import Episode, SamplingParams
-from asyncrl.workflows import MultiTurnWorkflow, SingleTurnWorkflow, run_episode
+from asyncrl.rollout.workflows import MultiTurnWorkflow, SingleTurnWorkflow, run_episode
 
 SAMPLING = SamplingParams(max_tokens=6, temperature=1.0)
 TASK = Task(id="t0", prompt="2+3=", data={"answer": 5})
@@ -218,7 +218,7 @@ def test_pass_at_k_by_hand():
 
 WORKFLOW_FILE = '''
 from asyncrl.types import Episode
-from asyncrl.workflows import MultiTurnWorkflow
+from asyncrl.rollout.workflows import MultiTurnWorkflow
 
 
 class WithContext:
@@ -268,7 +268,7 @@ def workflow_config(spec, **options):
 
 
 def test_a_workflow_class_gets_the_context_and_its_options(workflow_file):
-    from asyncrl.workflows.registry import build_workflow
+    from asyncrl.rollout.workflows.registry import build_workflow
 
     workflow = build_workflow(workflow_config(f"{workflow_file}:WithContext", max_turns=3, label="retry"))
     assert (workflow.max_turns, workflow.label) == (3, "retry")
@@ -278,7 +278,7 @@ def test_a_workflow_class_gets_the_context_and_its_options(workflow_file):
 
 
 def test_classes_without_a_context_still_build(workflow_file):
-    from asyncrl.workflows.registry import build_workflow
+    from asyncrl.rollout.workflows.registry import build_workflow
 
     assert type(build_workflow(workflow_config(f"{workflow_file}:NoArguments"))).__name__ == "NoArguments"
     assert build_workflow(workflow_config(f"{workflow_file}:Inherited", max_turns=2)).max_turns == 2
@@ -306,7 +306,7 @@ def test_a_constructor_that_does_not_fit_exits_2_naming_workflow_name(
 
 def test_single_turn_takes_no_options():
     from asyncrl.config import ConfigError
-    from asyncrl.workflows.registry import build_workflow
+    from asyncrl.rollout.workflows.registry import build_workflow
 
     with pytest.raises(ConfigError, match=r"workflow.options \{'max_turns': 2\}: workflow 'single_turn'"):
         build_workflow(workflow_config("single_turn", max_turns=2))
@@ -324,7 +324,7 @@ def test_retry_workflow_gives_feedback_and_discounts_a_later_solve(tiny_policy):
     from asyncrl.orchestrator.buffer import ReadyGroup
     from asyncrl.orchestrator.metrics import sample_rows
     from asyncrl.types import Group
-    from asyncrl.workflows import WorkflowContext
+    from asyncrl.rollout.workflows import WorkflowContext
 
     scores = iter([0.0, 1.0, 1.0])  # turn 1 wrong, turn 2 right, then reward() scores turn 2 again
     ctx = WorkflowContext(reward_fn=lambda task, text: next(scores), reward_timeout_s=10, use_chat_template=True)
@@ -355,7 +355,7 @@ def test_retry_workflow_gives_feedback_and_discounts_a_later_solve(tiny_policy):
 
 
 def test_retry_workflow_refuses_a_bad_configuration():
-    from asyncrl.workflows import WorkflowContext
+    from asyncrl.rollout.workflows import WorkflowContext
 
     retry = load_retry_workflow()
     with pytest.raises(ValueError, match="set task.reward_fn"):

@@ -34,10 +34,10 @@ from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.bench.progress import phase
-from asyncrl.client import LLMClient, Message
+from asyncrl.rollout.client import LLMClient, Message
 from asyncrl.config import ModelConfig, Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
-from asyncrl.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, hermes
 from asyncrl.policy import load_policy
 from asyncrl.tasks import load_tasks
 from asyncrl.types import SamplingParams

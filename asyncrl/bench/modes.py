@@ -45,9 +45,9 @@ from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack_batch
 from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.policy import load_policy
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.tiny import build_char_tokenizer, build_tiny_model, save_tiny_policy
-from asyncrl.workflows.registry import build_tasks
+from asyncrl.rollout.workflows.registry import build_tasks
 
 SEARCH_EXAMPLE = "examples/search_agent/sync.yaml"
 # per-step agent metrics averaged over a run: the profile of the search workload

@@ -33,7 +33,7 @@ from pydantic import Field
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.bench.progress import phase
-from asyncrl.client import LLMClient, Message, stop_token_ids
+from asyncrl.rollout.client import LLMClient, Message, stop_token_ids
 from asyncrl.config import ModelConfig, Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
 from asyncrl.policy import load_policy

@@ -59,7 +59,7 @@ from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tasks import countdown_reward
 from asyncrl.tasks.base import Task
-from asyncrl.workflows.registry import build_tasks
+from asyncrl.rollout.workflows.registry import build_tasks
 
 SYSTEMS = ("trl", "asyncrl_sync", "asyncrl_async")
 TARGET_RULE = "held-out reward of TRL's last checkpoint (step = steps)"

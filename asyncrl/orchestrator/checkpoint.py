@@ -39,7 +39,7 @@ from asyncrl.types import Group
 
 RUN_STATE_FILE = "run_state.json"
 IN_FLIGHT_FILE = "in_flight.jsonl"
-"""The journals of the episodes under way at the checkpoint (``asyncrl/journal.py``): what
+"""The journals of the episodes under way at the checkpoint (``asyncrl/rollout/journal.py``): what
 they had generated, continued on resume instead of generated again."""
 LEARNER_STATE_FILE = "trainer_state.pt"
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from asyncrl.config import Config, save_config
-from asyncrl.eval_scoring import EvalResult, write_eval
+from asyncrl.rollout.eval_scoring import EvalResult, write_eval
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.runtime import start
 from asyncrl.types import Episode

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.eval_scoring import EvalResult
+from asyncrl.rollout.eval_scoring import EvalResult
 from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.buffer import ReadyGroup
@@ -50,7 +50,7 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/resumed_fraction": sum(t.resumed for t in trajectories) / n,
         "rollout/resumes": sum(t.num_resumes for t in trajectories),  # aborts resumed in what this step trains
         "rollout/response_tokens_mean": tokens / n,
-        # chat turns whose template rewrote earlier turns, so they began a new trajectory (asyncrl/client.py)
+        # chat turns whose template rewrote earlier turns, so they began a new trajectory (asyncrl/rollout/client.py)
         "rollout/template_rewrites": sum(e.metadata.get("template_rewrites", 0) for g in groups for e in g.group.episodes),
         **{f"buffer/{k}": v for k, v in buffer.items()},
         # since the run began: groups accepted / filtered / all_error, saturated / hopeless (all

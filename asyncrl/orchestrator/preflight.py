@@ -18,7 +18,7 @@ from asyncrl.engine import require_engine
 from asyncrl.orchestrator.hooks import Hooks
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.tasks.base import TaskSplits
-from asyncrl.workflows.registry import build_tasks, build_workflow, check_tokenizer
+from asyncrl.rollout.workflows.registry import build_tasks, build_workflow, check_tokenizer
 
 
 @dataclass

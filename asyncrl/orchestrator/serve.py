@@ -13,13 +13,13 @@ import signal
 import sys
 import threading
 
-from asyncrl.client import stop_token_ids
+from asyncrl.rollout.client import stop_token_ids
 from asyncrl.config import Config, ConfigError
-from asyncrl.gateway.access import check_exposure
-from asyncrl.gateway.server import Gateway
-from asyncrl.gateway.tool_calls import get_parser
+from asyncrl.rollout.gateway.access import check_exposure
+from asyncrl.rollout.gateway.server import Gateway
+from asyncrl.rollout.gateway.tool_calls import get_parser
 from asyncrl.orchestrator.preflight import preflight
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 
 
 def serve(cfg: Config) -> None:

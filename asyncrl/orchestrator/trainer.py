@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncrl import chat_format
+from asyncrl.rollout import chat_format
 from asyncrl.algorithms.finite import check_rewards
 from asyncrl.config import (
     CONFIG_FILE,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.eval_scoring import EvalResult
+from asyncrl.rollout.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.plan.costs import Costs, LearnerCosts
 from asyncrl.plan.engine import SharedCores, SimulatedEngine, SimulatedSequence

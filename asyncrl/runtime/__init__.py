@@ -32,7 +32,7 @@ from asyncrl.policy import resolve_device
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup, RolloutTransport
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.runtime.transport import CallDeadlines, InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
 from asyncrl.weight_sync import WeightSync, open_weight_sync

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.eval_scoring import EvalResult
+from asyncrl.rollout.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.modes import PartialRollout
 from asyncrl.tasks.base import Task
@@ -94,7 +94,7 @@ class RolloutHandle(Protocol):
         """``n`` episodes of ``task``; a failing episode comes back with status ``error``.
         ``draw``: the train epoch the task was handed out in (part of the episodes' seeds,
         ``asyncrl/seeding.py``). ``replay``: sample -> its journal from a checkpoint
-        (``asyncrl/journal.py``), continued rather than generated again."""
+        (``asyncrl/rollout/journal.py``), continued rather than generated again."""
         ...
 
     async def in_flight(self) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from asyncrl.learner.distributed import free_port
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.protocol import StoredWeights, Weights
 from asyncrl.runtime.rollout_group import WorkerLost
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.runtime.transport import LearnerRankError
 from asyncrl.seeding import rollout_worker_seed
 

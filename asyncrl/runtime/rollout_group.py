@@ -1,7 +1,7 @@
 """One rollout handle over a transport, the rollout side's twin of ``LearnerGroup``.
 
 A transport carries ``call(i, method, *args)`` to worker i of N
-:class:`~asyncrl.runtime.rollout_worker.RolloutWorker` instances; :class:`RolloutGroup` decides
+:class:`~asyncrl.rollout.worker.RolloutWorker` instances; :class:`RolloutGroup` decides
 which worker gets what: a group to the least loaded worker, an evaluation in shards over
 all of them, weights and ``apply`` to every one, counts summed. Two transports:
 :class:`InProcessRollouts` (N workers in this process, each engine on a thread of its
@@ -20,10 +20,10 @@ import asyncio
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
-from asyncrl.eval_scoring import EvalResult
+from asyncrl.rollout.eval_scoring import EvalResult
 from asyncrl.modes import PartialRollout
 from asyncrl.runtime.protocol import Weights
-from asyncrl.runtime.rollout_worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 

@@ -14,12 +14,12 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.engine import TorchEngine
-from asyncrl.eval_scoring import EvalResult, evaluate
+from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.tasks import Task, countdown_reward
 from asyncrl.types import Episode, SamplingParams
-from asyncrl.workflows import SingleTurnWorkflow, run_episode
+from asyncrl.rollout.workflows import SingleTurnWorkflow, run_episode
 
 MAX_NEW_TOKENS = 24  # room to spare: canonical 3-number answers are at most 7 characters + EOS
 

@@ -28,7 +28,7 @@ class LearnerEnd(Protocol):
 
 
 class RolloutEnd(Protocol):
-    """What a rollout worker offers (``runtime/rollout_worker.py``)."""
+    """What a rollout worker offers (``asyncrl/rollout/worker.py``)."""
 
     attached: dict[str, Any]
 

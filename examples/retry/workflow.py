@@ -9,20 +9,20 @@ reward and the defaults, 1 for a first-turn solve, 0.5 for a solve on the second
 0 for none. A solve after feedback still earns credit, a first-turn solve earns more, so
 GRPO's group comparison prefers it.
 
-What the client does with it (``asyncrl/client.py``): the whole conversation is one
+What the client does with it (``asyncrl/rollout/client.py``): the whole conversation is one
 trajectory; the model's replies are trained (loss mask 1), the feedback turns and the
 template's role markers are environment tokens (mask 0). In ``samples.jsonl`` they are
 the ``environment`` parts of ``response_segments``.
 
 Configured by ``examples/retry/train.yaml``; the run builds it as
-``RetryWorkflow(ctx, **workflow.options)`` (see ``asyncrl/workflows/registry.py``).
+``RetryWorkflow(ctx, **workflow.options)`` (see ``asyncrl/rollout/workflows/registry.py``).
 """
 
 from __future__ import annotations
 
-from asyncrl.client import Message, Response
+from asyncrl.rollout.client import Message, Response
 from asyncrl.tasks import Task
-from asyncrl.workflows import MultiTurnWorkflow, WorkflowContext, score
+from asyncrl.rollout.workflows import MultiTurnWorkflow, WorkflowContext, score
 
 
 class RetryWorkflow(MultiTurnWorkflow):

@@ -8,7 +8,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any
 
-from asyncrl.client import LLMClient, Message, Response
+from asyncrl.rollout.client import LLMClient, Message, Response
 from asyncrl.tasks.base import Task
 from asyncrl.types import AgentDiagnostics, Episode, is_tool_error
 

@@ -23,9 +23,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from asyncrl import chat_format
+from asyncrl.rollout import chat_format
 from asyncrl.engine.protocol import RolloutEngine
-from asyncrl.journal import Journal
+from asyncrl.rollout.journal import Journal
 from asyncrl.types import NO_VERSION, Completion, FinishReason, SamplingParams, Step, Trajectory
 
 Message = dict[str, Any]
@@ -121,7 +121,7 @@ class LLMClient:
     ``chat`` call that extends it when the chat template rewrites what it rendered before
     (``template_rewrites`` counts those): see :meth:`_tokens_after_reply`.
 
-    Every render goes through :mod:`asyncrl.chat_format`, so tools, tool calls, tool
+    Every render goes through :mod:`asyncrl.rollout.chat_format`, so tools, tool calls, tool
     results and ``content: None`` reach the model also through a template not written for
     them."""
 

@@ -39,14 +39,14 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
-import asyncrl.gateway.openai_api as api
-import asyncrl.gateway.prompt_size as prompt_size
-from asyncrl.client import LLMClient
+import asyncrl.rollout.gateway.openai_api as api
+import asyncrl.rollout.gateway.prompt_size as prompt_size
+from asyncrl.rollout.client import LLMClient
 from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
-from asyncrl.gateway.access import check_exposure, middlewares
-from asyncrl.gateway.session import CallResult, Session
-from asyncrl.gateway.tool_calls import ToolParser
+from asyncrl.rollout.gateway.access import check_exposure, middlewares
+from asyncrl.rollout.gateway.session import CallResult, Session
+from asyncrl.rollout.gateway.tool_calls import ToolParser
 from asyncrl.json_api import Refused, error_response, listen, read_json, validate
 from asyncrl.types import AgentDiagnostics, SamplingParams
 

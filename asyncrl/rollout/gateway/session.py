@@ -1,6 +1,6 @@
 """One episode's conversation through the gateway, recorded token-exact.
 
-A session wraps the episode's :class:`~asyncrl.client.LLMClient`, so every call is
+A session wraps the episode's :class:`~asyncrl.rollout.client.LLMClient`, so every call is
 recorded as a workflow's would be (prompt ids, sampled ids, behavior logprobs, versions,
 loss mask) and an abort for a weight sync is resumed inside the client, out of the
 agent's sight. What the session adds is the translation an OpenAI agent needs:
@@ -35,11 +35,11 @@ import time
 from concurrent.futures import Executor
 from typing import Any
 
-import asyncrl.gateway.prompt_size as prompt_size
-from asyncrl.client import LLMClient, Response
+import asyncrl.rollout.gateway.prompt_size as prompt_size
+from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError
-from asyncrl.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
-from asyncrl.gateway.tool_calls import ParsedReply, ToolParser
+from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
+from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolParser
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
 
 

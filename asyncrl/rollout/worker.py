@@ -31,19 +31,19 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
-from asyncrl.eval_scoring import EvalResult, evaluate
-from asyncrl.gateway import Gateway, get_parser
-from asyncrl.journal import EpisodeKey, Journal
+from asyncrl.rollout.eval_scoring import EvalResult, evaluate
+from asyncrl.rollout.gateway import Gateway, get_parser
+from asyncrl.rollout.journal import EpisodeKey, Journal
 from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.seeding import Purpose, derive_seed, episode_seed
 from asyncrl.tasks.base import Task
 from asyncrl.threads import UserThreads
 from asyncrl.types import Completion, Episode, SamplingParams
-from asyncrl.workflows.base import run_episode
-from asyncrl.workflows.registry import build_workflow
+from asyncrl.rollout.workflows.base import run_episode
+from asyncrl.rollout.workflows.registry import build_workflow
 
 GATEWAY_COUNTS = ("tool_parse_errors", "sampling_overrides")
 ENGINE_COUNTS = {"decode_steps": "steps", "prefills": "prefills", "prefill_rows": "prefill_rows",

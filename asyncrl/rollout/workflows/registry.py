@@ -29,14 +29,14 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.gateway.server import Gateway
-from asyncrl.gateway.tool_calls import get_parser
+from asyncrl.rollout.gateway.server import Gateway
+from asyncrl.rollout.gateway.tool_calls import get_parser
 from asyncrl.plugins import load_named
 from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
 from asyncrl.tasks.base import RewardFn, TaskSplits
-from asyncrl.workflows.base import Workflow, WorkflowContext
-from asyncrl.workflows.openai_agent import OpenAIAgentWorkflow
-from asyncrl.workflows.single_turn import SingleTurnWorkflow
+from asyncrl.rollout.workflows.base import Workflow, WorkflowContext
+from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
+from asyncrl.rollout.workflows.single_turn import SingleTurnWorkflow
 
 
 def build_tasks(cfg: Config) -> TaskSplits:
@@ -131,7 +131,7 @@ def _constructor_args(cls: Any, name: str, options: dict[str, Any], ctx: Workflo
             raise ConfigError(
                 f"workflow.name {name!r}: cannot call {getattr(cls, '__qualname__', cls)}{shown} with "
                 f"workflow.options {options}: {reason}{hint}. A workflow class is called as Class(ctx, **options) "
-                "(ctx: asyncrl.workflows.WorkflowContext) or Class(**options)") from None
+                "(ctx: asyncrl.rollout.workflows.WorkflowContext) or Class(**options)") from None
 
 
 def check_tokenizer(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:

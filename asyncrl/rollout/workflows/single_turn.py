@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
-from asyncrl.client import LLMClient
+from asyncrl.rollout.client import LLMClient
 from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.threads import call_in_thread, describe
 from asyncrl.types import Episode

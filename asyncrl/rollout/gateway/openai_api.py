@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from asyncrl.gateway.tool_calls import ParsedReply
+from asyncrl.rollout.gateway.tool_calls import ParsedReply
 from asyncrl.json_api import Refused
 
 

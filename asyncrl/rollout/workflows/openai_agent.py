@@ -18,8 +18,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.client import LLMClient
-from asyncrl.gateway.server import Gateway
+from asyncrl.rollout.client import LLMClient
+from asyncrl.rollout.gateway.server import Gateway
 from asyncrl.tasks.base import Task
 from asyncrl.threads import call_in_thread, describe
 from asyncrl.types import AgentDiagnostics, Episode

@@ -2,7 +2,7 @@
 against the OpenAI API trains unchanged: it gets a session base URL, and every call it
 makes is recorded token-exact into its episode."""
 
-from asyncrl.gateway.server import Gateway
-from asyncrl.gateway.tool_calls import PARSERS, ParsedReply, ToolCall, get_parser, hermes
+from asyncrl.rollout.gateway.server import Gateway
+from asyncrl.rollout.gateway.tool_calls import PARSERS, ParsedReply, ToolCall, get_parser, hermes
 
 __all__ = ["PARSERS", "Gateway", "ParsedReply", "ToolCall", "get_parser", "hermes"]

@@ -17,9 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from asyncrl.client import LLMClient
+from asyncrl.rollout.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError
-from asyncrl.journal import Journal
+from asyncrl.rollout.journal import Journal
 from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.types import AttemptError, Episode
 
@@ -52,7 +52,7 @@ async def run_episode(
     workflow's own failure. ``seed(attempt)`` (attempts count from 1): the sampling seed
     of that attempt's client, so each attempt samples anew and every one reproducibly.
     ``journal(attempt)``: where that attempt's client records what it generates (and what
-    it replays after a restart: ``asyncrl/journal.py``)."""
+    it replays after a restart: ``asyncrl/rollout/journal.py``)."""
     error, errors = "", []
     for attempt in range(1, max_retries + 2):
         start = time.perf_counter()
