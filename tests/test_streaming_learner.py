@@ -161,7 +161,7 @@ def streaming_trainer(batch_size):
     a recording learner, η = 1."""
     cfg = load_config(None, [f"batch_size={batch_size}", "learner.streaming=true"])
     trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.version, trainer.max_staleness, trainer.start_time = cfg, 0, 1, time.perf_counter()
+    trainer.cfg, trainer.step, trainer.max_staleness, trainer.start_time = cfg, 0, 1, time.perf_counter()
     gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=batch_size))
     trainer.rollouts = SimpleNamespace(buffer=GroupBuffer(gate, max_staleness=1))
 

@@ -76,13 +76,13 @@ class RolloutLoop:
                      replay: dict[int, dict[str, Any]] | None = None) -> None:
         started = now()
         if not replay:  # the learner may wait for it (buffer.py); replayed tokens can be older than now
-            self.buffer.running(start_order, self.gate.gate.version)
+            self.buffer.running(start_order, self.gate.version)
         episodes = await rollout.run_group(task, self.cfg.group_size, epoch, replay)
         on_generated(started, now(), start_order)
         for episode in episodes:
             on_episode(episode)
         ok = [e for e in episodes if e.status == "ok" and e.trajectories]
-        step = self.gate.gate.version + 1  # the step being prepared
+        step = self.gate.version + 1  # the step being prepared
         check_rewards([e.reward for e in ok], max_abs=self.cfg.algorithm.max_abs_reward, task_id=task.id, step=step)
         self.finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
         if ok:

@@ -221,6 +221,11 @@ class AsyncStalenessGate:
         self.gate = gate
         self._cond = asyncio.Condition()
 
+    @property
+    def version(self) -> int:
+        """The version the gate admits for: the last one the engines were given."""
+        return self.gate.version
+
     async def acquire(self) -> None:
         """Wait until a group may start, then count it as started (running)."""
         async with self._cond:

@@ -82,7 +82,7 @@ class Trainer:
         self._saved_step: int | None = None
         self.save_seconds: dict[int, float] = {}  # each checkpoint save's wall time, by step (off a benchmark's clock)
         self.resumed_from = state
-        self.step = self.version = state.step if state else 0  # one optimizer step makes one version
+        self.step = state.step if state else 0  # optimizer steps taken; each made one version
         self._served_version = self.version  # what the rollout engines hold
         in_flight = read_in_flight(checkpoint) if checkpoint else []
         self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state, in_flight)
@@ -153,6 +153,12 @@ class Trainer:
         """Finish the current step, checkpoint and return, as a first Ctrl-C does. Safe from
         any thread, and from a hook."""
         self._stop.request()
+
+    @property
+    def version(self) -> int:
+        """The learner's policy version: one optimizer step makes one version, so it is the
+        step count, kept once (the gate's and the engines' versions follow it by sync)."""
+        return self.step
 
     # ---------------------------------------------------------------- main
     async def run_async(self) -> Path:
@@ -230,7 +236,7 @@ class Trainer:
             if trained is None:  # asked to stop while waiting for data: nothing half-done to finish
                 break
             groups, trajectories, actor = trained.groups, trained.trajectories, trained.actor
-            self.step, self.version = step, self.version + 1
+            self.step = step
             due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
             t_sync = _clock()
             weights = await self._sync_weights(actor) if self._sync_due(step, bool(due)) else None
