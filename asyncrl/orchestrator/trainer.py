@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import sys
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -46,14 +45,15 @@ from asyncrl.orchestrator.checkpoint import (
     starting_point,
 )
 from asyncrl.orchestrator.hooks import HookEvent, HookName
-from asyncrl.orchestrator.metrics import StepTimes, eval_metrics, sample_rows, step_row
+from asyncrl.orchestrator.metrics import eval_metrics, sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
+from asyncrl.orchestrator.step_meter import StepMeter, Trained, learner_call
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
-from asyncrl.types import Episode, Trajectory
+from asyncrl.types import Episode
 
 T = TypeVar("T")
 
@@ -228,46 +228,39 @@ class Trainer:
         self.learner.stop_soon()
 
     async def _train_loop(self) -> int:
+        """Each step: take B groups and train on them, sync the weights, log the step (with
+        its evaluation), call the hooks, checkpoint when due."""
         while self.step < self.cfg.total_steps and not self._stop.is_set():
-            t0, work0 = _clock(), await self.rollout.engine_work()
-            trained_version, step = self.version, self.step + 1
+            meter, trained_version, step = await StepMeter.started(self.rollout), self.version, self.step + 1
             train = self._train_streamed if self.cfg.learner.streaming else self._train_batched
             trained = await train(trained_version, step)
             if trained is None:  # asked to stop while waiting for data: nothing half-done to finish
                 break
-            groups, trajectories, actor = trained.groups, trained.trajectories, trained.actor
             self.step = step
-            due = step == self.cfg.total_steps or (self.cfg.eval_every and step % self.cfg.eval_every == 0)
-            t_sync = _clock()
-            weights = await self._sync_weights(actor) if self._sync_due(step, bool(due)) else None
-            sync_s = _clock() - t_sync
-            work = await self.rollout.engine_work()
-            times = StepTimes(_clock() - t0, trained.waited_s, work["busy_s"] - work0["busy_s"], self._now())
-            buffer = self.rollouts.buffer
-            # the window's fraction and the group counts are read together, before any await
-            filtered_window, counters = self.watchdog.starvation.fraction, self._counters()
-            counters.update(await self.rollout.gateway_counts())
-            row = step_row(step, self.version, trained_version, groups, trajectories, actor, times,
-                           self.rollouts.take_finished_rewards(), counters,
-                           {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped},
-                           filtered_fraction_window=filtered_window)
-            row["rollout/errors_unlogged_total"] = self.log.errors_unlogged  # failed attempts past errors.jsonl's cap
-            # the learner computing (its calls, awaited) against the whole step: waits for data, the
-            # weight sync and the logging are its idle time
-            row["time/learner"], row["time/weight_sync"] = trained.learner_s, sync_s
-            row["time/learner_overlap"] = trained.overlap_s
-            # what the engines did meanwhile, summed over them: what `asyncrl plan --from` fits their costs to
-            row.update({f"rollout/{key}": work[key] - work0.get(key, 0) for key in work})
-            row["trainer/learner_idle_ratio"] = max(0.0, 1 - trained.learner_s / times.wall_s)
-            self.log.samples(sample_rows(step, trained_version, groups, self._decode))
+            due = step == self.cfg.total_steps or bool(self.cfg.eval_every and step % self.cfg.eval_every == 0)
+            weights = await meter.timed_sync(self._sync_weights(trained.actor)) if self._sync_due(step, due) else None
+            row = await self._row(meter, step, trained_version, trained)
+            self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode))
             self.log.step(row, await self._evaluation(step, weights) if due else None)
-            await self._hook("on_step_end", row)
-            while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
-                await self._hook("on_epoch_end", row, epoch=self._epochs_reported)
-                self._epochs_reported += 1
-            if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
-                await self._save(step)
+            await self._after_step(step, row)
         return self.step
+
+    async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained) -> dict[str, Any]:
+        # the window's fraction and the group counts are read together, before any await
+        filtered_window, counters, buffer = self.watchdog.starvation.fraction, self._counters(), self.rollouts.buffer
+        counters.update(await self.rollout.gateway_counts())
+        return await meter.row(step, self.version, trained_version, trained, self._now(),
+                               self.rollouts.take_finished_rewards(), counters,
+                               {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped},
+                               filtered_window, self.log.errors_unlogged)
+
+    async def _after_step(self, step: int, row: dict[str, Any]) -> None:
+        await self._hook("on_step_end", row)
+        while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
+            await self._hook("on_epoch_end", row, epoch=self._epochs_reported)
+            self._epochs_reported += 1
+        if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
+            await self._save(step)
 
     def _sync_due(self, step: int, evaluation_due: bool) -> bool:
         """Every ``sync_every`` steps; and, whatever ``sync_every``, after the last step (the
@@ -277,17 +270,17 @@ class Trainer:
         return (step % self.cfg.sync_every == 0 or step == self.cfg.total_steps
                 or (evaluation_due and not self.cfg.background_eval))
 
-    async def _train_batched(self, version: int, step: int) -> _Trained | None:
+    async def _train_batched(self, version: int, step: int) -> Trained | None:
         """Wait for the step's B groups, then one ``train_step`` on them all."""
         t0 = _clock()
         groups = await self._take_unless_stopped(self.cfg.batch_size)
         if groups is None:
             return None
-        trained = _Trained(waited_s=_clock() - t0)
+        trained = Trained(waited_s=_clock() - t0)
         trained.actor = await self._learn(trained, step, self.learner.train_step(*self._batch(trained, groups, version)))
         return trained
 
-    async def _train_streamed(self, version: int, step: int) -> _Trained | None:
+    async def _train_streamed(self, version: int, step: int) -> Trained | None:
         """``learner.streaming``: forward and backward (``accumulate``) on every group ready
         now, up to the step's B, while the others generate; then on each as it comes (or
         all that came meanwhile); the optimizer step (``finish_step``) once B are in. The
@@ -296,7 +289,7 @@ class Trainer:
         ``version``; the rows list the step's groups in start order. Asked to stop while
         waiting, it puts the groups taken back in the buffer (a checkpoint keeps them
         untrained, as it would have had they waited there) and their gradients are dropped."""
-        trained, buffer = _Trained(), self.rollouts.buffer
+        trained, buffer = Trained(), self.rollouts.buffer
         while len(trained.groups) < self.cfg.batch_size:
             t0 = _clock()
             groups = await self._take_unless_stopped(min(self.cfg.batch_size - len(trained.groups), max(1, len(buffer))))
@@ -309,7 +302,7 @@ class Trainer:
         trained.groups.sort(key=lambda g: g.start_order)
         return trained
 
-    def _batch(self, trained: _Trained, groups: list[ReadyGroup], version: int) -> tuple[TrainBatch, bool]:
+    def _batch(self, trained: Trained, groups: list[ReadyGroup], version: int) -> tuple[TrainBatch, bool]:
         """``groups``, each checked fresh enough to train ``version`` on (``trainable``) and
         added to ``trained``, packed; and whether ``version`` sampled every token of them
         (then π_prox = μ, and the learner skips its recompute)."""
@@ -319,14 +312,10 @@ class Trainer:
         on_policy = all(t.behavior_version_max == version for t in trajectories)
         return pack_batch(trajectories, advantages, self.tokenizer.pad_token_id or 0), on_policy
 
-    async def _learn(self, trained: _Trained, step: int, call: Awaitable[T]) -> T:
-        """A learner call of ``step``: timed into ``trained.learner_s``, and on the timeline;
-        the engines' busy seconds meanwhile go to ``trained.overlap_s`` (on shared cores the
-        two slow each other down: ``asyncrl plan --from`` fits by how much)."""
-        t_train, start = self._now(), _clock()
-        before, out = await asyncio.gather(self.rollout.engine_work(), call)
-        trained.learner_s += _clock() - start
-        trained.overlap_s += (await self.rollout.engine_work())["busy_s"] - before["busy_s"]
+    async def _learn(self, trained: Trained, step: int, call: Awaitable[T]) -> T:
+        """A learner call of ``step``, timed into ``trained`` (``step_meter.learner_call``) and on the timeline."""
+        t_train = self._now()
+        out = await learner_call(self.rollout, trained, call)
         self.log.event("train", t_train, self._now(), step=step)
         return out
 
@@ -436,19 +425,6 @@ class Trainer:
                               step=step)
         self.log.event("eval", t_eval, self._now(), step=step, version=version)
         return eval_metrics(result, version, self._now() - t_eval)
-
-
-@dataclass
-class _Trained:
-    """One step's training: its groups and trajectories, the learner's ``actor/*`` metrics,
-    the seconds it waited for groups with nothing to compute and the seconds it computed."""
-
-    groups: list[ReadyGroup] = field(default_factory=list)
-    trajectories: list[Trajectory] = field(default_factory=list)
-    actor: dict[str, float] = field(default_factory=dict)
-    waited_s: float = 0.0
-    learner_s: float = 0.0
-    overlap_s: float = 0.0  # the engines' busy seconds (mean per engine) during the learner's calls
 
 
 def _clock() -> float:
