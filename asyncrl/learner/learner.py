@@ -1,5 +1,5 @@
-"""The learner: recomputes proximal logprobs, takes optimizer steps, exports weights,
-saves Hugging Face checkpoints.
+"""The learner: recomputes proximal logprobs, takes optimizer steps, exports weights.
+Its checkpoints are written and read back by ``checkpoint_io.py``.
 
 One ``train_step`` trains on one batch and makes one new policy version. By default that
 is one optimizer step; with sample reuse (``optim.ppo_epochs`` passes over the batch, each
@@ -29,33 +29,24 @@ ranks too, so N ranks take the step one would. ``distributed.py`` says how.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
-import os
-import random
-import shutil
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_parameters
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.distributed import Sharding
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
-
-OPTIMIZER_DIR = "optimizer"
-"""A checkpoint's optimizer state, as torch.distributed.checkpoint files keyed by parameter
-name: any number of ranks (one included) can load what any number saved."""
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int):
@@ -395,89 +386,19 @@ class Learner:
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None,
                         files: dict[str, str] | None = None) -> Path:
-        """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (version,
-        schedule, RNG, ``extra``), the optimizer state under ``optimizer/`` (one shard per
-        rank, loadable by any number of ranks) and the text ``files`` of other parts beside
-        the weights. Written to a temporary directory and renamed, so a crash mid-write
-        never leaves a half checkpoint under the final name. Sharded, every rank calls it
-        (the weights are gathered to rank 0, each rank writes its optimizer shard) and the
-        directory must be one all ranks see."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        tmp = path.with_name(path.name + ".tmp")
+        """Write a checkpoint of this learner to ``path`` (what it holds:
+        ``checkpoint_io.write_checkpoint``), refused while any weight is NaN or infinite, so
+        the last checkpoint written stays the last good one. Sharded, every rank calls it."""
         bad = self._count_nonfinite_weights()  # every rank, so all refuse together
         if bad:
             raise NonFiniteError(f"refusing to write {path}: {bad} weight tensors hold NaN or infinity; the last "
                                  "checkpoint written is the last good one")
-        weights = self.sharding.full_state_dict(self.model) if self.sharding is not None else None
-        if self.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.module.save_pretrained(tmp, state_dict=weights)
-            self.tokenizer.save_pretrained(tmp)
-            for name, text in (files or {}).items():
-                (tmp / name).write_text(text)
-            torch.save({"version": self.version, "scheduler": self.scheduler.state_dict(), "rng": rng_state(),
-                        **(extra or {})}, tmp / "trainer_state.pt")
-        del weights
-        self._barrier()  # tmp/ exists before any rank writes into it
-        with _single_process_dcp():
-            dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
-                     checkpoint_id=tmp / OPTIMIZER_DIR, no_dist=self.sharding is None)
-        if self.is_main:
-            old = path.with_name(path.name + ".old")
-            if path.exists():  # set aside, not deleted, until the new one is in place
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        self._barrier()  # no rank returns before the checkpoint is in place
-        return path
+        return write_checkpoint(self, path, extra, files)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Continue from ``path``: weights, optimizer, LR schedule, RNG streams, version,
-        whatever number of ranks saved it. (The KL reference, if any, stays the initial
-        policy.) Returns the trainer state. Sharded, every rank calls it."""
-        state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
-        saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(self.module.parameters()).dtype).state_dict()
-        if self.sharding is None:
-            self.model.load_state_dict(saved)
-        else:
-            self.sharding.load_full_state_dict(self.model, saved)
-        del saved
-        self._load_optimizer(path, state)
-        self.scheduler.load_state_dict(state["scheduler"])
-        set_rng_state(state["rng"])
-        self.version = state["version"]
-        return state
-
-    def _load_optimizer(self, path: Path, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
-
-        if "optimizer" in state:  # a checkpoint from before optimizer/: one state dict keyed by parameter order
-            if self.sharding is None:
-                self.optimizer.load_state_dict(state["optimizer"])
-                return
-            names = [name for name, _ in self.module.named_parameters()]  # the optimizer's order
-            old = state["optimizer"]
-            full = {"state": {names[i]: v for i, v in old["state"].items()},
-                    "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]]}
-            set_optimizer_state_dict(self.model, self.optimizer, full, options=StateDictOptions(full_state_dict=True))
-            return
-        import torch.distributed.checkpoint as dcp
-
-        target = get_optimizer_state_dict(self.model, self.optimizer)  # this layout's shapes: DCP reshards into it
-        with _single_process_dcp():
-            dcp.load({"optimizer": target}, checkpoint_id=path / OPTIMIZER_DIR, no_dist=self.sharding is None)
-        set_optimizer_state_dict(self.model, self.optimizer, target)
-
-    def _barrier(self) -> None:
-        if self.sharding is not None:
-            self.sharding.barrier()
+        """Continue from the checkpoint at ``path`` (``checkpoint_io.restore_checkpoint``);
+        returns its trainer state. Sharded, every rank calls it."""
+        return restore_checkpoint(self, path)
 
 
 @dataclass
@@ -495,26 +416,3 @@ class _Stream:
 def _counts(loss_mask: torch.Tensor) -> torch.Tensor:
     """(model tokens, sequences with any) of a (B, T) loss mask, as floats."""
     return torch.stack([loss_mask.sum(), (loss_mask.sum(-1) > 0).sum().float()])
-
-
-@contextlib.contextmanager
-def _single_process_dcp() -> Iterator[None]:
-    """DCP warns whenever it runs without a process group; one learner means exactly that."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state

@@ -32,7 +32,7 @@ import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.jsonl import read_jsonl
-from asyncrl.learner.learner import OPTIMIZER_DIR
+from asyncrl.learner.checkpoint_io import OPTIMIZER_DIR
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.orchestrator.task_stream import Draw
 from asyncrl.types import Group

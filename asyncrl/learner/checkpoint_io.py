@@ -1,0 +1,159 @@
+"""A learner's checkpoint on disk: writing it and reading it back.
+
+A checkpoint is a Hugging Face model directory (weights, tokenizer, config) with
+``trainer_state.pt`` beside it (version, LR schedule, RNG streams, whatever the caller adds)
+and the optimizer state under ``optimizer/`` as torch.distributed.checkpoint files, one
+shard per rank. Any number of ranks (one included) loads what any number saved.
+
+Invariant: a directory under a checkpoint's final name is complete. It is written under
+``<name>.tmp`` and renamed into place; an older checkpoint of the same name is set aside
+as ``<name>.old`` until the new one is there, never deleted first.
+
+What the run keeps beside the learner's state (run state, journals, rotation of old
+checkpoints, rolling the logs back on resume) is ``asyncrl/orchestrator/checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.learner.distributed import Sharding
+
+OPTIMIZER_DIR = "optimizer"
+"""A checkpoint's optimizer state, as torch.distributed.checkpoint files keyed by parameter
+name: any number of ranks (one included) can load what any number saved."""
+
+class Checkpointed(Protocol):
+    """What a checkpoint holds of a learner (:class:`asyncrl.learner.learner.Learner`)."""
+
+    model: torch.nn.Module  # as trained: wrapped (FSDP2/DDP) when sharded
+    module: PreTrainedModel  # the Hugging Face model under it: names, config, save_pretrained
+    tokenizer: PreTrainedTokenizerBase
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sharding: Sharding | None
+    version: int
+
+    @property
+    def is_main(self) -> bool: ...
+
+
+def write_checkpoint(learner: Checkpointed, path: Path, extra: dict[str, Any] | None = None,
+         files: dict[str, str] | None = None) -> Path:
+    """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (version,
+    schedule, RNG, ``extra``), the optimizer state under ``optimizer/`` (one shard per
+    rank, loadable by any number of ranks) and the text ``files`` of other parts beside
+    the weights. Written to a temporary directory and renamed, so a crash mid-write
+    never leaves a half checkpoint under the final name. Sharded, every rank calls it
+    (the weights are gathered to rank 0, each rank writes its optimizer shard) and the
+    directory must be one all ranks see."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    tmp = path.with_name(path.name + ".tmp")
+    sharding = learner.sharding
+    weights = sharding.full_state_dict(learner.model) if sharding is not None else None
+    if learner.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        learner.module.save_pretrained(tmp, state_dict=weights)
+        learner.tokenizer.save_pretrained(tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+        torch.save({"version": learner.version, "scheduler": learner.scheduler.state_dict(), "rng": rng_state(),
+                    **(extra or {})}, tmp / "trainer_state.pt")
+    del weights
+    _barrier(sharding)  # tmp/ exists before any rank writes into it
+    with _single_process_dcp():
+        dcp.save({"optimizer": get_optimizer_state_dict(learner.model, learner.optimizer)},
+                 checkpoint_id=tmp / OPTIMIZER_DIR, no_dist=sharding is None)
+    if learner.is_main:
+        old = path.with_name(path.name + ".old")
+        if path.exists():  # set aside, not deleted, until the new one is in place
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(sharding)  # no rank returns before the checkpoint is in place
+    return path
+
+
+def restore_checkpoint(learner: Checkpointed, path: Path) -> dict[str, Any]:
+    """Continue from ``path``: weights, optimizer, LR schedule, RNG streams, version,
+    whatever number of ranks saved it. (The KL reference, if any, stays the initial
+    policy.) Returns the trainer state. Sharded, every rank calls it."""
+    state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(learner.module.parameters()).dtype).state_dict()
+    if learner.sharding is None:
+        learner.model.load_state_dict(saved)
+    else:
+        learner.sharding.load_full_state_dict(learner.model, saved)
+    del saved
+    _load_optimizer(learner, path, state)
+    learner.scheduler.load_state_dict(state["scheduler"])
+    set_rng_state(state["rng"])
+    learner.version = state["version"]
+    return state
+
+
+def _load_optimizer(learner: Checkpointed, path: Path, state: dict[str, Any]) -> None:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    if "optimizer" in state:  # a checkpoint from before optimizer/: one state dict keyed by parameter order
+        if learner.sharding is None:
+            learner.optimizer.load_state_dict(state["optimizer"])
+            return
+        names = [name for name, _ in learner.module.named_parameters()]  # the optimizer's order
+        old = state["optimizer"]
+        full = {"state": {names[i]: v for i, v in old["state"].items()},
+                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]]}
+        set_optimizer_state_dict(learner.model, learner.optimizer, full, options=StateDictOptions(full_state_dict=True))
+        return
+    import torch.distributed.checkpoint as dcp
+
+    target = get_optimizer_state_dict(learner.model, learner.optimizer)  # this layout's shapes: DCP reshards into it
+    with _single_process_dcp():
+        dcp.load({"optimizer": target}, checkpoint_id=path / OPTIMIZER_DIR, no_dist=learner.sharding is None)
+    set_optimizer_state_dict(learner.model, learner.optimizer, target)
+
+
+def _barrier(sharding: Sharding | None) -> None:
+    if sharding is not None:
+        sharding.barrier()
+
+
+@contextlib.contextmanager
+def _single_process_dcp() -> Iterator[None]:
+    """DCP warns whenever it runs without a process group; one learner means exactly that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
