@@ -9,7 +9,7 @@ import sys
 import traceback
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.model_store import add_models_command, run_models_command
+from asyncrl.model_convert import add_models_command, run_models_command
 from asyncrl.orchestrator.watchdog import WatchdogStop
 from asyncrl.threads import stuck_report
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.model_store import MissingExtraError, RegistryUnreachable, ensure_model
+from asyncrl.model_convert import MissingExtraError, RegistryUnreachable, ensure_model
 
 SMOLLM2 = "smollm2-135m-instruct"
 

@@ -78,11 +78,12 @@ FLOORS = {
     "asyncrl": 0,  # the package's own __init__ only, not a default for the modules under it
     "asyncrl.types": 0, "asyncrl.modes": 0, "asyncrl.config": 0, "asyncrl.config_doc": 0, "asyncrl.seeding": 0,
     "asyncrl.jsonl": 0, "asyncrl.json_api": 0, "asyncrl.heap": 0, "asyncrl.threads": 0, "asyncrl.plugins": 0,
-    "asyncrl.model_store": 0,
+    "asyncrl.model_store": 0,  # the known models and their cache; the conversion is model_convert (floor 1)
     "asyncrl.rollout": 0,  # the rollout side's package: its own __init__ (a docstring), and per module below
     "asyncrl.rollout.chat_format": 0, "asyncrl.rollout.journal": 0,
     # 1 parts: one job each
     "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.engine": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
+    "asyncrl.model_convert": 1,
     "asyncrl.rollout.eval_scoring": 1, "asyncrl.rollout.client": 1, "asyncrl.tools": 1, "asyncrl.weight_sync": 1,
     # 2 episodes over the client, and the rollout worker that runs them on an engine
     "asyncrl.rollout.workflows": 2, "asyncrl.rollout.gateway": 2, "asyncrl.rollout.worker": 2,

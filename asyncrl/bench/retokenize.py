@@ -205,7 +205,7 @@ def run_retokenize_bench(overrides: list[str]) -> dict[str, Any]:
     s = validate(RetokenizeBenchSettings, apply_overrides({}, overrides))
     path = s.model.path
     if path is None:
-        from asyncrl.model_store import ensure_model
+        from asyncrl.model_convert import ensure_model
 
         path = str(ensure_model("smollm2-135m-instruct"))
     model, tokenizer = load_policy(ModelConfig(path=path, dtype=s.model.dtype, device=s.model.device))
