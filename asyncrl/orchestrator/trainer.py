@@ -21,18 +21,10 @@ from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-from asyncrl.rollout import chat_format
 from asyncrl.algorithms.finite import check_rewards
-from asyncrl.config import (
-    CONFIG_FILE,
-    Config,
-    changed_settings,
-    describe_changes,
-    record_config_changes,
-    run_settings,
-    save_config,
-)
+from asyncrl.config import Config, changed_settings, run_settings
 from asyncrl.learner import TrainBatch, pack_batch
+from asyncrl.orchestrator.announce import banner, finished_note, save_run_config
 from asyncrl.orchestrator.buffer import ReadyGroup, trainable
 from asyncrl.orchestrator.checkpoint import (
     IN_FLIGHT_FILE,
@@ -101,54 +93,6 @@ class Trainer:
         """The run ended early because it was asked to stop (a signal, :meth:`stop`, a hook)."""
         return self._stop.is_set() and self.step < self.cfg.total_steps
 
-    def banner(self) -> str:
-        """What a run is about to do, said before it starts."""
-        c, state = self.cfg, self.resumed_from
-        partial = c.effective_partial_rollout
-        evals = f"every {c.eval_every} steps" if c.eval_every else "before the first and after the last step"
-        return "\n".join([
-            f"asyncrl train → {self.output_dir}" + (f" (resuming from step {state.step})" if state else ""),
-            f"  mode {c.mode}, η = {self.max_staleness}, partial rollouts: {partial}; runtime {c.runtime}, "
-            f"engine {c.engine}, weight sync {c.weight_sync.method}",
-            f"  model {c.model.path}; task {c.task.name} ({len(self.splits.train)} train, "
-            f"{min(c.eval.num_tasks, len(self.splits.validation))} validation tasks scored)",
-            f"  {c.total_steps} steps × {c.batch_size} groups × {c.group_size} samples; evaluation {evals}"
-            + (" (beside training)" if c.background_eval else ""),
-            *([f"  {template}"] if (template := self._template_note()) else []),
-            "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
-
-    def _template_note(self) -> str | None:
-        """What asyncrl renders in place of the chat template (tools on a model whose template
-        has none), so a user sees it before the first step rather than in the samples."""
-        if self.tokenizer.chat_template is None or not self.cfg.workflow.use_chat_template:
-            return None
-        return chat_format.describe(chat_format.probe(self.tokenizer))
-
-    def finished_note(self) -> str:
-        """What a resume of a finished run says: its latest checkpoint is at (or past)
-        ``total_steps``, so there is nothing to train, and nothing was written."""
-        step, total = self.resumed_from.step, self.cfg.total_steps
-        lines = [f"asyncrl train: {self.output_dir} is finished: its latest checkpoint is step {step}"
-                 + (f" of total_steps={total}" if step == total else f", past total_steps={total}")
-                 + "; nothing to train, nothing written",
-                 f"  to train on from step {step}, add total_steps=N with N > {step} to resume=true"]
-        if self.changed_settings:
-            lines.append("  not applied, as nothing trains: " + ", ".join(describe_changes(self.changed_settings)))
-        return "\n".join(lines)
-
-    def _save_config(self) -> None:
-        """A new run writes ``config.yaml``. A resume leaves it as the run began: settings that
-        differ from those the run last trained with are said and appended to
-        ``config_changes.jsonl`` beside it."""
-        path = self.output_dir / CONFIG_FILE
-        if self.resumed_from is None or not path.is_file():
-            save_config(self.cfg, path)
-        elif self.changed_settings:
-            record = record_config_changes(self.output_dir, self.resumed_from.step, self.changed_settings)
-            shown = "".join(f"\n  {line}" for line in describe_changes(self.changed_settings))
-            print(f"asyncrl: resuming with settings changed from the run's (recorded in {record}; "
-                  f"{CONFIG_FILE} keeps those it began with):{shown}", file=sys.stderr, flush=True)
-
     def stop(self) -> None:
         """Finish the current step, checkpoint and return, as a first Ctrl-C does. Safe from
         any thread, and from a hook."""
@@ -164,12 +108,12 @@ class Trainer:
     async def run_async(self) -> Path:
         """The whole run on the caller's event loop; returns the final checkpoint."""
         if self.finished:  # a resume with nothing left to train: said, and not a file touched
-            print(self.finished_note(), file=sys.stderr, flush=True)
+            print(finished_note(self.cfg, self.resumed_from.step, self.changed_settings), file=sys.stderr, flush=True)
             return self.last_checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
         state, first_step = self.resumed_from, self.step
-        print(self.banner(), file=sys.stderr, flush=True)
-        self._save_config()
+        print(banner(self.cfg, self.resumed_from, self.splits, self.tokenizer), file=sys.stderr, flush=True)
+        save_run_config(self.cfg, self.resumed_from, self.changed_settings)
         with self._stop.installed():
             async with self._start_runtime(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:

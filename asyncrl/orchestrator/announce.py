@@ -1,0 +1,68 @@
+"""What a run says and records before its first step: the banner (what it is about to do),
+the note of a resume with nothing left to train, and ``config.yaml`` (or, on a resume,
+the settings changed since the run began, said and recorded beside it)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.config import CONFIG_FILE, Config, describe_changes, record_config_changes, save_config
+from asyncrl.orchestrator.checkpoint import RunState
+from asyncrl.rollout import chat_format
+from asyncrl.tasks.base import TaskSplits
+
+
+def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer: PreTrainedTokenizerBase) -> str:
+    """What a run is about to do, said before it starts."""
+    evals = f"every {cfg.eval_every} steps" if cfg.eval_every else "before the first and after the last step"
+    return "\n".join([
+        f"asyncrl train → {Path(cfg.output_dir)}" + (f" (resuming from step {resumed.step})" if resumed else ""),
+        f"  mode {cfg.mode}, η = {cfg.effective_max_staleness}, partial rollouts: {cfg.effective_partial_rollout}; "
+        f"runtime {cfg.runtime}, engine {cfg.engine}, weight sync {cfg.weight_sync.method}",
+        f"  model {cfg.model.path}; task {cfg.task.name} ({len(splits.train)} train, "
+        f"{min(cfg.eval.num_tasks, len(splits.validation))} validation tasks scored)",
+        f"  {cfg.total_steps} steps × {cfg.batch_size} groups × {cfg.group_size} samples; evaluation {evals}"
+        + (" (beside training)" if cfg.background_eval else ""),
+        *([f"  {template}"] if (template := _template_note(cfg, tokenizer)) else []),
+        "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
+
+
+def _template_note(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """What asyncrl renders in place of the chat template (tools on a model whose template
+    has none), so a user sees it before the first step rather than in the samples."""
+    if tokenizer.chat_template is None or not cfg.workflow.use_chat_template:
+        return None
+    return chat_format.describe(chat_format.probe(tokenizer))
+
+
+def finished_note(cfg: Config, step: int, changed: Mapping[str, Any]) -> str:
+    """What a resume of a finished run says: its latest checkpoint (``step``) is at or past
+    ``total_steps``, so there is nothing to train, and nothing was written."""
+    total = cfg.total_steps
+    lines = [f"asyncrl train: {Path(cfg.output_dir)} is finished: its latest checkpoint is step {step}"
+             + (f" of total_steps={total}" if step == total else f", past total_steps={total}")
+             + "; nothing to train, nothing written",
+             f"  to train on from step {step}, add total_steps=N with N > {step} to resume=true"]
+    if changed:
+        lines.append("  not applied, as nothing trains: " + ", ".join(describe_changes(changed)))
+    return "\n".join(lines)
+
+
+def save_run_config(cfg: Config, resumed: RunState | None, changed: Mapping[str, Any]) -> None:
+    """A new run writes ``config.yaml``. A resume leaves it as the run began: settings that
+    differ from those the run last trained with are said and appended to
+    ``config_changes.jsonl`` beside it."""
+    output_dir = Path(cfg.output_dir)
+    path = output_dir / CONFIG_FILE
+    if resumed is None or not path.is_file():
+        save_config(cfg, path)
+    elif changed:
+        record = record_config_changes(output_dir, resumed.step, changed)
+        shown = "".join(f"\n  {line}" for line in describe_changes(changed))
+        print(f"asyncrl: resuming with settings changed from the run's (recorded in {record}; "
+              f"{CONFIG_FILE} keeps those it began with):{shown}", file=sys.stderr, flush=True)
