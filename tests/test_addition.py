@@ -67,6 +67,7 @@ def test_shipped_policy_matches_its_record():
 
 
 @pytest.mark.parametrize("mode", ["async", "one_step_off", "sync"])
+@pytest.mark.slow
 def test_addition_example_trains(in_repo, tmp_path, mode):  # noqa: F811 (in_repo is a fixture)
     samples = train(f"examples/addition/{mode}.yaml", tmp_path / mode)
     assert len(samples) == 2 * 2 * 4

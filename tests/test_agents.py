@@ -44,6 +44,7 @@ def test_a_bad_agent_name_exits_2(tmp_path, policy_dir, capsys):
     assert code == 2 and "workflow.agent" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_example_agent_trains_on_ray(tmp_path, policy_dir):
     pytest.importorskip("ray")
     out = tmp_path / "ray"

@@ -39,6 +39,7 @@ def test_the_faults_page_table_lists_every_case_as_the_tests_see_it():
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.tried for c in CASES])
+@pytest.mark.slow
 def test_bad_input(case: Case, tmp_path: Path):
     code, err, seconds = run_case(case, tmp_path)
     tail = "\n".join(err.splitlines()[-12:])

@@ -49,6 +49,7 @@ def test_bench_engine_smoke(tmp_path, capsys):
         "longtail": f"model.generate {tok_s}, TorchEngine {tok_s}"})
 
 
+@pytest.mark.slow
 def test_bench_modes_smoke(tmp_path, capsys):
     out = tmp_path / "modes"
     assert main(["bench", "modes", "steps=2", "batch_size=2", "group_size=2", "max_tokens=16",
@@ -69,6 +70,7 @@ def test_bench_modes_smoke(tmp_path, capsys):
         "pure generation": r"T_gen [\d.]+ s, 8 samples", "pure training": r"T_train [\d.]+ s, 2 steps"})
 
 
+@pytest.mark.slow
 def test_bench_modes_search_smoke(tmp_path, capsys):
     """The search workload: the shipped agent, its tool behind a delay, each mode's agent profile."""
     out = tmp_path / "modes-search"
@@ -91,6 +93,7 @@ def test_bench_rejects_unknown_setting(capsys):
     assert "did you mean 'steps'" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_bench_trl_smoke(tmp_path, capsys):
     pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
     out = tmp_path / "trl"
@@ -132,6 +135,7 @@ def test_bench_trl_smoke(tmp_path, capsys):
         "held-out eval: asyncrl_async (2 checkpoints)": held})
 
 
+@pytest.mark.slow
 def test_bench_trl_batch_sizes_without_held_out(tmp_path, capsys):
     """Several sizes in one invocation, speed only: each size's three systems under ``sizes``,
     the first size's also at the top level; no checkpoint saved or scored."""

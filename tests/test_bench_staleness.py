@@ -50,6 +50,7 @@ SMOKE = ["etas=[0,2]", "seeds=2", "steps=4", "batch_size=2", "group_size=4", "ev
          "eval_samples=2", "warmup_steps=20"]
 
 
+@pytest.mark.slow
 def test_bench_staleness_smoke(tmp_path, capsys):
     out = tmp_path / "staleness"
     main(["bench", "staleness", *SMOKE, "--out", str(out)])

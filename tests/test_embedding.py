@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here is a whole run in a child process
+
 TOP = "print('the top level ran', flush=True)\n"
 
 

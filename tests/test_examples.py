@@ -141,6 +141,7 @@ def test_smollm2_example_data_and_reward(in_repo, tmp_path):
         assert score(task, reply) == reward, reply
 
 
+@pytest.mark.slow
 def test_smollm2_example_trains_on_the_real_model(in_repo, tmp_path, smollm2_dir):  # noqa: F811 (the fixture)
     """The example as shipped (model.path is the fetched model's name), one small step."""
     samples = train("examples/smollm2/train.yaml", tmp_path / "smollm2", "total_steps=1", "group_size=2",

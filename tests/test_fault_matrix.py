@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here is a whole run in a child process
+
 ETA = 2
 STEPS = 6
 SITE = textwrap.dedent('''

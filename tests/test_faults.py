@@ -11,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from asyncrl.algorithms.losses import policy_loss
 from asyncrl.cli import main
 from asyncrl.tasks import default_reward_fn
@@ -68,6 +70,7 @@ async def stuck_hook(event) -> None:
     await asyncio.sleep(600)
 
 
+@pytest.mark.slow
 def test_second_signal_stops_a_stuck_run(tmp_path, policy_dir):
     marker = tmp_path / "hook_called"
     env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__), "ASYNCRL_TEST_MARKER": str(marker)}

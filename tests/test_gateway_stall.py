@@ -128,6 +128,7 @@ def assert_openai_error(status: int, body: dict, expected: int, *fragments: str)
         assert fragment in body["error"]["message"], body
 
 
+@pytest.mark.slow
 def test_health_answers_within_100_ms_while_a_10_mb_prompt_is_refused(served):
     url = served.url()
 

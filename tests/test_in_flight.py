@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 
+import pytest
 from conftest import SpyEngine
 from test_resume import read_jsonl_safe, run_args
 
@@ -112,6 +113,7 @@ def test_reading_the_journals_mid_generation_changes_no_token(policy_dir):
     assert left == {}  # finished episodes keep no journal
 
 
+@pytest.mark.slow
 def test_kill_9_then_resume_continues_the_episodes_in_flight(tmp_path, policy_dir):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}

@@ -123,6 +123,7 @@ def ended(proc: subprocess.Popen, timeout_s: float) -> tuple[int, str, float]:
     return proc.returncode, err.decode(), time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_a_stopped_learner_process_ends_the_run_at_its_deadline_naming_the_call(tmp_path, policy_dir):
     with training(tmp_path, f"model.path={policy_dir}", "watchdog.learner_call_s=5") as (proc, out, _):
         wait_until(lambda: steps_logged(out) >= 3, proc, "three steps")  # the calls' times are measured
@@ -141,6 +142,7 @@ def test_a_stopped_learner_process_ends_the_run_at_its_deadline_naming_the_call(
 
 
 @pytest.mark.parametrize("own_process", [True, False])
+@pytest.mark.slow
 def test_a_loss_that_never_returns_is_named_at_its_deadline(tmp_path, policy_dir, own_process):
     with training(tmp_path, f"model.path={policy_dir}", "watchdog.learner_call_s=4",
                   "algorithm.policy_loss=test_stoppable:hang_loss",
@@ -158,6 +160,7 @@ def test_a_loss_that_never_returns_is_named_at_its_deadline(tmp_path, policy_dir
     assert took < 60, f"{took:.0f} s from the hang to the exit (deadline 4 s)"
 
 
+@pytest.mark.slow
 def test_a_first_signal_ends_a_hung_learner_call_within_its_grace(tmp_path, policy_dir):
     with training(tmp_path, f"model.path={policy_dir}", "watchdog.learner_stop_grace_s=3",
                   "algorithm.policy_loss=test_stoppable:hang_loss") as (proc, _, marker):
@@ -173,6 +176,7 @@ def test_a_first_signal_ends_a_hung_learner_call_within_its_grace(tmp_path, poli
 
 @pytest.mark.parametrize("kill", ["driver, learner hung in user code", "driver, learner stopped",
                                   "the whole process group"])
+@pytest.mark.slow
 def test_nothing_of_a_run_outlives_its_driver(tmp_path, policy_dir, kill):
     shm_before = set(os.listdir("/dev/shm"))
     hang = ["algorithm.policy_loss=test_stoppable:hang_loss"] if "hung" in kill else []
@@ -202,6 +206,7 @@ def test_nothing_of_a_run_outlives_its_driver(tmp_path, policy_dir, kill):
     assert "Traceback" not in err and "leaked" not in err and "ConnectionResetError" not in err, err[-3000:]
 
 
+@pytest.mark.slow
 def test_a_killed_fork_server_is_said_as_that(tmp_path, policy_dir):
     with training(tmp_path, f"model.path={policy_dir}") as (proc, out, _):
         wait_until(lambda: steps_logged(out) >= 2, proc, "two steps")

@@ -123,6 +123,7 @@ def test_a_second_epoch_measures_the_ratio_against_the_batch_start_and_clips(cha
     assert max(float((p - q).abs().max()) for p, q in zip(one.state_dict().values(), two.state_dict().values())) > 1e-3
 
 
+@pytest.mark.slow
 def test_two_ranks_reuse_samples_as_one_rank_does(policy_dir):
     """Mini-batches are cut from the whole batch by a seed every rank derives alike; each
     rank trains on its rows of each, weighted by the whole mini-batch's counts, so two

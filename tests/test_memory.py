@@ -51,6 +51,7 @@ def test_trim_returns_freed_memory_that_glibc_keeps():
     assert took < 3.0 and len(kept) == 500
 
 
+@pytest.mark.slow
 def test_search_agent_example_peak_memory(tmp_path):
     """A short run of the shipped agent config in a child process, learner forced to train
     (``filter_zero_variance=false``: whatever the policy scores, every step runs the full

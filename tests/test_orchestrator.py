@@ -58,6 +58,7 @@ def test_a_reward_that_always_raises_stops_the_run_within_a_minute(tmp_path, pol
     assert max(per_step.values()) <= 20  # logging.max_errors_per_step
 
 
+@pytest.mark.slow
 def test_groups_that_are_all_filtered_stall_and_are_named(tmp_path, policy_dir, capsys):
     code = main(["train", *args(policy_dir, tmp_path / "flat", "task.reward_fn=test_orchestrator:constant_reward",
                                 "algorithm.filter_zero_variance=true", "watchdog.stall_s=3")])
@@ -148,6 +149,7 @@ def overlaps(events, a, b):
 
 
 @pytest.mark.parametrize("mode, beside", [("async", True), ("sync", False)])
+@pytest.mark.slow
 def test_evaluation_runs_beside_training_except_in_sync(tmp_path, policy_dir, mode, beside):
     out = tmp_path / mode
     extra = ["partial_rollout=off"] if mode == "sync" else []

@@ -90,6 +90,7 @@ def _events(run_dir: Path) -> list[tuple]:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.slow
 def test_the_virtual_clock_runs_the_same_events_in_the_same_order_as_a_slowed_real_run(tmp_path, mode):
     """Minutes of simulated training in seconds; the same simulated run on a standard loop
     (sleeping for real, every cost scaled by 1/60) gives the same timeline and samples."""
@@ -151,6 +152,7 @@ def test_the_engine_fit_recovers_decode_and_prefill_costs_timed_apart_or_togethe
         assert busy == pytest.approx(r["rollout/busy_s"], rel=0.05)
 
 
+@pytest.mark.slow
 def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
     """A small real async run (the shipped Countdown example), then ``plan --from`` it: the
     simulated run's samples/s within 40 % of the real one — 16 steps are noisy: eight such
@@ -171,6 +173,7 @@ def test_a_plan_fitted_to_a_real_run_predicts_its_samples_per_s(tmp_path):
     assert predicted["staleness_max"] <= 2
 
 
+@pytest.mark.slow
 def test_the_plan_command_writes_a_plan_with_a_sweep(tmp_path, capsys):
     table = tmp_path / "cluster.yaml"
     table.write_text(json.dumps({

@@ -30,6 +30,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_killed_rollout_worker_is_replaced_and_the_run_completes(tmp_path, policy_dir):
     out = tmp_path / "ray"
     trainer = Trainer(load_config("examples/countdown/async.yaml", overrides(policy_dir, out, *RAY)))

@@ -118,6 +118,7 @@ def episode(smollm2: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> Episode
     return asyncio.run(main())
 
 
+@pytest.mark.slow
 def test_a_tool_episode_with_an_abort_is_token_exact_and_the_learner_reproduces_its_logprobs(episode):
     e = episode
     [t] = e.trajectories  # the second call extended the first
@@ -187,6 +188,7 @@ def test_naive_retokenization_of_the_episode_and_the_recorded_ids(episode):
     print(f"\nnaive re-tokenization of the episode: {'same ids' if drift is None else drift}")
 
 
+@pytest.mark.slow
 def test_bench_retokenize_counts_add_up(smollm2_dir: Path):  # noqa: F811 (the fixture)
     result = run_retokenize_bench([f"model.path={smollm2_dir}", "num_conversations=4", "reply_tokens=8",
                                    "max_batch_size=4"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
 from safetensors.torch import load_file
 
 from asyncrl.cli import main
@@ -72,6 +73,7 @@ def same_run(a, b, metric_keys=METRIC_KEYS):
     return max(float((weights_a[k] - weights_b[k]).abs().max()) for k in weights_a)
 
 
+@pytest.mark.slow
 def test_async_with_eta_0_trains_on_the_sync_samples_and_a_run_repeats_itself(tmp_path, policy_dir):
     sync = run(tmp_path, policy_dir, "sync", "mode=sync", "partial_rollout=off")
     async0 = run(tmp_path, policy_dir, "async0", "mode=async", "max_staleness=0")

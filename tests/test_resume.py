@@ -12,6 +12,7 @@ import sys
 import time
 from collections import Counter
 
+import pytest
 import torch
 
 from asyncrl.config import load_config
@@ -118,6 +119,7 @@ def run_args(policy_dir, out, *extra):
             "task.reward_fn=test_resume:slow_reward", *extra]
 
 
+@pytest.mark.slow
 def test_kill_9_between_checkpoints_then_resume(tmp_path, policy_dir):
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.path.dirname(__file__)}

@@ -55,6 +55,7 @@ def finished_run(tmp_path_factory) -> Path:
     return trained(tmp_path_factory.mktemp("finished") / "run")
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_trains_nothing_says_so_and_writes_nothing(finished_run):
     before = files(finished_run)
     done = train(finished_run, "resume=true")
@@ -68,6 +69,7 @@ def test_resuming_a_finished_run_trains_nothing_says_so_and_writes_nothing(finis
     assert files(finished_run) == before
 
 
+@pytest.mark.slow
 def test_resuming_a_finished_run_with_other_settings_names_them_and_writes_nothing(finished_run):
     """A smaller total_steps is no reason to train either; what differs is said, not applied."""
     before = files(finished_run)
@@ -78,6 +80,7 @@ def test_resuming_a_finished_run_with_other_settings_names_them_and_writes_nothi
     assert files(finished_run) == before
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_settings_says_which_and_records_them_beside_the_config(tmp_path):
     out = trained(tmp_path / "run")
     config = (out / "config.yaml").read_bytes()

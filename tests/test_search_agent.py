@@ -54,6 +54,7 @@ def retrieval_service(tmp_path, monkeypatch):
         process.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_the_search_agent_trains_over_several_turns(tmp_path, policy_dir, retrieval_service):
     out = tmp_path / "search"
     assert main(["train", "examples/search_agent/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",

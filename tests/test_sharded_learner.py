@@ -88,6 +88,7 @@ def test_rows_split_evenly_and_cover_the_batch():
 
 
 @pytest.mark.parametrize("strategy,micro,aggregation", [("fsdp2", 1, "token_mean"), ("ddp", 2, "seq_mean")])
+@pytest.mark.slow
 def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir, strategy, micro, aggregation):
     """Rank 0 gets 3 rows, rank 1 two; with micro-batches of 1, rank 1 runs a filler pass.
     The one-rank reference takes each batch whole: the steps must not depend on either
@@ -186,6 +187,7 @@ def read_jsonl(path):
 
 
 @pytest.mark.parametrize("runtime", ["local", "ray"])
+@pytest.mark.slow
 def test_train_with_two_learner_ranks(tmp_path, policy_dir, runtime):
     if runtime == "ray":
         ray = pytest.importorskip("ray")

@@ -194,6 +194,7 @@ def longtail_run(tmp_path, policy, stale_groups):
     return out, metrics[-1], samples
 
 
+@pytest.mark.slow
 def test_a_long_tail_run_drops_its_longest_groups_unless_the_learner_waits(tmp_path, longtail_policy):
     out, last, samples = longtail_run(tmp_path, longtail_policy, "drop")
     dropped = last["buffer/stale_dropped_total"]

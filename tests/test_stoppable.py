@@ -124,6 +124,7 @@ def _wait_for(marker: Path, proc: subprocess.Popen, timeout_s: float = 120) -> N
 
 
 @pytest.mark.parametrize("stuck, sig", [("agent", signal.SIGTERM), ("reward", signal.SIGINT)])
+@pytest.mark.slow
 def test_a_signal_ends_a_run_stuck_in_user_code_with_its_checkpoint(tmp_path, policy_dir, stuck, sig):
     user = (["workflow.agent=test_stoppable:hang_forever"] if stuck == "agent" else
             ["workflow.name=single_turn", "task.reward_fn=test_stoppable:hang_reward"])
@@ -145,6 +146,7 @@ def test_a_signal_ends_a_run_stuck_in_user_code_with_its_checkpoint(tmp_path, po
     assert (out / "checkpoints" / "step_0" / "model.safetensors").exists()  # the clean stop's checkpoint
 
 
+@pytest.mark.slow
 def test_the_watchdog_stops_a_run_whose_every_agent_call_hangs(tmp_path, policy_dir):
     with _train(tmp_path, "watchdog", f"model.path={policy_dir}", "watchdog.window=8",
                 "workflow.agent=test_stoppable:hang_forever") as (proc, _, _):
@@ -166,6 +168,7 @@ def hang_loss(*args, **kwargs):
     (False, "still in user code, not waited for: learner train_step"),
     (True, "the learner's train_step had not returned after"),
 ])
+@pytest.mark.slow
 def test_a_second_signal_ends_a_run_whose_loss_never_returns(tmp_path, policy_dir, own_process, stuck):
     """The learner's thread is a daemon of its own pool too (or the learner is a process of
     its own): a first signal waits for the step (it cannot finish), a second ends the run,

@@ -240,6 +240,7 @@ def test_an_async_run_streamed_stays_within_eta(tmp_path, policy_dir):
     assert {e["step"] for e in timeline if e["kind"] == "train"} == set(range(1, 6))
 
 
+@pytest.mark.slow
 def test_bench_modes_runs_each_mode_batched_and_streamed(tmp_path, capsys):
     out = tmp_path / "modes"
     assert main(["bench", "modes", "steps=2", "batch_size=2", "group_size=2", "max_tokens=16", "stalenesses=[1]",

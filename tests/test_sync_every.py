@@ -30,6 +30,7 @@ def read(path):
 
 
 @pytest.mark.parametrize("mode, eta, sync_every", [("async", 2, 3), ("one_step_off", 1, 2)])
+@pytest.mark.slow
 def test_several_steps_per_sync_run_end_to_end_within_eta(mode, eta, sync_every, tmp_path, policy_dir):
     out, steps = tmp_path / "run", 4 * sync_every
     assert main(["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",

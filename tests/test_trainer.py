@@ -166,6 +166,7 @@ def test_checkpoint_loads_with_same_logits(tmp_path, char_tokenizer):
         torch.testing.assert_close(loaded(batch.input_ids).logits, model.eval()(batch.input_ids).logits)
 
 
+@pytest.mark.slow
 def test_sigint_finishes_step_checkpoints_and_exits_0(tmp_path, policy_dir):
     out = tmp_path / "interrupted"
     proc = subprocess.Popen(

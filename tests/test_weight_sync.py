@@ -130,6 +130,7 @@ def test_a_version_that_does_not_advance_is_an_error(policy_dir):
     asyncio.run(in_process(policy_dir, scenario))
 
 
+@pytest.mark.slow
 def test_a_worker_that_never_joins_fails_within_the_timeout_naming_it(policy_dir):
     async def scenario(*_):
         raise AssertionError("the group formed without rollout worker 1")
@@ -165,6 +166,7 @@ def test_runtime_local_with_a_sharded_learner_copies_in_memory_and_says_so(polic
     assert "learner rank 0 publishes the gathered weights" in err
 
 
+@pytest.mark.slow
 def test_a_sharded_learner_sends_from_rank_0_and_names_a_worker_that_never_joins(policy_dir):
     """Two learner rank processes (the ``runtime: local`` handle), two engines here: every
     rank gathers, rank 0 broadcasts, and both engines then hold the learner's weights. Then
@@ -316,6 +318,7 @@ def ray_cluster():
         ray.shutdown()
 
 
+@pytest.mark.slow
 def test_collective_sync_to_two_ray_workers(policy_dir, ray_cluster):
     from asyncrl.runtime import start
     from asyncrl.runtime.ray_runtime import RayActors
@@ -343,6 +346,7 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow
 def test_train_on_ray_with_collective_weight_sync(tmp_path, policy_dir, ray_cluster, capsys):
     out = tmp_path / "collective"
     assert main(["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
@@ -384,6 +388,7 @@ async def fingerprints_after_sync(event):
     AFTER_SYNC.append((event.version, fingerprint(weights.items()), await event.run.rollout.apply(served_fingerprint)))
 
 
+@pytest.mark.slow
 def test_train_on_ray_with_two_learner_ranks_and_collective_weight_sync(tmp_path, policy_dir, ray_cluster, capsys):
     """Learner rank 0 (an actor) sends; rank 1 takes part in each gather and returns."""
     AFTER_SYNC.clear()
