@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncrl.runtime.fork_server import fork_server
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rank_processes import RankProcesses
 from asyncrl.runtime.transport import CallDeadlines, LearnerGroup, LearnerRankError
@@ -241,7 +242,13 @@ def test_weights_cross_the_pipe_when_no_block_can_be_made_and_it_is_said_once(po
         finally:
             await learner.shutdown()
 
-    first, second = asyncio.run(scenario())
+    # the rank writes to the fork server's standard error, which is this process's as it was
+    # when the server started: start one now, under capfd, and end it after
+    fork_server().stop()
+    try:
+        first, second = asyncio.run(scenario())
+    finally:
+        fork_server().stop()
     expected = LearnerWorker(cfg)
     expected.join()
     for name, tensor in expected.publish().items():
