@@ -2,7 +2,11 @@
 
 Only what the gateway serves is modelled; fields an SDK sends that we do not use are
 accepted and ignored (an SDK adds new ones every month), and the ones that would change
-the sampled distribution are reported back (see ``session.py``).
+the sampled distribution are reported back (see ``session.py``) or, where going on
+without them would hand the agent something other than what it asked for, refused here
+(``logit_bias``, a ``response_format`` other than text) with the reason and what to do
+instead: the gateway samples the policy's own distribution, so the recorded behaviour
+logprobs are the policy's and the learner corrects toward what was really sampled.
 """
 
 from __future__ import annotations
@@ -32,6 +36,22 @@ class _Request(BaseModel):
     stream_options: dict[str, Any] | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        """Refused rather than ignored: an agent that biases tokens relies on the bias (a
+        banned word, a forced label), and ignoring it would hand back text it did not ask
+        for. Honouring it would record logprobs of the biased distribution as the policy's.
+        Zeros change nothing and are accepted (some SDKs send an empty map)."""
+        if bias and any(value != 0 for value in bias.values()):
+            raise Refused(400, "logit_bias is not supported: the gateway samples the policy's own distribution, "
+                               "so the behaviour logprobs it records are the policy's (a biased distribution's "
+                               "would make the learner correct toward what nobody sampled), and the engine "
+                               "applies no bias. Leave logit_bias out; steer the output with the prompt, stop "
+                               "strings or the reward instead", "logit_bias")
+        return bias
 
     @field_validator("n")
     @classmethod
@@ -79,6 +99,30 @@ class ChatRequest(_Request):
     tool_choice: Literal["auto", "none"] | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, fmt: dict[str, Any] | None) -> dict[str, Any] | None:
+        """``{"type": "text"}`` (the default) is what the gateway does. JSON modes are
+        refused, not ignored: an agent that asked for them parses the reply as JSON and
+        would fail on free text it was promised would not come. Constrained decoding would
+        sample from the distribution left after the grammar's masking, not the policy's,
+        so the recorded behaviour logprobs would not be the policy's (the engine has no
+        grammar sampling either)."""
+        kind = fmt.get("type") if fmt is not None else "text"
+        if kind == "text":
+            return fmt
+        if kind in ("json_object", "json_schema"):
+            raise Refused(400, f"response_format {{\"type\": \"{kind}\"}} is not supported: constrained decoding "
+                               "samples from the grammar-masked distribution, not the policy's, so the recorded "
+                               "behaviour logprobs would not be the policy's (and the engine has no grammar "
+                               "sampling). Ask for the JSON in the prompt and parse it in your agent (a reward for "
+                               "valid JSON teaches the format), or ask for a tool call: tool_choice naming a "
+                               "function returns its arguments as JSON (LangChain: "
+                               "with_structured_output(method=\"function_calling\"))", "response_format")
+        raise Refused(400, f"response_format.type: expected \"text\" (the only one served), got {kind!r:.80}",
+                      "response_format.type")
 
     @field_validator("tools")
     @classmethod

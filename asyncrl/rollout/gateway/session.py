@@ -112,18 +112,19 @@ class Session:
             self.last_reply_called_tools = bool(parsed.tool_calls)
 
     def sampling(self, request: _Request, default_max_tokens: int) -> tuple[SamplingParams, list[str]]:
-        base, notes = self.client.sampling, []
+        """The sampling for ``request`` and what of it was not honoured. Penalties are never
+        applied (the engine has none) and always said so."""
+        base = self.client.sampling
+        notes = [f"{name} ignored" for name in ("frequency_penalty", "presence_penalty") if getattr(request, name)]
         if not self.training:  # nobody trains on it: the request's sampling, as asked
             return dataclasses.replace(
                 base, temperature=base.temperature if request.temperature is None else request.temperature,
-                top_p=request.top_p or 1.0, max_tokens=request.token_cap or default_max_tokens), notes
+                top_p=request.top_p or 1.0, max_tokens=request.token_cap or default_max_tokens,
+                seed=base.seed if request.seed is None else request.seed % 2**63), notes
         for name, asked, run in (("temperature", request.temperature, base.temperature),
                                  ("top_p", request.top_p, base.top_p)):
             if asked is not None and asked != run:
                 notes.append(f"{name}={asked} overridden by the run's {run}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(request, name):
-                notes.append(f"{name} ignored")
         if request.seed is not None:
             notes.append("seed ignored")
         self.sampling_overrides += bool(notes)
