@@ -1,22 +1,29 @@
 """What agent frameworks send the gateway, through the official ``openai`` SDK: fields it
 refuses (``response_format`` JSON modes, ``logit_bias``) with the reason, never ignored in
-silence. Each test starts its gateway on a free port and stops it, also when it fails."""
+silence; ``tool_choice`` forcing a call (its opening recorded as environment tokens, the
+next turn still token-exact) or forbidding one. Each test starts its gateway on a free port and stops it, also when it fails."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 
 import openai
 import pytest
+import torch
+from conftest import reference_logprobs
 from openai import AsyncOpenAI
 
 from asyncrl.engine import TorchEngine
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.rollout.gateway import Gateway, hermes
-from asyncrl.types import SamplingParams
+from asyncrl.rollout.gateway import Gateway, ParsedReply, hermes, tool_choice
+from asyncrl.tiny import chat_prompt_ids
+from asyncrl.types import NO_VERSION, Completion, SamplingParams
 
 USER = [{"role": "user", "content": "2 3 -> 5"}]
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, "strict": True}}
 
@@ -101,3 +108,127 @@ def test_a_seed_is_honoured_outside_training(tiny_policy):
 
     first, again, negative = asyncio.run(main())
     assert first == again and isinstance(negative, str)  # a negative seed is folded into range, not a 500
+
+
+# -- 2. tool_choice: a forced call's opening is the environment's, the rest the model's -------
+class Scripted:
+    """The real engine, except that its first replies are written here (a random tiny model
+    writes no tool call), carrying the real model's logprobs for those tokens; every
+    prompt it is sent is kept."""
+
+    def __init__(self, engine: TorchEngine, tokenizer, *texts: str) -> None:
+        self.engine, self.tokenizer = engine, tokenizer
+        self.scripts = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]
+        self.prompts: list[list[int]] = []
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, prompt_ids, sampling):
+        self.prompts.append(list(prompt_ids))
+        if len(self.prompts) > len(self.scripts):
+            return await self.engine.generate(prompt_ids, sampling)
+        script = self.scripts[len(self.prompts) - 1]
+        lps = reference_logprobs(self.engine.model, list(prompt_ids), script).tolist()
+        return Completion(list(script), lps, [self.engine.version] * len(script), "stop")
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+NAMED = {"type": "function", "function": {"name": "add"}}
+
+
+FORCED_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'  # as Qwen writes one
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_a_forced_call_writes_its_opening_as_environment_tokens_and_goes_on_token_exact(tiny_policy, choice):
+    model, tokenizer = tiny_policy
+    opening = tool_choice.opening(hermes, None if choice == "required" else "add")
+    assert FORCED_CALL.startswith(opening) and (choice == "required" or '"add"' in opening)
+    continuation = FORCED_CALL[len(opening):]  # what the model writes after the opening
+
+    async def main():
+        async with serving(model, tokenizer, max_tokens=16) as (gateway, engine, sampling):
+            scripted = Scripted(engine, tokenizer, continuation)
+            llm = LLMClient(scripted, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                client = sdk(base_url)
+                messages = list(USER)
+                first = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS,
+                                                             tool_choice=choice)
+                call = first.choices[0].message.tool_calls[0]
+                messages += [first.choices[0].message.model_dump(),
+                             {"role": "tool", "tool_call_id": call.id, "content": "5"}]
+                second = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+            return first, second, llm, scripted
+
+    first, second, llm, scripted = asyncio.run(main())
+    choice_ = first.choices[0]
+    assert choice_.finish_reason == "tool_calls" and choice_.message.content is None
+    [call] = choice_.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    forced = tokenizer.encode(opening, add_special_tokens=False)
+    prompt = chat_prompt_ids(tokenizer, USER, TOOLS)
+    assert scripted.prompts[0] == prompt + forced  # the model was conditioned on the opening
+    sampled = scripted.scripts[0]
+    assert first.usage.completion_tokens == len(sampled) and first.usage.prompt_tokens == len(prompt + forced)
+
+    [trajectory] = llm.trajectories  # the second call continued the first: one trajectory
+    ids, mask, versions = trajectory.response_ids, trajectory.loss_mask, trajectory.versions
+    k, n = len(forced), len(sampled)
+    assert trajectory.prompt_ids == prompt and ids[:k] == forced and ids[k:k + n] == sampled
+    assert mask[:k] == [0] * k and versions[:k] == [NO_VERSION] * k and trajectory.logprobs[:k] == [0.0] * k
+    assert mask[k:k + n] == [1] * n and versions[k:k + n] == [0] * n  # only what was sampled is trained
+    assert tokenizer.decode(ids[k + n:len(ids) - second.usage.completion_tokens]) == (
+        "\n<|im_start|>tool\n5<|im_end|>\n<|im_start|>assistant\n")  # between the turns: the template's text
+    assert scripted.prompts[1] == trajectory.prompt_ids + ids[:len(ids) - second.usage.completion_tokens]
+    torch.testing.assert_close(torch.tensor(trajectory.logprobs[k:k + n]),
+                               reference_logprobs(model, prompt + forced, sampled), atol=1e-4, rtol=1e-4)
+
+
+def test_tool_choice_none_keeps_the_tools_rendered_and_returns_a_call_as_content(tiny_policy):
+    model, tokenizer = tiny_policy
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            scripted = Scripted(engine, tokenizer, call)
+            llm = LLMClient(scripted, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                reply = await sdk(base_url).chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
+                                                                    tool_choice="none")
+            return reply, llm
+
+    reply, llm = asyncio.run(main())
+    choice = reply.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls and choice.message.content == call
+    assert llm.trajectories[0].prompt_ids == chat_prompt_ids(tokenizer, USER, TOOLS)  # the tools still rendered
+
+
+def plain_parser(text: str) -> ParsedReply:  # a user's parser: no opening to force a call with
+    return hermes(text)
+
+
+@pytest.mark.parametrize("fields, parser, fragment", [
+    ({"tool_choice": "required"}, hermes, '"required" needs tools'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, hermes,
+     "names function 'mul', which is not in tools (they are: 'add')"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, hermes, '{"type": "function"'),
+    ({"tools": TOOLS, "tool_choice": "always"}, hermes, "'always'"),
+    ({"tools": TOOLS, "tool_choice": "required"}, plain_parser, "(plain_parser) has no fixed opening"),
+])
+def test_a_tool_choice_that_cannot_be_honoured_is_refused_naming_why(tiny_policy, fields, parser, fragment):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer, parser=parser) as (gateway, engine, sampling):
+            llm = LLMClient(engine, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                return await refusal(sdk(base_url), **fields), llm
+
+    error, llm = asyncio.run(main())
+    assert error.status_code == 400 and error.param == "tool_choice" and fragment in error.message, error.message
+    assert llm.trajectories == []

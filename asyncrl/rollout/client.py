@@ -3,7 +3,8 @@
 Three promises, because each one, when broken, silently corrupts off-policy training:
 - the trajectory holds exactly the ids the engine sampled — model output is never
   re-tokenized, so behavior logprobs stay aligned with the trained tokens;
-- tool/environment text is appended as tokens with loss mask 0 (logprob 0, no version);
+- tool/environment text, and the forced opening of a reply, is appended as tokens with
+  loss mask 0 (logprob 0, no version);
 - a generation the engine aborts for a weight update is resumed here with prompt +
   partial tokens and the remaining budget, and stitched token for token; the workflow
   never sees it.
@@ -58,7 +59,7 @@ class _Conversation:
     trajectory: Trajectory
     messages: list[Message]  # own deep copy, ending with the assistant reply
     tools: list[dict[str, Any]] | None
-    last_output_ids: list[int]
+    last_output_ids: list[int]  # the reply's tokens as the context holds them: a forced opening, then the sampled
 
 
 class _PromptCache:
@@ -109,6 +110,15 @@ def _prompt_key(messages: list[Message], tools: list[dict[str, Any]] | None) -> 
         return None
 
 
+def _append_environment(trajectory: Trajectory, ids: list[int]) -> None:
+    """Tokens the model did not sample (template text, tool results, a forced opening):
+    mask 0, logprob 0, no version, so the learner never trains on them."""
+    trajectory.response_ids += ids
+    trajectory.loss_mask += [0] * len(ids)
+    trajectory.logprobs += [0.0] * len(ids)
+    trajectory.versions += [NO_VERSION] * len(ids)
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The ids that end a model turn: the tokenizer's EOS (and the generation config's, when
     a caller adds them); sampling stops there and keeps the stop token in the trajectory."""
@@ -144,26 +154,37 @@ class LLMClient:
 
     async def chat(
         self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
-        sampling: SamplingParams | None = None, stop: list[str] | None = None,
+        sampling: SamplingParams | None = None, stop: list[str] | None = None, *, opening: str | None = None,
     ) -> Response:
         """One reply. ``stop`` strings end it early: the reply is recorded through the token
-        that completed the stop string (what the model sampled) and returned without it."""
+        that completed the stop string (what the model sampled) and returned without it.
+
+        ``opening``: text the reply is made to begin with (a forced tool call's opening).
+        It is written after the generation prompt as environment tokens — mask 0, logprob
+        0, ``NO_VERSION``: the model did not sample it, so the learner never trains on it —
+        and the model samples what follows, conditioned on it. The response's text and
+        message are the opening followed by the sampled text (the model's turn as the next
+        call renders it, so that call still continues token-exact); its ``token_ids`` and
+        ``logprobs`` are the sampled tokens only, and ``prompt_tokens`` counts the opening."""
         conv = self._conversation
         new_ids = None
         if conv is not None and messages[: len(conv.messages)] == conv.messages and tools == conv.tools:
             new_ids = self._tokens_after_reply(conv, messages)
         if conv is not None and new_ids is not None:
             trajectory = conv.trajectory
-            trajectory.response_ids += new_ids
-            trajectory.loss_mask += [0] * len(new_ids)
-            trajectory.logprobs += [0.0] * len(new_ids)
-            trajectory.versions += [NO_VERSION] * len(new_ids)
+            _append_environment(trajectory, new_ids)
         else:
             trajectory = Trajectory(prompt_ids=self._render_ids(messages, tools))
             self.trajectories.append(trajectory)
+        forced = self.tokenizer.encode(opening, add_special_tokens=False) if opening else []
+        _append_environment(trajectory, forced)
         response = await self._extend(trajectory, sampling or self.sampling, messages=messages, stop=stop)
-        self._conversation = _Conversation(
-            trajectory, copy.deepcopy(messages) + [response.message], copy.deepcopy(tools), response.token_ids)
+        if opening:
+            response = dataclasses.replace(
+                response, text=opening + response.text,
+                recorded_text=None if response.recorded_text is None else opening + response.recorded_text)
+        self._conversation = _Conversation(trajectory, copy.deepcopy(messages) + [response.message],
+                                           copy.deepcopy(tools), forced + response.token_ids)
         return response
 
     def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,

@@ -96,7 +96,7 @@ class Message(BaseModel):
 class ChatRequest(_Request):
     messages: list[Message] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["auto", "none"] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # what it may be: tool_choice.resolve, which knows the format
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None

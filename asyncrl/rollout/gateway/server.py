@@ -61,8 +61,10 @@ class Gateway:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser, *, model_name: str,
                  engine: RolloutEngine | None = None, sampling: SamplingParams | None = None,
                  settings: GatewayConfig | None = None) -> None:
-        """``engine``/``sampling``: what plain ``/v1`` requests use (``asyncrl serve``); a
-        session uses its own episode's client. ``settings``: the reply cap, the body limit
+        """``parser``: the tool format — one with an ``opening`` (``tool_calls.ToolFormat``)
+        lets ``tool_choice`` force a call; a plain parser function parses replies and
+        refuses a forced call (``tool_choice.py``). ``engine``/``sampling``: what plain
+        ``/v1`` requests use (``asyncrl serve``); a session uses its own episode's client. ``settings``: the reply cap, the body limit
         and the key (``gateway.*``); its host and port are ``start``'s to use."""
         self.tokenizer, self.parser, self.model_name = tokenizer, parser, model_name
         self.engine, self.sampling = engine, sampling

@@ -13,7 +13,9 @@ agent's sight. What the session adds is the translation an OpenAI agent needs:
 - in a training session the sampling the learner must reproduce is the run's: an
   agent's ``temperature`` or ``top_p`` that would change the sampled distribution is
   overridden, its ``seed`` ignored, and both said in the reply's ``system_fingerprint``
-  and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always.
+  and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always;
+- ``tool_choice`` ``required`` or naming a function forces the opening of a call, written
+  as environment tokens before the model samples the rest (``tool_choice.py``).
 
 A large prompt is tokenized on the gateway's threads first and refused there if it
 cannot fit the context (``_check_fits``), so the event loop the episode shares with
@@ -36,6 +38,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import asyncrl.rollout.gateway.prompt_size as prompt_size
+import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError
 from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
@@ -135,6 +138,7 @@ class Session:
         return [self.replies.get(_canonical(m), m) if m["role"] == "assistant" else m for m in messages]
 
     async def chat(self, request: ChatRequest, default_max_tokens: int) -> CallResult:
+        choice = tool_choice.resolve(request.tool_choice, request.tools, self.parser)
         sampling, notes = self.sampling(request, default_max_tokens)
         plain = [m.plain() for m in request.messages]
         self._call_starts(plain)
@@ -142,9 +146,9 @@ class Session:
         try:
             messages = self._recorded_form(plain)
             await self._check_fits(messages, request.tools or None)
-            response = await self.client.chat(messages, tools=request.tools or None,
-                                              sampling=sampling, stop=request.stops or None)
-            parsed = ParsedReply(response.text) if request.tool_choice == "none" else self.parser(response.text)
+            response = await self.client.chat(messages, tools=request.tools or None, sampling=sampling,
+                                              stop=request.stops or None, opening=choice.opening)
+            parsed = self.parser(response.text) if choice.parse else ParsedReply(response.text)
         finally:
             self._call_ends(response, parsed)
         self.tool_parse_errors += parsed.error is not None
