@@ -1,7 +1,8 @@
 """What agent frameworks send the gateway, through the official ``openai`` SDK: fields it
 refuses (``response_format`` JSON modes, ``logit_bias``) with the reason, never ignored in
 silence; ``tool_choice`` forcing a call (its opening recorded as environment tokens, the
-next turn still token-exact) or forbidding one. Each test starts its gateway on a free port and stops it, also when it fails."""
+next turn still token-exact) or forbidding one; ``<think>`` reasoning handed out as
+``reasoning_content`` and kept in the trajectory. Each test starts its gateway on a free port and stops it, also when it fails."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from openai import AsyncOpenAI
 
 from asyncrl.engine import TorchEngine
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.rollout.gateway import Gateway, ParsedReply, hermes, tool_choice
-from asyncrl.tiny import chat_prompt_ids
+from asyncrl.rollout.gateway import Gateway, ParsedReply, hermes, reasoning, tool_choice
+from asyncrl.tiny import CHAT_TEMPLATE, build_char_tokenizer, chat_prompt_ids
 from asyncrl.types import NO_VERSION, Completion, SamplingParams
 
 USER = [{"role": "user", "content": "2 3 -> 5"}]
@@ -232,3 +233,69 @@ def test_a_tool_choice_that_cannot_be_honoured_is_refused_naming_why(tiny_policy
     error, llm = asyncio.run(main())
     assert error.status_code == 400 and error.param == "tool_choice" and fragment in error.message, error.message
     assert llm.trajectories == []
+
+
+# -- 3. reasoning_content: <think> split off for the agent, kept in the trajectory --------------
+# the tiny template, taught <think>: a turn's reasoning_content is rendered inside the tags before its
+# content, and everything else renders as before (so it only appends: turns continue token-exact)
+THINK_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{% if m['content'] is string %}",
+    "{% if m['reasoning_content'] is defined and m['reasoning_content'] %}"
+    "{{ '<think>' + m['reasoning_content'] + '</think>' }}{% endif %}{% if m['content'] is string %}")
+OPENED_TEMPLATE = THINK_TEMPLATE.replace("{{ '<|im_start|>assistant\\n' }}{% endif %}",
+                                         "{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}")
+
+
+def tokenizer_with(template: str):
+    tokenizer = build_char_tokenizer()  # a fresh one: the fixtures' is shared by the session
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+@pytest.mark.parametrize("template, text, expected", [
+    (CHAT_TEMPLATE, "<think>a</think>b", (None, "<think>a</think>b")),  # a template without the tags: no split
+    (THINK_TEMPLATE, "<think>\n2+3\n</think>\n\n5", ("\n2+3\n", "5")),
+    (THINK_TEMPLATE, "  <think>x</think>", ("x", "")),
+    (THINK_TEMPLATE, "<think>cut off while thin", ("cut off while thin", "")),
+    (THINK_TEMPLATE, "5 </think> 6", (None, "5 </think> 6")),  # a closing tag alone is not reasoning
+    (THINK_TEMPLATE, "5", (None, "5")),
+    (OPENED_TEMPLATE, "2+3\n</think>\n\n5", ("2+3\n", "5")),  # the prompt opened it: the reply begins inside
+    (OPENED_TEMPLATE, "still thinking", ("still thinking", "")),
+])
+def test_reasoning_is_split_as_the_template_teaches_it(template, text, expected):
+    assert reasoning.split(text, reasoning.thinking(tokenizer_with(template))) == expected
+
+
+@pytest.mark.parametrize("echo", [
+    lambda message: {"role": "assistant", "content": message.content},  # the answer only, as most agents keep it
+    lambda message: message.model_dump(),  # everything the SDK parsed, reasoning_content included
+])
+def test_reasoning_goes_to_reasoning_content_and_the_next_turn_continues_token_exact(tiny_policy, echo):
+    model, _ = tiny_policy
+    tokenizer = tokenizer_with(THINK_TEMPLATE)
+    thought = "<think>2+3 is 5</think>\n\n5"
+    call_in_thought = '<think>maybe <tool_call>{"name": "add", "arguments": {}}</tool_call></think>no call'
+
+    async def main():
+        async with serving(model, tokenizer, max_tokens=12) as (gateway, engine, sampling):
+            scripted = Scripted(engine, tokenizer, thought, call_in_thought)
+            llm = LLMClient(scripted, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                client = sdk(base_url)
+                messages = list(USER)
+                first = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+                messages += [echo(first.choices[0].message), {"role": "user", "content": "and 3 4?"}]
+                second = await client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS)
+            return first, second, llm, scripted
+
+    first, second, llm, scripted = asyncio.run(main())
+    message = first.choices[0].message
+    assert message.reasoning_content == "2+3 is 5" and message.content == "5"
+    [trajectory] = llm.trajectories  # the echo was swapped for the reply as sampled: one trajectory
+    n = len(scripted.scripts[0])
+    assert trajectory.response_ids[:n] == scripted.scripts[0] and trajectory.loss_mask[:n] == [1] * n
+    assert tokenizer.decode(trajectory.response_ids[:n]) == thought + "<|im_end|>"  # the reasoning was trained
+    # a call written while thinking is reasoning, not a call
+    second_message = second.choices[0].message
+    assert not second_message.tool_calls and second.choices[0].finish_reason == "stop"
+    assert second_message.content == "no call" and "<tool_call>" in second_message.reasoning_content

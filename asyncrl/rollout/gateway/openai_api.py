@@ -77,9 +77,13 @@ class Message(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, as vLLM hands it out
 
     def plain(self) -> dict[str, Any]:
-        """The message as the chat template sees it: text content, no empty fields."""
+        """The message as the chat template sees it: text content, no empty fields. An
+        echoed reply of ours is swapped for the reply as sampled before rendering, so
+        ``reasoning_content`` reaches a template (Qwen3's reads it) only on a turn that is
+        not one of ours."""
         content = self.content
         if isinstance(content, list):  # content parts: the text ones, joined
             content = "".join(part.get("text", "") for part in content if part.get("type") == "text")
@@ -90,6 +94,8 @@ class Message(BaseModel):
             out["tool_call_id"] = self.tool_call_id
         if self.name is not None:
             out["name"] = self.name
+        if self.reasoning_content:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -155,8 +161,10 @@ def finish_reason(parsed: ParsedReply, engine_reason: str) -> str:
     return "length" if engine_reason == "length" else "stop"
 
 
-def assistant_message(parsed: ParsedReply) -> dict[str, Any]:
+def assistant_message(parsed: ParsedReply, reasoning: str | None = None) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
     if parsed.tool_calls:
         message["tool_calls"] = [c.to_openai() for c in parsed.tool_calls]
     return message

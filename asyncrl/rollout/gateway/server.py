@@ -203,7 +203,7 @@ class Gateway:
     async def _chat_reply(self, request: web.Request, body: api.ChatRequest, result: CallResult,
                           fingerprint: str) -> web.StreamResponse:
         r = result.response
-        message = api.assistant_message(result.parsed)
+        message = result.message
         reason = api.finish_reason(result.parsed, r.finish_reason)
         use = api.usage(r.prompt_tokens, len(r.token_ids))
         if body.stream:

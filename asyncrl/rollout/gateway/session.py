@@ -15,7 +15,9 @@ agent's sight. What the session adds is the translation an OpenAI agent needs:
   overridden, its ``seed`` ignored, and both said in the reply's ``system_fingerprint``
   and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always;
 - ``tool_choice`` ``required`` or naming a function forces the opening of a call, written
-  as environment tokens before the model samples the rest (``tool_choice.py``).
+  as environment tokens before the model samples the rest (``tool_choice.py``);
+- under a template with ``<think>``, the reasoning goes to ``reasoning_content`` and only
+  the rest is read for tool calls (``reasoning.py``); the trajectory keeps it all.
 
 A large prompt is tokenized on the gateway's threads first and refused there if it
 cannot fit the context (``_check_fits``), so the event loop the episode shares with
@@ -38,6 +40,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import asyncrl.rollout.gateway.prompt_size as prompt_size
+import asyncrl.rollout.gateway.reasoning as reasoning
 import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError
@@ -62,8 +65,13 @@ def _canonical(message: dict[str, Any]) -> str:
 @dataclasses.dataclass
 class CallResult:
     response: Response
-    parsed: ParsedReply
+    parsed: ParsedReply  # the reply after its reasoning, read for tool calls
     notes: list[str]  # what of the request was not honoured, and why
+    reasoning: str | None = None  # what the model wrote inside <think>…</think> (reasoning.py)
+
+    @property
+    def message(self) -> dict[str, Any]:
+        return assistant_message(self.parsed, self.reasoning)
 
 
 class Session:
@@ -146,14 +154,20 @@ class Session:
         try:
             messages = self._recorded_form(plain)
             await self._check_fits(messages, request.tools or None)
+            thinks = reasoning.thinking(self.client.tokenizer)
+            opening = choice.opening
+            if opening is not None and thinks is not None and thinks.opened_by_prompt:
+                opening = reasoning.END_THINK + "\n\n" + opening  # a call is the answer: after the reasoning, empty
             response = await self.client.chat(messages, tools=request.tools or None, sampling=sampling,
-                                              stop=request.stops or None, opening=choice.opening)
-            parsed = self.parser(response.text) if choice.parse else ParsedReply(response.text)
+                                              stop=request.stops or None, opening=opening)
+            thought, answer = reasoning.split(response.text, thinks)
+            parsed = self.parser(answer) if choice.parse else ParsedReply(answer)
         finally:
             self._call_ends(response, parsed)
         self.tool_parse_errors += parsed.error is not None
-        self.replies[_canonical(assistant_message(parsed))] = response.message
-        return CallResult(response, parsed, notes)
+        result = CallResult(response, parsed, notes, thought or None)
+        self.replies[_canonical(result.message)] = response.message
+        return result
 
     async def complete(self, request: CompletionRequest, default_max_tokens: int) -> CallResult:
         sampling, notes = self.sampling(request, default_max_tokens)
