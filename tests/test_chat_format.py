@@ -106,7 +106,11 @@ def test_prepare_appends_to_a_system_prompt_and_keeps_call_text():
 def test_prepare_leaves_what_the_template_supports():
     messages = few_shot_conversation()
     out, tools = prepare(messages, TOOLS, ALL)
-    assert out == messages and tools == TOOLS
+    # The call's arguments go to the template as an object, as Hugging Face templates expect.
+    decoded = copy.deepcopy(messages)
+    decoded[1]["tool_calls"][0]["function"]["arguments"] = {"a": 1, "b": 1}
+    assert out == decoded and tools == TOOLS
+    assert messages == few_shot_conversation()  # the caller's dicts are untouched
     assert out is not messages and tools is not TOOLS
     assert prepare(messages, None, NONE)[1] is None
 

@@ -7,7 +7,10 @@ tools, and nothing would say so. :func:`probe` finds out once per template what 
 renders, by rendering sentinel messages; :func:`prepare` rewrites a conversation so that
 what the template would lose is spelled out as plain text in the hermes format
 (``<tool_call>{"name": …, "arguments": …}</tool_call>``, which the gateway's ``hermes``
-parser reads back). What a template does render is left to it untouched.
+parser reads back). What a template does render is left to it, with a call's arguments
+handed over as an object, the form Hugging Face templates are written for. The probe
+also records what its call became (``TemplateSupport.call_text``): the tool-call format
+the model was taught, which ``gateway.tool_parser: auto`` reads.
 
 :func:`prepare` works message by message (plus one system block that depends only on the
 first message and the tools), so preparing a conversation is a prefix of preparing its
@@ -17,15 +20,18 @@ continuation: the client's token-exact multi-turn relies on that.
 from __future__ import annotations
 
 import json
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 Message = dict[str, Any]
 
-_SENTINEL_FN = "asyncrl_probe_fn_q7x"
+PROBE_FUNCTION = "asyncrl_probe_fn_q7x"
+PROBE_ARGUMENTS = {"asyncrl_probe_arg_q7x": 1}
+"""The call the probe renders; ``TemplateSupport.call_text`` is what it became."""
 _SENTINEL_RESULT = "asyncrl_probe_result_q7x"
 _SENTINEL_ROLE = "asyncrl_probe_role_q7x"
 _SENTINEL_CALL_ID = "probe0001"  # 9 alphanumerics: Mistral's templates refuse any other id
@@ -39,6 +45,11 @@ class TemplateSupport:
     tool_calls: bool  # an assistant message's ``tool_calls`` reach the prompt
     tool_role: bool  # a ``tool`` message is rendered as a tool result the template knows
     none_content: bool  # ``content: None`` renders as empty text (no error, no "None")
+    call_text: str | None = field(default=None, compare=False)
+    """The probe's call (``PROBE_FUNCTION`` with ``PROBE_ARGUMENTS``) as the model is shown
+    it, from where the generation prompt ends: the template's rendering, or the hermes
+    fallback's where the template drops calls. The tool-call format the model was taught is
+    read from it (``gateway.tool_parser: auto``). None when even that failed to render."""
 
     @property
     def complete(self) -> bool:
@@ -63,12 +74,13 @@ def probe(tokenizer: PreTrainedTokenizerBase) -> TemplateSupport:
         return _probed[key]
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message],
-            tools: list[dict[str, Any]] | None = None) -> str | None:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None = None,
+            *, generation_prompt: bool = False) -> str | None:
     """The template's text, or None when it raises: a template is arbitrary Jinja, and an
     error on a sentinel only means it does not handle that feature."""
     try:
-        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=False)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
     except Exception:  # noqa: BLE001 (jinja, TypeError, KeyError, a template's raise_exception...)
         return None
 
@@ -76,25 +88,23 @@ def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message],
 def _probe(tokenizer: PreTrainedTokenizerBase) -> TemplateSupport:
     user = {"role": "user", "content": "hi"}
     tool_def = [{"type": "function", "function": {
-        "name": _SENTINEL_FN, "description": "probe", "parameters": {"type": "object", "properties": {}}}}]
-    tools_ok = _SENTINEL_FN in (_render(tokenizer, [user], tool_def) or "")
-
-    # Both argument forms must render: the gateway sends OpenAI's JSON string, a workflow may send a dict.
-    def calling(arguments: str | dict[str, Any]) -> Message:
-        return {"role": "assistant", "content": "", "tool_calls": [{
-            "id": _SENTINEL_CALL_ID, "type": "function",
-            "function": {"name": _SENTINEL_FN, "arguments": arguments}}]}
-
+        "name": PROBE_FUNCTION, "description": "probe", "parameters": {
+            "type": "object", "properties": {name: {"type": "integer"} for name in PROBE_ARGUMENTS}}}}]
+    tools_ok = PROBE_FUNCTION in (_render(tokenizer, [user], tool_def) or "")
+    # Arguments as an object: what prepare hands a template (see _template_arguments).
+    calling = {"role": "assistant", "content": "", "tool_calls": [{"id": _SENTINEL_CALL_ID, "type": "function",
+                                                                   "function": {"name": PROBE_FUNCTION,
+                                                                                "arguments": PROBE_ARGUMENTS}}]}
     with_tools = tool_def if tools_ok else None
-    calls_ok = all(_SENTINEL_FN in (_render(tokenizer, [user, calling(a)], with_tools) or "") for a in ("{}", {}))
+    calls_ok = PROBE_FUNCTION in (_render(tokenizer, [user, calling], with_tools) or "")
 
     # A tool result after a call. A template that renders any role as a plain header (as
     # SmolLM2's does) shows the model a "tool" turn it was never taught; that counts as
     # support only when the template was written for tools (ours: a plain "tool" turn).
-    before = [user, calling("{}") if calls_ok else {"role": "assistant", "content": "ok"}]
+    before = [user, calling if calls_ok else {"role": "assistant", "content": "ok"}]
 
     def result(role: str) -> str | None:
-        return _render(tokenizer, before + [{"role": role, "content": _SENTINEL_RESULT, "name": _SENTINEL_FN,
+        return _render(tokenizer, before + [{"role": role, "content": _SENTINEL_RESULT, "name": PROBE_FUNCTION,
                                              "tool_call_id": _SENTINEL_CALL_ID}], with_tools)
 
     as_tool = result("tool")
@@ -104,8 +114,14 @@ def _probe(tokenizer: PreTrainedTokenizerBase) -> TemplateSupport:
 
     empty = _render(tokenizer, [user, {"role": "assistant", "content": ""}])
     none = _render(tokenizer, [user, {"role": "assistant", "content": None}])
-    return TemplateSupport(tools=tools_ok, tool_calls=calls_ok, tool_role=role_ok,
-                           none_content=none is not None and none == empty)
+    support = TemplateSupport(tools=tools_ok, tool_calls=calls_ok, tool_role=role_ok,
+                              none_content=none is not None and none == empty)
+    # The call as the client would render it: through prepare, so the fallback's text where the template has none.
+    asked = _render(tokenizer, *prepare([user], tool_def, support), generation_prompt=True)
+    answered = _render(tokenizer, *prepare([user, calling], tool_def, support))
+    if asked is None or answered is None:
+        return support
+    return replace(support, call_text=answered[len(os.path.commonprefix([asked, answered])):])
 
 
 def prepare(messages: list[Message], tools: list[dict[str, Any]] | None,
@@ -131,6 +147,8 @@ def _prepare_message(message: Message, support: TemplateSupport) -> Message:
     m = message
     if m.get("content", "") is None and not support.none_content:
         m = {**m, "content": ""}
+    if m.get("tool_calls") and support.tool_calls:
+        m = {**m, "tool_calls": [_template_arguments(c) for c in m["tool_calls"]]}
     if m.get("tool_calls") and not support.tool_calls:
         calls = "\n".join(_call_text(c) for c in m["tool_calls"])
         m = {k: v for k, v in m.items() if k != "tool_calls"}
@@ -138,6 +156,21 @@ def _prepare_message(message: Message, support: TemplateSupport) -> Message:
     if m.get("role") == "tool" and not support.tool_role:
         m = {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
     return m
+
+
+def _template_arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """``call`` with its arguments as an object when they are OpenAI's JSON string holding
+    one: Hugging Face templates expect an object (Llama 3.x's and Mistral's ``tojson`` it,
+    so a string would render double-encoded, a call the model never saw; Qwen3-Coder's
+    iterates its items, so a string fails). Other strings are left as sent."""
+    fn = call.get("function")
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(fn["arguments"])
+    except (ValueError, RecursionError):
+        return call
+    return {**call, "function": {**fn, "arguments": arguments}} if isinstance(arguments, dict) else call
 
 
 def _call_text(call: dict[str, Any]) -> str:
