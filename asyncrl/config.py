@@ -274,8 +274,10 @@ class GatewayConfig(Section):
     ``allow_unauthenticated``): anyone who reaches it could sample from the model."""
     port: int = Field(8000, ge=0, le=65535)
     """``asyncrl serve``'s port (0 = any free port)."""
-    tool_parser: str = "hermes"
-    """Model text → ``tool_calls``: ``hermes`` (``<tool_call>{...}</tool_call>``) or ``module:function``."""
+    tool_parser: str = "auto"
+    """Model text → ``tool_calls``: ``auto`` (the format the chat template renders calls in;
+    ``hermes`` where it renders none), ``hermes``, ``llama3_json``, ``mistral``, ``qwen3_xml``,
+    ``pythonic``, or your parser as ``module:function``."""
     max_tokens: int = Field(256, ge=1)
     """``asyncrl serve``: the reply cap when a request names none (training uses ``sampling.max_tokens``)."""
     max_body_bytes: int = Field(8 * 2**20, gt=0)

@@ -14,12 +14,14 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.config import CONFIG_FILE, Config, describe_changes, record_config_changes, save_config
 from asyncrl.orchestrator.checkpoint import RunState
 from asyncrl.rollout import chat_format
+from asyncrl.rollout.gateway.tool_calls import ToolFormat, resolve_format
 from asyncrl.tasks.base import TaskSplits
 
 
 def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer: PreTrainedTokenizerBase) -> str:
     """What a run is about to do, said before it starts."""
     evals = f"every {cfg.eval_every} steps" if cfg.eval_every else "before the first and after the last step"
+    tools = resolve_format(cfg.gateway.tool_parser, tokenizer) if cfg.workflow.name == "openai_agent" else None
     return "\n".join([
         f"asyncrl train → {Path(cfg.output_dir)}" + (f" (resuming from step {resumed.step})" if resumed else ""),
         f"  mode {cfg.mode}, η = {cfg.effective_max_staleness}, partial rollouts: {cfg.effective_partial_rollout}; "
@@ -28,16 +30,21 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
         f"{min(cfg.eval.num_tasks, len(splits.validation))} validation tasks scored)",
         f"  {cfg.total_steps} steps × {cfg.batch_size} groups × {cfg.group_size} samples; evaluation {evals}"
         + (" (beside training)" if cfg.background_eval else ""),
-        *([f"  {template}"] if (template := _template_note(cfg, tokenizer)) else []),
+        *(f"  {note}" for note in template_notes(tokenizer, templated=cfg.workflow.use_chat_template, tools=tools)),
         "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
 
 
-def _template_note(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> str | None:
+def template_notes(tokenizer: PreTrainedTokenizerBase, *, templated: bool, tools: ToolFormat | None) -> list[str]:
     """What asyncrl renders in place of the chat template (tools on a model whose template
-    has none), so a user sees it before the first step rather than in the samples."""
-    if tokenizer.chat_template is None or not cfg.workflow.use_chat_template:
-        return None
-    return chat_format.describe(chat_format.probe(tokenizer))
+    has none) where prompts go through it (``templated``), and the format tool calls are
+    read in where a gateway reads them (``tools``): said before the first step or request,
+    because a model writing calls the parser does not read only shows as a counter."""
+    notes = []
+    if templated and tokenizer.chat_template is not None:
+        notes.append(chat_format.describe(chat_format.probe(tokenizer)))
+    if tools is not None:
+        notes.append(f"tool calls: {tools.name} ({tools.origin})")
+    return [note for note in notes if note]
 
 
 def finished_note(cfg: Config, step: int, changed: Mapping[str, Any]) -> str:

@@ -35,7 +35,8 @@ from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
-from asyncrl.rollout.gateway import Gateway, get_parser
+from asyncrl.rollout.gateway import Gateway
+from asyncrl.rollout.gateway.tool_calls import resolve_format
 from asyncrl.rollout.journal import EpisodeKey, Journal
 from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.seeding import Purpose, derive_seed, episode_seed
@@ -98,7 +99,7 @@ class RolloutWorker:
         try:
             await self._build_engines()
             if self.cfg.workflow.name == "openai_agent":  # a gateway on a free local port, for this worker's agents
-                self.gateway = Gateway(self.tokenizer, get_parser(self.cfg.gateway.tool_parser),
+                self.gateway = Gateway(self.tokenizer, resolve_format(self.cfg.gateway.tool_parser, self.tokenizer),
                                        model_name=self.cfg.model.path, settings=self.cfg.gateway)
                 await self.gateway.start("127.0.0.1", 0)
                 self.workflow = build_workflow(self.cfg, gateway=self.gateway)

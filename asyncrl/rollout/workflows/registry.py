@@ -30,7 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.gateway.server import Gateway
-from asyncrl.rollout.gateway.tool_calls import get_parser
+from asyncrl.rollout.gateway.tool_calls import check_format_name
 from asyncrl.plugins import load_named
 from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
 from asyncrl.tasks.base import RewardFn, TaskSplits
@@ -77,7 +77,7 @@ def build_workflow(cfg: Config, gateway: Gateway | None = None) -> Workflow:
             raise ConfigError(f"workflow.options {options}: workflow 'openai_agent' takes none (configure your agent "
                               "in its own code)")
         try:
-            get_parser(cfg.gateway.tool_parser)
+            check_format_name(cfg.gateway.tool_parser)  # auto is read from the chat template once it is loaded
             return OpenAIAgentWorkflow(load_named(cfg.workflow.agent, key="workflow.agent"), gateway)
         except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from None
