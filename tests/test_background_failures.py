@@ -17,7 +17,7 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.config import load_config
-from asyncrl.orchestrator import rollout_loop, trainer
+from asyncrl.orchestrator import evaluations, rollout_loop
 from asyncrl.orchestrator.buffer import GroupBuffer
 from asyncrl.orchestrator.runlog import LogWriteError, RunLog
 from asyncrl.orchestrator.watchdog import Watchdog
@@ -126,7 +126,7 @@ FAILURES = {
     "the row written after an evaluation": row_write_fails(2, "once its evaluation had finished"),
     # step 3 has none: its row is written on the train loop's own call
     "the row written by a step": row_write_fails(3, "at the end of the step"),
-    "an evaluation beside training (a task of the run's group)": call_fails(trainer, "eval_metrics", 2),
+    "an evaluation beside training (a task of the run's group)": call_fails(evaluations, "eval_metrics", 2),
     "a group of the rollout loop (a task of its own group)": call_fails(rollout_loop, "compute_advantages", 6),
     "the watchdog (a side task of the run)": call_fails(Watchdog, "watch", 1),
     "the learner's wait for data (a future raced against a stop)": call_fails(GroupBuffer, "take", 4),

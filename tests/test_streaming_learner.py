@@ -22,7 +22,7 @@ from asyncrl.learner import Learner, pack_batch
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
 from asyncrl.orchestrator.stopping import StopControl
-from asyncrl.orchestrator.trainer import Trainer
+from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import Episode, Group, Trajectory
@@ -157,29 +157,30 @@ class RecordingLearner:
 
 
 def streaming_trainer(batch_size):
-    """A trainer's train-loop parts only (no run, no pre-flight): a real buffer and gate,
-    a recording learner, η = 1."""
+    """A run's train-step part only (no run, no pre-flight): a real buffer and gate, a
+    recording learner, η = 1."""
     cfg = load_config(None, [f"batch_size={batch_size}", "learner.streaming=true"])
-    trainer = Trainer.__new__(Trainer)
-    trainer.cfg, trainer.step, trainer.max_staleness, trainer.start_time = cfg, 0, 1, time.perf_counter()
     gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=batch_size))
-    trainer.rollouts = SimpleNamespace(buffer=GroupBuffer(gate, max_staleness=1))
+    stop, t0 = StopControl(), time.perf_counter()
 
     async def engine_work():
         return {"busy_s": 0.0}
 
-    trainer.rollout = SimpleNamespace(engine_work=engine_work)  # read around each learner call
-    trainer.learner, trainer._stop, trainer.watchdog = RecordingLearner(), StopControl(), Watchdog(cfg.watchdog)
-    trainer.log, trainer.tokenizer = SimpleNamespace(event=lambda *a, **k: None), SimpleNamespace(pad_token_id=0)
-    return trainer
+    steps = TrainSteps(GroupBuffer(gate, max_staleness=1), RecordingLearner(),
+                       SimpleNamespace(engine_work=engine_work),  # read around each learner call
+                       batch_size=batch_size, max_staleness=1, pad_token_id=0, stop=stop,
+                       watchdog=Watchdog(cfg.watchdog), on_train=lambda *a: None,
+                       now=lambda: time.perf_counter() - t0)
+    steps.stop = stop.request
+    return steps
 
 
 async def land(trainer, order, rows=2):
     """A group of ``rows`` on-policy trajectories finishes and enters the buffer."""
-    await trainer.rollouts.buffer.gate.acquire()
+    await trainer.buffer.gate.acquire()
     episodes = [Episode(f"t{order}", [Trajectory([1], [2, 3], [1, 1], [-1.0, -1.0], [0, 0])], reward=float(i))
                 for i in range(rows)]
-    await trainer.rollouts.buffer.put(ReadyGroup(Group(f"t{order}", episodes, [0.5] * rows), order))
+    await trainer.buffer.put(ReadyGroup(Group(f"t{order}", episodes, [0.5] * rows), order))
 
 
 def test_the_train_loop_accumulates_what_is_ready_then_each_group_as_it_lands():
@@ -187,7 +188,7 @@ def test_the_train_loop_accumulates_what_is_ready_then_each_group_as_it_lands():
         trainer = streaming_trainer(batch_size=3)
         await land(trainer, 1)
         await land(trainer, 0)
-        step = asyncio.create_task(trainer._train_streamed(0, 1))
+        step = asyncio.create_task(trainer.streamed(0, 1))
         await asyncio.sleep(0.05)
         assert trainer.learner.calls == [("accumulate", 4, True)]  # both ready groups in one part
         await land(trainer, 2, rows=3)
@@ -203,12 +204,12 @@ def test_a_stop_mid_step_puts_the_groups_taken_back_and_takes_no_step():
     async def main():
         trainer = streaming_trainer(batch_size=2)
         await land(trainer, 0)
-        step = asyncio.create_task(trainer._train_streamed(0, 1))
+        step = asyncio.create_task(trainer.streamed(0, 1))
         await asyncio.sleep(0.05)
         trainer.stop()
         assert await step is None
         assert trainer.learner.calls == [("accumulate", 2, True)]
-        assert [g.start_order for g in trainer.rollouts.buffer.snapshot()] == [0]  # a checkpoint keeps it
+        assert [g.start_order for g in trainer.buffer.snapshot()] == [0]  # a checkpoint keeps it
 
     asyncio.run(main())
 

@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-from asyncrl.algorithms.finite import check_rewards
 from asyncrl.config import Config, changed_settings, run_settings
-from asyncrl.learner import TrainBatch, pack_batch
 from asyncrl.orchestrator.announce import banner, finished_note, save_run_config
-from asyncrl.orchestrator.buffer import ReadyGroup, trainable
 from asyncrl.orchestrator.checkpoint import (
     IN_FLIGHT_FILE,
     RUN_STATE_FILE,
@@ -36,18 +33,18 @@ from asyncrl.orchestrator.checkpoint import (
     rotate,
     starting_point,
 )
+from asyncrl.orchestrator.evaluations import RunEvaluations
 from asyncrl.orchestrator.hooks import HookEvent, HookName
-from asyncrl.orchestrator.metrics import eval_metrics, sample_rows
+from asyncrl.orchestrator.metrics import sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
-from asyncrl.orchestrator.step_meter import StepMeter, Trained, learner_call
+from asyncrl.orchestrator.step_meter import StepMeter, Trained
 from asyncrl.orchestrator.stopping import StopControl
+from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.types import Episode
-
-T = TypeVar("T")
 
 
 class Trainer:
@@ -81,7 +78,8 @@ class Trainer:
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
         self.watchdog.counts.update(state.counters if state else {})
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
-        self._evaluations: set[asyncio.Task] = set()  # background ones running
+        self.evaluations = RunEvaluations(cfg, self.splits.validation, self._stop, self._now,
+                                          lambda episode: self._seen(episode, "eval"))
 
     # ------------------------------------------------------------- control
     def run(self) -> Path:
@@ -119,6 +117,11 @@ class Trainer:
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
                 self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
+                self.train_steps = TrainSteps(
+                    self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
+                    max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
+                    watchdog=self.watchdog, now=self._now,
+                    on_train=lambda start, end, step: self.log.event("train", start, end, step=step))
                 if state is not None:
                     removed = rollback_logs(self.output_dir, state)
                     print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
@@ -138,20 +141,20 @@ class Trainer:
         final checkpoint, taken while the rollouts still run so that the episodes under way
         are in it (``in_flight.jsonl``), and only then the rollouts are cancelled."""
         try:
-            async with asyncio.TaskGroup() as self._tasks:
-                side = [self._tasks.create_task(self.watchdog.watch(self._show_starved)),
-                        self._tasks.create_task(self._learner_stop_soon())]
+            async with asyncio.TaskGroup() as tasks:
+                self.evaluations.start(tasks, self.learner, self.rollout, self.log)
+                side = [tasks.create_task(self.watchdog.watch(self._show_starved)),
+                        tasks.create_task(self._learner_stop_soon())]
                 if evaluate_first:
                     self.log.step({"step": 0, "version": self.version}, await self._evaluation(0))
-                side.append(self._tasks.create_task(self.rollouts.run(
+                side.append(tasks.create_task(self.rollouts.run(
                     self.rollout, self._now, lambda episode: self._seen(episode, "train"),
                     lambda start, end, order: self.log.event("generate", start, end, group=order))))
-                side.append(self._tasks.create_task(self.log.failed()))  # a row written in a callback that failed
+                side.append(tasks.create_task(self.log.failed()))  # a row written in a callback that failed
                 last = await self._train_loop()
                 if self._stop.is_set():  # a stop waits for no evaluation (user code may hang in one), and
                     side[0].cancel()  # the watchdog does not turn it into a failure while it saves
-                    for task in list(self._evaluations):
-                        task.cancel()
+                    self.evaluations.cancel_background()
                 await self.log.flushed()
                 if (last > first_step or evaluate_first) and self._saved_step != last:
                     await self._save(last)
@@ -176,7 +179,7 @@ class Trainer:
         its evaluation), call the hooks, checkpoint when due."""
         while self.step < self.cfg.total_steps and not self._stop.is_set():
             meter, trained_version, step = await StepMeter.started(self.rollout), self.version, self.step + 1
-            train = self._train_streamed if self.cfg.learner.streaming else self._train_batched
+            train = self.train_steps.streamed if self.cfg.learner.streaming else self.train_steps.batched
             trained = await train(trained_version, step)
             if trained is None:  # asked to stop while waiting for data: nothing half-done to finish
                 break
@@ -213,69 +216,6 @@ class Trainer:
         version. An extra sync only makes samples fresher: the gate's bound holds."""
         return (step % self.cfg.sync_every == 0 or step == self.cfg.total_steps
                 or (evaluation_due and not self.cfg.background_eval))
-
-    async def _train_batched(self, version: int, step: int) -> Trained | None:
-        """Wait for the step's B groups, then one ``train_step`` on them all."""
-        t0 = _clock()
-        groups = await self._take_unless_stopped(self.cfg.batch_size)
-        if groups is None:
-            return None
-        trained = Trained(waited_s=_clock() - t0)
-        trained.actor = await self._learn(trained, step, self.learner.train_step(*self._batch(trained, groups, version)))
-        return trained
-
-    async def _train_streamed(self, version: int, step: int) -> Trained | None:
-        """``learner.streaming``: forward and backward (``accumulate``) on every group ready
-        now, up to the step's B, while the others generate; then on each as it comes (or
-        all that came meanwhile); the optimizer step (``finish_step``) once B are in. The
-        buffer picks the groups of each take by its own rule, as for a batched step's one
-        take (it counts the takes of a version); each passes the same staleness check at
-        ``version``; the rows list the step's groups in start order. Asked to stop while
-        waiting, it puts the groups taken back in the buffer (a checkpoint keeps them
-        untrained, as it would have had they waited there) and their gradients are dropped."""
-        trained, buffer = Trained(), self.rollouts.buffer
-        while len(trained.groups) < self.cfg.batch_size:
-            t0 = _clock()
-            groups = await self._take_unless_stopped(min(self.cfg.batch_size - len(trained.groups), max(1, len(buffer))))
-            trained.waited_s += _clock() - t0
-            if groups is None:
-                buffer.restore(trained.groups)
-                return None
-            await self._learn(trained, step, self.learner.accumulate(*self._batch(trained, groups, version)))
-        trained.actor = await self._learn(trained, step, self.learner.finish_step())
-        trained.groups.sort(key=lambda g: g.start_order)
-        return trained
-
-    def _batch(self, trained: Trained, groups: list[ReadyGroup], version: int) -> tuple[TrainBatch, bool]:
-        """``groups``, each checked fresh enough to train ``version`` on (``trainable``) and
-        added to ``trained``, packed; and whether ``version`` sampled every token of them
-        (then π_prox = μ, and the learner skips its recompute)."""
-        trajectories, advantages = trainable(groups, version, self.max_staleness)
-        trained.groups += groups
-        trained.trajectories += trajectories
-        on_policy = all(t.behavior_version_max == version for t in trajectories)
-        return pack_batch(trajectories, advantages, self.tokenizer.pad_token_id or 0), on_policy
-
-    async def _learn(self, trained: Trained, step: int, call: Awaitable[T]) -> T:
-        """A learner call of ``step``, timed into ``trained`` (``step_meter.learner_call``) and on the timeline."""
-        t_train = self._now()
-        out = await learner_call(self.rollout, trained, call)
-        self.log.event("train", t_train, self._now(), step=step)
-        return out
-
-    async def _take_unless_stopped(self, n: int) -> list[ReadyGroup] | None:
-        take = asyncio.ensure_future(self.rollouts.buffer.take(n, self.version))
-        stop = asyncio.ensure_future(self._stop.wait())
-        self.watchdog.waiting(True)
-        try:
-            await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            self.watchdog.waiting(False)
-            stop.cancel()
-        if take.done():
-            return take.result()
-        take.cancel()
-        return None
 
     async def _sync_weights(self, actor: dict[str, float]) -> Weights | None:
         """Send the learner's weights to the engines (``weight_sync.method``; every engine's
@@ -338,37 +278,9 @@ class Trainer:
         return {} if evaluation.cancelled() else evaluation.result()
 
     async def _evaluation(self, step: int, weights: Weights | None = None) -> asyncio.Future[dict[str, Any]]:
-        """The ``eval/*`` keys of ``step``'s version, as a future. In the background (a task
-        beside training) on an evaluation replica loaded with that version's weights;
-        otherwise now, on the rollout engines, which serve the last synced version."""
-        if self.cfg.background_eval:
-            if weights is None and step > 0:
-                weights = await self.learner.publish()
-            task = self._tasks.create_task(self._evaluate(step, self.version, weights))
-            self._evaluations.add(task)
-            task.add_done_callback(self._evaluations.discard)
-            return task
-        task = self._tasks.create_task(self._evaluate(step, self._served_version, None))
-        stop = asyncio.ensure_future(self._stop.wait())
-        try:  # a blocking evaluation, unless a stop cuts it short (its row is then written without it)
-            await asyncio.wait({task, stop}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stop.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-        return task
-
-    async def _evaluate(self, step: int, version: int, weights: Weights | None) -> dict[str, Any]:
-        tasks, t_eval = self.splits.validation[: self.cfg.eval.num_tasks], self._now()
-        result = await self.rollout.evaluate(tasks, version=version, weights=weights,
-                                             on_episode=lambda e: self._seen(e, "eval"))
-        for episode in result.episodes:
-            if episode.status == "ok":
-                check_rewards([episode.reward], max_abs=self.cfg.algorithm.max_abs_reward, task_id=episode.task_id,
-                              step=step)
-        self.log.event("eval", t_eval, self._now(), step=step, version=version)
-        return eval_metrics(result, version, self._now() - t_eval)
+        """The ``eval/*`` keys of ``step``'s version, as a future (``evaluations.py``: beside
+        training, or now on the engines, which serve the last synced version)."""
+        return await self.evaluations.of(step, self.version, self._served_version, weights)
 
 
 def _clock() -> float:

@@ -1,0 +1,98 @@
+"""One optimizer step's training: take the step's B groups from the buffer, check each is
+fresh enough, pack them and hand them to the learner, batched or streamed.
+
+Where staleness is enforced on the learner's side: every group passes
+``buffer.trainable`` at the version being trained, whichever way the step is fed, so the
+learner never trains a token older than η versions (the gate upstream makes that check
+pass; this one would fail loudly if it did not).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from asyncrl.learner import TrainBatch, pack_batch
+from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup, trainable
+from asyncrl.orchestrator.step_meter import Trained, learner_call
+from asyncrl.orchestrator.stopping import StopControl
+from asyncrl.orchestrator.watchdog import Watchdog
+from asyncrl.runtime import LearnerHandle, RolloutHandle
+
+T = TypeVar("T")
+
+
+class TrainSteps:
+    def __init__(self, buffer: GroupBuffer, learner: LearnerHandle, rollout: RolloutHandle, *, batch_size: int,
+                 max_staleness: int, pad_token_id: int, stop: StopControl, watchdog: Watchdog,
+                 on_train: Callable[[float, float, int], None], now: Callable[[], float]) -> None:
+        """``on_train(start, end, step)``: each learner call's span, for the timeline."""
+        self.buffer, self.learner, self.rollout = buffer, learner, rollout
+        self.batch_size, self.max_staleness, self.pad_token_id = batch_size, max_staleness, pad_token_id
+        self._stop, self._watchdog, self._on_train, self._now = stop, watchdog, on_train, now
+
+    async def batched(self, version: int, step: int) -> Trained | None:
+        """Wait for the step's B groups, then one ``train_step`` on them all. None when a
+        stop came first (nothing half-done)."""
+        t0 = self._now()
+        groups = await self._take_unless_stopped(self.batch_size, version)
+        if groups is None:
+            return None
+        trained = Trained(waited_s=self._now() - t0)
+        trained.actor = await self._learn(trained, step, self.learner.train_step(*self._batch(trained, groups, version)))
+        return trained
+
+    async def streamed(self, version: int, step: int) -> Trained | None:
+        """``learner.streaming``: forward and backward (``accumulate``) on every group ready
+        now, up to the step's B, while the others generate; then on each as it comes (or
+        all that came meanwhile); the optimizer step (``finish_step``) once B are in. The
+        buffer picks the groups of each take by its own rule, as for a batched step's one
+        take (it counts the takes of a version); each passes the same staleness check at
+        ``version``; the rows list the step's groups in start order. Asked to stop while
+        waiting, it puts the groups taken back in the buffer (a checkpoint keeps them
+        untrained, as it would have had they waited there) and their gradients are dropped."""
+        trained = Trained()
+        while len(trained.groups) < self.batch_size:
+            t0 = self._now()
+            want = min(self.batch_size - len(trained.groups), max(1, len(self.buffer)))
+            groups = await self._take_unless_stopped(want, version)
+            trained.waited_s += self._now() - t0
+            if groups is None:
+                self.buffer.restore(trained.groups)
+                return None
+            await self._learn(trained, step, self.learner.accumulate(*self._batch(trained, groups, version)))
+        trained.actor = await self._learn(trained, step, self.learner.finish_step())
+        trained.groups.sort(key=lambda g: g.start_order)
+        return trained
+
+    def _batch(self, trained: Trained, groups: list[ReadyGroup], version: int) -> tuple[TrainBatch, bool]:
+        """``groups``, each checked fresh enough to train ``version`` on (``trainable``) and
+        added to ``trained``, packed; and whether ``version`` sampled every token of them
+        (then π_prox = μ, and the learner skips its recompute)."""
+        trajectories, advantages = trainable(groups, version, self.max_staleness)
+        trained.groups += groups
+        trained.trajectories += trajectories
+        on_policy = all(t.behavior_version_max == version for t in trajectories)
+        return pack_batch(trajectories, advantages, self.pad_token_id), on_policy
+
+    async def _learn(self, trained: Trained, step: int, call: Awaitable[T]) -> T:
+        """A learner call of ``step``, timed into ``trained`` (``step_meter.learner_call``) and on the timeline."""
+        start = self._now()
+        out = await learner_call(self.rollout, trained, call)
+        self._on_train(start, self._now(), step)
+        return out
+
+    async def _take_unless_stopped(self, n: int, version: int) -> list[ReadyGroup] | None:
+        take = asyncio.ensure_future(self.buffer.take(n, version))
+        stop = asyncio.ensure_future(self._stop.wait())
+        self._watchdog.waiting(True)
+        try:
+            await asyncio.wait({take, stop}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._watchdog.waiting(False)
+            stop.cancel()
+        if take.done():
+            return take.result()
+        take.cancel()
+        return None
