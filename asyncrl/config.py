@@ -12,7 +12,7 @@ import json
 import re
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import Any, ClassVar, Literal, NamedTuple, TypeVar
 
 import yaml
 from pydantic import (
@@ -21,6 +21,7 @@ from pydantic import (
     Field,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -229,9 +230,9 @@ class LearnerConfig(Section):
     its own process when it trains on the CPU in a mode where it computes while the engine
     generates (every mode but ``sync``): the engine's decode steps, the learner's forward
     pass and the event loop are all short torch calls from Python, and on one GIL each
-    waits for the others' (a 4 × 8 Countdown step's learner 51 → 92 ms and engine 45 → 78 ms
-    beside each other in one process, measured 2026-11-24). On a GPU the kernels run
-    without the GIL and the weights need not cross to the CPU: in this process."""
+    waits for the others' (docs/faults.md, "The learner's own process", has the figures).
+    On a GPU the kernels run without the GIL and the weights need not cross to the CPU:
+    in this process."""
     streaming: bool = False
     """Start training on a step's groups as they arrive: forward and backward on the groups
     ready now, then on each later one, and the optimizer step once the step has
@@ -406,9 +407,15 @@ class VLLMConfig(Section):
     keys above."""
 
 
-class Config(Section):
-    output_dir: str = "runs/default"
-    seed: int = 0
+class ScheduleConfig(Section):
+    """How generation and training overlap: the mode, η, what a weight sync does to
+    generation under way, and how often weights sync (``asyncrl/modes.py`` turns them into
+    the gate's η; ``asyncrl/orchestrator/staleness.py`` enforces it). Its keys are written at
+    the top level, the names scripts use (``mode=async max_staleness=4``); a ``schedule:``
+    block in a YAML file is read the same. The code reads them together, as ``cfg.schedule``."""
+
+    flat: ClassVar[bool] = True  # keys named without the section's prefix (``all_keys``)
+
     mode: Literal["sync", "one_step_off", "async"] = "async"
     """``sync``: on-policy (η = 0); ``one_step_off``: η = 1, no partial rollout; ``async``: η = max_staleness."""
     max_staleness: int = Field(2, ge=0)
@@ -421,16 +428,74 @@ class Config(Section):
     waits for it at the last step it is fresh for, so no group is dropped as older than η
     (``wait``), or trains the younger ones and drops it once it is older than η (``drop``:
     throws generation away, the longest responses first). See ``asyncrl/orchestrator/buffer.py``."""
-    total_steps: int = Field(50, ge=1)
-    batch_size: int = Field(8, ge=1)
-    """Groups (tasks) per optimizer step."""
-    group_size: int = Field(8, ge=1)
-    """Samples per task (n)."""
     sync_every: int = Field(1, ge=1)
     """Optimizer steps between weight syncs to the engines; the last step syncs too, and so
     does a step whose evaluation runs on the engines (not beside training). The engines
     serve a version for this many steps, so samples are up to ``sync_every`` - 1 versions
     older when trained: at most η + 1, and η still bounds every trained token."""
+
+    @field_validator("partial_rollout", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ScheduleConfig:
+        if self.mode == "sync" and self.partial_rollout != "off" and "partial_rollout" in self.model_fields_set:
+            raise ValueError("mode 'sync' has nothing in flight at a weight sync; set partial_rollout=off")
+        if self.sync_every - 1 > self.effective_max_staleness:
+            raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
+                             f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "
+                             f"use sync_every <= {self.effective_max_staleness + 1}")
+        return self
+
+    @property
+    def effective_max_staleness(self) -> int:
+        """η the gate enforces in this mode."""
+        return effective_max_staleness(self.mode, self.max_staleness)
+
+    @property
+    def effective_partial_rollout(self) -> str:
+        """What a weight sync does to generation under way in this mode."""
+        return effective_partial_rollout(self.mode, self.partial_rollout)
+
+
+SCHEDULE_KEYS = tuple(ScheduleConfig.model_fields)
+
+
+def hoist_schedule_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a config as nested dicts) with its top-level schedule keys moved into
+    ``schedule``, where :class:`Config` holds them. Pure."""
+    top = {key: data[key] for key in SCHEDULE_KEYS if key in data}
+    nested = data.get("schedule", {})
+    if not top or not isinstance(nested, dict):
+        return data  # a `schedule` that is not a mapping: validation says so
+    return {**{k: v for k, v in data.items() if k not in top}, "schedule": {**nested, **top}}
+
+
+def flatten_schedule_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` with a ``schedule:`` block's keys at the top level, as they are named; a key
+    given both ways raises ``ValueError`` naming both spellings. Pure."""
+    nested = data.get("schedule")
+    if not isinstance(nested, dict):
+        return data
+    both = sorted(set(nested) & set(data))
+    if both:
+        raise ValueError(f"{both[0]!r} is given twice, as {both[0]} and as schedule.{both[0]}; keep one")
+    return {**{k: v for k, v in data.items() if k != "schedule"}, **nested}
+
+
+class Config(Section):
+    output_dir: str = "runs/default"
+    seed: int = 0
+    schedule: ScheduleConfig = ScheduleConfig()
+    """``mode``, ``max_staleness``, ``partial_rollout``, ``stale_groups``, ``sync_every``:
+    written at the top level (see :class:`ScheduleConfig`)."""
+    total_steps: int = Field(50, ge=1)
+    batch_size: int = Field(8, ge=1)
+    """Groups (tasks) per optimizer step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per task (n)."""
     eval_every: int = Field(10, ge=0)
     """Steps between evaluations; evaluation also runs before the first and after the last
     step (0 = only those two)."""
@@ -467,10 +532,19 @@ class Config(Section):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     vllm: VLLMConfig = VLLMConfig()
 
-    @field_validator("partial_rollout", mode="before")
+    @model_validator(mode="before")
     @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        return "off" if value is False else value  # YAML 1.1 reads a bare `off` as false
+    def _schedule_keys(cls, data: Any) -> Any:
+        return hoist_schedule_keys(data) if isinstance(data, dict) else data
+
+    @model_serializer(mode="wrap")
+    def _flat_schedule(self, handler: Any) -> dict[str, Any]:
+        """Dumped as they are named (``config.yaml`` has ``mode:`` at the top level), after ``seed``."""
+        data = handler(self)
+        schedule = data.pop("schedule")
+        at = list(data).index("seed") + 1
+        items = list(data.items())
+        return dict(items[:at] + list(schedule.items()) + items[at:])
 
     @field_validator("weight_sync", mode="before")
     @classmethod
@@ -479,8 +553,6 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.mode == "sync" and self.partial_rollout != "off" and "partial_rollout" in self.model_fields_set:
-            raise ValueError("mode 'sync' has nothing in flight at a weight sync; set partial_rollout=off")
         if self.engine == "vllm" and (self.sampling.top_k or self.sampling.top_p < 1):
             raise ValueError("engine 'vllm' reports logprobs after top-k/top-p truncation, which the learner cannot "
                              "reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
@@ -513,21 +585,16 @@ class Config(Section):
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
                              f"watchdog.starvation_warn_fraction={dog.starvation_warn_fraction:g}: a run would "
                              "stop before it warned; raise the first or lower the second")
-        if self.sync_every - 1 > self.effective_max_staleness:
-            raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
-                             f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "
-                             f"use sync_every <= {self.effective_max_staleness + 1}")
         return self
 
-    @property
-    def effective_max_staleness(self) -> int:
-        """η the gate enforces in this mode."""
-        return effective_max_staleness(self.mode, self.max_staleness)
-
-    @property
-    def effective_partial_rollout(self) -> str:
-        """What a weight sync does to generation under way in this mode."""
-        return effective_partial_rollout(self.mode, self.partial_rollout)
+    # the schedule's keys, read where the INTERFACE names them (``cfg.mode``)
+    mode = property(lambda self: self.schedule.mode)
+    max_staleness = property(lambda self: self.schedule.max_staleness)
+    partial_rollout = property(lambda self: self.schedule.partial_rollout)
+    stale_groups = property(lambda self: self.schedule.stale_groups)
+    sync_every = property(lambda self: self.schedule.sync_every)
+    effective_max_staleness = property(lambda self: self.schedule.effective_max_staleness)
+    effective_partial_rollout = property(lambda self: self.schedule.effective_partial_rollout)
 
     @property
     def background_eval(self) -> bool:
@@ -536,11 +603,12 @@ class Config(Section):
 
 
 def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of ``model``, dotted; a ``flat`` section's keys without its name (``mode``)."""
     keys = []
     for name, field in model.model_fields.items():
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
-            keys += all_keys(sub, f"{prefix}{name}.")
+            keys += all_keys(sub, prefix if getattr(sub, "flat", False) else f"{prefix}{name}.")
         else:
             keys.append(prefix + name)
     return keys
@@ -593,6 +661,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path} is not valid YAML: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
+    try:  # the file's `schedule:` keys as the top-level ones they are, so `mode=…` overrides either spelling
+        data = flatten_schedule_keys(data)
+    except ValueError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    overrides = [o.strip().removeprefix("schedule.") for o in overrides]
     return validate(Config, apply_overrides(data, overrides))
 
 
@@ -811,8 +884,8 @@ def _explain(exc: ValidationError, valid: list[str]) -> str:
         key = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             lines += [f"unknown config key {leaf!r}{_hint(leaf, valid)}" for leaf in _leaves(key, err.get("input"))]
-        elif not key:  # a rule across keys
+        elif not key or (err["type"] == "value_error" and isinstance(err.get("input"), dict)):  # a rule across keys
             lines.append(f"config: {err['msg'].removeprefix('Value error, ')}")
-        else:
-            lines.append(f"config key {key!r}: {err['msg']} (got {err.get('input')!r})")
+        else:  # a schedule key by the name it is written with (``max_staleness``)
+            lines.append(f"config key {key.removeprefix('schedule.')!r}: {err['msg']} (got {err.get('input')!r})")
     return "\n".join(lines)

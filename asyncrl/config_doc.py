@@ -81,17 +81,20 @@ def _default(value: Any) -> str:
     return f"`{json.dumps(value, ensure_ascii=False)}`"
 
 
-def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, type[BaseModel], list[str]]]:
-    """(dotted prefix, section class, its plain keys), the top level first, then each
-    section in the order the schema declares it."""
+def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, type[BaseModel], list[str]]]:
+    """(title, dotted prefix, section class, its plain keys), the top level first, then each
+    section in the order the schema declares it; a ``flat`` section's keys have no prefix."""
     plain, nested = [], []
     for name, field in model.model_fields.items():
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
-            nested += _sections(sub, f"{prefix}{name}.")
+            flat = getattr(sub, "flat", False)
+            nested += [(f"{name} (keys written at the top level)" if flat else title, *rest)
+                       for title, *rest in _sections(sub, prefix if flat else f"{prefix}{name}.")][:1]
+            nested += _sections(sub, prefix if flat else f"{prefix}{name}.")[1:]
         else:
             plain.append(name)
-    return [(prefix, model, plain), *nested]
+    return [(prefix.rstrip(".") or "top level", prefix, model, plain), *nested]
 
 
 HEADER = """\
@@ -120,12 +123,11 @@ def config_reference(model: type[BaseModel] = Config) -> str:
     """The Markdown page: one table per section, every key of ``model`` once."""
     defaults = model().model_dump(mode="json")
     out = [HEADER]
-    for prefix, cls, names in _sections(model):
+    for title, prefix, cls, names in _sections(model):
         if not names:
             continue
-        title = prefix.rstrip(".") or "top level"
         out.append(f"\n## {title}\n")
-        if prefix and cls.__doc__ and cls.__doc__ is not BaseModel.__doc__:
+        if cls is not model and cls.__doc__ and cls.__doc__ is not BaseModel.__doc__:
             out.append(_markdown(inspect.cleandoc(cls.__doc__)) + "\n")
         out.append("| key | type | default | meaning |\n|---|---|---|---|")
         docs = field_docs(cls)
