@@ -42,7 +42,7 @@ WORTH = 0.7
 """Share prompts only where the two passes cover at most this fraction of the whole rows'
 padded positions: a second pass costs its own per-layer overhead, and where responses are
 long and prompts short (the long-tail benchmark: 15-token prompts, responses up to 160)
-sharing saved little and made the learner's steps ~25 % slower (measured 2026-11-23)."""
+sharing saved little and made the learner's steps slower (docs/design.md has the figure)."""
 
 
 def prompt_index(batch: TrainBatch) -> tuple[list[list[int]], torch.Tensor] | None:

@@ -85,8 +85,8 @@ def one_torch_thread() -> Iterator[None]:
     torch's intra-op threads are an OpenMP team per OS thread that ever ran a parallel op,
     and libgomp, once the process holds more team threads than cores, stops spinning and
     puts every team's threads to sleep between ops. A thread with a team of two that merely
-    exists (idle) made the learner's step 1.6× slower on a 2-core machine (measured
-    2026-11-23: 107 → 171 ms), and the engine's decode too. So the event loop's thread,
+    exists (idle) slows the learner's step and the engine's decode (the figure is in
+    docs/history.md, "one torch thread on the event loop"). So the event loop's thread,
     which only orchestrates, loads and copies with one thread and never forms a team; the
     engine's and the learner's threads set their own counts (:func:`_thread_split`)."""
     before = torch.get_num_threads()

@@ -6,22 +6,11 @@ refused with 400 and ``{"error": {"message", "type", "param", "code"}}``, the se
 
 Batching: one worker task takes every query waiting, waits ``max_wait_s`` for more when
 fewer than ``max_batch`` are there, and scores them together on a thread of its own (the
-event loop keeps accepting meanwhile); the next batch gathers while one is scored. 64
-clients, each sending its next query when the last is answered (``python -m
-asyncrl.tools.retrieval.bench batching``: 20,000 documents, k 5, the services in their
-own processes measured in turn, 3 rounds of 3 s, medians; three runs of it on this 2-core
-CPU, the load generator sharing the cores):
-
-| max_batch | max_wait_s | queries / s           | p50      | p99      | mean batch |
-|-----------|------------|-----------------------|----------|----------|------------|
-| 1         | 0          | 1,655 / 1,913 / 1,953 | 32–38 ms | 57–71 ms | 1          |
-| 64        | 0          | 3,184 / 3,756 / 3,405 | 16–20 ms | 32–38 ms | 24–25      |
-| 64        | 0.002      | 3,356 / 3,555 / 3,195 | 18–20 ms | 30–33 ms | 35–37      |
-
+event loop keeps accepting meanwhile); the next batch gathers while one is scored.
 Scoring costs the same per query batched or not (``index.py``), so what batching saves
-is per-query overhead around it: most likely the hand-off of each query between the
-event loop's thread and the scoring thread, which trade the GIL every time. (One run beside other engineers' test runs, the services
-measured one after the other, showed no difference: 1,892 against 1,837 queries/s.)
+is per-query overhead around it: the hand-off of each query between the event loop's
+thread and the scoring thread, which trade the GIL every time (``python -m
+asyncrl.tools.retrieval.bench batching`` measures it; docs/results.md has the figures).
 Waiting for more (``max_wait_s``) makes batches larger but nothing faster: the default is
 0, which adds no latency to a lone query.
 
