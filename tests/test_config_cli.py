@@ -131,6 +131,20 @@ def test_yaml_off_means_off(tmp_path):
     assert cfg.partial_rollout == "off" and cfg.effective_max_staleness == 1
 
 
+def test_the_schedule_keys_read_the_same_at_the_top_level_or_in_a_schedule_block(tmp_path, capsys):
+    top, block = tmp_path / "top.yaml", tmp_path / "block.yaml"
+    top.write_text("mode: one_step_off\npartial_rollout: continue\nsync_every: 2\n")
+    block.write_text("schedule:\n  mode: one_step_off\n  partial_rollout: continue\n  sync_every: 2\n")
+    a, b = load_config(top), load_config(block)
+    assert a.schedule == b.schedule and (a.mode, a.sync_every, a.effective_max_staleness) == ("one_step_off", 2, 1)
+    assert a.model_dump() == b.model_dump() and "schedule" not in a.model_dump()  # config.yaml keeps the names
+    assert load_config(block, ["mode=async", "schedule.max_staleness=4"]).effective_max_staleness == 4
+    both = tmp_path / "both.yaml"
+    both.write_text("mode: async\nschedule:\n  mode: sync\n")
+    assert main(["train", str(both)]) == 2
+    assert "'mode' is given twice, as mode and as schedule.mode; keep one" in capsys.readouterr().err
+
+
 def test_unknown_algorithm_exits_2(tmp_path, char_tokenizer, capsys):
     model, tokenizer = build_tiny_model(char_tokenizer, seed=0)
     save_tiny_policy(model, tokenizer, tmp_path / "policy")
