@@ -313,9 +313,9 @@ def test_openings_continue_into_a_call_each_format_parses():
 def test_a_named_format_that_differs_from_the_templates_is_said(smollm2):
     fmt = resolve_format("hermes", taught(smollm2, "llama3_json"))
     assert fmt.name == "hermes" and "writes calls as llama3_json" in fmt.origin
-    assert template_notes(smollm2, templated=False, tools=fmt) == [f"tool calls: hermes ({fmt.origin})"]
+    assert template_notes(smollm2, templated=False, tool_format=fmt) == [f"tool calls: hermes ({fmt.origin})"]
     auto = resolve_format("auto", taught(smollm2, "llama3_json"))
-    assert template_notes(smollm2, templated=False, tools=auto) == [
+    assert template_notes(smollm2, templated=False, tool_format=auto) == [
         "tool calls: llama3_json (auto, from the chat template)"]
 
 

@@ -21,7 +21,7 @@ from asyncrl.tasks.base import TaskSplits
 def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer: PreTrainedTokenizerBase) -> str:
     """What a run is about to do, said before it starts."""
     evals = f"every {cfg.eval_every} steps" if cfg.eval_every else "before the first and after the last step"
-    tools = resolve_format(cfg.gateway.tool_parser, tokenizer) if cfg.workflow.name == "openai_agent" else None
+    tool_format = resolve_format(cfg.gateway.tool_parser, tokenizer) if cfg.workflow.name == "openai_agent" else None
     return "\n".join([
         f"asyncrl train → {Path(cfg.output_dir)}" + (f" (resuming from step {resumed.step})" if resumed else ""),
         f"  mode {cfg.mode}, η = {cfg.effective_max_staleness}, partial rollouts: {cfg.effective_partial_rollout}; "
@@ -30,20 +30,22 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
         f"{min(cfg.eval.num_tasks, len(splits.validation))} validation tasks scored)",
         f"  {cfg.total_steps} steps × {cfg.batch_size} groups × {cfg.group_size} samples; evaluation {evals}"
         + (" (beside training)" if cfg.background_eval else ""),
-        *(f"  {note}" for note in template_notes(tokenizer, templated=cfg.workflow.use_chat_template, tools=tools)),
+        *(f"  {note}" for note in template_notes(tokenizer, templated=cfg.workflow.use_chat_template,
+                                                  tool_format=tool_format)),
         "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
 
 
-def template_notes(tokenizer: PreTrainedTokenizerBase, *, templated: bool, tools: ToolFormat | None) -> list[str]:
+def template_notes(tokenizer: PreTrainedTokenizerBase, *, templated: bool,
+                   tool_format: ToolFormat | None) -> list[str]:
     """What asyncrl renders in place of the chat template (tools on a model whose template
     has none) where prompts go through it (``templated``), and the format tool calls are
-    read in where a gateway reads them (``tools``): said before the first step or request,
-    because a model writing calls the parser does not read only shows as a counter."""
+    read in where a gateway reads them (``tool_format``): said before the first step or
+    request, because a model writing calls the parser does not read only shows as a counter."""
     notes = []
     if templated and tokenizer.chat_template is not None:
         notes.append(chat_format.describe(chat_format.probe(tokenizer)))
-    if tools is not None:
-        notes.append(f"tool calls: {tools.name} ({tools.origin})")
+    if tool_format is not None:
+        notes.append(f"tool calls: {tool_format.name} ({tool_format.origin})")
     return [note for note in notes if note]
 
 

@@ -45,7 +45,7 @@ def serve(cfg: Config) -> None:
         try:
             url = await gateway.start(cfg.gateway.host, cfg.gateway.port)
             key = "; 'Authorization: Bearer <gateway.api_key>' required" if cfg.gateway.api_key else ""
-            notes = template_notes(checked.tokenizer, templated=True, tools=tool_format)
+            notes = template_notes(checked.tokenizer, templated=True, tool_format=tool_format)
             print(f"asyncrl serve: {cfg.model.path} at {url}/v1 (OpenAI API; stop tokens "
                   f"{list(stop_token_ids(checked.tokenizer))}{key}); Ctrl-C stops"
                   + "".join(f"\n  {note}" for note in notes), file=sys.stderr, flush=True)

@@ -132,8 +132,9 @@ def resolve_format(name: str, tokenizer: PreTrainedTokenizerBase) -> ToolFormat:
     if name != AUTO:
         fmt = get_format(name)
         if taught is not None and taught != name and name in PARSERS:
-            fmt = replace(fmt, origin=f"gateway.tool_parser; the chat template writes calls as {taught}, "
-                                      "which this parser does not read")
+            writer = "the chat template" if support.tool_calls else "asyncrl's fallback for this template"
+            fmt = replace(fmt, origin=f"gateway.tool_parser; {writer} writes calls as {taught}, which this parser "
+                                      "does not read")
     elif support is None or shown is None:
         fmt = replace(get_format("hermes"), origin=f"{AUTO}: no chat template rendering to read, hermes")
     elif taught is None:
