@@ -1,4 +1,5 @@
-"""``asyncrl train|eval|bench|report``: thin dispatch; exit 2 for usage/config errors, 1 for failures."""
+"""``asyncrl train|eval|serve|sft|bench|report|plan|models``: thin dispatch; exit 2 for usage/config
+errors, 1 for failures."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import traceback
 from asyncrl.config import ConfigError, load_config
 from asyncrl.model_convert import add_models_command, run_models_command
 from asyncrl.orchestrator.watchdog import WatchdogStop
+from asyncrl.sft.config import load_sft_config
 from asyncrl.threads import stuck_report
 
 
@@ -25,6 +27,12 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("overrides", nargs="*", metavar="key=value",
                          help="optional overrides of the file's keys, dotted (e.g. optim.lr=1e-4 total_steps=100)")
         cmd.add_argument("--keys", action=_ListKeys, help="list every config key with its default, and exit")
+    sft = sub.add_parser("sft", help="cold-start SFT of model.path on OpenAI-format conversations (JSONL)",
+                         epilog=SFT_KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sft.add_argument("config", help="YAML config file (e.g. examples/sft/conversations.yaml)")
+    sft.add_argument("overrides", nargs="*", metavar="key=value",
+                     help="optional overrides of the file's keys, dotted (e.g. optim.lr=2e-5 data.max_length=1024)")
+    sft.add_argument("--keys", action=_ListKeys, schema="sft", help="list every config key with its default, and exit")
     bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
     bench.add_argument("suite", choices=["engine", "modes", "gateway", "learner", "sync", "trl", "staleness",
                                           "retokenize"])
@@ -46,17 +54,22 @@ def _parser() -> argparse.ArgumentParser:
 
 KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/config.py;
 `asyncrl train --keys` lists them with their defaults"""
+SFT_KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/sft/config.py;
+`asyncrl sft --keys` lists them with their defaults; the data format is in docs/agents.md"""
 
 
 class _ListKeys(argparse.Action):
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: object) -> None:
+    def __init__(self, option_strings: list[str], dest: str, schema: str = "train", **kwargs: object) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+        self.schema = schema  # whose keys: train's (train, eval, serve) or sft's
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         from asyncrl.config import Config, all_keys
+        from asyncrl.sft.config import SFTConfig
 
-        defaults = Config().model_dump()
-        for key in all_keys(Config):
+        schema = SFTConfig if self.schema == "sft" else Config
+        defaults = schema.model_construct().model_dump()
+        for key in all_keys(schema):
             value = defaults
             for part in key.split("."):
                 value = value[part]
@@ -141,6 +154,22 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
             from asyncrl.orchestrator.serve import serve
 
             serve(cfg)
+        elif args.command == "sft":
+            cfg = load_sft_config(args.config, args.overrides)
+            _quiet_transformers()
+            from asyncrl.sft.trainer import SFTRun
+
+            run = SFTRun(cfg)
+            try:
+                saved = run.run()
+            except BaseException:
+                failed_run.append(f"asyncrl sft: the run failed at step {run.step}; last saved model: "
+                                  f"{run.last_saved or 'none yet'}")
+                raise
+            if run.interrupted:
+                print(f"asyncrl sft: interrupted at step {run.step}; model saved in {saved}", file=sys.stderr)
+                return 130
+            print(f"done; model saved in {saved} (model.path for asyncrl train/serve)")
         elif args.command == "bench":
             _quiet_transformers()
             from asyncrl.bench import run_bench

@@ -1,0 +1,238 @@
+"""``asyncrl sft``: full fine-tuning of a causal LM on conversations, loss on what the
+model writes (``render.py``), so a later ``asyncrl train`` starts from a policy that
+already writes the tool-call format its gateway parses.
+
+Order of work, so a mistake costs seconds: the data is read and checked, the tokenizer
+renders and masks every conversation (each error named ``file:line``), and only then
+are the weights loaded. Weights and AdamW state stay float32; ``model.dtype: bfloat16``
+runs forward and backward under autocast, so no update is lost to bfloat16's 8-bit
+mantissa. Nothing is lost on a stop: a first Ctrl-C or SIGTERM finishes the step and
+saves the model in ``checkpoints/step_N``; a failure says where the last saved model is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.algorithms.finite import NonFiniteError
+from asyncrl.config import ConfigError, OptimConfig
+from asyncrl.learner.learner import lr_lambda
+from asyncrl.policy import check_policy, load_policy
+from asyncrl.seeding import derive_seed
+from asyncrl.sft.batches import collate, micro_batches, step_order, summed_loss, trained_tokens
+from asyncrl.sft.config import SFTConfig, save_sft_config
+from asyncrl.sft.data import Conversation, load_conversations
+from asyncrl.sft.render import Example, build_examples
+
+METRICS_FILE = "metrics.jsonl"
+CHECKPOINTS_DIR = "checkpoints"
+
+
+class SFTRun:
+    """One ``asyncrl sft`` run. After :meth:`run` (returned or raised): ``last_saved`` is the
+    newest complete model directory written (None before the first), ``interrupted`` says
+    a signal stopped it, ``step`` is the last optimizer step taken."""
+
+    def __init__(self, cfg: SFTConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir)
+        self.last_saved: Path | None = None
+        self.interrupted = False
+        self.step = 0
+        self._stop = threading.Event()
+
+    def run(self) -> Path:
+        """Train; returns the saved model's directory (``output_dir``, or the checkpoint a
+        stop wrote)."""
+        cfg = self.cfg
+        if (self.out / METRICS_FILE).exists():
+            raise ConfigError(f"output_dir {str(self.out)!r} holds an earlier run ({METRICS_FILE}); "
+                              "choose another output_dir, or remove that one")
+        train_data, eval_data = self._conversations()
+        tokenizer = check_policy(cfg.model)
+        train, held_out = self._examples(tokenizer, train_data), self._examples(tokenizer, eval_data)
+        order = self._step_order(len(train))
+        torch.manual_seed(derive_seed(cfg.seed, "sft-torch"))
+        model, _ = load_policy(cfg.model.model_copy(update={"dtype": "float32"}))  # master weights: see the docstring
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                      weight_decay=cfg.optim.weight_decay)
+        schedule = OptimConfig(warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule)  # train's schedule
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, len(order)))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.out.mkdir(parents=True, exist_ok=True)
+        save_sft_config(cfg, self.out / "config.yaml")
+        with _metrics(self.out / METRICS_FILE) as log, self._signals():
+            if held_out:
+                log({"step": 0, "eval_loss": self._eval_loss(model, held_out, pad_id)})
+            bar = tqdm(order, desc="asyncrl sft", unit="step", file=sys.stderr, dynamic_ncols=True)
+            for self.step, indices in enumerate(bar, 1):
+                began, last = time.monotonic(), self.step == len(order)
+                loss, tokens, grad_norm = self._train_step(model, optimizer, [train[i] for i in indices], pad_id)
+                row = {"step": self.step, "loss": loss, "tokens": tokens, "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": grad_norm, "time/step": round(time.monotonic() - began, 3)}
+                scheduler.step()
+                if held_out and (last or (cfg.eval_every and self.step % cfg.eval_every == 0)):
+                    row["eval_loss"] = self._eval_loss(model, held_out, pad_id)
+                log(row)
+                bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", "eval_loss") if k in row}, refresh=False)
+                if self._stop.is_set() and not last:
+                    self.interrupted = True
+                    return self._save(model, tokenizer, self.out / CHECKPOINTS_DIR / f"step_{self.step}")
+                if cfg.save_every and self.step % cfg.save_every == 0 and not last:
+                    self._checkpoint(model, tokenizer)
+            bar.close()
+        return self._save(model, tokenizer, self.out)
+
+    def _step_order(self, num_train: int) -> list[list[int]]:
+        """Each step's train examples: ``epochs`` seeded passes, or as many passes as reach
+        ``total_steps``, cut there."""
+        cfg = self.cfg
+        per_epoch = -(-num_train // cfg.batch_size)
+        epochs = cfg.epochs if cfg.total_steps is None else -(-cfg.total_steps // per_epoch)
+        return step_order(num_train, cfg.batch_size, epochs=epochs, seed=cfg.seed)[: cfg.total_steps]
+
+    # -- data -----------------------------------------------------------------
+    def _conversations(self) -> tuple[list[Conversation], list[Conversation]]:
+        """Train and held-out conversations, all checked before anything else loads."""
+        data = self.cfg.data
+        train = load_conversations(data.train)
+        held_out = load_conversations(data.eval) if data.eval else []
+        if data.eval_fraction:
+            if len(train) < 2:
+                raise ConfigError(f"data.eval_fraction={data.eval_fraction}: {len(train)} conversation cannot be "
+                                  "split; give data.eval files or more conversations")
+            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
+                derive_seed(self.cfg.seed, "sft-eval-split"))).tolist()
+            n = min(len(train) - 1, max(1, round(len(train) * data.eval_fraction)))
+            held_out, train = [train[i] for i in sorted(order[:n])], [train[i] for i in sorted(order[n:])]
+        return train, held_out
+
+    def _examples(self, tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation]) -> list[Example]:
+        """Rendered and masked; truncation said, and conversations left with nothing to
+        train dropped (said too). Raises ``DataError`` when no train example is left."""
+        max_length = self.cfg.data.max_length
+        built = build_examples(tokenizer, conversations, max_length)
+        kept = [e for e in built if trained_tokens([e])]
+        cut = sum(e.truncated for e in built)
+        if not conversations:
+            return kept
+        lengths = sorted(len(e.ids) for e in built)
+        tqdm.write(f"asyncrl sft: {len(kept)} conversations from {_sources(conversations)}, "
+                   f"{sum(trained_tokens([e]) for e in kept)} assistant tokens of {sum(lengths)}, "
+                   f"length median {lengths[len(lengths) // 2]} max {lengths[-1]}"
+                   + (f"; {cut} cut at data.max_length={max_length}" if cut else "")
+                   + (f", {len(built) - len(kept)} dropped with no assistant token left" if len(kept) < len(built)
+                      else ""), file=sys.stderr)
+        if not kept:
+            raise ConfigError(f"no conversation of {_sources(conversations)} has an assistant token within "
+                              f"data.max_length={max_length}: raise it")
+        return kept
+
+    # -- a step ---------------------------------------------------------------
+    def _train_step(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer, examples: list[Example],
+                    pad_id: int) -> tuple[float, int, float]:
+        """One optimizer step on ``examples``: (mean loss per assistant token, tokens, grad norm)."""
+        model.train()
+        total = trained_tokens(examples)
+        loss_sum = torch.zeros(())
+        for part in micro_batches(examples, max_rows=self.cfg.optim.micro_batch_size,
+                                  max_tokens=self.cfg.optim.micro_batch_tokens):
+            loss = self._summed_loss(model, part, pad_id)
+            (loss / total).backward()
+            loss_sum += loss.detach().cpu()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.optim.grad_clip)
+        mean, norm = (loss_sum / total).item(), grad_norm.item()  # the step's one device sync
+        if not (math.isfinite(mean) and math.isfinite(norm)):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteError(f"non-finite {'gradient norm' if math.isfinite(mean) else 'loss'} at step {self.step} "
+                                 f"on {', '.join(e.source for e in examples[:4])}; the weights were not updated "
+                                 "(a lower optim.lr, or model.dtype=float32, may help)")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return mean, total, norm
+
+    def _summed_loss(self, model: PreTrainedModel, examples: list[Example], pad_id: int) -> torch.Tensor:
+        batch = collate(examples, pad_id)
+        device = model.device
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.cfg.model.dtype == "bfloat16"):
+            logits = model(input_ids=batch.input_ids.to(device), attention_mask=batch.attention_mask.to(device),
+                           use_cache=False).logits
+        return summed_loss(logits, batch.labels.to(device))
+
+    @torch.no_grad()
+    def _eval_loss(self, model: PreTrainedModel, examples: list[Example], pad_id: int) -> float:
+        """Mean loss per assistant token over the held-out conversations."""
+        model.eval()
+        total = sum(self._summed_loss(model, part, pad_id).cpu() for part in micro_batches(
+            examples, max_rows=self.cfg.optim.micro_batch_size, max_tokens=self.cfg.optim.micro_batch_tokens))
+        return round(float(total) / trained_tokens(examples), 6)
+
+    # -- saving ---------------------------------------------------------------
+    def _save(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
+        """A Hugging Face directory (``AutoModelForCausalLM.from_pretrained`` loads it, and
+        ``model.path`` of ``asyncrl train`` takes it)."""
+        path.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+        self.last_saved = path
+        return path
+
+    def _checkpoint(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+        root = self.out / CHECKPOINTS_DIR
+        self._save(model, tokenizer, root / f"step_{self.step}")
+        saved = sorted(root.glob("step_*"), key=lambda p: int(p.name.removeprefix("step_")))
+        for old in saved[: -self.cfg.keep_last]:
+            shutil.rmtree(old)
+
+    @contextlib.contextmanager
+    def _signals(self) -> Iterator[None]:
+        """A first SIGINT/SIGTERM finishes the step and saves; a second stops at once
+        (``KeyboardInterrupt``). Main thread only: Python gives signals to no other."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            if self._stop.is_set():
+                raise KeyboardInterrupt
+            self._stop.set()
+            tqdm.write("asyncrl sft: stopping: finishing the step and saving the model; a second Ctrl-C or "
+                       "SIGTERM stops at once, without saving", file=sys.stderr)
+
+        before = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, old in before.items():
+                signal.signal(sig, old)
+
+
+@contextlib.contextmanager
+def _metrics(path: Path) -> Iterator[Callable[[dict[str, float | int]], None]]:
+    """``metrics.jsonl``: one JSON row a line, flushed as written (a crash loses no row),
+    each with ``time/elapsed`` since the file was opened."""
+    start = time.monotonic()
+    with path.open("w") as f:
+        def log(row: dict[str, float | int]) -> None:
+            f.write(json.dumps({**row, "time/elapsed": round(time.monotonic() - start, 3)}) + "\n")
+            f.flush()
+
+        yield log
+
+
+def _sources(conversations: list[Conversation]) -> str:
+    files = sorted({c.source.rsplit(":", 1)[0] for c in conversations})
+    return ", ".join(files)
