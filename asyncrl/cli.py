@@ -162,6 +162,8 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
             run = SFTRun(cfg)
             try:
                 saved = run.run()
+            except ConfigError:
+                raise  # bad settings or data, found before any step: the message says what to fix
             except BaseException:
                 failed_run.append(f"asyncrl sft: the run failed at step {run.step}; last saved model: "
                                   f"{run.last_saved or 'none yet'}")

@@ -76,9 +76,11 @@ def _lines(path: Path) -> Iterator[tuple[str, Any]]:
             if not text.strip():
                 continue
             try:
-                yield f"{path}:{number}", json.loads(text)
-            except (ValueError, RecursionError) as exc:
-                yield f"{path}:{number}", _NotJSON(str(exc))
+                yield f"{path}:{number}", json.loads(text.rstrip("\r\n"))
+            except json.JSONDecodeError as exc:
+                yield f"{path}:{number}", _NotJSON(f"{exc.msg} at column {exc.colno}")
+            except (ValueError, RecursionError) as exc:  # nested past the parser's depth, an over-long number
+                yield f"{path}:{number}", _NotJSON(str(exc) or type(exc).__name__)
 
 
 @dataclass(frozen=True)
