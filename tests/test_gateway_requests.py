@@ -2,7 +2,9 @@
 refuses (``response_format`` JSON modes, ``logit_bias``) with the reason, never ignored in
 silence; ``tool_choice`` forcing a call (its opening recorded as environment tokens, the
 next turn still token-exact) or forbidding one; ``<think>`` reasoning handed out as
-``reasoning_content`` and kept in the trajectory. Each test starts its gateway on a free port and stops it, also when it fails."""
+``reasoning_content`` and kept in the trajectory; streams sent token by token (an engine
+that samples its next token only once the agent saw the last shows it without a clock),
+adding up to the reply unstreamed and recording the same trajectory. Each test starts its gateway on a free port and stops it, also when it fails."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import asyncio
 import contextlib
 import json
 
+import aiohttp
 import openai
 import pytest
 import torch
@@ -17,8 +20,9 @@ from conftest import reference_logprobs
 from openai import AsyncOpenAI
 
 from asyncrl.engine import TorchEngine
+from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.rollout.gateway import Gateway, ParsedReply, hermes, reasoning, tool_choice
+from asyncrl.rollout.gateway import Gateway, ParsedReply, hermes, reasoning, streaming, tool_choice
 from asyncrl.tiny import CHAT_TEMPLATE, build_char_tokenizer, chat_prompt_ids
 from asyncrl.types import NO_VERSION, Completion, SamplingParams
 
@@ -299,3 +303,264 @@ def test_reasoning_goes_to_reasoning_content_and_the_next_turn_continues_token_e
     second_message = second.choices[0].message
     assert not second_message.tool_calls and second.choices[0].finish_reason == "stop"
     assert second_message.content == "no call" and "<tool_call>" in second_message.reasoning_content
+
+
+# -- 4. streaming: text sent as it is sampled, adding up to the reply unstreamed ----------------
+def streamed(stream: streaming.ReplyStream, text: str, final: tuple[str | None, str | None]) -> dict[str, str]:
+    """Feed ``text`` one character at a time, then the parsed reply: what the agent was sent."""
+    sent = {"reasoning_content": "", "content": ""}
+    for n in range(len(text) + 1):
+        for key, value in stream.update(text[:n]).items():
+            assert not sent[key] or value  # never an empty delta
+            sent[key] += value
+    for key, value in stream.finish(*final).items():
+        sent[key] += value
+    return sent
+
+
+@pytest.mark.parametrize("template, tools, stops, text", [
+    (CHAT_TEMPLATE, False, (), "plain answer  \n"),
+    (CHAT_TEMPLATE, True, (), 'hi <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'),
+    (CHAT_TEMPLATE, True, (), "a <tool never written"),
+    (CHAT_TEMPLATE, False, ("STOP",), "abc STOP and on"),
+    (THINK_TEMPLATE, True, (), "<think>a b</think>\n\nanswer"),
+    (THINK_TEMPLATE, True, (), "<think>a <tool_call>x</tool_call></think>c"),
+    (THINK_TEMPLATE, False, (), "<thinking is a word"),
+    (THINK_TEMPLATE, False, (), "<think>cut while thin"),
+    (OPENED_TEMPLATE, False, (), "abc</think>\n\nx"),
+])
+def test_a_streamed_reply_adds_up_to_the_reply_unstreamed(template, tools, stops, text):
+    thinking = reasoning.thinking(tokenizer_with(template))
+    choice = tool_choice.AUTO if tools else tool_choice.ToolChoice(parse=False)
+    reply = text[:text.index(stops[0])] if stops else text  # the client cuts the reply before a stop string
+    thought, answer = reasoning.split(reply, thinking)
+    parsed = hermes(answer) if tools else ParsedReply(answer)
+    stream = streaming.for_chat(choice, thinking, hermes, list(stops))
+    sent = streamed(stream, text, (thought, parsed.content))
+    assert sent == {"reasoning_content": thought or "", "content": parsed.content or ""}
+
+
+def test_the_detokenizer_gives_the_text_decoding_every_id_gives(char_tokenizer):
+    text = "héllo wörld 漢字 ok"
+    ids = char_tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # byte-level: some characters are spelt by several tokens
+    detokenizer = streaming.Detokenizer(char_tokenizer)
+    seen = [detokenizer.add([i]) for i in ids]
+    assert seen[-1] == text and all("\ufffd" not in s and text.startswith(s) for s in seen)
+
+
+def test_the_torch_engine_hands_out_each_token_before_the_completion(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4)
+        got: list[list[int]] = []
+        try:
+            completion = await engine.generate(chat_prompt_ids(tokenizer, USER), SamplingParams(max_tokens=12),
+                                               on_tokens=got.append)
+            return completion, list(got)  # a copy taken as the completion returns: nothing arrives later
+        finally:
+            await engine.shutdown()
+
+    completion, got = asyncio.run(main())
+    assert all(len(step) == 1 for step in got) and sum(got, []) == completion.token_ids
+
+
+class Streamed:
+    """An engine that streams a reply written here, one token per step, with the real
+    model's logprobs; gated, it samples the next token only once the test says so (after
+    the agent saw the last one), so no reply can reach the agent whole."""
+
+    def __init__(self, engine: TorchEngine, tokenizer, text: str, *, gated: bool = False, fail_after: int = 0):
+        self.engine, self.gated, self.fail_after = engine, gated, fail_after
+        self.script = tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]
+        self.proceed = asyncio.Event()
+        self.finished = False
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    async def generate(self, prompt_ids, sampling, on_tokens=None):
+        for i, token in enumerate(self.script):
+            if self.fail_after and i == self.fail_after:
+                raise EngineClosedError("the engine died mid-reply")
+            if on_tokens is not None:
+                on_tokens([token])
+            if self.gated and i < len(self.script) - 1:
+                await self.proceed.wait()
+                self.proceed.clear()
+        self.finished = True
+        lps = reference_logprobs(self.engine.model, list(prompt_ids), self.script).tolist()
+        return Completion(list(self.script), lps, [self.engine.version] * len(self.script), "stop")
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+async def chunks_of(client: AsyncOpenAI, on_chunk=None, **fields) -> list:
+    stream = await client.chat.completions.create(model="tiny", messages=USER, stream=True, **fields)
+    chunks = []
+    async for chunk in stream:
+        chunks.append(chunk)
+        if on_chunk is not None:
+            on_chunk(chunk)
+    return chunks
+
+
+def test_each_token_reaches_the_agent_before_generation_ends(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            streamed_engine = Streamed(engine, tokenizer, "12345", gated=True)
+            llm = LLMClient(streamed_engine, tokenizer, sampling)
+            seen = []  # (content, whether the engine had finished) per chunk, in arrival order
+
+            def on_chunk(chunk):
+                if chunk.choices and chunk.choices[0].delta.content:
+                    seen.append((chunk.choices[0].delta.content, streamed_engine.finished))
+                    streamed_engine.proceed.set()  # only now may the next token be sampled
+
+            async with gateway.session(llm) as base_url:
+                chunks = await asyncio.wait_for(chunks_of(sdk(base_url), on_chunk), 120)  # a hang is a failure
+            return seen, chunks, llm, streamed_engine
+
+    seen, chunks, llm, streamed_engine = asyncio.run(main())
+    assert seen == [(c, False) for c in "12345"]  # five chunks, each before the engine finished
+    assert streamed_engine.finished and chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[-1].usage.completion_tokens == 6  # the five digits and the end of the turn
+    [trajectory] = llm.trajectories
+    assert trajectory.response_ids == streamed_engine.script and trajectory.loss_mask == [1] * 6
+
+
+def test_a_stream_holds_tool_calls_for_the_end_and_says_reasoning_apart(tiny_policy):
+    model, _ = tiny_policy
+    tokenizer = tokenizer_with(THINK_TEMPLATE)
+    text = '<think>2 3</think>\n\nhi <tool_call>{"name": "add", "arguments": {"a": 2}}</tool_call>'
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            llm = LLMClient(Streamed(engine, tokenizer, text), tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                return await chunks_of(sdk(base_url), tools=TOOLS)
+
+    deltas = [c.choices[0].delta for c in asyncio.run(main()) if c.choices]
+    reasoning_sent = [d.reasoning_content for d in deltas if getattr(d, "reasoning_content", None)]
+    content_sent = [d.content for d in deltas if d.content]
+    calls = [d.tool_calls for d in deltas if d.tool_calls]
+    assert "".join(reasoning_sent) == "2 3" and "".join(content_sent) == "hi"  # none of the call's text
+    [[call]] = calls  # the call, whole, in one delta after all the text, then the finish
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2}
+    assert [bool(d.tool_calls) for d in deltas][-2:] == [True, False]
+
+
+def test_a_forced_call_streams_as_it_answers_unstreamed_and_records_the_same(tiny_policy):
+    model, tokenizer = tiny_policy
+    opening = tool_choice.opening(hermes, "add")
+
+    async def run(stream: bool):
+        async with serving(model, tokenizer, max_tokens=24) as (gateway, engine, sampling):
+            scripted = Streamed(engine, tokenizer, FORCED_CALL[len(opening):])
+            llm = LLMClient(scripted, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                client = sdk(base_url)
+                if stream:
+                    reply = await chunks_of(client, tools=TOOLS, tool_choice=NAMED)
+                else:
+                    reply = await client.chat.completions.create(model="tiny", messages=USER, tools=TOOLS,
+                                                                 tool_choice=NAMED)
+            return reply, llm.trajectories
+
+    chunks, streamed_trajectories = asyncio.run(run(True))
+    reply, trajectories = asyncio.run(run(False))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert not any(d.content for d in deltas)  # nothing of the call's text as content
+    [[call]] = [d.tool_calls for d in deltas if d.tool_calls]
+    assert (call.function.name, call.function.arguments) == (reply.choices[0].message.tool_calls[0].function.name,
+                                                             reply.choices[0].message.tool_calls[0].function.arguments)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [t.to_dict() for t in streamed_trajectories] == [t.to_dict() for t in trajectories]
+
+
+def test_a_stream_matches_the_reply_unstreamed_on_the_real_engine(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer, max_tokens=24, temperature=0.0) as (gateway, engine, sampling):
+            results = []
+            for stream in (True, False):
+                llm = LLMClient(engine, tokenizer, sampling)
+                async with gateway.session(llm) as base_url:
+                    client = sdk(base_url)
+                    if stream:
+                        chunks = await chunks_of(client)
+                        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                    else:
+                        text = (await client.chat.completions.create(model="tiny", messages=USER)).choices[0].message.content
+                results.append((text, llm.trajectories[0]))
+            return results
+
+    (streamed_text, streamed_trajectory), (text, trajectory) = asyncio.run(main())
+    assert streamed_text == text and len(trajectory.response_ids) > 1
+    assert streamed_trajectory.response_ids == trajectory.response_ids  # greedy: the same reply, recorded the same
+    assert streamed_trajectory.loss_mask == trajectory.loss_mask and streamed_trajectory.versions == trajectory.versions
+    torch.testing.assert_close(torch.tensor(streamed_trajectory.logprobs), torch.tensor(trajectory.logprobs))
+
+
+def test_an_engine_that_fails_mid_stream_ends_it_with_an_error_the_sdk_raises(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            llm = LLMClient(Streamed(engine, tokenizer, "12345", fail_after=3), tokenizer, sampling)
+            got = []
+            async with gateway.session(llm) as base_url:
+                with pytest.raises(openai.APIError) as caught:
+                    await chunks_of(sdk(base_url), lambda c: got.append(c.choices[0].delta.content if c.choices else None))
+            async with aiohttp.ClientSession() as http, http.get(gateway.base_url + "/health") as r:
+                return caught.value, got, r.status
+
+    error, got, health = asyncio.run(main())
+    assert "".join(c or "" for c in got) == "123" and "engine has stopped" in error.message and health == 200
+
+
+def test_a_text_completion_streams_too(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer, max_tokens=12) as (gateway, _, _):
+            client = sdk(f"{gateway.base_url}/v1")
+            stream = await client.completions.create(model="tiny", prompt="1 2 ->", stream=True, temperature=0)
+            parts = [c async for c in stream]
+            whole = await client.completions.create(model="tiny", prompt="1 2 ->", temperature=0)
+            return parts, whole
+
+    parts, whole = asyncio.run(main())
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+    assert parts[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+
+
+def test_an_agent_that_hangs_up_mid_stream_leaves_the_reply_recorded_and_the_gateway_serving(tiny_policy):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            streamed_engine = Streamed(engine, tokenizer, "12345", gated=True)
+            llm = LLMClient(streamed_engine, tokenizer, sampling)
+            async with gateway.session(llm) as base_url, aiohttp.ClientSession() as http:
+                body = {"model": "tiny", "messages": USER, "stream": True}
+                async with http.post(base_url + "/chat/completions", json=body) as r:
+                    first = await r.content.readline()  # the role chunk, then gone
+                while not streamed_engine.finished:  # the reply goes on without its reader
+                    streamed_engine.proceed.set()
+                    await asyncio.sleep(0.01)
+                while llm.trajectories[0].finish_reason != "stop" or not llm.trajectories[0].steps:
+                    await asyncio.sleep(0.01)
+                async with http.get(gateway.base_url + "/health") as health:
+                    return first, llm, health.status
+
+    first, llm, status = asyncio.run(asyncio.wait_for(main(), 120))  # a reply that never ends is a failure
+    assert first.startswith(b"data: ") and status == 200
+    [trajectory] = llm.trajectories
+    assert len(trajectory.response_ids) == 6 and trajectory.steps[0].response_tokens == 6

@@ -7,7 +7,7 @@ event loop while the engine generates elsewhere (a thread, a process, another no
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Literal, Protocol
 
 import torch
@@ -15,6 +15,8 @@ import torch
 from asyncrl.types import Completion, SamplingParams
 
 PauseMode = Literal["keep", "abort", "wait"]
+TokenSink = Callable[[list[int]], None]
+"""Takes a request's newly sampled token ids, on the caller's event loop (streaming)."""
 
 
 class EngineClosedError(RuntimeError):
@@ -66,3 +68,16 @@ class RolloutEngine(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+class StreamingEngine(RolloutEngine, Protocol):
+    """An engine that hands out a request's tokens as it samples them (both built-in ones).
+    What a caller needs from it is only a stream of what ``generate`` returns anyway: the
+    completion, and so every recorded trajectory, is the same with or without a sink."""
+
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       on_tokens: TokenSink | None = None) -> Completion:
+        """As ``RolloutEngine.generate``; ``on_tokens`` gets each step's new token ids on the
+        caller's event loop, in order, all of them before the completion is returned (an
+        aborted request's too: they are its partial tokens)."""
+        ...

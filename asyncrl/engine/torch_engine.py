@@ -28,7 +28,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
-from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError
+from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError, TokenSink
 from asyncrl.engine.sampling import RowParams, sample_tokens
 from asyncrl.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
@@ -44,6 +44,7 @@ class _Request(Sequence):
 
     future: asyncio.Future[Completion] = field(kw_only=True)
     loop: asyncio.AbstractEventLoop = field(kw_only=True)
+    on_tokens: TokenSink | None = field(default=None, kw_only=True)
 
 
 @dataclass
@@ -103,13 +104,17 @@ class TorchEngine:
         return len(self._live)
 
     # ----------------------------------------------------------------- async verbs
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       on_tokens: TokenSink | None = None) -> Completion:
+        """``on_tokens``: each sampled token as the step that sampled it ends
+        (``StreamingEngine``)."""
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
         if len(prompt_ids) >= self.max_positions:  # position ids past the table would kill the decode thread
             raise PromptTooLongError(len(prompt_ids), self.max_positions)
         loop = asyncio.get_running_loop()
-        req = _Request(next(self._ids), list(prompt_ids), sampling, future=loop.create_future(), loop=loop)
+        req = _Request(next(self._ids), list(prompt_ids), sampling, future=loop.create_future(), loop=loop,
+                       on_tokens=on_tokens)
         self._post(lambda: self._scheduler.add(req), req.future, loop, request=req)
         try:
             return await asyncio.shield(req.future)
@@ -261,7 +266,12 @@ class TorchEngine:
         token_ids, logprob_values = tokens.tolist(), logprobs.tolist()  # one device sync per step
         version = self._version  # <- every token is stamped with the weights that sampled it
         self.stats.tokens += len(token_ids)
-        for req in self._scheduler.postprocess(step.sequences, token_ids, logprob_values, version):
+        finished = self._scheduler.postprocess(step.sequences, token_ids, logprob_values, version)
+        for req, token in zip(step.sequences, token_ids):
+            if req.on_tokens is not None:  # posted before the settle below: the loop runs them in order
+                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
+                    req.loop.call_soon_threadsafe(req.on_tokens, [token])
+        for req in finished:
             self._settle(req)
         self._evict_finished()
 

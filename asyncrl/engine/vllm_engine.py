@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from asyncrl.config import VLLMConfig
-from asyncrl.engine.protocol import EngineClosedError, PauseMode
+from asyncrl.engine.protocol import EngineClosedError, PauseMode, TokenSink
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -127,9 +127,11 @@ class VLLMEngine:
         return self._in_flight
 
     # ----------------------------------------------------------------- async verbs
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       on_tokens: TokenSink | None = None) -> Completion:
         """Stream one request; cancelling the caller's task aborts it inside vLLM (``AsyncLLM``
-        aborts a request whose output generator is cancelled)."""
+        aborts a request whose output generator is cancelled). ``on_tokens`` gets each
+        delta's token ids as vLLM hands them out (``StreamingEngine``)."""
         llm = self._live()
         if not prompt_ids:
             raise ValueError("prompt_ids must hold at least one token")
@@ -163,6 +165,8 @@ class VLLMEngine:
                 logprobs += [position[token].logprob for token, position in zip(new, seq.logprobs or [])]
                 versions += [self._version] * len(new)  # replaced by vLLM's own labels below
                 self.stats.tokens += len(new)
+                if on_tokens is not None and new:
+                    on_tokens(new)
                 final = seq if out.finished else None
         except EngineDeadError as exc:
             raise EngineClosedError(f"the vLLM engine died: {exc}") from exc

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import json
 import logging
 import threading
@@ -25,7 +26,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.rollout import chat_format
-from asyncrl.engine.protocol import RolloutEngine
+from asyncrl.engine.protocol import RolloutEngine, TokenSink
 from asyncrl.rollout.journal import Journal
 from asyncrl.types import NO_VERSION, Completion, FinishReason, SamplingParams, Step, Trajectory
 
@@ -110,6 +111,16 @@ def _prompt_key(messages: list[Message], tools: list[dict[str, Any]] | None) -> 
         return None
 
 
+def takes_sink(engine: object) -> bool:
+    """Whether ``engine.generate`` takes ``on_tokens`` (``StreamingEngine``: both built-in
+    engines). A wrapper that does not pass it on (a test double, a timing wrapper) gets
+    none, and its caller each part's tokens at once."""
+    try:
+        return "on_tokens" in inspect.signature(engine.generate).parameters  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def _append_environment(trajectory: Trajectory, ids: list[int]) -> None:
     """Tokens the model did not sample (template text, tool results, a forced opening):
     mask 0, logprob 0, no version, so the learner never trains on them."""
@@ -145,19 +156,27 @@ class LLMClient:
         self._conversation: _Conversation | None = None
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
-                       stop: list[str] | None = None) -> Response:
+                       stop: list[str] | None = None, *, on_tokens: TokenSink | None = None) -> Response:
+        """One completion of ``prompt``; ``on_tokens`` as in :meth:`chat`."""
         prompt_ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt, add_special_tokens=False)
         trajectory = Trajectory(prompt_ids=list(prompt_ids))
         self.trajectories.append(trajectory)
         self._conversation = None
-        return await self._extend(trajectory, sampling or self.sampling, messages=None, stop=stop)
+        return await self._extend(trajectory, sampling or self.sampling, messages=None, stop=stop,
+                                  on_tokens=on_tokens)
 
     async def chat(
         self, messages: list[Message], tools: list[dict[str, Any]] | None = None,
         sampling: SamplingParams | None = None, stop: list[str] | None = None, *, opening: str | None = None,
+        on_tokens: TokenSink | None = None,
     ) -> Response:
         """One reply. ``stop`` strings end it early: the reply is recorded through the token
         that completed the stop string (what the model sampled) and returned without it.
+
+        ``on_tokens``: gets the sampled ids as the engine samples them (a streaming engine:
+        each step's; another: each part it returns), all of them before this returns —
+        those past a stop string too, and those of a part aborted and resumed, which are
+        kept. It only watches: the response and the trajectory are the same without it.
 
         ``opening``: text the reply is made to begin with (a forced tool call's opening).
         It is written after the generation prompt as environment tokens — mask 0, logprob
@@ -178,7 +197,8 @@ class LLMClient:
             self.trajectories.append(trajectory)
         forced = self.tokenizer.encode(opening, add_special_tokens=False) if opening else []
         _append_environment(trajectory, forced)
-        response = await self._extend(trajectory, sampling or self.sampling, messages=messages, stop=stop)
+        response = await self._extend(trajectory, sampling or self.sampling, messages=messages, stop=stop,
+                                      on_tokens=on_tokens)
         if opening:
             response = dataclasses.replace(
                 response, text=opening + response.text,
@@ -202,9 +222,9 @@ class LLMClient:
 
     # -------------------------------------------------------------------------
     async def _extend(self, trajectory: Trajectory, sampling: SamplingParams, messages: list[Message] | None,
-                      stop: list[str] | None = None) -> Response:
+                      stop: list[str] | None = None, on_tokens: TokenSink | None = None) -> Response:
         context = trajectory.prompt_ids + trajectory.response_ids
-        completion, num_resumes = await self._complete(context, sampling)
+        completion, num_resumes = await self._complete(context, sampling, on_tokens)
         visible = None
         if stop:
             completion, visible = self._cut_at_stop(completion, stop)
@@ -238,7 +258,8 @@ class LLMClient:
                 return kept, text[:cut]
         return completion, None
 
-    async def _complete(self, prompt_ids: list[int], sampling: SamplingParams) -> tuple[Completion, int]:
+    async def _complete(self, prompt_ids: list[int], sampling: SamplingParams,
+                        on_tokens: TokenSink | None = None) -> tuple[Completion, int]:
         """Generate, resuming after every ``abort`` (a weight update) with prompt + partial
         tokens and the remaining budget, until the sequence really ends. With a journal,
         each part is recorded as it returns, and a completion replayed from before a
@@ -248,6 +269,9 @@ class LLMClient:
         ids, logprobs, versions = (list(segment.token_ids), list(segment.logprobs), list(segment.versions)) \
             if segment is not None else ([], [], [])
         num_resumes = segment.num_resumes if segment is not None else 0
+        if on_tokens is not None and ids:  # replayed: they are the reply's first tokens
+            on_tokens(list(ids))
+        streams = on_tokens is not None and takes_sink(self.engine)
         if segment is not None and segment.finish_reason is not None:
             return Completion(ids, logprobs, versions, segment.finish_reason), num_resumes
         # cut off by a checkpoint: it goes on as after that checkpoint's abort (counted then)
@@ -257,10 +281,15 @@ class LLMClient:
             if journal is not None:
                 journal.calls_sent += 1
             try:
-                part = await self.engine.generate(prompt_ids + ids, remaining)
+                if streams:
+                    part = await self.engine.generate(prompt_ids + ids, remaining, on_tokens=on_tokens)
+                else:
+                    part = await self.engine.generate(prompt_ids + ids, remaining)
             finally:
                 if journal is not None:
                     journal.calls_returned += 1
+            if on_tokens is not None and not streams and part.token_ids:
+                on_tokens(list(part.token_ids))
             ids += part.token_ids
             logprobs += part.logprobs
             versions += part.versions

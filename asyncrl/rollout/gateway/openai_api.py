@@ -156,9 +156,7 @@ class CompletionRequest(_Request):
 
 
 def finish_reason(parsed: ParsedReply, engine_reason: str) -> str:
-    if parsed.tool_calls:
-        return "tool_calls"
-    return "length" if engine_reason == "length" else "stop"
+    return "tool_calls" if parsed.tool_calls else text_finish_reason(engine_reason)
 
 
 def assistant_message(parsed: ParsedReply, reasoning: str | None = None) -> dict[str, Any]:
@@ -189,18 +187,35 @@ def chat_completion(model: str, fingerprint: str, message: dict[str, Any], reaso
             "usage": use}
 
 
-def chat_chunks(model: str, fingerprint: str, message: dict[str, Any], reason: str,
-                use: dict[str, int]) -> list[dict[str, Any]]:
-    """The reply as stream chunks: role and content, each tool call, then the finish
-    reason with the usage. The reply is sent once generation ends (no token streaming)."""
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk", "created": int(time.time()),
+def chunk_base(model: str, fingerprint: str, *, chat: bool) -> dict[str, Any]:
+    """What every chunk of one streamed reply shares."""
+    return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}",
+            "object": "chat.completion.chunk" if chat else "text_completion", "created": int(time.time()),
             "model": model, "system_fingerprint": fingerprint}
-    deltas: list[dict[str, Any]] = [{"role": "assistant", "content": message["content"] or ""}]
-    for i, call in enumerate(message.get("tool_calls") or []):
-        deltas.append({"tool_calls": [{"index": i, **call}]})
-    chunks = [{**base, "choices": [{"index": 0, "delta": d, "finish_reason": None}]} for d in deltas]
-    chunks.append({**base, "choices": [{"index": 0, "delta": {}, "finish_reason": reason}], "usage": use})
-    return chunks
+
+
+def chat_chunk(base: dict[str, Any], delta: dict[str, Any], reason: str | None = None,
+               use: dict[str, int] | None = None) -> dict[str, Any]:
+    """One chunk of a streamed chat reply; the last one has the finish reason and the usage."""
+    chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+    return chunk if use is None else {**chunk, "usage": use}
+
+
+def text_chunk(base: dict[str, Any], delta: dict[str, str] | str, reason: str | None = None,
+               use: dict[str, int] | None = None) -> dict[str, Any]:
+    """One chunk of a streamed text completion (``delta``: its text, or a chat-style delta's content)."""
+    text = delta if isinstance(delta, str) else delta.get("content", "")
+    chunk = {**base, "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": None}]}
+    return chunk if use is None else {**chunk, "usage": use}
+
+
+def call_deltas(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """A reply's tool calls as stream deltas, each call whole in one."""
+    return [{"tool_calls": [{"index": i, **call}]} for i, call in enumerate(message.get("tool_calls") or [])]
+
+
+def text_finish_reason(engine_reason: str) -> str:
+    return "length" if engine_reason == "length" else "stop"
 
 
 def text_completion(model: str, fingerprint: str, text: str, reason: str, use: dict[str, int],

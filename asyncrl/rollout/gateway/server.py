@@ -19,15 +19,18 @@ fits.
 
 Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
 unknown session or route, 405 for a wrong method, 400 for a body that is not JSON (nested
-past the parser included) or not a valid request (``n`` > 1 and a tool without a named
-function included) or a prompt that does not fit the context (both figures named), 401
+past the parser included) or not a valid request (``n`` > 1, a tool without a named
+function, a JSON ``response_format``, a ``logit_bias``, a ``tool_choice`` that cannot be
+honoured included) or a prompt that does not fit the context (both figures named), 401
 without the key, 413 for a body over the limit (``access.py``: both decided before a
-handler runs), 503 when the engine has stopped. A client that hangs up before its reply
-is one warning line.
+handler runs), 503 when the engine has stopped; a stream that fails after its first
+token ends with an error event in the same shape. A client that hangs up before its
+reply is one warning line; its call still ends and is recorded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -41,13 +44,14 @@ from transformers import PreTrainedTokenizerBase
 
 import asyncrl.rollout.gateway.openai_api as api
 import asyncrl.rollout.gateway.prompt_size as prompt_size
+import asyncrl.rollout.gateway.streaming as streaming
 from asyncrl.rollout.client import LLMClient
 from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.rollout.gateway.access import check_exposure, middlewares
-from asyncrl.rollout.gateway.session import CallResult, Session
+from asyncrl.rollout.gateway.session import CallPlan, CallResult, Session
 from asyncrl.rollout.gateway.tool_calls import ToolParser
-from asyncrl.json_api import Refused, error_response, listen, read_json, validate
+from asyncrl.json_api import Refused, error_body, error_response, listen, read_json, validate
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -138,38 +142,33 @@ class Gateway:
     async def _serve(self, request: web.Request, kind: type[api.ChatRequest | api.CompletionRequest]
                      ) -> web.StreamResponse:
         self.counts["requests"] += 1
+        param = "messages" if kind is api.ChatRequest else "prompt"
         try:
             session = self._session_of(request)
             data = await read_json(request)
             client = session.client if session is not None else self._plain_client()
             if client is not None:  # before validating: pydantic takes a second for 200,000 messages
-                self._refuse_unfit(data, "messages" if kind is api.ChatRequest else "prompt", client)
+                self._refuse_unfit(data, param, client)
             body = validate(data, kind)
             if session is None:  # a plain request: a throwaway client, nothing recorded
                 if client is None:
                     raise Refused(404, "this gateway serves sessions only: use the base URL of your session")
                 session = Session("", client, self.parser, training=False, tokenize_pool=self._pool)
+            plan = session.plan(body, self.settings.max_tokens)
+            if body.stream:
+                return await self._stream(request, session, body, plan)
             if isinstance(body, api.ChatRequest):
-                result = await session.chat(body, self.settings.max_tokens)
+                result = await session.chat(body, plan)
             else:
-                result = await session.complete(body, self.settings.max_tokens)
-        except Refused as exc:
-            return error_response(exc)
-        except PromptTooLongError as exc:
-            return error_response(Refused(400, str(exc), "messages" if kind is api.ChatRequest else "prompt"))
-        except RecursionError:  # nesting the JSON parser let through, met again by the template or json.dumps
-            return error_response(Refused(400, "the request nests too deeply to render"))
-        except EngineClosedError as exc:
-            return error_response(Refused(503, f"the engine has stopped: {exc}"))
+                result = await session.complete(body, plan)
         except (web.HTTPException, ConnectionResetError):  # 413 while reading, a client gone: access.py's
             raise
-        except Exception as exc:  # a bug of ours: the agent gets an OpenAI-shaped 500, the log the traceback
-            logger.exception("gateway: %s %s failed", request.method, request.path)
-            return error_response(Refused(500, f"{type(exc).__name__}: {exc}"))
-        fingerprint = self._fingerprint(session, result)
+        except Exception as exc:
+            return error_response(_refusal(exc, param, request))
+        fingerprint = self._fingerprint(session, plan.notes)
         if isinstance(body, api.CompletionRequest):
-            return web.json_response(self._text_reply(body, result, fingerprint))
-        return await self._chat_reply(request, body, result, fingerprint)
+            return _json(self._text_reply(body, result, fingerprint), plan.notes)
+        return _json(self._chat_reply(body, result, fingerprint), plan.notes)
 
     # -- helpers ----------------------------------------------------------------
     def _plain_client(self) -> LLMClient | None:
@@ -195,24 +194,19 @@ class Gateway:
         return self.sessions[sid]
 
     @staticmethod
-    def _fingerprint(session: Session, result: CallResult) -> str:
+    def _fingerprint(session: Session, notes: list[str]) -> str:
         """The policy version that answered, and what of the request was not honoured."""
-        notes = "; ".join(result.notes)
-        return f"asyncrl-v{session.client.engine.version}" + (f"; {notes}" if notes else "")
+        said = "; ".join(notes)
+        return f"asyncrl-v{session.client.engine.version}" + (f"; {said}" if said else "")
 
-    async def _chat_reply(self, request: web.Request, body: api.ChatRequest, result: CallResult,
-                          fingerprint: str) -> web.StreamResponse:
+    def _chat_reply(self, body: api.ChatRequest, result: CallResult, fingerprint: str) -> dict[str, Any]:
         r = result.response
-        message = result.message
-        reason = api.finish_reason(result.parsed, r.finish_reason)
-        use = api.usage(r.prompt_tokens, len(r.token_ids))
-        if body.stream:
-            return await self._stream(request, api.chat_chunks(self.model_name, fingerprint, message, reason, use),
-                                result.notes)
         logprobs = None
         if body.logprobs:
             logprobs = api.token_logprobs([self.tokenizer.decode([t]) for t in r.token_ids], r.logprobs)
-        return _json(api.chat_completion(self.model_name, fingerprint, message, reason, use, logprobs), result.notes)
+        return api.chat_completion(self.model_name, fingerprint, result.message,
+                                   api.finish_reason(result.parsed, r.finish_reason),
+                                   api.usage(r.prompt_tokens, len(r.token_ids)), logprobs)
 
     def _text_reply(self, body: api.CompletionRequest, result: CallResult, fingerprint: str) -> dict[str, Any]:
         r = result.response
@@ -220,20 +214,99 @@ class Gateway:
         if body.logprobs is not None:
             tokens = [self.tokenizer.decode([t]) for t in r.token_ids]
             logprobs = {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": None}
-        reason = "length" if r.finish_reason == "length" else "stop"
-        return api.text_completion(self.model_name, fingerprint, r.text, reason,
+        return api.text_completion(self.model_name, fingerprint, r.text, api.text_finish_reason(r.finish_reason),
                                    api.usage(r.prompt_tokens, len(r.token_ids)), logprobs)
 
-    async def _stream(self, request: web.Request, chunks: list[dict[str, Any]], notes: list[str]
-                      ) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, session: Session, body: api.ChatRequest | api.CompletionRequest,
+                      plan: CallPlan) -> web.StreamResponse:
+        """The reply as server-sent events, its text sent as it is sampled
+        (``streaming.py``). Nothing goes out before the first token, so a call refused
+        before sampling gets the same error response unstreamed; one that fails after
+        ends its stream with an error event. The call is the unstreamed one with a sink
+        for its tokens: what it records does not depend on the stream."""
+        chat = isinstance(body, api.ChatRequest)
+        tokens: asyncio.Queue[list[int] | None] = asyncio.Queue()
+        call = asyncio.ensure_future(session.chat(body, plan, tokens.put_nowait) if isinstance(body, api.ChatRequest)
+                                     else session.complete(body, plan, tokens.put_nowait))
+        call.add_done_callback(lambda _: tokens.put_nowait(None))
+        try:
+            ids = await tokens.get()
+        except asyncio.CancelledError:
+            call.cancel()
+            raise
+        if ids is None:
+            call.result()  # it failed before sampling: raises, for _serve's error response
+        if isinstance(body, api.ChatRequest):
+            text = streaming.for_chat(plan.choice, plan.thinking, session.parser, body.stops)
+        else:
+            text = streaming.ReplyStream(stops=tuple(body.stops))
+        detokenizer = streaming.Detokenizer(session.client.tokenizer)
+        base = api.chunk_base(self.model_name, self._fingerprint(session, plan.notes), chat=chat)
+        chunk = api.chat_chunk if chat else api.text_chunk
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               **_note_header(notes)})
+                                               **_note_header(plan.notes)})
         await response.prepare(request)
-        for chunk in chunks:
-            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        call.add_done_callback(_retrieved)  # a client gone mid-stream: the call still ends, and is recorded
+
+        async def send(event: dict[str, Any]) -> None:
+            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+
+        if chat:
+            await send(chunk(base, {"role": "assistant", "content": ""}))
+        pending: list[int] | None = ids
+        while pending is not None:
+            batch, pending = list(pending), []
+            while pending is not None and not tokens.empty():  # what came while the last chunk went out
+                more = tokens.get_nowait()
+                if more is None:
+                    pending = None
+                else:
+                    batch += more
+            if delta := text.update(detokenizer.add(batch)):
+                await send(chunk(base, delta))
+            if pending is not None:
+                pending = await tokens.get()
+        try:
+            result = call.result()
+        except Exception as exc:  # after the stream began: an error event, as OpenAI sends one
+            refused = _refusal(exc, "messages" if chat else "prompt", request)
+            await send(error_body(refused.status, str(refused), refused.param))
+        else:
+            r = result.response
+            use = api.usage(r.prompt_tokens, len(r.token_ids))
+            if isinstance(body, api.ChatRequest):
+                deltas = [text.finish(result.reasoning, result.parsed.content), *api.call_deltas(result.message)]
+                reason = api.finish_reason(result.parsed, r.finish_reason)
+            else:
+                deltas, reason = [text.finish(None, r.text)], api.text_finish_reason(r.finish_reason)
+            for delta in deltas:
+                if delta:
+                    await send(chunk(base, delta))
+            await send(chunk(base, {} if chat else "", reason, use))
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+def _refusal(exc: Exception, param: str, request: web.Request) -> Refused:
+    """What the agent is told of a call that raised: what it asked for wrong (400), an
+    engine that stopped (503), or a bug of ours (500, the traceback in the log)."""
+    if isinstance(exc, Refused):
+        return exc
+    if isinstance(exc, PromptTooLongError):
+        return Refused(400, str(exc), param)
+    if isinstance(exc, RecursionError):  # nesting the JSON parser let through, met again by the template or json.dumps
+        return Refused(400, "the request nests too deeply to render")
+    if isinstance(exc, EngineClosedError):
+        return Refused(503, f"the engine has stopped: {exc}")
+    logger.error("gateway: %s %s failed", request.method, request.path, exc_info=exc)
+    return Refused(500, f"{type(exc).__name__}: {exc}")
+
+
+def _retrieved(call: asyncio.Future[Any]) -> None:
+    """Mark an abandoned call's exception as seen (its stream already said it, or nobody listens)."""
+    if not call.cancelled():
+        call.exception()
 
 
 def _note_header(notes: list[str]) -> dict[str, str]:

@@ -43,7 +43,7 @@ import asyncrl.rollout.gateway.prompt_size as prompt_size
 import asyncrl.rollout.gateway.reasoning as reasoning
 import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.client import LLMClient, Response
-from asyncrl.engine.protocol import PromptTooLongError
+from asyncrl.engine.protocol import PromptTooLongError, TokenSink
 from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolParser
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
@@ -72,6 +72,27 @@ class CallResult:
     @property
     def message(self) -> dict[str, Any]:
         return assistant_message(self.parsed, self.reasoning)
+
+
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+    """What the session does with a request, decided before anything is sampled (a stream
+    needs it before the first token): the sampling, what of the request is not honoured,
+    the tool choice and how the template carries reasoning."""
+
+    sampling: SamplingParams
+    notes: list[str]  # what of the request was not honoured, and why
+    choice: tool_choice.ToolChoice = tool_choice.AUTO
+    thinking: reasoning.Thinking | None = None
+
+    @property
+    def opening(self) -> str | None:
+        """The text the reply is made to begin with. Where the generation prompt opens
+        ``<think>``, a forced call closes it first: the call is the answer, after an empty
+        reasoning."""
+        if self.choice.opening is None or self.thinking is None or not self.thinking.opened_by_prompt:
+            return self.choice.opening
+        return reasoning.END_THINK + "\n\n" + self.choice.opening
 
 
 class Session:
@@ -145,32 +166,37 @@ class Session:
     def _recorded_form(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [self.replies.get(_canonical(m), m) if m["role"] == "assistant" else m for m in messages]
 
-    async def chat(self, request: ChatRequest, default_max_tokens: int) -> CallResult:
-        choice = tool_choice.resolve(request.tool_choice, request.tools, self.parser)
+    def plan(self, request: ChatRequest | CompletionRequest, default_max_tokens: int) -> CallPlan:
+        """What this call will do; raises ``Refused`` for a ``tool_choice`` that cannot be
+        honoured. Counts a sampling override: once per call."""
         sampling, notes = self.sampling(request, default_max_tokens)
+        if isinstance(request, CompletionRequest):
+            return CallPlan(sampling, notes)
+        return CallPlan(sampling, notes, tool_choice.resolve(request.tool_choice, request.tools, self.parser),
+                        reasoning.thinking(self.client.tokenizer))
+
+    async def chat(self, request: ChatRequest, plan: CallPlan, on_tokens: TokenSink | None = None) -> CallResult:
+        """``on_tokens``: the sampled ids as they come (``LLMClient.chat``)."""
         plain = [m.plain() for m in request.messages]
         self._call_starts(plain)
         response = parsed = None
         try:
             messages = self._recorded_form(plain)
             await self._check_fits(messages, request.tools or None)
-            thinks = reasoning.thinking(self.client.tokenizer)
-            opening = choice.opening
-            if opening is not None and thinks is not None and thinks.opened_by_prompt:
-                opening = reasoning.END_THINK + "\n\n" + opening  # a call is the answer: after the reasoning, empty
-            response = await self.client.chat(messages, tools=request.tools or None, sampling=sampling,
-                                              stop=request.stops or None, opening=opening)
-            thought, answer = reasoning.split(response.text, thinks)
-            parsed = self.parser(answer) if choice.parse else ParsedReply(answer)
+            response = await self.client.chat(messages, tools=request.tools or None, sampling=plan.sampling,
+                                              stop=request.stops or None, opening=plan.opening, on_tokens=on_tokens)
+            thought, answer = reasoning.split(response.text, plan.thinking)
+            parsed = self.parser(answer) if plan.choice.parse else ParsedReply(answer)
         finally:
             self._call_ends(response, parsed)
         self.tool_parse_errors += parsed.error is not None
-        result = CallResult(response, parsed, notes, thought or None)
+        result = CallResult(response, parsed, plan.notes, thought or None)
         self.replies[_canonical(result.message)] = response.message
         return result
 
-    async def complete(self, request: CompletionRequest, default_max_tokens: int) -> CallResult:
-        sampling, notes = self.sampling(request, default_max_tokens)
+    async def complete(self, request: CompletionRequest, plan: CallPlan,
+                       on_tokens: TokenSink | None = None) -> CallResult:
+        sampling, notes = plan.sampling, plan.notes
         self._call_starts([])
         response = parsed = None
         try:
@@ -178,7 +204,8 @@ class Session:
             if self.tokenize_pool is not None and not prompt_size.is_small(1, len(prompt)):
                 encode = functools.partial(self.client.tokenizer.encode, prompt, add_special_tokens=False)
                 prompt = await asyncio.get_running_loop().run_in_executor(self.tokenize_pool, encode)
-            response = await self.client.generate(prompt, sampling=sampling, stop=request.stops or None)
+            response = await self.client.generate(prompt, sampling=sampling, stop=request.stops or None,
+                                                  on_tokens=on_tokens)
             parsed = ParsedReply(response.text)
         finally:
             self._call_ends(response, parsed)
