@@ -22,19 +22,21 @@ from openai import AsyncOpenAI
 from asyncrl.engine import TorchEngine
 from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.rollout.gateway import Gateway, ParsedReply, hermes, reasoning, streaming, tool_choice
+from asyncrl.rollout.gateway import Gateway, ParsedReply, reasoning, streaming, tool_choice
+from asyncrl.rollout.gateway.tool_calls import ToolFormat, get_format, hermes
 from asyncrl.tiny import CHAT_TEMPLATE, build_char_tokenizer, chat_prompt_ids
 from asyncrl.types import NO_VERSION, Completion, SamplingParams
 
 USER = [{"role": "user", "content": "2 3 -> 5"}]
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+HERMES = get_format("hermes")  # the format, with the opening a forced call begins with
 SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
     "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}, "strict": True}}
 
 
 @contextlib.asynccontextmanager
-async def serving(model, tokenizer, max_tokens=8, temperature=1.0, parser=hermes):
+async def serving(model, tokenizer, max_tokens=8, temperature=1.0, parser=HERMES):
     engine = TorchEngine(model, max_batch_size=8)
     sampling = SamplingParams(max_tokens=max_tokens, temperature=temperature,
                               stop_token_ids=stop_token_ids(tokenizer))
@@ -151,7 +153,7 @@ FORCED_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</to
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_a_forced_call_writes_its_opening_as_environment_tokens_and_goes_on_token_exact(tiny_policy, choice):
     model, tokenizer = tiny_policy
-    opening = tool_choice.opening(hermes, None if choice == "required" else "add")
+    opening = tool_choice.opening(HERMES, None if choice == "required" else "add")
     assert FORCED_CALL.startswith(opening) and (choice == "required" or '"add"' in opening)
     continuation = FORCED_CALL[len(opening):]  # what the model writes after the opening
 
@@ -213,17 +215,19 @@ def test_tool_choice_none_keeps_the_tools_rendered_and_returns_a_call_as_content
     assert llm.trajectories[0].prompt_ids == chat_prompt_ids(tokenizer, USER, TOOLS)  # the tools still rendered
 
 
-def plain_parser(text: str) -> ParsedReply:  # a user's parser: no opening to force a call with
+def plain_parser(text: str) -> ParsedReply:  # a parser that is a plain function: no opening to force a call with
     return hermes(text)
 
 
 @pytest.mark.parametrize("fields, parser, fragment", [
-    ({"tool_choice": "required"}, hermes, '"required" needs tools'),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, hermes,
+    ({"tool_choice": "required"}, HERMES, '"required" needs tools'),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "mul"}}}, HERMES,
      "names function 'mul', which is not in tools (they are: 'add')"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, hermes, '{"type": "function"'),
-    ({"tools": TOOLS, "tool_choice": "always"}, hermes, "'always'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, HERMES, '{"type": "function"'),
+    ({"tools": TOOLS, "tool_choice": "always"}, HERMES, "'always'"),
     ({"tools": TOOLS, "tool_choice": "required"}, plain_parser, "(plain_parser) has no fixed opening"),
+    ({"tools": TOOLS, "tool_choice": "required"}, ToolFormat("mine:parse", plain_parser),  # a user's, as loaded
+     "(mine:parse) has no fixed opening"),
 ])
 def test_a_tool_choice_that_cannot_be_honoured_is_refused_naming_why(tiny_policy, fields, parser, fragment):
     model, tokenizer = tiny_policy
@@ -335,7 +339,7 @@ def test_a_streamed_reply_adds_up_to_the_reply_unstreamed(template, tools, stops
     reply = text[:text.index(stops[0])] if stops else text  # the client cuts the reply before a stop string
     thought, answer = reasoning.split(reply, thinking)
     parsed = hermes(answer) if tools else ParsedReply(answer)
-    stream = streaming.for_chat(choice, thinking, hermes, list(stops))
+    stream = streaming.for_chat(choice, thinking, HERMES, list(stops))
     sent = streamed(stream, text, (thought, parsed.content))
     assert sent == {"reasoning_content": thought or "", "content": parsed.content or ""}
 
@@ -457,7 +461,7 @@ def test_a_stream_holds_tool_calls_for_the_end_and_says_reasoning_apart(tiny_pol
 
 def test_a_forced_call_streams_as_it_answers_unstreamed_and_records_the_same(tiny_policy):
     model, tokenizer = tiny_policy
-    opening = tool_choice.opening(hermes, "add")
+    opening = tool_choice.opening(HERMES, "add")
 
     async def run(stream: bool):
         async with serving(model, tokenizer, max_tokens=24) as (gateway, engine, sampling):

@@ -50,7 +50,7 @@ from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.rollout.gateway.access import check_exposure, middlewares
 from asyncrl.rollout.gateway.session import CallPlan, CallResult, Session
-from asyncrl.rollout.gateway.tool_calls import ToolParser
+from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
 from asyncrl.json_api import Refused, error_body, error_response, listen, read_json, validate
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
@@ -62,14 +62,16 @@ which a stuck synchronous agent can fill; two, beside the engine's, on a small m
 
 
 class Gateway:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolParser, *, model_name: str,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolFormat | ToolParser, *, model_name: str,
                  engine: RolloutEngine | None = None, sampling: SamplingParams | None = None,
                  settings: GatewayConfig | None = None) -> None:
-        """``parser``: the tool format — one with an ``opening`` (``tool_calls.ToolFormat``)
-        lets ``tool_choice`` force a call; a plain parser function parses replies and
-        refuses a forced call (``tool_choice.py``). ``engine``/``sampling``: what plain
-        ``/v1`` requests use (``asyncrl serve``); a session uses its own episode's client. ``settings``: the reply cap, the body limit
-        and the key (``gateway.*``); its host and port are ``start``'s to use."""
+        """``parser``: the tool format. A ``ToolFormat`` with an opening lets ``tool_choice``
+        force a call and a stream send content up to where a call begins; a plain parser
+        function only parses replies (a forced call is refused, and a stream read for
+        calls holds its content for the end). ``engine``/``sampling``: what plain ``/v1``
+        requests use (``asyncrl serve``); a session uses its own episode's client.
+        ``settings``: the reply cap, the body limit and the key (``gateway.*``); its host
+        and port are ``start``'s to use."""
         self.tokenizer, self.parser, self.model_name = tokenizer, parser, model_name
         self.engine, self.sampling = engine, sampling
         self.settings = settings or GatewayConfig()

@@ -45,7 +45,7 @@ import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError, TokenSink
 from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
-from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolParser
+from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolFormat, ToolParser
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
 
 
@@ -96,7 +96,7 @@ class CallPlan:
 
 
 class Session:
-    def __init__(self, session_id: str, client: LLMClient, parser: ToolParser, *, training: bool,
+    def __init__(self, session_id: str, client: LLMClient, parser: ToolFormat | ToolParser, *, training: bool,
                  tokenize_pool: Executor | None = None) -> None:
         """``tokenize_pool``: where a large prompt is tokenized (the gateway's threads); None:
         on the loop, as the client does."""

@@ -20,12 +20,11 @@ with no fixed opening (a user's parser that is a plain function).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.json_api import Refused
-from asyncrl.rollout.gateway.tool_calls import ToolParser, hermes
+from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
 
 
 @dataclass(frozen=True)
@@ -38,23 +37,15 @@ class ToolChoice:
 AUTO = ToolChoice(parse=True)
 
 
-def opening(parser: ToolParser, function: str | None) -> str | None:
+def opening(parser: ToolFormat | ToolParser, function: str | None) -> str | None:
     """The text a forced call begins with under ``parser``'s tool format (``function``:
-    the name it names, None for any), or None where the format has no fixed opening.
-
-    A ``ToolFormat`` says it itself (``opening``); a plain parser function cannot.
-    ``hermes`` as a plain function is the built-in format before ``ToolFormat``: its
-    opening is written here, as Qwen's templates render a call."""
-    own = getattr(parser, "opening", None)
-    if callable(own):
-        return own(function)
-    if parser is hermes:
-        return "<tool_call>\n" + ("" if function is None else f'{{"name": {json.dumps(function)}, "arguments": ')
-    return None
+    the name it names, None for any), or None where it has no fixed opening: a
+    ``ToolFormat`` says it (``ToolFormat.opening``), a plain parser function cannot."""
+    return parser.opening(function) if isinstance(parser, ToolFormat) else None
 
 
 def resolve(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None,
-            parser: ToolParser) -> ToolChoice:
+            parser: ToolFormat | ToolParser) -> ToolChoice:
     """What ``choice`` asks of the reply, or ``Refused(400)`` naming why it cannot be
     honoured. ``tools`` are validated already (each has a named function)."""
     if choice is None or choice == "auto":
