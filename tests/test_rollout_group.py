@@ -12,8 +12,9 @@ import torch
 from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup
-from asyncrl.rollout.worker import RolloutWorker
+from asyncrl.rollout.worker import RolloutWorker, _TimedEngine
 from asyncrl.tasks.countdown import iter_countdown
+from asyncrl.types import Completion, SamplingParams
 
 
 def test_groups_spread_over_two_workers_and_an_evaluation_is_sharded_and_merged(policy_dir):
@@ -60,3 +61,33 @@ def test_a_local_run_with_two_rollout_workers_trains_within_the_bound(tmp_path, 
     assert "eval/reward_mean" in metrics[0] and "eval/reward_mean" in metrics[-1]
     assert len(samples) == 3 * 2 * 2
     assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 1
+
+
+class _Engine:
+    """Three tokens, sampled one after another; ``streams``: handed out as sampled."""
+
+    def __init__(self, streams: bool) -> None:
+        if streams:
+            self.generate = self._streaming
+
+    async def generate(self, prompt_ids, sampling):
+        return Completion([7, 8, 9], [-0.1, -0.2, -0.3], [0, 0, 0], "stop")
+
+    async def _streaming(self, prompt_ids, sampling, on_tokens=None):
+        for token in (7, 8, 9):
+            await asyncio.sleep(0)
+            if on_tokens is not None:
+                on_tokens([token])
+        return Completion([7, 8, 9], [-0.1, -0.2, -0.3], [0, 0, 0], "stop")
+
+
+def test_an_episodes_engine_streams_when_its_engine_does_and_hands_all_at_once_when_not():
+    async def chunks(streams: bool) -> list[list[int]]:
+        seen: list[list[int]] = []
+        timed = _TimedEngine(_Engine(streams))
+        completion = await timed.generate([1, 2], SamplingParams(), on_tokens=seen.append)
+        assert completion.token_ids == [7, 8, 9] and timed.engine_s > 0
+        return seen
+
+    assert asyncio.run(chunks(True)) == [[7], [8], [9]]  # a streamed reply in a training session
+    assert asyncio.run(chunks(False)) == [[7, 8, 9]]  # every token before the completion, as promised

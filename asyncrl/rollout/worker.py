@@ -31,9 +31,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.rollout.client import LLMClient, stop_token_ids
+from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
+from asyncrl.engine.protocol import TokenSink
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.rollout.gateway import Gateway
 from asyncrl.rollout.gateway.tool_calls import resolve_format
@@ -305,12 +306,21 @@ class _TimedEngine:
         self.first: float | None = None  # the first call's start
         self.engine_s = 0.0  # in calls, the engine's queue included
 
-    async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       on_tokens: TokenSink | None = None) -> Completion:
+        """Streams (``on_tokens``) when the engine does: an agent's streamed reply in a
+        training session arrives token by token, as on plain ``/v1``."""
         start = time.perf_counter()
         if self.first is None:
             self.first = start
         try:
-            return await self.engine.generate(prompt_ids, sampling)
+            if on_tokens is None:
+                return await self.engine.generate(prompt_ids, sampling)
+            if takes_sink(self.engine):
+                return await self.engine.generate(prompt_ids, sampling, on_tokens=on_tokens)
+            completion = await self.engine.generate(prompt_ids, sampling)
+            on_tokens(list(completion.token_ids))  # an engine that does not stream: all at once, as promised
+            return completion
         finally:
             self.engine_s += time.perf_counter() - start
 
