@@ -38,7 +38,7 @@ class Section(BaseModel):
 
 
 class LoraConfig(Section):
-    """LoRA adapters on the policy (``model.lora``; ``docs/lora.md``): the learner trains
+    """LoRA adapters on the policy (``model.lora``; ``docs/scaling.md``, LoRA): the learner trains
     only low-rank adapters (through ``peft``), ΔW = B·A·``alpha``/``rank`` on each targeted
     linear layer, the base weights frozen; the KL reference is the base with the adapters
     off. ``model.lora=true`` takes every default."""

@@ -9,6 +9,11 @@ Invariant: a directory under a checkpoint's final name is complete. It is writte
 ``<name>.tmp`` and renamed into place; an older checkpoint of the same name is set aside
 as ``<name>.old`` until the new one is there, never deleted first.
 
+With ``model.lora`` the weights are the adapters alone, as peft writes them
+(``adapter_config.json`` + ``adapter_model.safetensors``: ``PeftModel.from_pretrained(base,
+dir)`` loads it; ``lora.save_merged`` writes the merged model), and the optimizer state is
+the adapters' only: the base is ``model.path``, unchanged.
+
 What the run keeps beside the learner's state (run state, journals, rotation of old
 checkpoints, rolling the logs back on resume) is ``asyncrl/orchestrator/checkpoint.py``.
 """
@@ -28,7 +33,9 @@ import numpy as np
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from asyncrl.config import LoraConfig
 from asyncrl.learner.distributed import Sharding
+from asyncrl.learner.lora import load_adapter_weights
 
 OPTIMIZER_DIR = "optimizer"
 """A checkpoint's optimizer state, as torch.distributed.checkpoint files keyed by parameter
@@ -44,6 +51,7 @@ class Checkpointed(Protocol):
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sharding: Sharding | None
     version: int
+    lora: LoraConfig | None  # module is then a PeftModel: its save_pretrained writes the adapters
 
     @property
     def is_main(self) -> bool: ...
@@ -93,17 +101,23 @@ def restore_checkpoint(learner: Checkpointed, path: Path) -> dict[str, Any]:
     whatever number of ranks saved it. (The KL reference, if any, stays the initial
     policy.) Returns the trainer state. Sharded, every rank calls it."""
     state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
-    saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(learner.module.parameters()).dtype).state_dict()
-    if learner.sharding is None:
-        learner.model.load_state_dict(saved)
+    if learner.lora is not None:
+        load_adapter_weights(learner.module, path)
     else:
-        learner.sharding.load_full_state_dict(learner.model, saved)
-    del saved
+        _load_weights(learner, path)
     _load_optimizer(learner, path, state)
     learner.scheduler.load_state_dict(state["scheduler"])
     set_rng_state(state["rng"])
     learner.version = state["version"]
     return state
+
+
+def _load_weights(learner: Checkpointed, path: Path) -> None:
+    saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(learner.module.parameters()).dtype).state_dict()
+    if learner.sharding is None:
+        learner.model.load_state_dict(saved)
+    else:
+        learner.sharding.load_full_state_dict(learner.model, saved)
 
 
 def _load_optimizer(learner: Checkpointed, path: Path, state: dict[str, Any]) -> None:

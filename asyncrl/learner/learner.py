@@ -25,6 +25,12 @@ With a :class:`~asyncrl.learner.distributed.Sharding` the same learner is one ra
 data-parallel group (``learner.world_size`` > 1): it trains on its rows of the batch, the
 shares are of the whole batch's counts (summed over ranks), and metrics are summed over
 ranks too, so N ranks take the step one would. ``distributed.py`` says how.
+
+With ``model.lora`` (``lora.py``) the policy is the base wrapped with LoRA adapters: the
+optimizer holds only the adapters, the KL reference is the same model with the adapters
+off (no second copy of the weights), and the engines are sent the targeted layers'
+merged weights. Everything above (micro-batches, sample reuse, streaming) is unchanged:
+it only sees a model whose trainable parameters are fewer.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_parameters
-from asyncrl.config import AlgorithmConfig, OptimConfig
+from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.distributed import Sharding
+from asyncrl.learner.lora import add_adapters, merged_copy, merged_targets
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 
@@ -115,18 +122,31 @@ class Learner:
 
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
-                 sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True) -> None:
+                 sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True,
+                 lora: LoraConfig | None = None) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
         full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
         from which each batch's mini-batch shuffle derives (with the version, so a resumed
-        run shuffles as the uninterrupted one would)."""
+        run shuffles as the uninterrupted one would). ``lora``: train LoRA adapters on
+        ``model`` (wrapped in place) instead of its weights; one rank only."""
+        if lora is not None and sharding is not None:
+            raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
+                              "small; a sharded LoRA learner is not built yet)")
         self.sharding = sharding
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
-        self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
-        self.model = sharding.wrap(model) if sharding is not None else model
-        self.module = Sharding.unwrap(self.model)  # the Hugging Face model: names, config, save_pretrained
+        self.lora = lora
+        if lora is not None:  # the reference is this model with its adapters off (reference_logprobs)
+            self.module = add_adapters(model, lora)  # the PeftModel: adapters' save_pretrained, disable_adapter
+            # the forward runs the Hugging Face model with the adapters injected into its layers (the
+            # PeftModel's forward hides the KV-cache argument that learner.share_prompts passes)
+            self.model = self.module.get_base_model()
+            self.reference = None
+        else:
+            self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
+            self.model = sharding.wrap(model) if sharding is not None else model
+            self.module = Sharding.unwrap(self.model)  # the Hugging Face model: names, config, save_pretrained
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.optim = optim
@@ -134,8 +154,10 @@ class Learner:
         self.device = sharding.device if sharding is not None else next(model.parameters()).device
         self.version = version
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=optim.lr, betas=optim.betas,
-                                           weight_decay=optim.weight_decay)
+        # with LoRA the adapters only: the frozen base has no gradients and no optimizer state
+        trained = ([p for p in self.model.parameters() if p.requires_grad] if lora is not None
+                   else self.model.parameters())
+        self.optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         self.pad_id = tokenizer.pad_token_id or 0
         self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
@@ -181,6 +203,23 @@ class Learner:
                 out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
+    @torch.no_grad()
+    def reference_logprobs(self, batch: TrainBatch) -> torch.Tensor | None:
+        """(B, L-1) logprobs under the KL reference (None without ``algorithm.kl_coef``): the
+        initial policy's frozen copy, or with LoRA the base itself, its adapters disabled
+        (in eval mode, as the copy is, so the base's own dropout does not enter)."""
+        if self.algorithm.kl_coef <= 0:
+            return None
+        if self.lora is None:
+            return self.logprobs(self.reference, batch)
+        training = self.model.training
+        self.model.eval()
+        try:
+            with self.module.disable_adapter():
+                return self.logprobs(self.model, batch)
+        finally:
+            self.model.train(training)
+
     def train_step(self, batch: TrainBatch, *, on_policy: bool = False) -> dict[str, float]:
         """Train on ``batch``: ``optim.ppo_epochs`` × ``optim.mini_batches`` optimizer steps
         (one by default) against one π_prox; the learner's version becomes version + 1.
@@ -201,7 +240,7 @@ class Learner:
         recompute = not (self.algorithm.bypass or on_policy)
         from_forward = recompute and len(steps) == 1
         proximal = self.logprobs(self.model, mine) if recompute and not from_forward else None
-        reference = self.logprobs(self.reference, mine) if self.reference is not None else None
+        reference = self.reference_logprobs(mine)
         batch_counts = _counts(batch.loss_mask).to(self.device)
         sums: dict[str, torch.Tensor] = {}
         norms = []
@@ -256,7 +295,7 @@ class Learner:
             self._stream = _Stream(torch.zeros(2, device=self.device))
         stream, batch = self._stream, batch.to(self.device)
         self.model.train()
-        reference = self.logprobs(self.reference, batch) if self.reference is not None else None
+        reference = self.reference_logprobs(batch)
         stream.counts += _counts(batch.loss_mask)
         ones = torch.ones(2, device=self.device)  # shares of 1 per token (or sequence): sums, divided at the step
         self._backward(batch, ones, ones, proximal=None, reference=reference, sums=stream.token_sums,
@@ -374,10 +413,27 @@ class Learner:
         """The rank that writes files and hands out weights (the only one unsharded)."""
         return self.sharding is None or self.sharding.rank == 0
 
+    def engine_weights(self) -> dict[str, torch.Tensor]:
+        """What the engines load, by the base model's parameter names, without a copy where
+        there is one to read (one rank): the parameters themselves; with LoRA only the
+        targeted layers, merged (``lora.merged_targets``: the rest is the base the engines
+        already hold). Sharded (no LoRA), each parameter's DTensor (global shapes)."""
+        if self.lora is not None:
+            return merged_targets(self.module)
+        return dict(self.module.named_parameters())
+
+    def policy_copy(self) -> PreTrainedModel:
+        """A plain model computing this policy, for an engine in this process: a deep copy,
+        with LoRA the adapters merged into it."""
+        return merged_copy(self.module) if self.lora is not None else copy.deepcopy(self.model)
+
     def export_weights(self) -> dict[str, torch.Tensor]:
         """A snapshot the engines can load while the learner goes on training: parameter
-        name -> tensor. Sharded, a collective: rank 0 gets the full (gathered) weights on
-        CPU, the other ranks ``{}``."""
+        name -> tensor (with LoRA the targeted layers merged: :meth:`engine_weights`).
+        Sharded, a collective: rank 0 gets the full (gathered) weights on CPU, the other
+        ranks ``{}``."""
+        if self.lora is not None:
+            return self.engine_weights()  # new tensors already
         if self.sharding is None:
             return {name: p.detach().clone() for name, p in self.model.named_parameters()}
         full = self.sharding.full_state_dict(self.model)

@@ -138,7 +138,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             if checkpoint is not None:
                 await learner.load_checkpoint(checkpoint)
             if isinstance(transport, InProcess):
-                model = copy.deepcopy(worker.learner.model)  # the engine's own copy of the weights
+                model = worker.learner.policy_copy()  # the engine's own copy of the weights
             elif checkpoint is not None:
                 weights = await learner.publish()
         rollout_transport: RolloutTransport

@@ -77,7 +77,7 @@ class LearnerWorker:
         c = self.cfg
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
                                temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
-                               share_prompts=c.learner.share_prompts)
+                               share_prompts=c.learner.share_prompts, lora=c.model.lora)
 
     def leave(self) -> None:
         """Close what ``apply`` attached, then leave the process group."""
@@ -110,7 +110,8 @@ class LearnerWorker:
         return metrics
 
     def publish(self) -> dict[str, torch.Tensor]:
-        """The full weights (on rank 0; ``{}`` on the others)."""
+        """The full weights (on rank 0; ``{}`` on the others); with LoRA the targeted layers
+        merged (``Learner.engine_weights``)."""
         return self.learner.export_weights()
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:

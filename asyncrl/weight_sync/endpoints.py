@@ -54,11 +54,12 @@ def open_sender(worker: LearnerEnd, receivers: int, bucket_mb: float, timeout_s:
 
 def connect_sender(worker: LearnerEnd) -> None:
     """Rank 0 waits for every receiver, then forms the group. The layout comes from the
-    parameters' names, global shapes and dtypes (a sharded learner's DTensors report the
-    full tensor's), so no gather is needed to plan it."""
+    names, global shapes and dtypes of what the engines load (``Learner.engine_weights``:
+    the parameters, or with LoRA the targeted layers merged; a sharded learner's DTensors
+    report the full tensor's), so no gather is needed to plan it."""
     if worker.rank == 0:
         _sender(worker).connect((name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-                                for name, p in worker.learner.module.named_parameters())
+                                for name, p in worker.learner.engine_weights().items())
 
 
 def send(worker: LearnerEnd, version: int) -> None:
@@ -67,7 +68,7 @@ def send(worker: LearnerEnd, version: int) -> None:
     sends them; the other ranks return."""
     learner = worker.learner
     if learner.sharding is None:
-        _sender(worker).send(version, dict(learner.module.named_parameters()))
+        _sender(worker).send(version, learner.engine_weights())
         return
     weights = learner.export_weights()
     if learner.is_main:

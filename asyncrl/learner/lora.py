@@ -1,0 +1,153 @@
+"""LoRA on the policy (``model.lora``): the adapters put on, what the engines are sent,
+and a checkpoint's merged model (``docs/scaling.md``, LoRA).
+
+The learner trains ΔW = B·A·s (s = alpha / rank) on each targeted linear layer through
+``peft``; the base weights stay frozen and bit-identical. The engines run a plain model,
+so a sync sends each targeted layer's **merged** weight W = W_base + s·B·A under the base
+model's own parameter name, and nothing else: every other weight (embeddings, norms, the
+LM head) is the base's, which the engines loaded from ``model.path`` and LoRA never
+changes. The engine path is then today's, unchanged (a subset of names is a valid
+``update_weights``). Not the adapters alone: an engine that merged them itself would need
+a base copy and a merge of its own in every engine (the built-in one and vLLM's); merged
+weights cost out × in per targeted layer instead of r × (in + out), and are the same
+function as the learner's adapter forward up to float rounding (x·Wᵀ + s·(x·Aᵀ)·Bᵀ versus
+x·(W + s·B·A)ᵀ: the two round differently, so engine and learner logprobs agree to
+~1e-5 in float32, not bit for bit; tests/test_lora.py states the bound it checks).
+
+``peft`` is an optional dependency (the ``lora`` extra): it is imported only when
+``model.lora`` is set, so full fine-tuning never needs it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from asyncrl.config import ConfigError, LoraConfig
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+ADAPTER = "default"
+"""peft's name of the one adapter the learner trains."""
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise ConfigError("model.lora needs peft: pip install 'asyncrl[lora]' (or peft>=0.17)") from None
+    return peft
+
+
+@contextlib.contextmanager
+def peft_reads_deprecated() -> Iterator[None]:
+    """Around building a ``PeftModel`` (``get_peft_model``, ``PeftModel.from_pretrained``):
+    peft 0.21.2's ``PeftModel.__init__`` reads ``model.is_gradient_checkpointing``, which
+    transformers 5.24 deprecates (a FutureWarning each time). peft's call, not ours; only
+    that one warning is silenced, so any other deprecation still fails the tests."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
+
+
+def linear_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of ``model``'s linear layers (``q_proj``, ``down_proj``,
+    ``lm_head`` …): what ``target_modules`` can name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def add_adapters(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
+    """``model`` with a fresh adapter on each layer ``cfg.target_modules`` names (B = 0, so
+    the wrapped model computes exactly what ``model`` did until the first step); only the
+    adapters require gradients. ``model`` is changed in place (its layers wrapped).
+    Target names that match no linear layer are a ``ConfigError`` naming those there are."""
+    peft = _peft()
+    if cfg.target_modules != "all-linear":
+        targets = [cfg.target_modules] if isinstance(cfg.target_modules, str) else cfg.target_modules
+        have = linear_names(model)
+        missing = [t for t in targets if t.rsplit(".", 1)[-1] not in have]
+        if missing or not targets:
+            raise ConfigError(f"model.lora.target_modules {missing or targets} match no linear layer of "
+                              f"{type(model).__name__}; it has {have} (or use all-linear)")
+    config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                             target_modules=cfg.target_modules, task_type="CAUSAL_LM", bias="none")
+    with peft_reads_deprecated():
+        return peft.get_peft_model(model, config)
+
+
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
+                  transposed: bool = False) -> torch.Tensor:
+    """W_base + scale · B @ A, in ``base``'s dtype. base: (out, in), a: (r, in), b: (out, r);
+    ``transposed``: base is stored (in, out) (GPT-2's Conv1D), so the delta is too. Summed
+    in float32 and cast once, so a bf16 base is rounded once, not per term."""
+    delta = b.float() @ a.float()  # (out, in)
+    return (base.float() + scale * (delta.T if transposed else delta)).to(base.dtype)
+
+
+def merged_targets(model: PeftModel) -> dict[str, torch.Tensor]:
+    """Each adapted layer's merged weight (:func:`merged_weight`), under the base model's
+    parameter name (``model.layers.0.self_attn.q_proj.weight``): what the engines load.
+    New tensors; the learner goes on training while they are sent."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    with torch.no_grad():
+        for name, layer in model.get_base_model().named_modules():
+            if not isinstance(layer, LoraLayer) or ADAPTER not in layer.lora_A:
+                continue
+            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
+            out[f"{name}.weight"] = merged_weight(layer.get_base_layer().weight, a, b, layer.scaling[ADAPTER],
+                                                  transposed=layer.fan_in_fan_out)
+    return out
+
+
+def merged_copy(model: PeftModel) -> PreTrainedModel:
+    """A plain model with the adapters merged in (the engine's own copy when it shares the
+    learner's process), ``model`` untouched."""
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def load_adapter_weights(model: PeftModel, path: Path) -> None:
+    """The adapter weights of a checkpoint's ``adapter_model.safetensors`` into ``model``;
+    every adapter weight must be there (a checkpoint of another rank or targets is named)."""
+    from safetensors.torch import load_file
+
+    result = _peft().set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+    missing = [k for k in result.missing_keys if "lora_" in k]
+    if missing or result.unexpected_keys:
+        raise ConfigError(f"{path} holds adapters of another shape or targets than model.lora (missing "
+                          f"{missing[:3]}, unexpected {list(result.unexpected_keys)[:3]}); resume with the "
+                          "model.lora the run was started with")
+
+
+def save_merged(checkpoint: str | Path, out: str | Path, base: str | Path | None = None) -> Path:
+    """Write a LoRA checkpoint's policy as a plain Hugging Face model directory at ``out``
+    (base + adapters merged, with the checkpoint's tokenizer), loadable as any
+    ``model.path`` (``asyncrl eval``, vLLM, ``from_pretrained``). ``base``: the base model
+    (default: the one the adapter's ``adapter_config.json`` names)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    peft = _peft()
+    checkpoint, out = Path(checkpoint), Path(out)
+    base = base if base is not None else peft.PeftConfig.from_pretrained(checkpoint).base_model_name_or_path
+    with peft_reads_deprecated():
+        model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), checkpoint)
+    model.merge_and_unload().save_pretrained(out)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
+    return out
+
+
+if __name__ == "__main__":  # python -m asyncrl.learner.lora CHECKPOINT OUT [BASE]
+    import sys
+
+    if len(sys.argv) not in (3, 4):
+        sys.exit("usage: python -m asyncrl.learner.lora CHECKPOINT_DIR OUT_DIR [BASE_MODEL]")
+    print(save_merged(*sys.argv[1:]))

@@ -1,0 +1,206 @@
+"""``model.lora``: LoRA adapters trained on a frozen base (``asyncrl/learner/lora.py``).
+
+The equivalences: only the adapters train and the base stays bit-identical; the KL
+reference is the base (adapters off); the engine, sent the merged weights, computes the
+learner's logprobs; the checkpoint is a PEFT adapter directory that ``PeftModel`` loads to
+the learner's logprobs, and a resumed learner takes the step the uninterrupted one takes;
+``asyncrl train`` runs and resumes with ``model.lora.rank=4``."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.cli import main
+from asyncrl.config import ConfigError, load_config
+from asyncrl.engine import TorchEngine
+from asyncrl.learner import Learner, pack_batch
+from asyncrl.learner.lora import linear_names, merged_weight, peft_reads_deprecated, save_merged
+from asyncrl.types import SamplingParams, Trajectory
+from asyncrl.weight_sync import fingerprint
+
+POLICY = "models/countdown-tiny"
+PROMPT = [5, 6, 7, 8, 9]
+ENGINE_TOLERANCE = 1e-4
+"""Engine (merged weights, x·(W + s·B·A)ᵀ) vs learner (adapter forward, x·Wᵀ + s·(x·Aᵀ)·Bᵀ)
+logprobs, float32: the two sum in another order, so they agree to rounding, not bit for bit
+(test_engine.py holds the plain engine to the same bound)."""
+
+
+def base_model():
+    return AutoModelForCausalLM.from_pretrained(POLICY).eval()
+
+
+def make_learner(*overrides: str) -> Learner:
+    cfg = load_config(None, [f"model.path={POLICY}", "model.lora.rank=4", "optim.lr=0.01", *overrides])
+    return Learner(base_model(), AutoTokenizer.from_pretrained(POLICY), algorithm=cfg.algorithm, optim=cfg.optim,
+                   total_steps=10, temperature=1.0, lora=cfg.model.lora, seed=cfg.seed)
+
+
+def batch():
+    trajectories = [Trajectory([5, 6, 7], [8 + i, 9, 10], [1, 1, 1], [-1.0, -1.2, -0.8], [0, 0, 0])
+                    for i in range(4)]
+    return pack_batch(trajectories, [1.0, -1.0, 0.5, -0.5], 0)
+
+
+def logprobs_of(model, b) -> torch.Tensor:
+    """(B, L-1) log π of each next token, a plain forward pass."""
+    with torch.no_grad():
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1) * b.loss_mask
+
+
+def test_only_the_adapters_train_and_the_base_stays_bit_identical():
+    learner = make_learner()
+    trained = {id(p) for group in learner.optimizer.param_groups for p in group["params"]}
+    names = {name for name, p in learner.model.named_parameters() if id(p) in trained}
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    assert len(names) == sum(1 for n, _ in learner.model.named_parameters() if "lora_" in n)
+    before = {n: p.detach().clone() for n, p in learner.model.named_parameters()}
+    learner.train_step(batch())
+    after = dict(learner.model.named_parameters())
+    assert all(not torch.equal(before[n], after[n]) for n in names if ".lora_B." in n)  # B starts at 0 and moves
+    frozen = [n for n in before if n not in names]
+    assert frozen and all(torch.equal(before[n], after[n]) for n in frozen)
+    original = base_model().state_dict()  # and the frozen weights are the base's, bit for bit
+    base = learner.module.get_base_model()
+    for name, layer in base.named_modules():
+        if hasattr(layer, "base_layer"):
+            assert torch.equal(layer.base_layer.weight, original[f"{name}.weight"])
+
+
+def test_the_kl_reference_is_the_base_with_adapters_off():
+    learner = make_learner("algorithm.kl_coef=0.1")
+    assert learner.reference is None  # no second copy of the weights
+    for _ in range(2):
+        metrics = learner.train_step(batch())
+    b = batch()
+    reference = learner.reference_logprobs(b) * b.loss_mask
+    # the same forward (shared prompts included) on the untouched base: bit for bit
+    assert torch.equal(reference, learner.logprobs(base_model(), b) * b.loss_mask)
+    torch.testing.assert_close(reference, logprobs_of(base_model(), b), atol=1e-5, rtol=0)  # and a plain pass
+    policy = learner.logprobs(learner.model, b) * b.loss_mask
+    assert (policy - reference).abs().max() > 1e-3  # the adapters moved the policy away from it
+    assert metrics["actor/kl_ref"] > 0
+
+
+def test_merged_weights_are_peft_merge_and_only_the_targeted_layers():
+    learner = make_learner()
+    learner.train_step(batch())
+    sent = learner.export_weights()
+    peft_merged = dict(copy.deepcopy(learner.module).merge_and_unload().named_parameters())
+    assert set(sent) == {f"{n}.weight" for n, m in learner.module.get_base_model().named_modules()
+                         if hasattr(m, "base_layer")}
+    for name, tensor in sent.items():
+        torch.testing.assert_close(tensor, peft_merged[name], atol=1e-6, rtol=1e-6)
+    full = sum(p.numel() for p in base_model().parameters())
+    assert sum(t.numel() for t in sent.values()) < full  # embeddings and norms never travel
+
+
+def test_merged_weight_is_base_plus_scaled_b_a():
+    base, a, b = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
+    torch.testing.assert_close(merged_weight(base, a, b, 0.5), base + 0.5 * b @ a)
+    torch.testing.assert_close(merged_weight(base.T, a, b, 0.5, transposed=True), (base + 0.5 * b @ a).T)
+    low = merged_weight(base.bfloat16(), a, b, 0.5)
+    assert low.dtype == torch.bfloat16
+
+
+def test_the_engine_sent_the_merged_weights_gives_the_learners_logprobs():
+    learner = make_learner()
+    for _ in range(3):
+        learner.train_step(batch())
+
+    async def run():
+        engine = TorchEngine(base_model())  # what a rollout worker loads from model.path
+        await engine.update_weights(learner.export_weights(), learner.version)
+        completion = await engine.generate(PROMPT, SamplingParams(max_tokens=12, temperature=1.0, seed=1))
+        await engine.shutdown()
+        return completion
+
+    completion = asyncio.run(run())
+    assert completion.versions == [learner.version] * len(completion.token_ids)
+    trajectory = Trajectory(PROMPT, completion.token_ids, [1] * len(completion.token_ids), completion.logprobs,
+                            completion.versions)
+    b = pack_batch([trajectory], [0.0], 0)
+    ours = learner.logprobs(learner.model, b)[0, len(PROMPT) - 1:]
+    torch.testing.assert_close(torch.tensor(completion.logprobs), ours, atol=ENGINE_TOLERANCE, rtol=0)
+    before = logprobs_of(base_model(), b)[0, len(PROMPT) - 1:]
+    assert (ours - before).abs().max() > 10 * ENGINE_TOLERANCE  # the bound is tighter than what training moved
+
+
+def test_the_checkpoint_is_a_peft_adapter_dir_and_a_resume_takes_the_same_step(tmp_path):
+    learner = make_learner("algorithm.kl_coef=0.1")
+    learner.train_step(batch())
+    path = learner.save_checkpoint(tmp_path / "step_1")
+    assert {"adapter_config.json", "adapter_model.safetensors", "trainer_state.pt"} <= {p.name for p in path.iterdir()}
+    assert not (path / "model.safetensors").exists()  # the base is model.path's, not copied
+    b = batch()
+    ours = learner.logprobs(learner.model, b) * b.loss_mask
+    with peft_reads_deprecated():  # peft's own read of a deprecated transformers property
+        loaded = PeftModel.from_pretrained(base_model(), path).eval()
+    assert torch.equal(learner.logprobs(loaded.get_base_model(), b) * b.loss_mask, ours)  # the same forward
+    torch.testing.assert_close(logprobs_of(loaded, b), ours, atol=1e-5, rtol=0)  # peft's own forward
+    merged = AutoModelForCausalLM.from_pretrained(save_merged(path, tmp_path / "merged", POLICY)).eval()
+    torch.testing.assert_close(logprobs_of(merged, b), ours, atol=ENGINE_TOLERANCE, rtol=0)
+
+    resumed = make_learner("algorithm.kl_coef=0.1")
+    resumed.load_checkpoint(path)
+    assert resumed.version == learner.version == 1
+    going_on, after_resume = learner.train_step(batch()), resumed.train_step(batch())
+    assert going_on == after_resume  # same adapters, AdamW moments, schedule: the same step
+    for (name, p), (_, q) in zip(learner.model.named_parameters(), resumed.model.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_target_modules_that_match_nothing_name_the_ones_there_are():
+    with pytest.raises(ConfigError) as err:
+        make_learner("model.lora.target_modules=[qkv_proj]")
+    message = str(err.value)
+    assert "qkv_proj" in message and "q_proj" in message and "down_proj" in message
+    assert "q_proj" in linear_names(base_model())
+
+
+def test_without_lora_the_learner_is_todays():
+    cfg = load_config(None, [f"model.path={POLICY}"])
+    assert cfg.model.lora is None
+    learner = Learner(base_model(), AutoTokenizer.from_pretrained(POLICY), algorithm=cfg.algorithm, optim=cfg.optim,
+                      total_steps=10, temperature=1.0)
+    assert learner.lora is None and learner.module is learner.model
+    assert set(learner.export_weights()) == {n for n, _ in learner.model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_train_and_resume_with_lora(tmp_path):
+    out = tmp_path / "run"
+    args = ["train", "examples/addition/async.yaml", f"output_dir={out}", "model.lora.rank=4", "batch_size=2",
+            "group_size=4", "eval_every=0", "save_every=2", "task.num_validation=4"]
+    assert main([*args, "total_steps=2"]) == 0
+    checkpoint = out / "checkpoints" / "step_2"
+    assert (checkpoint / "adapter_config.json").is_file()
+    assert json.loads((checkpoint / "adapter_config.json").read_text())["r"] == 4
+    assert main([*args, "total_steps=3", "resume=true"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3]  # (step 0: the evaluation before training)
+
+
+def test_a_collective_sync_sends_the_merged_layers(policy_dir):
+    """``weight_sync=collective`` plans its buckets from and sends what ``object_store``
+    does: the merged targeted layers; the engines' other weights stay the base's."""
+    from test_weight_sync import in_process, train_one_step
+
+    async def scenario(cfg, learner_worker, sync, workers):
+        train_one_step(learner_worker)
+        await sync.sync(1, "abort")
+        sent = learner_worker.learner.engine_weights()
+        base = dict(AutoModelForCausalLM.from_pretrained(policy_dir).named_parameters())
+        expected = fingerprint((name, sent.get(name, p)) for name, p in base.items())
+        assert await sync.rollout.fingerprints() == [(1, expected)] * 2
+        assert fingerprint(base.items()) != expected
+
+    asyncio.run(in_process(policy_dir, scenario, "model.lora.rank=4", "weight_sync.bucket_mb=0.01"))
