@@ -214,6 +214,8 @@ def test_config_errors_exit_2_with_the_closest_key(tmp_path, capsys):
     assert "did you mean 'data.train'" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="data.train: name at least one"):
         load_sft_config(EXAMPLE, ["data.train=[]"])
+    with pytest.raises(ConfigError, match="model.path: name the model"):
+        load_sft_config(EXAMPLE, ["model={}"])
     with pytest.raises(ConfigError, match="both set"):
         load_sft_config(EXAMPLE, ["data.eval_fraction=0.2"])
     with pytest.raises(DataError, match="no such file"):

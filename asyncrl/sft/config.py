@@ -86,6 +86,9 @@ class SFTConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> SFTConfig:
+        if "path" not in self.model.model_fields_set:  # train's default (a Countdown policy) is no one's SFT base
+            raise ValueError("model.path: name the model to fine-tune (a Hugging Face directory with a chat "
+                             "template, or a fetched model's name such as smollm2-135m-instruct)")
         if not self.data.train:
             raise ValueError("data.train: name at least one JSONL file of conversations "
                              "(e.g. data.train=examples/sft/conversations.jsonl)")
