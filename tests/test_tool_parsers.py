@@ -402,3 +402,25 @@ def test_a_tool_episode_in_each_format_through_the_gateway(tiny_policy, key):
         ("add", {"a": 2, "b": 3})]
     [trajectory] = llm.trajectories  # the second call continued the first
     assert trajectory.response_ids[:len(scripted.script)] == scripted.script
+
+
+def test_a_call_whose_marker_is_a_special_token_is_read_from_the_reply_that_keeps_it(smollm2_dir):
+    """Mistral's tokenizers make ``[TOOL_CALLS]`` a special token: decoded without special
+    tokens (the reply's text) the marker is gone and the call would come back as prose;
+    the session reads it from the reply decoded with them."""
+    from asyncrl.rollout.client import Response
+    from asyncrl.rollout.gateway.session import read_calls
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["[TOOL_CALLS]"]})
+    ids = tokenizer.encode('[TOOL_CALLS] [{"name": "calculate", "arguments": {"expression": "17 * 23"}}]',
+                           add_special_tokens=False)
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "[TOOL_CALLS]" not in text  # what the agent would otherwise be handed as content
+    response = Response(text, ids, "stop", recorded_text=tokenizer.decode(ids, skip_special_tokens=False))
+    mistral = get_format("mistral")
+    assert mistral(text).tool_calls == ()
+    parsed = read_calls(mistral, text, response, None)
+    assert calls_of(parsed) == [("calculate", {"expression": "17 * 23"})]
+    plain = Response("no call here", ids[:2], "stop")  # nothing special kept: read as before
+    assert read_calls(mistral, "no call here", plain, None) == mistral("no call here")

@@ -95,6 +95,21 @@ class CallPlan:
         return reasoning.END_THINK + "\n\n" + self.choice.opening
 
 
+def read_calls(parser: ToolFormat | ToolParser, answer: str, response: Response,
+               thinking: reasoning.Thinking | None) -> ParsedReply:
+    """The reply's tool calls, read from ``answer`` (its text without special tokens, after
+    any reasoning). Where that finds none but the reply holds special tokens, it is read
+    again with them (``response.recorded_text``): a format whose call marker is a special
+    token (Mistral's ``[TOOL_CALLS]``, ``[ARGS]``) loses it in the plain text, and a call the
+    model really wrote would come back as prose. Only calls found that way are taken, so a
+    reply the plain text reads is read as before."""
+    parsed = parser(answer)
+    if parsed.tool_calls or parsed.error is not None or response.recorded_text is None:
+        return parsed
+    special = parser(reasoning.split(response.recorded_text, thinking)[1])
+    return special if special.tool_calls else parsed
+
+
 class Session:
     def __init__(self, session_id: str, client: LLMClient, parser: ToolFormat | ToolParser, *, training: bool,
                  tokenize_pool: Executor | None = None) -> None:
@@ -186,7 +201,8 @@ class Session:
             response = await self.client.chat(messages, tools=request.tools or None, sampling=plan.sampling,
                                               stop=request.stops or None, opening=plan.opening, on_tokens=on_tokens)
             thought, answer = reasoning.split(response.text, plan.thinking)
-            parsed = self.parser(answer) if plan.choice.parse else ParsedReply(answer)
+            parsed = read_calls(self.parser, answer, response, plan.thinking) if plan.choice.parse else (
+                ParsedReply(answer))
         finally:
             self._call_ends(response, parsed)
         self.tool_parse_errors += parsed.error is not None
