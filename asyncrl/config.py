@@ -678,18 +678,23 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A YAML config file's mapping of keys; ``ConfigError`` naming the file otherwise
+    (``train``'s and ``sft``'s configs are read the same way)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = _load_yaml(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
+    return data
+
+
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
-    data: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        try:
-            data = _load_yaml(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
+    data = read_config_file(path) if path is not None else {}
     try:  # the file's `schedule:` keys as the top-level ones they are, so `mode=…` overrides either spelling
         data = flatten_schedule_keys(data)
     except ValueError as exc:
@@ -892,8 +897,8 @@ def _hint(key: str, valid: list[str]) -> str:
     parts = key.split(".")
     for i in range(len(parts)):  # the longest tail first: `rollout.n` before `n`
         tail = ".".join(parts[i:])
-        if tail in COMMON_NAMES:
-            ours, source, note = COMMON_NAMES[tail]
+        if tail in COMMON_NAMES and (COMMON_NAMES[tail].key is None or COMMON_NAMES[tail].key in valid):
+            ours, source, note = COMMON_NAMES[tail]  # only a key of the schema at hand (`sft` has fewer)
             said = f"`{tail}` is {_possessive(source)} name" + (f"; {note}" if note else "")
             return f"; did you mean {ours!r}? ({said})" if ours else f": {said}"
     for i in range(1, len(parts)):

@@ -14,7 +14,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config import ConfigError, ModelConfig, Section, _load_yaml, apply_overrides, validate
+from asyncrl.config import ModelConfig, Section, apply_overrides, read_config_file, validate
 
 
 class SFTDataConfig(Section):
@@ -103,16 +103,7 @@ class SFTConfig(Section):
 
 def load_sft_config(path: str | Path, overrides: list[str] = ()) -> SFTConfig:
     """The file's settings with ``overrides`` applied; raises ``ConfigError``."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = _load_yaml(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path} must hold a mapping of keys, got {type(data).__name__}")
-    return validate(SFTConfig, apply_overrides(data, list(overrides)))
+    return validate(SFTConfig, apply_overrides(read_config_file(path), list(overrides)))
 
 
 def save_sft_config(config: SFTConfig, path: str | Path) -> None:
