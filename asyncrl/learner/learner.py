@@ -138,7 +138,8 @@ class Learner:
         self.seed = seed
         self.lora = lora
         if lora is not None:  # the reference is this model with its adapters off (reference_logprobs)
-            self.module = add_adapters(model, lora)  # the PeftModel: adapters' save_pretrained, disable_adapter
+            # the PeftModel: the adapters' save_pretrained, disable_adapter; A drawn from the run's seed
+            self.module = add_adapters(model, lora, derive_seed(seed, "lora"))
             # the forward runs the Hugging Face model with the adapters injected into its layers (the
             # PeftModel's forward hides the KV-cache argument that learner.share_prompts passes)
             self.model = self.module.get_base_model()

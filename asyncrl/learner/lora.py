@@ -64,11 +64,13 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
-def add_adapters(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
+def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> PeftModel:
     """``model`` with a fresh adapter on each layer ``cfg.target_modules`` names (B = 0, so
-    the wrapped model computes exactly what ``model`` did until the first step); only the
-    adapters require gradients. ``model`` is changed in place (its layers wrapped).
-    Target names that match no linear layer are a ``ConfigError`` naming those there are."""
+    the wrapped model computes exactly what ``model`` did until the first step; A drawn
+    from ``seed`` alone, not from whatever the global RNG holds, so a run's adapters
+    depend on its seed only); only the adapters require gradients. ``model`` is changed in
+    place (its layers wrapped). Target names that match no linear layer are a
+    ``ConfigError`` naming those there are."""
     peft = _peft()
     if cfg.target_modules != "all-linear":
         targets = [cfg.target_modules] if isinstance(cfg.target_modules, str) else cfg.target_modules
@@ -79,7 +81,9 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig) -> PeftModel:
                               f"{type(model).__name__}; it has {have} (or use all-linear)")
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=cfg.target_modules, task_type="CAUSAL_LM", bias="none")
-    with peft_reads_deprecated():
+    device = next(model.parameters()).device
+    with peft_reads_deprecated(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
         return peft.get_peft_model(model, config)
 
 
