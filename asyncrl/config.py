@@ -609,6 +609,10 @@ class Config(Section):
         if self.weight_sync.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("weight_sync.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use weight_sync.backend=gloo (or leave it unset) on CPU")
+        if self.model.lora is not None and self.learner.world_size > 1:
+            raise ValueError(f"model.lora trains on one learner rank, but learner.world_size is "
+                             f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
+                             "state are small), or model.lora=null")
         dog = self.watchdog
         if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "

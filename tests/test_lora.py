@@ -158,12 +158,23 @@ def test_the_checkpoint_is_a_peft_adapter_dir_and_a_resume_takes_the_same_step(t
         assert torch.equal(p, q), name
 
 
-def test_target_modules_that_match_nothing_name_the_ones_there_are():
+def test_target_modules_that_match_nothing_name_the_ones_there_are(tmp_path, capsys):
     with pytest.raises(ConfigError) as err:
         make_learner("model.lora.target_modules=[qkv_proj]")
     message = str(err.value)
     assert "qkv_proj" in message and "q_proj" in message and "down_proj" in message
     assert "q_proj" in linear_names(base_model())
+    assert main(["train", "examples/addition/async.yaml", "model.lora.target_modules=[qkv_proj]",
+                 f"output_dir={tmp_path / 'run'}"]) == 2  # in pre-flight, before any work
+    assert "target_modules ['qkv_proj'] match no linear layer" in capsys.readouterr().err
+
+
+def test_a_sharded_lora_learner_is_refused_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="model.lora trains on one learner rank.*learner.world_size=1"):
+        load_config(None, ["model.lora.rank=4", "learner.world_size=2"])
+    assert main(["train", "examples/addition/async.yaml", "model.lora.rank=4", "learner.world_size=2",
+                 f"output_dir={tmp_path / 'run'}"]) == 2
+    assert not (tmp_path / "run").exists()
 
 
 def test_without_lora_the_learner_is_todays():

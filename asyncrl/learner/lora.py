@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from asyncrl.config import ConfigError, LoraConfig
+from asyncrl.config import ConfigError, LoraConfig, ModelConfig
+from asyncrl.policy import resolve_model_path
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -64,6 +65,34 @@ def linear_names(model: torch.nn.Module) -> list[str]:
     return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
 
 
+def check_targets(cfg: LoraConfig, model: torch.nn.Module) -> None:
+    """``cfg.target_modules`` each name a linear layer of ``model`` (a ``ConfigError``
+    naming those it has otherwise); ``all-linear`` always does."""
+    if cfg.target_modules == "all-linear":
+        return
+    targets = [cfg.target_modules] if isinstance(cfg.target_modules, str) else cfg.target_modules
+    have = linear_names(model)
+    missing = [t for t in targets if t.rsplit(".", 1)[-1] not in have]
+    if missing or not targets:
+        raise ConfigError(f"model.lora.target_modules {missing or targets} match no linear layer of "
+                          f"{type(model).__name__}; it has {have} (or use all-linear)")
+
+
+def check_lora(cfg: ModelConfig, model: torch.nn.Module | None) -> None:
+    """Pre-flight for ``model.lora`` (exit 2 before any work): peft is installed and the
+    targets exist in ``model``, or, where this process loads no weights (Ray, vLLM), in
+    the architecture ``model.path`` describes, built on the meta device (no memory)."""
+    if cfg.lora is None:
+        return
+    _peft()
+    if model is None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(resolve_model_path(cfg.path)))
+    check_targets(cfg.lora, model)
+
+
 def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> PeftModel:
     """``model`` with a fresh adapter on each layer ``cfg.target_modules`` names (B = 0, so
     the wrapped model computes exactly what ``model`` did until the first step; A drawn
@@ -72,13 +101,7 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Peft
     place (its layers wrapped). Target names that match no linear layer are a
     ``ConfigError`` naming those there are."""
     peft = _peft()
-    if cfg.target_modules != "all-linear":
-        targets = [cfg.target_modules] if isinstance(cfg.target_modules, str) else cfg.target_modules
-        have = linear_names(model)
-        missing = [t for t in targets if t.rsplit(".", 1)[-1] not in have]
-        if missing or not targets:
-            raise ConfigError(f"model.lora.target_modules {missing or targets} match no linear layer of "
-                              f"{type(model).__name__}; it has {have} (or use all-linear)")
+    check_targets(cfg, model)
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
                              target_modules=cfg.target_modules, task_type="CAUSAL_LM", bias="none")
     device = next(model.parameters()).device
@@ -148,10 +171,3 @@ def save_merged(checkpoint: str | Path, out: str | Path, base: str | Path | None
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     return out
 
-
-if __name__ == "__main__":  # python -m asyncrl.learner.lora CHECKPOINT OUT [BASE]
-    import sys
-
-    if len(sys.argv) not in (3, 4):
-        sys.exit("usage: python -m asyncrl.learner.lora CHECKPOINT_DIR OUT_DIR [BASE_MODEL]")
-    print(save_merged(*sys.argv[1:]))

@@ -15,6 +15,7 @@ from asyncrl.algorithms import ADVANTAGE_ESTIMATORS, get_policy_loss, resolve
 from asyncrl.algorithms.advantages import GROUP_RELATIVE
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import require_engine
+from asyncrl.learner.lora import check_lora
 from asyncrl.orchestrator.hooks import Hooks
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.tasks.base import TaskSplits
@@ -43,6 +44,8 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"]) -> Checked
     needs_model = cfg.runtime == "local" and (command == "train" or (command == "eval" and cfg.engine == "torch"))
     model, tokenizer = load_policy(cfg.model) if needs_model else (None, check_policy(cfg.model))
     check_tokenizer(cfg, tokenizer)
+    if trains:
+        check_lora(cfg.model, model)  # peft installed, model.lora.target_modules in the model
     splits = build_tasks(cfg)
     if trains and not splits.train:
         raise ConfigError("task: the train split is empty")
