@@ -19,6 +19,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import json
+import math
 import re
 import weakref
 from fractions import Fraction
@@ -57,8 +58,12 @@ def evaluate(expression: str) -> Fraction:
 
 
 def _value(node: ast.AST) -> Fraction:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):  # not bool, complex or str
+    if isinstance(node, ast.Constant) and type(node.value) is int:  # not bool, complex or str
         return Fraction(node.value)
+    if isinstance(node, ast.Constant) and type(node.value) is float:
+        if not math.isfinite(node.value):
+            raise CalculatorError(f"number out of range: {ast.unparse(node)}")
+        return Fraction(repr(node.value))  # the decimal written, 0.1 as 1/10 (Fraction(0.1) is the binary float)
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
         value = _value(node.operand)
         return -value if isinstance(node.op, ast.USub) else value

@@ -1,6 +1,6 @@
 """Writes the calculator agent's tasks and its supervised warm-up traces, deterministic by seed.
 
-    python examples/calculator_agent/make_data.py [--out-dir DIR] [--seed 0] [--traces 600] ...
+    python examples/calculator_agent/make_data.py [--out-dir DIR] [--seed 0] [--traces 160] ...
 
 - ``train.jsonl`` / ``heldout.jsonl``: tasks for asyncrl's JSONL loader (``task.path`` /
   ``task.validation_path``): ``{"id", "prompt", "expression", "answer"}``, the prompt a
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--train", type=int, default=2000, help="training tasks for RL")
     parser.add_argument("--heldout", type=int, default=128, help="held-out tasks (evaluation)")
-    parser.add_argument("--traces", type=int, default=600, help="warm-up conversations")
+    parser.add_argument("--traces", type=int, default=160, help="warm-up conversations")
     parser.add_argument("--skip", type=float, default=0.15, help="share of traces that answer without the tool")
     parser.add_argument("--slip", type=float, default=0.15, help="share that mistype a digit in the call")
     parser.add_argument("--miscopy", type=float, default=0.2, help="share that copy the result wrong")
