@@ -21,7 +21,7 @@ from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine import TorchEngine
 from asyncrl.learner import Learner, pack_batch
-from asyncrl.learner.lora import linear_names, merged_weight, peft_reads_deprecated, save_merged
+from asyncrl.learner.lora import linear_names, merged_targets, merged_weight, peft_reads_deprecated, save_merged
 from asyncrl.types import SamplingParams, Trajectory
 from asyncrl.weight_sync import fingerprint
 
@@ -101,6 +101,19 @@ def test_merged_weights_are_peft_merge_and_only_the_targeted_layers():
         torch.testing.assert_close(tensor, peft_merged[name], atol=1e-6, rtol=1e-6)
     full = sum(p.numel() for p in base_model().parameters())
     assert sum(t.numel() for t in sent.values()) < full  # embeddings and norms never travel
+
+
+def test_an_engine_that_reloads_whole_layers_is_sent_every_weight():
+    """vLLM takes every weight or none (``send_every_weight``): the base's names exactly,
+    the targeted layers merged, the rest the base's own."""
+    learner = make_learner()
+    learner.send_every_weight = True
+    learner.train_step(batch())
+    sent, base = learner.engine_weights(), dict(base_model().named_parameters())
+    assert set(sent) == set(base)
+    merged = merged_targets(learner.module)
+    for name, tensor in sent.items():
+        assert torch.equal(tensor, merged[name] if name in merged else base[name]), name
 
 
 def test_merged_weight_is_base_plus_scaled_b_a():

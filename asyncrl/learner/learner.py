@@ -123,13 +123,15 @@ class Learner:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
                  sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True,
-                 lora: LoraConfig | None = None) -> None:
+                 lora: LoraConfig | None = None, send_every_weight: bool = False) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
         full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
         from which each batch's mini-batch shuffle derives (with the version, so a resumed
         run shuffles as the uninterrupted one would). ``lora``: train LoRA adapters on
-        ``model`` (wrapped in place) instead of its weights; one rank only."""
+        ``model`` (wrapped in place) instead of its weights; one rank only.
+        ``send_every_weight``: with LoRA, the engines take every weight at each sync
+        (vLLM reloads whole layers), not only the merged targeted ones."""
         if lora is not None and sharding is not None:
             raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
                               "small; a sharded LoRA learner is not built yet)")
@@ -137,6 +139,7 @@ class Learner:
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
         self.lora = lora
+        self.send_every_weight = send_every_weight
         if lora is not None:  # the reference is this model with its adapters off (reference_logprobs)
             # the PeftModel: the adapters' save_pretrained, disable_adapter; A drawn from the run's seed
             self.module = add_adapters(model, lora, derive_seed(seed, "lora"))
@@ -420,7 +423,7 @@ class Learner:
         targeted layers, merged (``lora.merged_targets``: the rest is the base the engines
         already hold). Sharded (no LoRA), each parameter's DTensor (global shapes)."""
         if self.lora is not None:
-            return merged_targets(self.module)
+            return merged_targets(self.module, every_weight=self.send_every_weight)
         return dict(self.module.named_parameters())
 
     def policy_copy(self) -> PreTrainedModel:

@@ -11,8 +11,8 @@ changes. The engine path is then today's, unchanged (a subset of names is a vali
 a base copy and a merge of its own in every engine (the built-in one and vLLM's); merged
 weights cost out × in per targeted layer instead of r × (in + out), and are the same
 function as the learner's adapter forward up to float rounding (x·Wᵀ + s·(x·Aᵀ)·Bᵀ versus
-x·(W + s·B·A)ᵀ: the two round differently, so engine and learner logprobs agree to
-~1e-5 in float32, not bit for bit; tests/test_lora.py states the bound it checks).
+x·(W + s·B·A)ᵀ: the two round differently, so engine and learner logprobs agree within
+1e-4 in float32, not bit for bit: the bound tests/test_lora.py checks).
 
 ``peft`` is an optional dependency (the ``lora`` extra): it is imported only when
 ``model.lora`` is set, so full fine-tuning never needs it.
@@ -119,13 +119,19 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     return (base.float() + scale * (delta.T if transposed else delta)).to(base.dtype)
 
 
-def merged_targets(model: PeftModel) -> dict[str, torch.Tensor]:
+def merged_targets(model: PeftModel, *, every_weight: bool = False) -> dict[str, torch.Tensor]:
     """Each adapted layer's merged weight (:func:`merged_weight`), under the base model's
     parameter name (``model.layers.0.self_attn.q_proj.weight``): what the engines load.
-    New tensors; the learner goes on training while they are sent."""
+    New tensors; the learner goes on training while they are sent. ``every_weight``: the
+    frozen rest of the base too, under its own names (as views: it never changes), for an
+    engine that takes whole models only (vLLM)."""
     from peft.tuners.lora import LoraLayer
 
     out = {}
+    if every_weight:
+        for name, p in model.get_base_model().named_parameters():
+            if not p.requires_grad:  # the base's (the adapters are the trainable ones)
+                out[name.replace(".base_layer.", ".")] = p.detach()
     with torch.no_grad():
         for name, layer in model.get_base_model().named_modules():
             if not isinstance(layer, LoraLayer) or ADAPTER not in layer.lora_A:
