@@ -183,21 +183,46 @@ def pythonic(text: str) -> ParsedReply:
 
 
 def _python_list(text: str, start: int) -> tuple[ast.List, int]:
-    """The list expression that begins at ``text[start]`` and the index past its ``]``:
-    the first ``]`` at which the text so far parses (a ``]`` inside a string does not)."""
-    error = "no closing ]"
-    close = text.find("]", start)
-    while close >= 0:
-        try:
-            node = ast.parse(text[start:close + 1], mode="eval").body
-        except (SyntaxError, ValueError) as exc:
-            error = getattr(exc, "msg", str(exc))
-        else:
-            if isinstance(node, ast.List):
-                return node, close + 1
-            error = "not a list of calls"
-        close = text.find("]", close + 1)
-    raise BrokenCall(f"pythonic tool call does not parse ({error})")
+    """The list expression that begins at ``text[start]`` and the index past its ``]``.
+    The closing bracket is found by one scan (brackets inside string literals do not
+    count) and the list parsed once: parsing at every ``]`` in turn would be quadratic in
+    a reply's length, and a model can write thousands of brackets."""
+    close = _closing_bracket(text, start)
+    if close is None:
+        raise BrokenCall("pythonic tool call does not parse (no closing ])")
+    try:
+        node = ast.parse(text[start:close + 1], mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        raise BrokenCall(f"pythonic tool call does not parse ({getattr(exc, 'msg', None) or exc})") from None
+    if not isinstance(node, ast.List):
+        raise BrokenCall("pythonic tool call does not parse (not a list of calls)")
+    return node, close + 1
+
+
+def _closing_bracket(text: str, start: int) -> int | None:
+    """The index of the bracket that closes the one at ``text[start]``, skipping Python
+    string literals (quotes, triple quotes, backslash escapes); None when it never closes."""
+    depth, i, quote = 0, start, None
+    while i < len(text):
+        if quote is not None:
+            if text[i] == "\\":
+                i += 2
+                continue
+            if text.startswith(quote, i):
+                i, quote = i + len(quote), None
+                continue
+        elif text[i] in "'\"":
+            quote = text[i:i + 3] if text[i:i + 3] in ("'''", '"""') else text[i]
+            i += len(quote)
+            continue
+        elif text[i] in "([{":
+            depth += 1
+        elif text[i] in ")]}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    return None
 
 
 def _pythonic_call(node: ast.expr) -> ToolCall:
