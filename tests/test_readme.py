@@ -23,7 +23,7 @@ PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
 # `section.word` spans in those pages that are not config keys: files, the transformers
 # method, and the fields of the task an agent is handed (docs/agents.md).
 NOT_KEYS = {"model.generate", "task.id", "task.prompt", "task.data"}
-FILE_SUFFIXES = ("py", "json", "yaml", "jsonl")
+FILE_SUFFIXES = ("py", "json", "yaml", "jsonl", "safetensors")
 
 
 def code_after(heading: str) -> str:
