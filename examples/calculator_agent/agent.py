@@ -115,10 +115,13 @@ def score(task, answer: str) -> float:
 
 
 def sdk_client(base_url: str) -> AsyncOpenAI:
-    """Making an SDK client costs ~20 ms; keep one per event loop, point a copy at each session."""
+    """Making an SDK client costs ~20 ms; keep one per event loop, point a copy at each session.
+
+    No request timeout: the SDK's default (600 s) cut replies that waited behind an
+    evaluation on a loaded CPU, and the run's ``workflow.timeout_s`` bounds the episode anyway."""
     loop = asyncio.get_running_loop()
     if loop not in _clients:
-        _clients[loop] = AsyncOpenAI(base_url=base_url, api_key="not-needed", max_retries=0)
+        _clients[loop] = AsyncOpenAI(base_url=base_url, api_key="not-needed", max_retries=0, timeout=None)
     return _clients[loop].with_options(base_url=base_url)
 
 
@@ -149,3 +152,28 @@ async def run_without_tool(task, base_url: str) -> float:
     """The same question with no tool offered: the policy's arithmetic in its head."""
     answer, _ = await converse(sdk_client(base_url), task.prompt, None)
     return score(task, answer)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Ask one question of a served model by hand and print the conversation:
+    ``asyncrl serve examples/calculator_agent/eval.yaml model.path=runs/calculator-sft gateway.port=8000``
+    then ``python examples/calculator_agent/agent.py "What is 347 * 89 - 1206?"``."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="ask the calculator agent one question")
+    parser.add_argument("question")
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
+    parser.add_argument("--no-tool", action="store_true", help="offer no tool")
+    args = parser.parse_args(argv)
+
+    async def ask() -> tuple[str, list[dict]]:
+        return await converse(sdk_client(args.base_url), args.question, None if args.no_tool else TOOLS)
+
+    answer, messages = asyncio.run(ask())
+    for message in messages[1:]:
+        print(json.dumps(message))
+    print(json.dumps({"final answer": answer}))
+
+
+if __name__ == "__main__":
+    main()
