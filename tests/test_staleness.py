@@ -235,8 +235,8 @@ def test_the_modes_are_the_configs_modes():
     the ground-floor definitions must not drift from them."""
     from typing import get_args
 
-    from asyncrl.config import Config
+    from asyncrl.config import ScheduleConfig
     from asyncrl.modes import Mode, PartialRollout
 
-    assert get_args(Mode) == get_args(Config.model_fields["mode"].annotation)
-    assert get_args(PartialRollout) == get_args(Config.model_fields["partial_rollout"].annotation)
+    assert get_args(Mode) == get_args(ScheduleConfig.model_fields["mode"].annotation)
+    assert get_args(PartialRollout) == get_args(ScheduleConfig.model_fields["partial_rollout"].annotation)
