@@ -795,6 +795,10 @@ def describe_changes(changed: dict[str, tuple[Any, Any]]) -> list[str]:
 SHORTHANDS = {"weight_sync": "method", "task.sampler": "name"}
 """A section set to a plain value sets this key of it: ``weight_sync=collective``,
 ``task.sampler=adaptive``."""
+SWITCHES = frozenset({"model.lora"})
+"""Optional sections (``null`` = off) that ``true`` turns on: ``model.lora=true`` keeps any
+of its keys already set (or takes every default), ``false`` turns it off, and setting one
+of its keys (``model.lora.alpha=8``) turns it on, whichever order the overrides come in."""
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
@@ -806,9 +810,13 @@ def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
         section = ".".join(parts[: i + 1])
         if section in SHORTHANDS and isinstance(node.get(part), str):  # the file said `weight_sync: collective`
             node[part] = {SHORTHANDS[section]: node[part]}
+        if section in SWITCHES and not isinstance(node.get(part), dict):  # `lora: true` or `null`, then a key of it
+            node[part] = {}
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"cannot set {key!r}: {'.'.join(parts[: i + 1])!r} is not a section")
+    if key in SWITCHES and isinstance(value, bool):  # `model.lora=true` keeps the keys already set
+        value = (node[parts[-1]] if isinstance(node.get(parts[-1]), dict) else {}) if value else None
     node[parts[-1]] = value
 
 

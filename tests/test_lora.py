@@ -190,6 +190,19 @@ def test_a_sharded_lora_learner_is_refused_before_anything_starts(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("overrides", [["model.lora=true", "model.lora.alpha=8"],
+                                       ["model.lora.alpha=8", "model.lora=true"],
+                                       ["model.lora=null", "model.lora.alpha=8"]])
+def test_the_switch_and_a_key_of_lora_combine_in_either_order(overrides, tmp_path):
+    """``model.lora=true`` turns LoRA on keeping any key already set; a key of it turns it
+    on too, after ``true`` or ``null`` (it was 'model.lora is not a section')."""
+    assert load_config(None, overrides).model.lora.model_dump() == {
+        "rank": 16, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+    (tmp_path / "c.yaml").write_text("model:\n  lora: true\n")  # the file's switch, then an override's key
+    assert load_config(tmp_path / "c.yaml", ["model.lora.rank=4"]).model.lora.rank == 4
+    assert load_config(None, ["model.lora.rank=4", "model.lora=false"]).model.lora is None
+
+
 def test_without_lora_the_learner_is_todays():
     cfg = load_config(None, [f"model.path={POLICY}"])
     assert cfg.model.lora is None
