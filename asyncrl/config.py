@@ -180,6 +180,8 @@ class AlgorithmConfig(Section):
     advantage: str = "grpo"
     """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo`` or a registered name."""
     policy_loss: str = "decoupled_ppo"
+    """The objective: ``decoupled_ppo``, ``gspo``, ``cispo``, ``icepop`` (docs/design.md,
+    Losses), or a registered name or ``module:function``."""
     clip_low: float = Field(0.2, ge=0, lt=1)
     """ε_low: the ratio is clipped below at 1 - ε_low."""
     clip_high: float = Field(0.28, ge=0)
@@ -191,6 +193,27 @@ class AlgorithmConfig(Section):
     is_correction: bool = True
     """Weigh each token by the truncated importance weight min(π_prox / μ, C). ``false``:
     w = 1, stale tokens trained as if on-policy (the naive baseline of ``bench staleness``)."""
+    is_mask: Literal["none", "token", "sequence", "geometric"] = "none"
+    """Drop from the loss (zero gradient, the normaliser unchanged) the model tokens whose
+    learner/engine ratio π_prox / μ leaves [``is_mask_low``, ``is_mask_high``]: ``token``
+    each token by its own ratio (masked IS), ``sequence`` whole sequences by the product of
+    their tokens' ratios (sequence-level masked IS), ``geometric`` whole sequences by its
+    geometric mean exp(mean_t log(π_prox / μ)). On top of any ``policy_loss``'s own weight;
+    the dropped share is ``actor/is_masked_fraction``. In bypass the learner's current
+    logprob stands for π_prox. ``asyncrl/algorithms/objectives.py`` has the sources."""
+    is_mask_low: float = Field(0.5, gt=0)
+    """Lower end of the ``is_mask`` band (a ratio, not its log)."""
+    is_mask_high: float = Field(2.0, gt=0)
+    """Upper end of the ``is_mask`` band (a ratio, not its log)."""
+    gspo_clip_low: float = Field(3e-4, ge=0, lt=1)
+    """``policy_loss: gspo``: its sequence ratio is clipped below at 1 - this. A sequence's
+    length-normalised ratio moves far less than a token's: GSPO's paper used 3e-4 and 4e-4."""
+    gspo_clip_high: float = Field(4e-4, ge=0)
+    """``policy_loss: gspo``: its sequence ratio is clipped above at 1 + this."""
+    icepop_low: float = Field(0.5, gt=0)
+    """``policy_loss: icepop``: α, tokens whose π_prox / μ is below it get no gradient."""
+    icepop_high: float = Field(5.0, gt=0)
+    """``policy_loss: icepop``: β, tokens whose π_prox / μ is above it get no gradient."""
     aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL to the frozen initial policy; 0 = no reference model."""
@@ -200,6 +223,13 @@ class AlgorithmConfig(Section):
     """A reward beyond ±this stops the run (exit 1, naming the task), as a NaN or infinite
     one does: advantages are float32, and rewards this large are almost always a bug in
     the reward function (``asyncrl/algorithms/finite.py``)."""
+
+    @model_validator(mode="after")
+    def _bands(self) -> AlgorithmConfig:
+        for low, high in (("is_mask_low", "is_mask_high"), ("icepop_low", "icepop_high")):
+            if getattr(self, low) >= getattr(self, high):
+                raise ValueError(f"{low}={getattr(self, low)} must be below {high}={getattr(self, high)}")
+        return self
 
 
 class OptimConfig(Section):

@@ -20,6 +20,7 @@ from asyncrl.algorithms.losses import (
     policy_loss,
     register_policy_loss,
 )
+from asyncrl.algorithms.objectives import cispo_loss, gspo_loss, icepop_loss  # registers them
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -27,11 +28,14 @@ __all__ = [
     "POLICY_LOSSES",
     "PolicyLossFn",
     "aggregate",
+    "cispo_loss",
     "compute_advantages",
     "dr_grpo",
     "entropy_from_logits",
     "get_policy_loss",
     "grpo",
+    "gspo_loss",
+    "icepop_loss",
     "kl_k3",
     "policy_loss",
     "register_advantage",

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from asyncrl.algorithms.advantages import resolve
+from asyncrl.algorithms.correction import LossInputs, band_keep, clean, prepare
 from asyncrl.config import AlgorithmConfig
 
 
@@ -132,6 +133,61 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * finite).sum(dim=-1)
 
 
+def clipped_surrogate(ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float) -> tuple[Tensor, Tensor]:
+    """PPO's pessimistic surrogate per token, ``min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``,
+    and where the clipped term is strictly the smaller (its gradient is then zero: the
+    token is outside the trust region on the side its advantage pushes). (B, T) each."""
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
+    return torch.minimum(unclipped, clipped), clipped < unclipped
+
+
+def is_diagnostics(inputs: LossInputs) -> dict[str, Tensor]:
+    """Per-token values every loss reports, whatever weight it applies: the first two
+    moments of the untruncated π_prox/μ (the learner turns them into ``actor/is_ess``) and
+    the k3 KL(π_θ ‖ π_prox), ``approx_kl``. Detached."""
+    raw = torch.exp(inputs.is_log_weight())
+    return {"is_raw_weight_mean": raw, "is_raw_weight_sq_mean": raw.square(),
+            "approx_kl": kl_k3(inputs.logprobs.detach(), inputs.proximal)}
+
+
+def ratio_band(inputs: LossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The tokens ``algorithm.is_mask`` keeps (B, T, bool; every model token when ``none``)
+    and, when it is on, the share it dropped as ``is_masked_fraction`` (per token)."""
+    keep = band_keep(inputs.learner_log_ratio(), inputs.mask, config.is_mask, config.is_mask_low,
+                     config.is_mask_high)
+    dropped = {} if config.is_mask == "none" else {"is_masked_fraction": inputs.mask & ~keep}
+    return keep, dropped
+
+
+def truncated_weight(raw_weight: Tensor, inputs: LossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """The staleness correction ``min(raw_weight, is_cap)`` per token (1 with
+    ``is_correction`` off), 0 on the tokens ``is_mask`` drops, and its per-token metrics
+    ``is_weight_mean`` (after truncation), ``is_truncated_fraction`` and the mask's share."""
+    truncated = raw_weight.clamp(max=config.is_cap)
+    keep, dropped = ratio_band(inputs, config)
+    weight = clean(truncated if config.is_correction else torch.ones_like(truncated), keep)
+    return weight, {"is_weight_mean": truncated, "is_truncated_fraction": raw_weight > config.is_cap} | dropped
+
+
+def token_means(values: dict[str, Tensor], inputs: LossInputs) -> dict[str, Tensor]:
+    """Per-token metrics (B, T; a bool counts as 1) as detached token means over the model
+    tokens, as the learner logs them."""
+    with torch.no_grad():
+        return {key: aggregate(value.to(inputs.logprobs.dtype), inputs.mask, "token_mean")
+                for key, value in values.items()}
+
+
+def clipped_ppo(inputs: LossInputs, weight: Tensor, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+    """``− weight · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)`` with r = π_θ/π_prox,
+    aggregated, and its per-token metrics (not yet averaged). ``weight`` (B, T) is detached:
+    the correction of the loss calling it, 0 on the tokens it drops."""
+    ratio = torch.exp(inputs.logprobs - inputs.proximal)  # (B, T)
+    surrogate, clipped = clipped_surrogate(ratio, inputs.advantages, config.clip_low, config.clip_high)
+    loss = aggregate(-weight * surrogate, inputs.mask, config.aggregation)
+    return loss, {"clip_fraction": clipped, "ratio_mean": ratio.detach()} | is_diagnostics(inputs)
+
+
 @register_policy_loss("decoupled_ppo")
 def policy_loss(
     logprobs: Tensor,
@@ -145,7 +201,8 @@ def policy_loss(
     """Decoupled PPO: ``L_t = − w · min(r·A, clip(r, 1 − clip_low, 1 + clip_high)·A)``.
 
     A :class:`PolicyLossFn`; reads ``clip_low``, ``clip_high``, ``is_cap``,
-    ``is_correction`` and ``aggregation`` from ``config`` (``None``: the defaults).
+    ``is_correction``, ``is_mask`` (with its band) and ``aggregation`` from ``config``
+    (``None``: the defaults).
 
     Shapes: logprobs, behavior_logprobs, proximal_logprobs, mask (B, T); advantages (B,)
     (one per trajectory, broadcast over its tokens) or (B, T). Returns the scalar loss and
@@ -159,7 +216,9 @@ def policy_loss(
       untruncated π_prox/μ, from which the learner reports the effective sample size
       ``(E w)² / E w²`` (1 on policy, towards 0 as μ drifts from π_prox);
     - ``approx_kl``: k3 estimate of KL(π_θ ‖ π_prox), ``kl_k3(logprobs, π_prox)``: never
-      negative, unlike the plain mean of ``log π_prox − log π_θ``.
+      negative, unlike the plain mean of ``log π_prox − log π_θ``;
+    - ``is_masked_fraction`` when ``is_mask`` is on: the tokens it dropped
+      (``asyncrl/algorithms/objectives.py`` has the masks' sources).
 
     ``proximal_logprobs=None`` is bypass mode (no recompute pass): π_prox := μ and w = 1,
     which is exactly PPO against the behavior logprobs. ``config.is_correction=False`` keeps
@@ -170,43 +229,10 @@ def policy_loss(
     tokens can still grow.
     """
     config = config if config is not None else AlgorithmConfig()
-    clip_low, clip_high, is_cap = config.clip_low, config.clip_high, config.is_cap
-    if not is_cap > 0:
-        raise ValueError(f"is_cap must be a positive float, got {is_cap!r}")
-    mask = mask.bool()
-    if advantages.ndim == 1:
-        advantages = advantages.unsqueeze(-1)  # (B, 1), broadcast over T
-    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
-
-    def clean(x: Tensor) -> Tensor:  # masked positions become 0 before any arithmetic
-        return torch.where(mask, x, zero)
-
-    logprobs = clean(logprobs)
-    behavior = clean(behavior_logprobs.detach())
-    advantages = clean(advantages.detach().expand_as(logprobs))
-    if proximal_logprobs is None:
-        proximal = behavior
-        raw_weight = torch.ones_like(behavior)
-    else:
-        proximal = clean(proximal_logprobs.detach())
-        raw_weight = torch.exp(proximal - behavior)
-    truncated = raw_weight.clamp(max=is_cap)  # detached: its inputs are
-    weight = truncated if config.is_correction else torch.ones_like(truncated)
-
-    ratio = torch.exp(logprobs - proximal)  # (B, T)
-    unclipped = ratio * advantages
-    clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * advantages
-    loss = aggregate(-weight * torch.minimum(unclipped, clipped), mask, config.aggregation)
-
-    with torch.no_grad():
-        metrics = {
-            "clip_fraction": (clipped < unclipped).to(logprobs.dtype),
-            "is_weight_mean": truncated,
-            "is_truncated_fraction": (raw_weight > is_cap).to(logprobs.dtype),
-            "is_raw_weight_mean": clean(raw_weight),
-            "is_raw_weight_sq_mean": clean(raw_weight.square()),
-            "ratio_mean": ratio,
-            "approx_kl": kl_k3(logprobs, proximal),
-        }
-        metrics = {key: aggregate(value, mask, "token_mean") for key, value in metrics.items()}
-    return loss, metrics
+    if not config.is_cap > 0:
+        raise ValueError(f"is_cap must be a positive float, got {config.is_cap!r}")
+    inputs = prepare(logprobs, behavior_logprobs, advantages, mask, proximal_logprobs)
+    # detached: its inputs are; 1 in bypass
+    weight, weight_metrics = truncated_weight(torch.exp(inputs.is_log_weight()), inputs, config)
+    loss, metrics = clipped_ppo(inputs, weight, config)
+    return loss, token_means(metrics | weight_metrics, inputs)
