@@ -204,7 +204,7 @@ def test_band_masks_compose_with_every_objective():
 
 
 def test_bands_are_validated():
-    with pytest.raises(ValueError, match="is_mask_low=2.0 must be below is_mask_high=2.0"):
+    with pytest.raises(ValueError, match="algorithm.is_mask_low=2.0 must be below algorithm.is_mask_high=2.0"):
         AlgorithmConfig(is_mask_low=2.0)
     with pytest.raises(ValueError, match="icepop_low"):
         AlgorithmConfig(icepop_low=5.0, icepop_high=0.5)
