@@ -228,7 +228,8 @@ class AlgorithmConfig(Section):
     def _bands(self) -> AlgorithmConfig:
         for low, high in (("is_mask_low", "is_mask_high"), ("icepop_low", "icepop_high")):
             if getattr(self, low) >= getattr(self, high):
-                raise ValueError(f"algorithm.{low}={getattr(self, low)} must be below algorithm.{high}={getattr(self, high)}")
+                raise ValueError(f"algorithm.{low}={getattr(self, low)} must be below "
+                                 f"algorithm.{high}={getattr(self, high)}")
         return self
 
 

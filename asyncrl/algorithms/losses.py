@@ -160,7 +160,8 @@ def ratio_band(inputs: LossInputs, config: AlgorithmConfig) -> tuple[Tensor, dic
     return keep, dropped
 
 
-def truncated_weight(raw_weight: Tensor, inputs: LossInputs, config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
+def truncated_weight(raw_weight: Tensor, inputs: LossInputs,
+                     config: AlgorithmConfig) -> tuple[Tensor, dict[str, Tensor]]:
     """The staleness correction ``min(raw_weight, is_cap)`` per token (1 with
     ``is_correction`` off), 0 on the tokens ``is_mask`` drops, and its per-token metrics
     ``is_weight_mean`` (after truncation), ``is_truncated_fraction`` and the mask's share."""
