@@ -274,6 +274,28 @@ def test_masked_positions_cannot_leak(name, level):
     assert empty.item() == 0
 
 
+@pytest.mark.parametrize("name", list(OBJECTIVES))
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
+def test_micro_batches_weighed_by_their_share_take_the_whole_batchs_step(name, aggregation):
+    # the learner splits a batch by rows and weighs each part's loss by its share of the
+    # batch's tokens (token_mean) or non-empty rows (seq_mean): a sequence-level objective
+    # must keep that exact, since no row is ever split
+    fn, cfg = OBJECTIVES[name], AlgorithmConfig(aggregation=aggregation, is_mask="geometric", is_mask_high=1.5)
+    torch.manual_seed(1)
+    prox = torch.randn(5, 4, dtype=D) - 1
+    behavior = prox - 0.4 * torch.randn(5, 4, dtype=D)
+    start = prox + 0.2 * torch.randn(5, 4, dtype=D)
+    adv, mask = torch.randn(5, dtype=D), torch.rand(5, 4) > 0.3
+    whole = start.clone().requires_grad_(True)
+    fn(whole, behavior, adv, mask, proximal_logprobs=prox, config=cfg)[0].backward()
+    parts = start.clone().requires_grad_(True)
+    count = (lambda m: m.sum()) if aggregation == "token_mean" else (lambda m: (m.sum(-1) > 0).sum())
+    for rows in (slice(0, 2), slice(2, 5)):
+        loss, _ = fn(parts[rows], behavior[rows], adv[rows], mask[rows], proximal_logprobs=prox[rows], config=cfg)
+        (loss * count(mask[rows]) / count(mask)).backward()
+    close(parts.grad, whole.grad, atol=1e-12)
+
+
 @pytest.mark.parametrize("name", ["gspo", "cispo", "icepop"])
 def test_usable_by_name_and_through_the_config(name):
     assert get_policy_loss(name) is OBJECTIVES[name]

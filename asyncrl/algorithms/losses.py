@@ -14,7 +14,8 @@ after the fact would not be enough, even for the gradient of ``torch.where``).
 Every registered loss has one signature, :class:`PolicyLossFn` (as verl's ``core_algos``
 registry: the per-token tensors plus the whole algorithm config), so the learner can call
 any of them the same way and a new loss reads whatever hyperparameters it needs from
-``config`` instead of the learner knowing each loss's keywords.
+``config`` instead of the learner knowing each loss's keywords. GSPO, CISPO, IcePop and
+the ratio-band masks of ``algorithm.is_mask`` are in ``objectives.py``.
 """
 
 from __future__ import annotations
