@@ -208,7 +208,7 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
         print(f"asyncrl {args.command}: {exc}", file=sys.stderr)
         return 1
     except Exception as exc:
-        if _non_finite(exc):  # it names the quantity, the step and the task: the stack adds nothing
+        if _says_it_all(exc):  # it names the quantity, the step and the task (or the version): the stack adds nothing
             print(f"asyncrl {args.command}: stopped: {exc}", file=sys.stderr)
             return 1
         traceback.print_exc()
@@ -217,11 +217,14 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
     return 0
 
 
-def _non_finite(exc: Exception) -> bool:
-    """Imported only once torch is loaded (an exception from a run means it is)."""
+def _says_it_all(exc: Exception) -> bool:
+    """A run stopped by a check whose message is the whole story: a non-finite quantity, or
+    weights not delivered to an engine. Imported only once torch is loaded (an exception
+    from a run means it is)."""
     from asyncrl.algorithms.finite import NonFiniteError
+    from asyncrl.weight_sync.delivery import WeightsNotDelivered
 
-    return isinstance(exc, NonFiniteError)
+    return isinstance(exc, (NonFiniteError, WeightsNotDelivered))
 
 
 if __name__ == "__main__":

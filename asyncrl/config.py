@@ -441,6 +441,16 @@ class WeightSyncConfig(Section):
     """``collective``: the group's transport. ``None``: nccl when the learner and the rollout
     workers have GPUs (``ray.learner_gpus`` and ``ray.worker_gpus`` > 0, torch engine), else
     gloo (CPU tensors over TCP; set ``GLOO_SOCKET_IFNAME`` on multi-homed nodes)."""
+    check_every: int = Field(10, ge=0)
+    """Check every this many syncs, the first included, that the weights were delivered:
+    each engine decodes a fixed probe greedily and its logprobs must equal the learner's
+    at that version within ``check_tolerance``, else the run stops (exit 1) naming the
+    version and the max |Δ| (``asyncrl/weight_sync/delivery.py``; metric
+    ``weight_sync/probe_max_abs_diff``; its cost: ``docs/scaling.md``, LoRA). 0: never."""
+    check_tolerance: float = Field(1e-4, gt=0)
+    """The largest |Δ| between an engine's and the learner's logprob of a probe token that
+    counts as delivered: 1e-4 is the engine/learner bound in float32; bfloat16/float16
+    weights round more and need a larger one."""
 
 
 class VLLMConfig(Section):

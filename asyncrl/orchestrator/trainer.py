@@ -45,6 +45,7 @@ from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.types import Episode
+from asyncrl.weight_sync.delivery import DeliveryCheck
 
 
 class Trainer:
@@ -117,6 +118,9 @@ class Trainer:
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
                 self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
+                self.delivery = DeliveryCheck(self.learner, self.rollout, self.tokenizer,
+                                              every=self.cfg.weight_sync.check_every,
+                                              tolerance=self.cfg.weight_sync.check_tolerance)
                 self.train_steps = TrainSteps(
                     self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
                     max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
@@ -185,8 +189,11 @@ class Trainer:
                 break
             self.step = step
             due = step == self.cfg.total_steps or bool(self.cfg.eval_every and step % self.cfg.eval_every == 0)
-            weights = await meter.timed_sync(self._sync_weights(trained.actor)) if self._sync_due(step, due) else None
-            row = await self._row(meter, step, trained_version, trained)
+            synced = self._sync_due(step, due)
+            weights = await meter.timed_sync(self._sync_weights(trained.actor)) if synced else None
+            # apart from time/weight_sync: the delivery check's own seconds are time/delivery_check
+            delivered = await self.delivery.after_sync(self.version) if synced else {}
+            row = {**await self._row(meter, step, trained_version, trained), **delivered}
             self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode))
             self.log.step(row, await self._evaluation(step, weights) if due else None)
             await self._after_step(step, row)

@@ -1,0 +1,168 @@
+"""Weights delivered, checked: after a weight sync, every engine computes the learner's
+policy at that version, or the run stops (``weight_sync.check_every``).
+
+A sync can report success and deliver nothing: the engine stamps the new version on its
+tokens while it still holds the old weights (a LoRA adapter that never reached the engine
+looked like a staleness problem for two months in verl, #7495). ``check_served`` sees only
+the version; this module looks at the function. After every ``check_every``-th sync each
+engine decodes a fixed probe (:data:`PROBE_TEXTS`, tokenized by the run's tokenizer)
+greedily through the engine protocol's own ``generate`` (so any engine: the built-in one,
+vLLM, on Ray or in process), and the learner scores the same tokens with one plain
+forward pass of its current weights: log softmax of the raw logits, which is what an
+engine reports for a greedy token (``Completion``). Every token's |Δ| must be within
+``weight_sync.check_tolerance`` (1e-4: the engine/learner bound in float32, the adapters'
+forward against the merged weights included, ``docs/scaling.md``); otherwise
+:class:`WeightsNotDelivered` stops the run (exit 1) naming the version, the worker, the
+max |Δ| and what to do. The learner scores without autocast, in its weights' own dtype,
+and in eval mode (no dropout), so what it computes is the policy itself.
+
+Greedy tokens rather than fixed completions: the engine contract has no "score these
+tokens" call, and a greedy continuation is as fixed as its weights, so the two sides see
+the same sequence whenever the engine holds the learner's weights.
+
+Beside the check, :meth:`DeliveryCheck.after_sync` reports ``weight_sync/bytes``: the bytes
+one engine is sent per sync (``Learner.engine_weights``: every parameter with full
+fine-tuning, the targeted layers merged with LoRA), counted once (the names and shapes
+never change within a run).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+
+from asyncrl.types import SamplingParams
+from asyncrl.weight_sync.group import WeightSyncError
+
+PROBE_TEXTS = ("12+34=", "The answer is", "def f(x): return", "Q: what is 7 times 8?")
+"""The probe's prompts, the same in every run (short: any model's context holds them)."""
+PROBE_TOKENS = 4
+"""Greedy tokens each engine decodes per prompt."""
+PROBE_MAX_PROMPT = 16
+"""A prompt's tokens beyond this are cut (a tokenizer of single bytes makes long prompts)."""
+
+
+class WeightsNotDelivered(WeightSyncError):
+    """An engine does not compute the learner's policy after a sync; the message names the
+    version, the worker, the max |Δ| and what to do (the CLI prints it alone, exit 1)."""
+
+
+class Handle(Protocol):
+    async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
+
+
+# ------------------------------------------------------------ inside the workers
+async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> list[tuple[list[int], list[float],
+                                                                                      list[int]]]:
+    """Rollout worker ``index``'s engine decodes each prompt greedily: (tokens, logprobs,
+    versions) per prompt."""
+    engine = await worker.ready_engine()
+    sampling = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0)
+    done = await asyncio.gather(*[engine.generate(list(p), sampling) for p in prompts])
+    return [(c.token_ids, c.logprobs, c.versions) for c in done]
+
+
+def learner_probe(worker: Any, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """log π(token) of each (prompt, completion)'s completion tokens under the learner's
+    current weights: raw logits (greedy), the weights' own dtype, eval mode. Every rank
+    runs it (a sharded forward is a collective of the learner's group)."""
+    learner = worker.learner
+    model = learner.model
+    training = model.training
+    model.eval()
+    out = []
+    try:
+        with torch.no_grad():
+            for prompt, completion in sequences:
+                if not completion:
+                    out.append([])
+                    continue
+                ids = torch.tensor([prompt + completion], device=learner.device)
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+                targets = ids[0, len(prompt):]
+                logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, targets[:, None])
+                out.append(logprobs.squeeze(-1).tolist())
+    finally:
+        model.train(training)
+    return out
+
+
+def engine_weight_bytes(worker: Any) -> int:
+    """The bytes of what one engine is sent per sync (``Learner.engine_weights``)."""
+    return sum(t.numel() * t.element_size() for t in worker.learner.engine_weights().values())
+
+
+# ------------------------------------------------------------ the trainer's side
+def probe_prompts(tokenizer: Any) -> list[list[int]]:
+    """:data:`PROBE_TEXTS` as the run's tokenizer makes them (no special tokens)."""
+    prompts = [tokenizer(text, add_special_tokens=False).input_ids[:PROBE_MAX_PROMPT] for text in PROBE_TEXTS]
+    return [p for p in prompts if p]
+
+
+def max_abs_diff(engine: list[list[float]], learner: list[list[float]]) -> float:
+    return max((abs(e - lp) for es, ls in zip(engine, learner) for e, lp in zip(es, ls)), default=0.0)
+
+
+class DeliveryCheck:
+    """Called after each weight sync (:meth:`after_sync`); holds the run's probe and
+    cadence. ``every`` 0: no probe (the bytes are still reported)."""
+
+    def __init__(self, learner: Handle, rollout: Handle, tokenizer: Any, *, every: int, tolerance: float) -> None:
+        self.learner, self.rollout = learner, rollout
+        self.every, self.tolerance = every, tolerance
+        self.prompts = probe_prompts(tokenizer)
+        self.syncs = 0
+        self.bytes: int | None = None
+        self._unsupported = False  # a runtime that runs no functions in its workers (asyncrl plan's simulated one)
+
+    async def after_sync(self, version: int) -> dict[str, float]:
+        """The sync's metrics (``weight_sync/bytes``; on a checked sync
+        ``weight_sync/probe_max_abs_diff`` and ``time/delivery_check``); raises
+        :class:`WeightsNotDelivered` when an engine's logprobs are off."""
+        self.syncs += 1
+        if self._unsupported:
+            return {}
+        try:
+            if self.bytes is None:
+                self.bytes = (await self.learner.apply(engine_weight_bytes))[0]
+            metrics: dict[str, float] = {"weight_sync/bytes": self.bytes}
+            if self.every and self.prompts and (self.syncs - 1) % self.every == 0:  # the first sync is checked
+                start = time.perf_counter()
+                metrics["weight_sync/probe_max_abs_diff"] = await self.check(version)
+                metrics["time/delivery_check"] = time.perf_counter() - start
+        except NotImplementedError as exc:
+            self._unsupported = True
+            print(f"asyncrl: weight_sync: no bytes count or delivery check in this runtime ({exc})", file=sys.stderr)
+            return {}
+        return metrics
+
+    async def check(self, version: int) -> float:
+        """The largest |Δ| over every engine and probe token; raises past the tolerance."""
+        engines = await self.rollout.apply(engine_probe, self.prompts)
+        worst = 0.0
+        for index, probed in enumerate(engines):
+            stale = sorted({v for _, _, versions in probed for v in versions if v != version})
+            if stale:
+                raise WeightsNotDelivered(
+                    f"weights not delivered: after the weight sync of version {version}, rollout worker {index} "
+                    f"sampled the delivery probe at version(s) {stale}")
+            sequences = [(prompt, tokens) for prompt, (tokens, _, _) in zip(self.prompts, probed)]
+            learned = (await self.learner.apply(learner_probe, sequences))[0]
+            diff = max_abs_diff([logprobs for _, logprobs, _ in probed], learned)
+            if not diff <= self.tolerance:  # NaN fails too
+                raise WeightsNotDelivered(
+                    f"weights not delivered: after the weight sync of version {version}, rollout worker {index}'s "
+                    f"logprobs on the delivery probe differ from the learner's by up to {diff:.3g} (max |Δ|; "
+                    f"weight_sync.check_tolerance={self.tolerance:g}). The engine reports version {version} but "
+                    "does not compute the policy the learner trained, so it samples from other weights. Check that "
+                    "the engine loads what the learner sends (its update_weights; with model.lora the targeted "
+                    "layers merged under the base model's parameter names); if the difference is rounding "
+                    "(bfloat16/float16, another engine's kernels), raise weight_sync.check_tolerance; "
+                    "weight_sync.check_every=0 turns the check off.")
+            worst = max(worst, diff)
+        return worst
