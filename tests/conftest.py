@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-torch.set_num_threads(2)
+# Under pytest-xdist (pyproject's addopts) each test process gets its share of the cores,
+# so two processes' math does not fight over both of them.
+torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that starts Ray runs in one test process (xdist's ``ray`` group), one
+    after another: two local clusters at once would double Ray's memory and processes
+    for nothing, and a module-scoped cluster fixture would start once per process."""
+    for item in items:
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray" in item.nodeid.lower().replace("array", ""):
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 def make_model(seed: int = 0, vocab_size: int = 96, max_positions: int = 512) -> Qwen2ForCausalLM:
