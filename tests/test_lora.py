@@ -171,6 +171,38 @@ def test_the_checkpoint_is_a_peft_adapter_dir_and_a_resume_takes_the_same_step(t
         assert torch.equal(p, q), name
 
 
+def eval_samples(run) -> tuple[list[list[int]], torch.Tensor]:
+    """``asyncrl eval``'s samples in order: each response's tokens, and every token's logprob."""
+    trajectories = [t for line in (run / "eval_samples.jsonl").read_text().splitlines()
+                    for t in json.loads(line)["trajectories"]]
+    return [t["response_ids"] for t in trajectories], torch.tensor([lp for t in trajectories for lp in t["logprobs"]])
+
+
+def test_eval_on_a_lora_checkpoint_scores_base_plus_adapters(tmp_path, capsys):
+    """``asyncrl eval model.path=<a LoRA checkpoint>``: the base its adapter_config.json
+    names, with the adapters merged, scores exactly what the merged model directory does."""
+    cfg = load_config("examples/addition/async.yaml", ["model.lora.rank=4", "optim.lr=0.05"])
+    learner = Learner(AutoModelForCausalLM.from_pretrained(cfg.model.path), AutoTokenizer.from_pretrained(cfg.model.path),
+                      algorithm=cfg.algorithm, optim=cfg.optim, total_steps=10, temperature=1.0, lora=cfg.model.lora)
+    for _ in range(3):
+        learner.train_step(batch())
+    checkpoint = learner.save_checkpoint(tmp_path / "step_3", {"step": 3})
+    assert not (checkpoint / "config.json").exists()
+    merged = save_merged(checkpoint, tmp_path / "merged")
+    args = ["eval", "examples/addition/async.yaml", "eval.num_tasks=8", "eval.samples_per_task=2"]
+    assert main([*args, f"model.path={checkpoint}", f"output_dir={tmp_path / 'adapters'}"]) == 0
+    assert main([*args, f"model.path={merged}", f"output_dir={tmp_path / 'merged_eval'}"]) == 0
+    assert main([*args, "model.path=models/addition-tiny", f"output_dir={tmp_path / 'base'}"]) == 0
+    (tokens, adapters), (merged_tokens, merged_eval), (_, base) = (
+        eval_samples(tmp_path / run) for run in ("adapters", "merged_eval", "base"))
+    assert tokens == merged_tokens and tokens
+    # their logprobs within the engine's rounding (each run batches its requests in its own way)
+    torch.testing.assert_close(adapters, merged_eval, atol=ENGINE_TOLERANCE, rtol=0)
+    assert base.shape != adapters.shape or (adapters - base).abs().max() > 10 * ENGINE_TOLERANCE  # adapters count
+    assert main([*args, f"model.path={checkpoint}", "engine=vllm", f"output_dir={tmp_path / 'vllm'}"]) == 2
+    assert "holds LoRA adapters, which engine=vllm does not load" in capsys.readouterr().err
+
+
 def test_target_modules_that_match_nothing_name_the_ones_there_are(tmp_path, capsys):
     with pytest.raises(ConfigError) as err:
         make_learner("model.lora.target_modules=[qkv_proj]")

@@ -20,17 +20,14 @@ x·(W + s·B·A)ᵀ: the two round differently, so engine and learner logprobs a
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from asyncrl.config import ConfigError, LoraConfig, ModelConfig
-from asyncrl.policy import resolve_model_path
+from asyncrl.policy import adapter_base, merged_adapters, peft_reads_deprecated, resolve_model_path
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -46,17 +43,6 @@ def _peft():
     except ImportError:
         raise ConfigError("model.lora needs peft: pip install 'asyncrl[lora]' (or peft>=0.17)") from None
     return peft
-
-
-@contextlib.contextmanager
-def peft_reads_deprecated() -> Iterator[None]:
-    """Around building a ``PeftModel`` (``get_peft_model``, ``PeftModel.from_pretrained``):
-    peft 0.21.2's ``PeftModel.__init__`` reads ``model.is_gradient_checkpointing``, which
-    transformers 5.24 deprecates (a FutureWarning each time). peft's call, not ours; only
-    that one warning is silenced, so any other deprecation still fails the tests."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-        yield
 
 
 def linear_names(model: torch.nn.Module) -> list[str]:
@@ -166,14 +152,13 @@ def save_merged(checkpoint: str | Path, out: str | Path, base: str | Path | None
     (base + adapters merged, with the checkpoint's tokenizer), loadable as any
     ``model.path`` (``asyncrl eval``, vLLM, ``from_pretrained``). ``base``: the base model
     (default: the one the adapter's ``adapter_config.json`` names)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    peft = _peft()
     checkpoint, out = Path(checkpoint), Path(out)
-    base = base if base is not None else peft.PeftConfig.from_pretrained(checkpoint).base_model_name_or_path
-    with peft_reads_deprecated():
-        model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), checkpoint)
-    model.merge_and_unload().save_pretrained(out)
+    base = resolve_model_path(str(base)) if base is not None else adapter_base(checkpoint)
+    if base is None:
+        raise ConfigError(f"{checkpoint} is not a PEFT adapter directory (no {checkpoint / 'adapter_config.json'})")
+    merged_adapters(checkpoint, base).save_pretrained(out)
     AutoTokenizer.from_pretrained(checkpoint).save_pretrained(out)
     return out
 

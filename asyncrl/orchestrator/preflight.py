@@ -17,7 +17,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.engine import require_engine
 from asyncrl.learner.lora import check_lora
 from asyncrl.orchestrator.hooks import Hooks
-from asyncrl.policy import check_policy, load_policy
+from asyncrl.policy import adapter_base, check_policy, load_policy, resolve_model_path
 from asyncrl.tasks.base import TaskSplits
 from asyncrl.rollout.workflows.registry import build_tasks, build_workflow, check_tokenizer
 
@@ -38,6 +38,10 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"]) -> Checked
     trains = command in ("train", "plan")
     if trains:
         check_trainable(cfg)
+    if cfg.engine == "vllm" and adapter_base(resolve_model_path(cfg.model.path)) is not None:
+        raise ConfigError(f"model.path {cfg.model.path!r} holds LoRA adapters, which engine=vllm does not load: "
+                          f"write the merged model (python -m asyncrl.learner.lora_merge {cfg.model.path} OUT) "
+                          "and set model.path=OUT, or use engine=torch")
     if cfg.runtime == "local" and command != "plan":  # on Ray the workers' environment is what counts
         require_engine(cfg.engine)
     # this process needs the weights only where it runs a learner or a torch engine itself
