@@ -51,22 +51,31 @@ def test_bench_engine_smoke(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_bench_modes_smoke(tmp_path, capsys):
+    """Each schedule run batched and streamed (one bench for both: each run is a child
+    process, the costliest part of the suite); the schedules compared batched."""
     out = tmp_path / "modes"
     assert main(["bench", "modes", "steps=2", "batch_size=2", "group_size=2", "max_tokens=16",
-                 "stalenesses=[1]", "partial_rollouts=[abort]", "--out", str(out)]) == 0
+                 "stalenesses=[1]", "partial_rollouts=[abort]", "streaming=both", "--out", str(out)]) == 0
     result = json.loads((out / "bench.json").read_text())
     assert {"async_speedup_vs_sync", "ideal_overlap_bound", "overlap_efficiency"} <= set(result)
-    assert set(result["modes"]) == {"sync", "one_step_off", "async_eta1_abort"}
+    names = ["sync", "one_step_off", "async_eta1_abort"]
+    assert list(result["modes"]) == [n + way for n in names for way in ("", "_streamed")]
+    assert set(result["streaming_speedup"]) == set(names)
+    assert result["best_async"] == "async_eta1_abort"  # the schedules are compared batched
     for name, mode in result["modes"].items():
         assert {"samples_per_s", "wall_s", "trainer_idle_ratio", "rollout_idle_ratio", "staleness_max",
                 "final_reward", "peak_rss_mb"} <= set(mode)
         assert 100 < mode["peak_rss_mb"] < 1500, name  # its own child process: torch loaded, nothing inherited
         assert mode["staleness_max"] <= mode["staleness_bound"], name
         assert mode["samples"] == 2 * 2 * 2
+        assert mode["streaming"] == name.endswith("_streamed") and 0 <= mode["learner_idle_ratio"] <= 1
     assert result["ideal_overlap_bound"] >= 1.0
+    assert "streaming: true" in (out / "sync_streamed.yaml").read_text()
+    printed = capsys.readouterr().out
+    assert "streaming sync: wall" in printed
     runs = r"[\d.]+ samples/s, wall [\d.]+ s"
-    assert_phases(capsys.readouterr().out, "modes", {
-        "sync (run 1/3)": runs, "one_step_off (run 2/3)": runs, "async_eta1_abort (run 3/3)": runs,
+    assert_phases(printed, "modes", {
+        "sync (run 1/6)": runs, "one_step_off (run 3/6)": runs, "async_eta1_abort_streamed (run 6/6)": runs,
         "pure generation": r"T_gen [\d.]+ s, 8 samples", "pure training": r"T_train [\d.]+ s, 2 steps"})
 
 

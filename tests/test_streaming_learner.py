@@ -239,20 +239,3 @@ def test_an_async_run_streamed_stays_within_eta(tmp_path, policy_dir):
         assert order == sorted(order)
     timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
     assert {e["step"] for e in timeline if e["kind"] == "train"} == set(range(1, 6))
-
-
-@pytest.mark.slow
-def test_bench_modes_runs_each_mode_batched_and_streamed(tmp_path, capsys):
-    out = tmp_path / "modes"
-    assert main(["bench", "modes", "steps=2", "batch_size=2", "group_size=2", "max_tokens=16", "stalenesses=[1]",
-                 "partial_rollouts=[abort]", "streaming=both", "--out", str(out)]) == 0
-    result = json.loads((out / "bench.json").read_text())
-    names = ["sync", "one_step_off", "async_eta1_abort"]
-    assert list(result["modes"]) == [n + way for n in names for way in ("", "_streamed")]
-    assert set(result["streaming_speedup"]) == set(names)
-    assert result["best_async"] == "async_eta1_abort"  # the schedules are compared batched
-    for name, mode in result["modes"].items():
-        assert mode["streaming"] == name.endswith("_streamed") and 0 <= mode["learner_idle_ratio"] <= 1
-    config = (out / "sync_streamed.yaml").read_text()
-    assert "streaming: true" in config
-    assert "streaming sync: wall" in capsys.readouterr().out
