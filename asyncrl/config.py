@@ -94,19 +94,30 @@ class TaskSamplerConfig(Section):
 
 class TaskConfig(Section):
     name: str = "countdown"
-    """``countdown``, ``arithmetic``, ``longtail``, ``multihop``, or ``jsonl`` (then ``path``
-    is the train file)."""
+    """``countdown``, ``arithmetic``, ``longtail``, ``multihop``, ``jsonl`` (then ``path``
+    is the train file), or ``hf``: a local dataset read through ``datasets`` (``path``: a
+    ``save_to_disk`` directory or a parquet, arrow or jsonl file; TRL's and verl's schemas;
+    docs/usage.md#coming-from-trl--verl)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of a generated task's generator (e.g. ``num_numbers`` for countdown,
     ``num_people`` for multihop); an unknown one exits 2 naming it."""
     path: str | None = None
     validation_path: str | None = None
+    split: str = "train"
+    """``hf``: the split trained on, a name with an optional slice (``train``, ``train[:1000]``)."""
+    validation_split: str | None = None
+    """``hf``: the held-out split, a name or a slice (``test``, ``train[-64:]``: rows the train
+    split would also take stay held out); of ``validation_path`` when set. Default: the
+    last ``num_validation`` rows of the train split."""
     num_train: int = Field(20000, ge=0)
-    """Generated tasks in the train split (a JSONL file: first N rows, 0 = all)."""
+    """Generated tasks in the train split (a JSONL file or an ``hf`` dataset: first N rows, 0 = all)."""
     num_validation: int = Field(128, ge=1)
+    """Held-out tasks (``hf``: at most this many of the validation split's rows)."""
     reward_fn: str | None = None
-    """``module:function`` or ``path/to/file.py:function`` taking (task, response_text) -> float;
-    default: the task's own."""
+    """``module:function`` or ``path/to/file.py:function``: asyncrl's ``(task, response_text) ->
+    float``, TRL's ``(prompts, completions, **columns) -> list[float]`` (one call per group)
+    or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``, sync or
+    async, recognised by its parameters; default: the task's own."""
     sampler: TaskSamplerConfig = TaskSamplerConfig()
 
     @field_validator("sampler", mode="before")

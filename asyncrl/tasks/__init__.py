@@ -13,6 +13,7 @@ from asyncrl.plugins import load_named
 from asyncrl.tasks.arithmetic import arithmetic_reward, generate_arithmetic, iter_arithmetic
 from asyncrl.tasks.base import RewardFn, Task, TaskDataError, TaskSplits
 from asyncrl.tasks.countdown import countdown_reward, generate_countdown, iter_countdown
+from asyncrl.tasks.hf import load_hf_splits
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 from asyncrl.tasks.longtail import iter_longtail, longtail_reward
 from asyncrl.tasks.multihop import iter_multihop, multihop_corpus, multihop_reward
@@ -34,7 +35,8 @@ _GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
     # train and validation ask about one corpus: multihop_corpus(**options).
     "multihop": iter_multihop,
 }
-TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl")
+TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl", "hf")
+_USER_DATA = ("jsonl", "hf")  # the user's own rows, scored by the user's own reward
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "arithmetic": arithmetic_reward,
@@ -141,6 +143,8 @@ def load_tasks(
     num_validation: int,
     validation_path: str | Path | None = None,
     options: Mapping[str, Any] | None = None,
+    split: str = "train",
+    validation_split: str | None = None,
 ) -> TaskSplits:
     """Train/validation splits for the task ``name``.
 
@@ -150,6 +154,8 @@ def load_tasks(
     ``num_numbers``). For ``jsonl``, ``path`` is the train file; validation comes from
     ``validation_path`` or else the last ``num_validation`` rows. There ``num_train``
     caps the train rows taken from the front, and ``num_train <= 0`` means all rows.
+    ``hf``: a local dataset through ``datasets`` (``asyncrl/tasks/hf.py``), its train
+    ``split`` and held-out ``validation_split`` (names or slices).
     """
     if num_train < 0 or num_validation < 0:
         raise ValueError(f"num_train and num_validation must be >= 0, got {num_train}, {num_validation}")
@@ -157,20 +163,25 @@ def load_tasks(
         if options:
             raise ValueError(f"task 'jsonl' takes no generator options, got {dict(options)}")
         return _jsonl_splits(path, validation_path, num_train, num_validation)
+    if name == "hf":
+        return load_hf_splits(path, split=split, validation_split=validation_split, validation_path=validation_path,
+                              num_train=num_train, num_validation=num_validation, options=options or {})
+    if split != "train" or validation_split is not None:
+        raise ValueError(f"task {name!r}: `split`/`validation_split` only apply to 'hf'")
     if name not in _GENERATORS:
         raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
     if path is not None or validation_path is not None:
-        raise ValueError(f"task {name!r} is generated; `path`/`validation_path` only apply to 'jsonl'")
+        raise ValueError(f"task {name!r} is generated; `path`/`validation_path` only apply to 'jsonl' and 'hf'")
     return _generated_splits(name, seed, num_train, num_validation, options or {})
 
 
 def default_reward_fn(name: str) -> RewardFn:
-    """The built-in reward for a built-in generated task. JSONL tasks have no default:
-    only the user knows how to score their data."""
+    """The built-in reward for a built-in generated task. JSONL and hf tasks have no
+    default: only the user knows how to score their data."""
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
-    if name == "jsonl":
-        raise ValueError("task 'jsonl' has no default reward; set a reward spec 'module:function'")
+    if name in _USER_DATA:
+        raise ValueError(f"task {name!r} has no default reward; set a reward spec 'module:function'")
     raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
 
 

@@ -14,11 +14,17 @@ from typing import Any
 @dataclass(frozen=True)
 class Task:
     """One prompt to roll out. ``data`` holds whatever the reward function needs
-    (for Countdown: the numbers and the target)."""
+    (for Countdown: the numbers and the target).
+
+    ``messages``: the prompt as chat messages, when the dataset gives it so (verl's
+    schema, TRL's conversational prompts); the single-turn workflow then sends these
+    through the chat template, system message and all, and ``prompt`` is only their text
+    for ids, logs and the validation hash. ``None``: ``prompt`` is the user's message."""
 
     id: str
     prompt: str
     data: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] | None = None
 
 
 RewardFn = Callable[[Task, str], float]

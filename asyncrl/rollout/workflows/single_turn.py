@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 
 from asyncrl.rollout.client import LLMClient
+from asyncrl.rollout.workflows.group_reward import GroupMember, GroupReward
 from asyncrl.tasks.base import RewardFn, Task
+from asyncrl.tasks.reward_forms import ForeignReward, is_async_reward
 from asyncrl.threads import call_in_thread, describe
 from asyncrl.types import Episode
 
@@ -18,18 +21,31 @@ class SingleTurnWorkflow:
         self.reward_fn = reward_fn
         self.use_chat_template = use_chat_template
         self.reward_timeout_s = reward_timeout_s
+        # a batched reward (TRL's) is called once for the episodes of a task that run together
+        batched = isinstance(reward_fn, ForeignReward) and reward_fn.batched
+        self.group_reward = GroupReward(reward_fn, timeout_s=reward_timeout_s) if batched else None
 
     async def run(self, task: Task, llm: LLMClient) -> Episode:
+        if self.group_reward is None:
+            return await self._run(task, llm, None)
+        async with self.group_reward.member(task) as member:
+            return await self._run(task, llm, member)
+
+    async def _run(self, task: Task, llm: LLMClient, member: GroupMember | None) -> Episode:
         start = time.perf_counter()
         sampling = llm.sampling
         if "max_tokens" in task.data:  # a task may cap its own response length
             sampling = dataclasses.replace(sampling, max_tokens=min(sampling.max_tokens, int(task.data["max_tokens"])))
-        if self.use_chat_template:
-            response = await llm.chat([{"role": "user", "content": task.prompt}], sampling=sampling)
+        if self.use_chat_template:  # a dataset's chat messages as they are, else the prompt as the user's turn
+            messages = task.messages if task.messages is not None else [{"role": "user", "content": task.prompt}]
+            response = await llm.chat(messages, sampling=sampling)
         else:
             response = await llm.generate(task.prompt, sampling=sampling)
         generated = time.perf_counter()
-        reward = await score(self.reward_fn, task, response.text, timeout_s=self.reward_timeout_s)
+        if member is not None:
+            reward = await member.score(task, response.text, response.token_ids)
+        else:
+            reward = await score(self.reward_fn, task, response.text, timeout_s=self.reward_timeout_s)
         for trajectory in llm.trajectories:
             trajectory.reward = reward
         return Episode(task_id=task.id, trajectories=llm.trajectories, reward=reward,
@@ -42,9 +58,14 @@ async def score(reward_fn: RewardFn, task: Task, text: str, *, timeout_s: float)
     in range is the orchestrator's check (``asyncrl/algorithms/finite.py``), which stops the
     run: retrying would give the same NaN again. It runs on the episode's pool of daemon
     threads (``asyncrl/threads.py``): past ``timeout_s`` it is abandoned there, and never
-    keeps a run from stopping."""
-    value = await call_in_thread(reward_fn, task, text, timeout_s=timeout_s,
-                                 what=f"reward function {describe(reward_fn)}", task_id=task.id)
+    keeps a run from stopping. An ``async def`` reward (asyncrl's, TRL's or verl's) is
+    awaited on the event loop instead, under the same timeout."""
+    if is_async_reward(reward_fn):  # awaited on the event loop, under the same timeout
+        async with asyncio.timeout(timeout_s):
+            value = await reward_fn(task, text)
+    else:
+        value = await call_in_thread(reward_fn, task, text, timeout_s=timeout_s,
+                                     what=f"reward function {describe(reward_fn)}", task_id=task.id)
     name = getattr(reward_fn, "__qualname__", repr(reward_fn))
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"reward function {name} returned {value!r} for task {task.id}; expected a float")
