@@ -42,7 +42,9 @@ import sys
 import tempfile
 import threading
 import weakref
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import openai
 from openai import AsyncOpenAI
@@ -107,12 +109,18 @@ def corpus_path(options: dict) -> Path:
 def _start_service() -> str:
     options = json.loads(os.environ.get("ASYNCRL_MULTIHOP_OPTIONS") or "{}")
     latency = os.environ.get("ASYNCRL_RETRIEVAL_LATENCY_S", "0.02")
-    process = subprocess.Popen([sys.executable, "-m", "asyncrl.tools.retrieval", "--docs", str(corpus_path(options)),
-                                "--port", "0", "--latency-s", latency], stdout=subprocess.PIPE, text=True)
+    return start_subprocess_service(["asyncrl.tools.retrieval", "--docs", str(corpus_path(options)),
+                                     "--port", "0", "--latency-s", latency])
+
+
+def start_subprocess_service(module_and_args: list[str]) -> str:
+    """``python -m MODULE ARGS`` as this process's subprocess, stopped at interpreter exit;
+    returns the URL it prints alone on its first line once listening."""
+    process = subprocess.Popen([sys.executable, "-m", *module_and_args], stdout=subprocess.PIPE, text=True)
     atexit.register(_stop_service, process)
-    url = process.stdout.readline().strip()  # the service prints its URL alone once listening
+    url = process.stdout.readline().strip()
     if not url:
-        raise RuntimeError(f"the retrieval service exited with {process.wait()} before printing its URL")
+        raise RuntimeError(f"{module_and_args[0]} exited with {process.wait()} before printing its URL")
     return url
 
 
@@ -158,12 +166,24 @@ async def run(task, base_url: str) -> float:
 
 
 async def converse(client: AsyncOpenAI, retrieval: RetrievalClient, task) -> str:
-    """The conversation; returns the last reply's text."""
+    """The conversation with the retrieval client's ``search``; returns the last reply's text."""
+    async def run_tool(call) -> str:
+        if call.function.name != "search":
+            return f"unknown tool: {call.function.name}"
+        return await search(retrieval, call.function.arguments)
+
+    return await converse_with_tools(client, task, TOOLS, run_tool)
+
+
+async def converse_with_tools(client: AsyncOpenAI, task, tools: list[dict],
+                              run_tool: Callable[[Any], Awaitable[str]]) -> str:
+    """The conversation, whoever runs the tools (``run_tool(call)`` is a call's ``tool`` message
+    content: here or ``agent_mcp.py``); returns the last reply's text."""
     messages = [{"role": "user", "content": task.prompt}]
     final = ""
     for _ in range(MAX_TURNS):
         try:
-            reply = await client.chat.completions.create(model="policy", messages=messages, tools=TOOLS)
+            reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
         except openai.BadRequestError as exc:
             if "context" not in exc.message:  # not "the conversation no longer fits": a bug, say so
                 raise
@@ -173,9 +193,7 @@ async def converse(client: AsyncOpenAI, retrieval: RetrievalClient, task) -> str
         if message.tool_calls:
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:
-                result = (await search(retrieval, call.function.arguments) if call.function.name == "search"
-                          else f"unknown tool: {call.function.name}")
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": await run_tool(call)})
         elif is_answer(final):
             break
         else:
