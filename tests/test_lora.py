@@ -258,6 +258,21 @@ def test_train_and_resume_with_lora(tmp_path):
     assert [r["step"] for r in rows if r["step"] > 0] == [1, 2, 3]  # (step 0: the evaluation before training)
 
 
+@pytest.mark.slow
+def test_eta_0_is_sync_with_lora(tmp_path, policy_dir):
+    """``mode=async max_staleness=0`` trains on ``mode=sync``'s samples with LoRA too: the same
+    tokens, rewards and evaluations, the adapters within float noise
+    (``tests/test_reproducible.py`` says why not bit for bit)."""
+    from test_reproducible import WEIGHT_ATOL, run, same_run
+
+    sync = run(tmp_path, policy_dir, "sync", "mode=sync", "partial_rollout=off", "model.lora.rank=4")
+    async0 = run(tmp_path, policy_dir, "async0", "mode=async", "max_staleness=0", "model.lora.rank=4")
+    adapters = sync[2]
+    assert adapters and all("lora_" in name for name in adapters)
+    assert max(float(t.abs().max()) for name, t in adapters.items() if "lora_B" in name) > 1e-3  # B left 0
+    assert same_run(sync, async0) <= WEIGHT_ATOL
+
+
 def test_a_collective_sync_sends_the_merged_layers(policy_dir):
     """``weight_sync=collective`` plans its buckets from and sends what ``object_store``
     does: the merged targeted layers; the engines' other weights stay the base's."""

@@ -53,7 +53,8 @@ def run(tmp_path, policy_dir, name, *overrides):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     last = max(out.glob("checkpoints/step_*"), key=lambda path: int(path.name[5:]))
-    weights = load_file(last / "model.safetensors")
+    weights = load_file(last / ("adapter_model.safetensors" if (last / "adapter_config.json").exists()  # model.lora
+                                else "model.safetensors"))
     return samples, metrics, weights
 
 
