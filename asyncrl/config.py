@@ -891,7 +891,8 @@ _THEIR_NAMES: dict[str, dict[str, str | None]] = {
         "loss_type": "algorithm.aggregation", "scale_rewards": "algorithm.advantage", "use_vllm": "engine",
         "vllm_gpu_memory_utilization": "vllm.gpu_memory_utilization", "max_grad_norm": "optim.grad_clip",
         "lr_scheduler_type": "optim.schedule", "save_steps": "save_every", "eval_steps": "eval_every",
-        "model_name_or_path": "model.path"},
+        "model_name_or_path": "model.path", "reward_funcs": "task.reward_fn", "train_dataset": "task.path",
+        "eval_dataset": "task.validation_split"},
     "TRL and verl": {"temperature": "sampling.temperature", "kl_coef": "algorithm.kl_coef",
                      "max_prompt_length": None},
     "verl": {  # ppo_trainer.yaml
@@ -904,7 +905,9 @@ _THEIR_NAMES: dict[str, dict[str, str | None]] = {
         "clip_ratio_high": "algorithm.clip_high", "kl_loss_coef": "algorithm.kl_coef",
         "loss_agg_mode": "algorithm.aggregation", "adv_estimator": "algorithm.advantage",
         "total_training_steps": "total_steps", "total_epochs": "total_steps", "save_freq": "save_every",
-        "test_freq": "eval_every", "project_name": "logging.wandb_project"},
+        "test_freq": "eval_every", "project_name": "logging.wandb_project", "train_files": "task.path",
+        "val_files": "task.validation_path", "custom_reward_function.path": "task.reward_fn",
+        "custom_reward_function.name": "task.reward_fn", "prompt_key": None},
     "transformers": {"max_new_tokens": "sampling.max_tokens"},
     "AReaL": {"max_head_offpolicyness": "max_staleness"},
 }
@@ -931,6 +934,12 @@ _NOTES = {
     "clip_ratio": "and `algorithm.clip_high` for the upper side",
     "loss_agg_mode": "`token_mean` or `seq_mean`",
     "max_head_offpolicyness": "η",
+    "reward_funcs": "one function, TRL's or verl's form as written: `path/to/file.py:function`",
+    "train_dataset": "with `task.name=hf`: a local `save_to_disk` directory or a parquet, arrow or jsonl file",
+    "eval_dataset": "a split name or a slice of `task.path` (`test`, `train[-64:]`), or `task.validation_path`",
+    "custom_reward_function.path": "`task.reward_fn: path/to/file.py:compute_score` names the file and the function",
+    "custom_reward_function.name": "`task.reward_fn: path/to/file.py:compute_score` names the file and the function",
+    "prompt_key": "`task.options.prompt_key` with `task.name=hf`",
 }
 COMMON_NAMES: dict[str, CommonName] = {
     name: CommonName(key, source, _NOTES.get(name, "")) for source, names in _THEIR_NAMES.items()

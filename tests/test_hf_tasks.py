@@ -10,9 +10,9 @@ import pytest
 
 datasets = pytest.importorskip("datasets")
 
-from asyncrl.config import Config, ConfigError  # noqa: E402
-from asyncrl.rollout.workflows.registry import build_tasks  # noqa: E402
-from asyncrl.tasks import TaskDataError, load_tasks  # noqa: E402
+from asyncrl.config import Config, ConfigError
+from asyncrl.rollout.workflows.registry import build_tasks
+from asyncrl.tasks import TaskDataError, load_tasks
 
 
 def verl_rows(n):

@@ -106,7 +106,7 @@ def _read(path: str | Path, key: str) -> dict[str, Any]:
             return {"train": reader(str(file), keep_in_memory=True, cache_dir=cache)}
     except TaskDataError:
         raise
-    except Exception as exc:  # a corrupt file, a JSON line that does not parse, mixed column types
+    except Exception as exc:  # noqa: BLE001 (a corrupt file, a JSON line that does not parse, mixed types)
         raise TaskDataError(f"{key} {str(path)!r}: datasets could not read it: {type(exc).__name__}: {exc}") from None
 
 
@@ -128,8 +128,8 @@ def _row_problems(row: Mapping[str, Any], prompt_key: str) -> list[tuple[str, st
     problems = []
     found = _prompt_problem(row[prompt_key])
     if found is not None:
-        problems.append((prompt_key, f"text or a non-empty list of chat messages ({{'role': str, 'content': str}}), "
-                                     f"found {found}"))
+        expected = f"text or a non-empty list of chat messages ({{'role': str, 'content': str}}), found {found}"
+        problems.append((prompt_key, expected))
     truth = row.get("reward_model")  # a struct column: a row without the key holds None there
     if "reward_model" in row and not (isinstance(truth, Mapping) and truth.get("ground_truth") is not None):
         problems.append(("reward_model", f"verl's {{'ground_truth': ...}}, found {str(row['reward_model'])[:80]!r}"))

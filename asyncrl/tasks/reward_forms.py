@@ -50,7 +50,8 @@ def is_async_reward(fn: Callable[..., Any]) -> bool:
     ``__call__`` is one, a :class:`ForeignReward` around one)."""
     if isinstance(fn, ForeignReward):
         return fn.is_async
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    call = vars(type(fn)).get("__call__")  # a class instance's own __call__, not a function's slot
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
 
 
 class ForeignReward:
@@ -126,11 +127,11 @@ class ForeignReward:
     def values(self, raw: Any, n: int) -> list[float]:
         """The rewards in ``raw`` as floats, or a ``TypeError`` naming the function and what
         it returned (the path a non-number from asyncrl's own reward takes)."""
-        if self.form != "verl":
-            if isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence) or len(raw) != n:
-                size = f" of {len(raw)}" if isinstance(raw, Sequence) else ""
-                raise TypeError(f"reward function {self.spec} returned {type(raw).__name__}{size} {str(raw)[:80]!r} "
-                                f"for {n} completions; expected a list of {n} floats")
+        not_a_list = isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence) or len(raw) != n
+        if self.form != "verl" and not_a_list:  # verl's per-completion calls are gathered into a list here
+            size = f" of {len(raw)}" if isinstance(raw, Sequence) else ""
+            raise TypeError(f"reward function {self.spec} returned {type(raw).__name__}{size} {str(raw)[:80]!r} "
+                            f"for {n} completions; expected a list of {n} floats")
         return [self._number(value) for value in raw]
 
     def _number(self, value: Any) -> float:

@@ -74,7 +74,7 @@ class GroupReward:
             else:
                 scores = await call_in_thread(self.reward.score_batch, tasks, texts, ids, timeout_s=self.timeout_s,
                                               what=f"reward function {self.reward.spec}", task_id=tasks[0].id)
-        except Exception as exc:  # every episode of the call fails with it, and is retried
+        except Exception as exc:  # noqa: BLE001 (the user's code: every episode of the call fails with it)
             for future in futures:
                 if not future.done():
                     future.set_exception(exc)
