@@ -110,6 +110,11 @@ def _read(path: str | Path, key: str) -> dict[str, Any]:
         raise TaskDataError(f"{key} {str(path)!r}: datasets could not read it: {type(exc).__name__}: {exc}") from None
 
 
+def _shown(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 def _is_message(value: Any) -> bool:
     return isinstance(value, Mapping) and isinstance(value.get("role"), str) and isinstance(value.get("content"), str)
 
@@ -120,7 +125,7 @@ def _prompt_problem(value: Any) -> str | None:
         return None if value else "an empty string"
     if isinstance(value, Sequence) and value and all(_is_message(m) for m in value):
         return None
-    return f"{type(value).__name__} {str(value)[:80]!r}"
+    return f"{type(value).__name__} {_shown(value)}"
 
 
 def _row_problems(row: Mapping[str, Any], prompt_key: str) -> list[tuple[str, str]]:
@@ -132,7 +137,7 @@ def _row_problems(row: Mapping[str, Any], prompt_key: str) -> list[tuple[str, st
         problems.append((prompt_key, expected))
     truth = row.get("reward_model")  # a struct column: a row without the key holds None there
     if "reward_model" in row and not (isinstance(truth, Mapping) and truth.get("ground_truth") is not None):
-        problems.append(("reward_model", f"verl's {{'ground_truth': ...}}, found {str(row['reward_model'])[:80]!r}"))
+        problems.append(("reward_model", f"verl's {{'ground_truth': ...}}, found {_shown(truth)}"))
     task_id = row.get("id", "")
     if isinstance(task_id, bool) or not isinstance(task_id, (str, int)):
         problems.append(("id", f"a string or an integer, found {task_id!r}"))
