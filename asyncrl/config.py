@@ -55,6 +55,11 @@ class LoraConfig(Section):
     ``[q_proj, v_proj]``, or ``all-linear`` (every linear layer but the LM head: the
     attention and MLP projections). Names that match no module exit 2 naming those the
     model has."""
+    sync: Literal["merged", "adapters"] = "merged"
+    """What a weight sync sends: ``merged``, each targeted layer's W + s·B·A (out × in
+    numbers a layer; any engine); ``adapters``, A, B and the scale alone (r × (in + out)),
+    which the built-in engine merges into its own copy of the base, bit for bit the merged
+    weights (``asyncrl/engine/adapters.py``). ``engine: torch`` only."""
 
 
 class ModelConfig(Section):
@@ -65,7 +70,7 @@ class ModelConfig(Section):
     """``auto`` = CUDA when available, else CPU."""
     lora: LoraConfig | None = None
     """LoRA adapters (a ``LoraConfig`` section: ``rank``, ``alpha``, ``dropout``,
-    ``target_modules``), or ``null``: full fine-tuning. ``model.lora.rank=4`` or
+    ``target_modules``, ``sync``), or ``null``: full fine-tuning. ``model.lora.rank=4`` or
     ``model.lora=true`` turns them on. One learner rank only (``learner.world_size=1``)."""
 
     @field_validator("lora", mode="before")
@@ -665,6 +670,9 @@ class Config(Section):
             raise ValueError(f"model.lora trains on one learner rank, but learner.world_size is "
                              f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
                              "state are small), or model.lora=null")
+        if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine != "torch":
+            raise ValueError(f"model.lora.sync=adapters needs the built-in engine, which merges them itself; "
+                             f"engine={self.engine} loads whole weights: use model.lora.sync=merged")
         dog = self.watchdog
         if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "

@@ -116,6 +116,64 @@ def test_an_engine_that_reloads_whole_layers_is_sent_every_weight():
         assert torch.equal(tensor, merged[name] if name in merged else base[name]), name
 
 
+def test_adapters_alone_are_merged_by_the_engine_into_the_merged_weights_bit_for_bit():
+    """``model.lora.sync=adapters``: the engine, sent A, B and the scale, holds at each sync
+    exactly what a merged sync would have given it (each merge from its base, not from the
+    previous merge), for fewer bytes; the in-process engine's start is the base."""
+    learner = make_learner("model.lora.sync=adapters")
+    assert fingerprint(learner.policy_copy().named_parameters()) == fingerprint(base_model().named_parameters())
+
+    async def run():
+        merged, alone = TorchEngine(base_model()), TorchEngine(base_model())
+        try:
+            for _ in range(2):
+                learner.train_step(batch())
+                payload = learner.export_weights()
+                assert payload and all(n.endswith(("::lora_A", "::lora_B", "::lora_scale")) for n in payload)
+                sent = merged_targets(learner.module)
+                assert sum(t.numel() for t in payload.values()) < sum(t.numel() for t in sent.values()) / 4
+                await merged.update_weights(sent, learner.version)
+                await alone.update_weights(payload, learner.version)
+                assert alone.version == learner.version
+                assert fingerprint(alone.model.named_parameters()) == fingerprint(merged.model.named_parameters())
+        finally:
+            await merged.shutdown()
+            await alone.shutdown()
+
+    asyncio.run(run())
+    with pytest.raises(ConfigError, match="model.lora.sync=adapters needs the built-in engine"):
+        load_config(None, ["model.lora.sync=adapters", "engine=vllm"])
+
+
+@pytest.mark.slow
+def test_a_resumed_engine_sent_adapters_alone_starts_on_the_checkpoints_policy(tmp_path):
+    """Resumed with ``model.lora.sync=adapters``, the engine in the learner's process starts
+    from the base with the checkpoint's adapters merged: the delivery probe passes before
+    any sync (and the run goes on, every sync checked)."""
+    from asyncrl.policy import load_policy
+    from asyncrl.runtime import start
+    from asyncrl.weight_sync.delivery import DeliveryCheck
+
+    out = tmp_path / "run"
+    args = ["train", "examples/addition/async.yaml", f"output_dir={out}", "model.lora.rank=4", "batch_size=2",
+            "group_size=4", "eval_every=0", "save_every=2", "task.num_validation=4", "optim.lr=0.01",
+            "model.lora.sync=adapters", "weight_sync.check_every=1", "learner.process=false"]
+    assert main([*args, "total_steps=2"]) == 0
+    cfg = load_config(args[1], [a for a in args[2:]])
+
+    async def probe():
+        model, tokenizer = load_policy(cfg.model)
+        async with start(cfg, model=model, tokenizer=tokenizer, checkpoint=out / "checkpoints" / "step_2",
+                         version=2) as runtime:
+            check = DeliveryCheck(runtime.learner, runtime.rollout, tokenizer, every=1, tolerance=ENGINE_TOLERANCE)
+            return await check.check(2)
+
+    assert asyncio.run(probe()) <= ENGINE_TOLERANCE
+    assert main([*args, "total_steps=3", "resume=true"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["weight_sync/probe_max_abs_diff"] <= ENGINE_TOLERANCE for r in rows if r["step"] > 0] == [True] * 3
+
+
 def test_merged_weight_is_base_plus_scaled_b_a():
     base, a, b = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
     torch.testing.assert_close(merged_weight(base, a, b, 0.5), base + 0.5 * b @ a)
@@ -229,7 +287,7 @@ def test_the_switch_and_a_key_of_lora_combine_in_either_order(overrides, tmp_pat
     """``model.lora=true`` turns LoRA on keeping any key already set; a key of it turns it
     on too, after ``true`` or ``null`` (it was 'model.lora is not a section')."""
     assert load_config(None, overrides).model.lora.model_dump() == {
-        "rank": 16, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear"}
+        "rank": 16, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear", "sync": "merged"}
     (tmp_path / "c.yaml").write_text("model:\n  lora: true\n")  # the file's switch, then an override's key
     assert load_config(tmp_path / "c.yaml", ["model.lora.rank=4"]).model.lora.rank == 4
     assert load_config(None, ["model.lora.rank=4", "model.lora=false"]).model.lora is None
@@ -273,21 +331,24 @@ def test_eta_0_is_sync_with_lora(tmp_path, policy_dir):
     assert same_run(sync, async0) <= WEIGHT_ATOL
 
 
-def test_a_collective_sync_sends_the_merged_layers(policy_dir):
+@pytest.mark.parametrize("shipped", ["merged", "adapters"])
+def test_a_collective_sync_sends_the_merged_layers(policy_dir, shipped):
     """``weight_sync=collective`` plans its buckets from and sends what ``object_store``
-    does: the merged targeted layers; the engines' other weights stay the base's."""
+    does: the merged targeted layers, or with ``model.lora.sync=adapters`` the adapters the
+    engines merge; either way the engines hold the merged layers, their other weights the base's."""
     from test_weight_sync import in_process, train_one_step
 
     async def scenario(cfg, learner_worker, sync, workers):
         train_one_step(learner_worker)
         await sync.sync(1, "abort")
-        sent = learner_worker.learner.engine_weights()
+        sent = merged_targets(learner_worker.learner.module)
         base = dict(AutoModelForCausalLM.from_pretrained(policy_dir).named_parameters())
         expected = fingerprint((name, sent.get(name, p)) for name, p in base.items())
         assert await sync.rollout.fingerprints() == [(1, expected)] * 2
         assert fingerprint(base.items()) != expected
 
-    asyncio.run(in_process(policy_dir, scenario, "model.lora.rank=4", "weight_sync.bucket_mb=0.01"))
+    asyncio.run(in_process(policy_dir, scenario, "model.lora.rank=4", "weight_sync.bucket_mb=0.01",
+                           f"model.lora.sync={shipped}"))
 
 
 def adapter_grads(learner: Learner) -> dict[str, torch.Tensor]:

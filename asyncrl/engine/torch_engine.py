@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from asyncrl.engine.adapters import AdapterMerger, has_adapters
 from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
 from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError, TokenSink
@@ -83,6 +84,7 @@ class TorchEngine:
         self._kv: KVBatch | None = None  # row i is self._scheduler.running[i]
         self._prefixes = PrefixCache(self.prefix_cache_size)
         self._version = version
+        self._adapters = AdapterMerger()  # model.lora.sync=adapters: the targeted layers' base, merged here
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ids = itertools.count()
         self._drain_waiters: list[tuple[asyncio.Future[None], asyncio.AbstractEventLoop]] = []
@@ -152,7 +154,11 @@ class TorchEngine:
         await self._call(self._scheduler.resume)
 
     async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Also LoRA adapters alone (``asyncrl/engine/adapters.py``): merged into this engine's
+        copy of the base off the engine's thread, then loaded like any weights."""
         params = dict(self.model.named_parameters())
+        if has_adapters(weights):
+            weights = await asyncio.to_thread(self._adapters.merge, weights, params)
         unknown = sorted(set(weights) - set(params))
         if unknown:
             raise KeyError(f"update_weights got names the model does not have: {unknown[:5]}")

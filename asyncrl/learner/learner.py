@@ -51,7 +51,7 @@ from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.distributed import Sharding
-from asyncrl.learner.lora import add_adapters, merged_copy, merged_targets
+from asyncrl.learner.lora import adapter_payload, add_adapters, base_copy, merged_copy, merged_targets
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 
@@ -421,14 +421,20 @@ class Learner:
         """What the engines load, by the base model's parameter names, without a copy where
         there is one to read (one rank): the parameters themselves; with LoRA only the
         targeted layers, merged (``lora.merged_targets``: the rest is the base the engines
-        already hold). Sharded (no LoRA), each parameter's DTensor (global shapes)."""
+        already hold), or with ``model.lora.sync=adapters`` their A, B and scale alone
+        (``lora.adapter_payload``). Sharded (no LoRA), each parameter's DTensor (global shapes)."""
+        if self.lora is not None and self.lora.sync == "adapters":  # the engine merges them (engine/adapters.py)
+            return adapter_payload(self.module)
         if self.lora is not None:
             return merged_targets(self.module, every_weight=self.send_every_weight)
         return dict(self.module.named_parameters())
 
     def policy_copy(self) -> PreTrainedModel:
         """A plain model computing this policy, for an engine in this process: a deep copy,
-        with LoRA the adapters merged into it."""
+        with LoRA the adapters merged into it (``model.lora.sync=adapters``: the base alone;
+        the engine merges what it is sent)."""
+        if self.lora is not None and self.lora.sync == "adapters":  # the base: the engine merges what it is sent
+            return base_copy(self.module)
         return merged_copy(self.module) if self.lora is not None else copy.deepcopy(self.model)
 
     def export_weights(self) -> dict[str, torch.Tensor]:

@@ -7,12 +7,14 @@ so a sync sends each targeted layer's **merged** weight W = W_base + s·B·A und
 model's own parameter name, and nothing else: every other weight (embeddings, norms, the
 LM head) is the base's, which the engines loaded from ``model.path`` and LoRA never
 changes. The engine path is then today's, unchanged (a subset of names is a valid
-``update_weights``). Not the adapters alone: an engine that merged them itself would need
-a base copy and a merge of its own in every engine (the built-in one and vLLM's); merged
-weights cost out × in per targeted layer instead of r × (in + out), and are the same
-function as the learner's adapter forward up to float rounding (x·Wᵀ + s·(x·Aᵀ)·Bᵀ versus
-x·(W + s·B·A)ᵀ: the two round differently, so engine and learner logprobs agree within
-1e-4 in float32, not bit for bit: the bound tests/test_lora.py checks).
+``update_weights``), in every engine. Merged weights cost out × in per targeted layer
+instead of r × (in + out), and are the same function as the learner's adapter forward up
+to float rounding (x·Wᵀ + s·(x·Aᵀ)·Bᵀ versus x·(W + s·B·A)ᵀ: the two round differently,
+so engine and learner logprobs agree within 1e-4 in float32, not bit for bit: the bound
+tests/test_lora.py checks). ``model.lora.sync: adapters`` sends A, B and the scale alone
+(:func:`adapter_payload`) and the built-in engine merges them into its own copy of the
+base with the same :func:`merged_weight`: bit for bit the merged sync's weights
+(``asyncrl/engine/adapters.py`` argues it).
 
 ``peft`` is an optional dependency (the ``lora`` extra): it is imported only when
 ``model.lora`` is set, so full fine-tuning never needs it.
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncrl.config import ConfigError, LoraConfig, ModelConfig
+from asyncrl.engine.adapters import adapter_entries, merged_weight
 from asyncrl.policy import adapter_base, merged_adapters, peft_reads_deprecated, resolve_model_path
 
 if TYPE_CHECKING:
@@ -96,15 +99,6 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Peft
         return peft.get_peft_model(model, config)
 
 
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
-                  transposed: bool = False) -> torch.Tensor:
-    """W_base + scale · B @ A, in ``base``'s dtype. base: (out, in), a: (r, in), b: (out, r);
-    ``transposed``: base is stored (in, out) (GPT-2's Conv1D), so the delta is too. Summed
-    in float32 and cast once, so a bf16 base is rounded once, not per term."""
-    delta = b.float() @ a.float()  # (out, in)
-    return (base.float() + scale * (delta.T if transposed else delta)).to(base.dtype)
-
-
 def merged_targets(model: PeftModel, *, every_weight: bool = False) -> dict[str, torch.Tensor]:
     """Each adapted layer's merged weight (:func:`merged_weight`), under the base model's
     parameter name (``model.layers.0.self_attn.q_proj.weight``): what the engines load.
@@ -126,6 +120,26 @@ def merged_targets(model: PeftModel, *, every_weight: bool = False) -> dict[str,
             out[f"{name}.weight"] = merged_weight(layer.get_base_layer().weight, a, b, layer.scaling[ADAPTER],
                                                   transposed=layer.fan_in_fan_out)
     return out
+
+
+def adapter_payload(model: PeftModel) -> dict[str, torch.Tensor]:
+    """Each adapted layer's A, B and scale under its base parameter's name
+    (``asyncrl/engine/adapters.py``: ``model.lora.sync: adapters``, the built-in engine
+    merges them itself). New tensors."""
+    from peft.tuners.lora import LoraLayer
+
+    out = {}
+    for name, layer in model.get_base_model().named_modules():
+        if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
+            out.update(adapter_entries(f"{name}.weight", layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
+                                       layer.scaling[ADAPTER], layer.fan_in_fan_out))
+    return out
+
+
+def base_copy(model: PeftModel) -> PreTrainedModel:
+    """A plain model of the base weights alone (adapters removed, not merged), ``model``
+    untouched: an in-process engine's start when it is sent adapters alone."""
+    return copy.deepcopy(model).unload()
 
 
 def merged_copy(model: PeftModel) -> PreTrainedModel:

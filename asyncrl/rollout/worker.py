@@ -34,6 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
+from asyncrl.engine.adapters import has_adapters
 from asyncrl.engine.protocol import TokenSink
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.rollout.gateway import Gateway
@@ -127,7 +128,8 @@ class RolloutWorker:
                 await self.engine.update_weights(applied, self._version)
             return
         model = self._model if self._model is not None else load_policy(self.cfg.model)[0]
-        if self._weights is not None:
+        adapters = self._weights is not None and has_adapters(self._weights)
+        if self._weights is not None and not adapters:
             model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
         make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
                                            seed=seed, version=self._version, num_threads=self._num_threads,
@@ -135,6 +137,10 @@ class RolloutWorker:
         if self._eval_replica:
             self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
         self.engine = make(model, self._seed)
+        if adapters:  # model.lora.sync=adapters: each engine merges them into its copy of the base
+            for engine in (self.engine, self.eval_engine):
+                if engine is not None:
+                    await engine.update_weights(self._weights, self._version)
 
     async def ready_engine(self) -> RolloutEngine:
         """The engine once started (raises what stopped it from starting)."""
