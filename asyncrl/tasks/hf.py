@@ -152,8 +152,8 @@ def _tasks(dataset: Any, rows: Sequence[int], source: tuple[str | Path, str], pr
         raise TaskDataError(f"{where}: no column {prompt_key!r} (the prompt); its columns: "
                             f"{', '.join(dataset.column_names)}. Name the prompt's column as task.options.prompt_key")
     tasks, bad = [], {}
-    for row_no in rows:
-        row = dataset[row_no]
+    rows = list(rows)  # one columnar read of the rows taken, not a Python call per row
+    for row_no, row in zip(rows, dataset.select(rows).to_list() if rows else []):
         problems = _row_problems(row, prompt_key)
         for column, expected in problems:
             bad.setdefault(column, []).append((row_no, expected))
