@@ -10,7 +10,9 @@ not started, so an episode never waits on one it could block (``rollout.max_conc
 episodes`` admits a group's episodes in turns, and each turn is then its own call), and a
 call of part of a group is still correct: a TRL reward scores each completion on its own
 row, batching only saves calls. A call that raises, or runs past the reward timeout,
-fails every episode in it, each then retried as an episode whose reward raised is.
+fails every episode in it, each then retried as an episode whose reward raised is. The
+price: an episode waits for its slowest sibling within its own ``workflow.timeout_s``, as
+a TRL step waits for its slowest generation.
 """
 
 from __future__ import annotations
