@@ -111,3 +111,14 @@ def test_the_config_refuses_chat_prompts_without_the_chat_template(tmp_path):
                                  "workflow": {"use_chat_template": False}})
     with pytest.raises(ConfigError, match="use_chat_template=false, but task 'v-train-0' .*chat messages"):
         build_tasks(cfg)
+
+
+def test_verl_s_prompt_key_names_another_column_and_split_keys_belong_to_hf(tmp_path):
+    rows = [{"question": r["prompt"], "target": r["target"]} for r in trl_rows(4)]
+    datasets.Dataset.from_list(rows).to_parquet(tmp_path / "q.parquet")
+    splits = hf(tmp_path / "q.parquet", options={"prompt_key": "question"}, num_validation=1)
+    assert splits.train[0].prompt == "0 1 -> 1" and splits.train[0].data == {"target": 1}
+    with pytest.raises(TaskDataError, match="unknown task.options \\['prompt'\\]; it takes prompt_key"):
+        hf(tmp_path / "q.parquet", options={"prompt": "question"})
+    with pytest.raises(ValueError, match="`split`/`validation_split` only apply to 'hf'"):
+        load_tasks("countdown", seed=0, num_train=4, num_validation=2, validation_split="test")
