@@ -232,3 +232,14 @@ def test_asyncrl_s_own_form_is_left_as_it_is_and_may_be_async():
 
     episodes, _ = run_group(SingleTurnWorkflow(recognise_reward(ascore, "m:ascore")), TEXT_TASK, ["a"])
     assert episodes[0].reward == 0.5
+
+
+def test_a_batched_reward_past_its_timeout_fails_its_episodes_and_the_next_group_goes_on():
+    async def slow(completions, **kwargs):
+        await asyncio.sleep(3600)
+
+    workflow = SingleTurnWorkflow(recognise_reward(slow, "tests:slow"), reward_timeout_s=0.2)
+    episodes, _ = run_group(workflow, TEXT_TASK, ["a", "b"])
+    assert [e.status for e in episodes] == ["error", "error"]
+    assert "TimeoutError" in episodes[0].errors[0].exception
+    assert workflow.group_reward._open == {}  # nothing left waiting: the next group starts afresh
