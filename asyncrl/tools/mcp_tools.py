@@ -110,7 +110,11 @@ class MCPTools:
     """The tools of several MCP servers behind one OpenAI ``tools`` list; see the module docstring."""
 
     def __init__(self, servers: list[MCPServerSpec | dict[str, Any]], *, timeout_s: float = 30.0,
-                 tool_errors: Literal["raise", "message"] = "raise") -> None:
+                 tool_errors: Literal["raise", "message"] = "raise", http_client: httpx2.AsyncClient | None = None,
+                 ) -> None:
+        """``http_client``: the client URL servers are reached with, yours to keep open and close (one
+        per event loop saves each episode building its own); default: one of its own, every timeout
+        ``timeout_s``, closed on leaving."""
         specs = [s if isinstance(s, MCPServerSpec) else MCPServerSpec.from_dict(s) for s in servers]
         twice = [name for name, n in Counter(s.name for s in specs).items() if n > 1]
         if not specs or twice:
@@ -121,6 +125,7 @@ class MCPTools:
         self.servers = specs
         self.timeout_s = timeout_s
         self.tool_errors = tool_errors
+        self.http_client = http_client
         self.openai_tools: list[dict[str, Any]] = []
         self._routes: dict[str, _Route] = {}
         self._sessions: dict[str, ClientSession] = {}
@@ -211,8 +216,9 @@ class MCPTools:
                                                        env=spec.env or None, cwd=spec.cwd)
                         read, write = await stack.enter_async_context(stdio_client(params))
                     else:
-                        http = httpx2.AsyncClient(timeout=httpx2.Timeout(self.timeout_s))
-                        await stack.enter_async_context(http)
+                        http = self.http_client
+                        if http is None:
+                            http = await stack.enter_async_context(httpx2.AsyncClient(timeout=self.timeout_s))
                         read, write = await stack.enter_async_context(streamable_http_client(spec.url, http_client=http))
                     session = await stack.enter_async_context(ClientSession(read, write))
                     await session.initialize()

@@ -29,7 +29,10 @@ import json
 import os
 import sys
 import threading
+import weakref
 from pathlib import Path
+
+import httpx2
 
 from asyncrl.plugins import load_named
 from asyncrl.tasks.multihop import multihop_reward
@@ -38,9 +41,10 @@ from asyncrl.tools.mcp_tools import MCPTools
 # agent.py, loaded as asyncrl loads an agent file (the same module object when both are used)
 plain = sys.modules[load_named(f"{Path(__file__).with_name('agent.py')}:run", key="agent_mcp").__module__]
 
-TIMEOUT_S = 10.0  # a search answers in ~20 ms; a server silent this long is hung
+TIMEOUT_S = 30.0  # a search answers in ~20 ms; 64 episodes connecting at once on a loaded machine take seconds
 _lock = threading.Lock()
 _servers: list[dict] | None = None
+_http_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> httpx2.AsyncClient
 
 
 def mcp_servers() -> list[dict]:
@@ -58,9 +62,18 @@ def mcp_servers() -> list[dict]:
     return _servers
 
 
+def http_client() -> httpx2.AsyncClient:
+    """One HTTP client per event loop for every episode's MCP connections: building one costs
+    more CPU than an episode's searches (its TLS context), and 64 episodes connect at once."""
+    loop = asyncio.get_running_loop()
+    if loop not in _http_clients:
+        _http_clients[loop] = httpx2.AsyncClient(timeout=TIMEOUT_S)
+    return _http_clients[loop]
+
+
 async def run(task, base_url: str) -> float:
     servers = mcp_servers() if _servers is not None else await asyncio.to_thread(mcp_servers)  # start off the loop
-    async with MCPTools(servers, timeout_s=TIMEOUT_S, tool_errors="message") as tools:
+    async with MCPTools(servers, timeout_s=TIMEOUT_S, tool_errors="message", http_client=http_client()) as tools:
         async def run_tool(call) -> str:
             return plain.format_result((await tools.call(call)).splitlines())
 

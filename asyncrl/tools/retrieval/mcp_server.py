@@ -5,7 +5,7 @@ One tool, ``search(query)``, described as the plain search agent describes its o
 over the documents (the same index as ``python -m asyncrl.tools.retrieval``), the best
 ``--k`` hits' texts, one per line, whitespace collapsed; no line when nothing matches.
 Over stdio by default (an agent's ``MCPTools`` starts it and stops it); ``--http`` serves
-streamable HTTP at ``http://HOST:PORT/mcp`` instead, printing that URL alone on stdout once
+streamable HTTP (stateless, JSON replies) at ``http://HOST:PORT/mcp`` instead, printing that URL alone on stdout once
 listening (``--port 0``, the default: a free port, so the URL is the only way to know it).
 A bad documents file or a taken port exits 2 with one line saying which."""
 
@@ -70,7 +70,9 @@ async def _serve_http(server, sock: socket.socket, host: str) -> None:
     """uvicorn on a socket bound beforehand, so the URL printed is the port really listened on."""
     import uvicorn
 
-    app = server.streamable_http_app(host=host)
+    # stateless, JSON replies: a search keeps no state between requests, and a session per
+    # episode (its own task and SSE stream on the server) is what made connecting slow under load
+    app = server.streamable_http_app(host=host, stateless_http=True, json_response=True)
     config = uvicorn.Config(app, log_level="warning")
     print(f"http://{host}:{sock.getsockname()[1]}/mcp", flush=True)
     await uvicorn.Server(config).serve(sockets=[sock])
