@@ -21,8 +21,9 @@ README = (ROOT / "README.md").read_text()
 PAGES = {path.relative_to(ROOT).as_posix(): path.read_text()
          for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))] if path.name != "config.md"}
 # `section.word` spans in those pages that are not config keys: files, the transformers
-# method, and the fields of the task an agent is handed (docs/agents.md).
-NOT_KEYS = {"model.generate", "task.id", "task.prompt", "task.data"}
+# method, the fields of the task an agent is handed (docs/agents.md), and verl's own key in
+# docs/usage.md's table of TRL / verl / asyncrl keys.
+NOT_KEYS = {"model.generate", "task.id", "task.prompt", "task.data", "algorithm.adv_estimator"}
 FILE_SUFFIXES = ("py", "json", "yaml", "jsonl", "safetensors")
 
 
