@@ -146,10 +146,12 @@ def test_adapters_alone_are_merged_by_the_engine_into_the_merged_weights_bit_for
 
 
 @pytest.mark.slow
-def test_a_resumed_engine_sent_adapters_alone_starts_on_the_checkpoints_policy(tmp_path):
-    """Resumed with ``model.lora.sync=adapters``, the engine in the learner's process starts
-    from the base with the checkpoint's adapters merged: the delivery probe passes before
-    any sync (and the run goes on, every sync checked)."""
+@pytest.mark.parametrize("process", ["false", "true"])
+def test_a_resumed_engine_sent_adapters_alone_starts_on_the_checkpoints_policy(tmp_path, process):
+    """Resumed with ``model.lora.sync=adapters``, the engine starts from the base with the
+    checkpoint's adapters merged, whether it shares the learner's process (its base copy,
+    then the adapters) or not (``model.path``, then the adapters): the delivery probe passes
+    before any sync (and the run goes on, every sync checked)."""
     from asyncrl.policy import load_policy
     from asyncrl.runtime import start
     from asyncrl.weight_sync.delivery import DeliveryCheck
@@ -157,7 +159,7 @@ def test_a_resumed_engine_sent_adapters_alone_starts_on_the_checkpoints_policy(t
     out = tmp_path / "run"
     args = ["train", "examples/addition/async.yaml", f"output_dir={out}", "model.lora.rank=4", "batch_size=2",
             "group_size=4", "eval_every=0", "save_every=2", "task.num_validation=4", "optim.lr=0.01",
-            "model.lora.sync=adapters", "weight_sync.check_every=1", "learner.process=false"]
+            "model.lora.sync=adapters", "weight_sync.check_every=1", f"learner.process={process}"]
     assert main([*args, "total_steps=2"]) == 0
     cfg = load_config(args[1], [a for a in args[2:]])
 
