@@ -73,7 +73,9 @@ async def _serve_http(server, sock: socket.socket, host: str) -> None:
     # stateless, JSON replies: a search keeps no state between requests, and a session per
     # episode (its own task and SSE stream on the server) is what made connecting slow under load
     app = server.streamable_http_app(host=host, stateless_http=True, json_response=True)
-    config = uvicorn.Config(app, log_level="warning")
+    # idle connections are kept longer than a client keeps them (httpx's 5 s): otherwise the server may
+    # close one just as a client reuses it, and that request fails with a ReadError
+    config = uvicorn.Config(app, log_level="warning", timeout_keep_alive=60)
     print(f"http://{host}:{sock.getsockname()[1]}/mcp", flush=True)
     await uvicorn.Server(config).serve(sockets=[sock])
 
