@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.types import Trajectory
+from asyncrl.types import NO_VERSION, Trajectory
 
 
 @dataclass
@@ -22,6 +22,9 @@ class TrainBatch:
     behavior_logprobs: torch.Tensor  # (B, L-1) μ from the engine, 0 elsewhere
     advantages: torch.Tensor  # (B,)
     prompt_lengths: torch.Tensor  # (B,) long: row i's prompt is input_ids[i, :prompt_lengths[i]]
+    # (B, L-1) long: the version that sampled each model token (NO_VERSION elsewhere), from
+    # which the learner's engine–learner mismatch by lag (algorithms/mismatch.py); None: not measured
+    versions: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -32,14 +35,15 @@ class TrainBatch:
         length = int(self.attention_mask[start:stop].sum(-1).max())
         return TrainBatch(self.input_ids[start:stop, :length], self.attention_mask[start:stop, :length],
                           self.loss_mask[start:stop, :length - 1], self.behavior_logprobs[start:stop, :length - 1],
-                          self.advantages[start:stop], self.prompt_lengths[start:stop])
+                          self.advantages[start:stop], self.prompt_lengths[start:stop],
+                          None if self.versions is None else self.versions[start:stop, :length - 1])
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) at full width; unlike :meth:`slice`, may be empty (a rank
         of a sharded learner with no rows of a small batch)."""
         return TrainBatch(self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
                           self.behavior_logprobs[start:stop], self.advantages[start:stop],
-                          self.prompt_lengths[start:stop])
+                          self.prompt_lengths[start:stop], None if self.versions is None else self.versions[start:stop])
 
     def select(self, index: torch.Tensor) -> TrainBatch:
         """The rows at ``index`` (a 1-D long tensor, possibly empty), at full width."""
@@ -60,7 +64,7 @@ class TrainBatch:
 
     def _tensors(self) -> tuple[torch.Tensor, ...]:
         return (self.input_ids, self.attention_mask, self.loss_mask, self.behavior_logprobs, self.advantages,
-                self.prompt_lengths)
+                self.prompt_lengths, *(() if self.versions is None else (self.versions,)))
 
 
 def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int) -> TrainBatch:
@@ -73,11 +77,13 @@ def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: 
     attention_mask = torch.zeros((b, length), dtype=torch.long)
     loss_mask = torch.zeros((b, length - 1), dtype=torch.float32)
     behavior = torch.zeros((b, length - 1), dtype=torch.float32)
+    versions = torch.full((b, length - 1), NO_VERSION, dtype=torch.long)
     for i, t in enumerate(trajectories):
         p, r = len(t.prompt_ids), len(t.response_ids)
         input_ids[i, :p + r] = torch.tensor(t.prompt_ids + t.response_ids)
         attention_mask[i, :p + r] = 1
         loss_mask[i, p - 1:p + r - 1] = torch.tensor(t.loss_mask, dtype=torch.float32)
         behavior[i, p - 1:p + r - 1] = torch.tensor(t.logprobs, dtype=torch.float32)
+        versions[i, p - 1:p + r - 1] = torch.tensor(t.versions, dtype=torch.long)
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior, torch.tensor(advantages, dtype=torch.float32),
-                      torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long))
+                      torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long), versions)

@@ -147,6 +147,12 @@ class Sharding:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out
 
+    def max(self, values: torch.Tensor) -> torch.Tensor:
+        """``values``' elementwise maximum over ranks (a new tensor, same device)."""
+        out = values.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out
+
     def count(self, n: int) -> int:
         """The largest ``n`` over ranks: how many passes every rank makes."""
         out = torch.tensor([n], dtype=torch.int64, device=self.device)

@@ -47,6 +47,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_parameters
+from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
 from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
@@ -165,6 +166,9 @@ class Learner:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
         self.pad_id = tokenizer.pad_token_id or 0
         self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
+        # the batch's engine–learner mismatch sums by lag (algorithms/mismatch.py), added while
+        # the weights are still the batch's starting ones (None: not measuring now)
+        self._mismatch: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ math
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
@@ -248,6 +252,7 @@ class Learner:
         batch_counts = _counts(batch.loss_mask).to(self.device)
         sums: dict[str, torch.Tensor] = {}
         norms = []
+        mismatch = self._mismatch = self._no_mismatch()
         for step in steps:
             local = step[(step >= first) & (step < last)] - first  # this rank's rows of the mini-batch
             counts = _counts(batch.loss_mask[step]).to(self.device)
@@ -257,18 +262,27 @@ class Learner:
                 mine.select(local), counts, weight,
                 proximal=None if proximal is None else proximal[local], proximal_from_forward=from_forward,
                 reference=None if reference is None else reference[local], sums=sums))
-        return self._end_batch(sums, norms, batch_counts[0])
+            if proximal is None:  # the weights moved: only a recomputed π_prox is still the start's policy
+                self._mismatch = None
+        self._mismatch = None
+        return self._end_batch(sums, norms, batch_counts[0], mismatch)
 
-    def _end_batch(self, sums: dict[str, torch.Tensor], norms: list[float], tokens: torch.Tensor) -> dict[str, float]:
+    def _no_mismatch(self) -> torch.Tensor:
+        """Empty :func:`~asyncrl.algorithms.mismatch.mismatch_sums`, to add a batch's micro-batches to."""
+        return torch.zeros(MAX_LAG + 1, 4, device=self.device)
+
+    def _end_batch(self, sums: dict[str, torch.Tensor], norms: list[float], tokens: torch.Tensor,
+                   mismatch: torch.Tensor) -> dict[str, float]:
         """After a batch's optimizer steps (their gradient ``norms``): the LR schedule, the
         weights' finite check, the new version, and the metrics from ``sums`` (each already
-        the batch's mean over its ``tokens``, or sequences)."""
+        the batch's mean over its ``tokens``, or sequences) and ``mismatch``'s sums by lag."""
         self.scheduler.step()
         self.model.eval()
         sums["nonfinite_weights"] = self._local_nonfinite()  # summed over ranks and read with the metrics
         if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
             keys = sorted(sums)
             sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
+            mismatch = torch.cat([self.sharding.sum(mismatch[:, :3]), self.sharding.max(mismatch[:, 3:])], dim=1)
         self.version += 1
         out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
         if out.pop("actor/nonfinite_weights"):
@@ -280,6 +294,7 @@ class Learner:
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
         out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
                     "actor/tokens": float(tokens), "actor/optimizer_steps": float(len(norms))})
+        out.update(mismatch_metrics(mismatch))
         return out
 
     # ------------------------------------------------------------ streamed step
@@ -296,8 +311,9 @@ class Learner:
                              "optim.ppo_epochs=1 and optim.mini_batches=1")
         if self._stream is None:
             self.optimizer.zero_grad(set_to_none=True)
-            self._stream = _Stream(torch.zeros(2, device=self.device))
+            self._stream = _Stream(torch.zeros(2, device=self.device), self._no_mismatch())
         stream, batch = self._stream, batch.to(self.device)
+        self._mismatch = stream.mismatch  # the weights stay the batch's starting ones until finish_step
         self.model.train()
         reference = self.reference_logprobs(batch)
         stream.counts += _counts(batch.loss_mask)
@@ -319,7 +335,8 @@ class Learner:
             if p.grad is not None:
                 p.grad.div_(per)
         sums = {k: v / tokens for k, v in stream.token_sums.items()} | {k: v / per for k, v in stream.own_sums.items()}
-        return self._end_batch(sums, [self._clip_and_step(stream.losses)], stream.counts[0])
+        self._mismatch = None
+        return self._end_batch(sums, [self._clip_and_step(stream.losses)], stream.counts[0], stream.mismatch)
 
     def _optimizer_step(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
                         proximal: torch.Tensor | None, reference: torch.Tensor | None,
@@ -353,6 +370,12 @@ class Learner:
                 return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
 
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
+            if self._mismatch is not None and part.versions is not None and start is not None:
+                # π at the version being trained: π_prox where recomputed, else this forward (the
+                # weights have not moved yet); at lag 0 its distance to μ is the mismatch itself
+                start_policy = rows(proximal) if proximal is not None else logprobs.detach()
+                add_sums(self._mismatch, mismatch_sums(part.behavior_logprobs, start_policy, part.loss_mask,
+                                                       self.version - part.versions))
             loss, metrics = self.policy_loss(
                 logprobs, part.behavior_logprobs, part.advantages, part.loss_mask,
                 proximal_logprobs=(logprobs.detach() if proximal_from_forward
@@ -474,6 +497,7 @@ class _Stream:
     count) and micro-batch losses."""
 
     counts: torch.Tensor
+    mismatch: torch.Tensor  # the engine–learner mismatch sums by lag (algorithms/mismatch.py)
     token_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     own_sums: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
