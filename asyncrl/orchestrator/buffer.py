@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from functools import cached_property
 
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, check_staleness
-from asyncrl.types import Group, Trajectory
+from asyncrl.types import NO_VERSION, Group, Trajectory
 
 
 @dataclass
@@ -74,8 +74,11 @@ class ReadyGroup:
     @cached_property
     def oldest_version(self) -> int:
         """The oldest policy version any of its model tokens came from (a ready group's
-        tokens no longer change; the buffer's ordering asks for it often)."""
-        return min(t.behavior_version_min for t in self.trajectories)
+        tokens no longer change; the buffer's ordering asks for it often). A trajectory
+        with no model token has no version and is not trained (``trainable``): it does not
+        count, or every group holding one would look stale forever and be dropped; a group
+        with no model token at all is ``NO_VERSION``, dropped as stale."""
+        return min((t.behavior_version_min for t in self.trajectories if t.num_model_tokens), default=NO_VERSION)
 
     @property
     def model_tokens(self) -> int:
@@ -189,11 +192,15 @@ makes), and the takes that waited for a group that would otherwise have gone sta
 def trainable(groups: list[ReadyGroup], trained_version: int, max_staleness: int) -> tuple[list[Trajectory], list[float]]:
     """The trajectories of ``groups`` with their episodes' advantages, each checked to be
     at most ``max_staleness`` versions old at ``trained_version`` (the learner's side of
-    the bound: anything older is a bug upstream, and stops the run)."""
+    the bound: anything older is a bug upstream, and stops the run). A trajectory with no
+    model token (only prompt or tool tokens) has nothing to train and no version: it is
+    left out, and counted in the step's ``rollout/untrainable_episodes``."""
     trajectories, advantages = [], []
     for g in groups:
         for episode, advantage in zip(g.group.episodes, g.group.advantages or []):
             for t in episode.trajectories:
+                if not t.num_model_tokens:
+                    continue
                 check_staleness(trained_version, t.behavior_version_min, max_staleness,
                                 f"a trajectory of task {g.group.task_id}")
                 trajectories.append(t)

@@ -52,6 +52,10 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/response_tokens_mean": tokens / n,
         # chat turns whose template rewrote earlier turns, so they began a new trajectory (asyncrl/rollout/client.py)
         "rollout/template_rewrites": sum(e.metadata.get("template_rewrites", 0) for g in groups for e in g.group.episodes),
+        # finished episodes none of whose trajectories holds a model token: nothing of them trained
+        # (buffer.trainable); an error episode's are counted in rollout/episodes_error_total
+        "rollout/untrainable_episodes": sum(e.status == "ok" and not any(t.num_model_tokens for t in e.trajectories)
+                                            for g in groups for e in g.group.episodes),
         **{f"buffer/{k}": v for k, v in buffer.items()},
         # since the run began: groups accepted / filtered / all_error, saturated / hopeless (all
         # samples scored the same, solved or not), stale_dropped_trajectories / _tokens (the

@@ -19,12 +19,12 @@ def staleness_values(run: Run) -> list[int]:
     out = []
     for s in run.samples:
         trained, behavior = finite(s.get("trained_version")), finite(s.get("behavior_version_min"))
-        if trained is not None and behavior is not None:
+        if trained is not None and behavior is not None and s.get("response_tokens", 1):  # 0: no version (-1)
             out.append(trajectory_staleness(int(trained), int(behavior)))
     return out
 
 
-def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def merge_intervals(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """Overlapping intervals joined, so time covered twice is counted once."""
     merged: list[tuple[float, float]] = []
     for start, end in sorted(intervals):
@@ -42,7 +42,7 @@ def overlap_fraction(run: Run) -> float | None:
     total = sum(max(0.0, e - s) for s, e in train)
     if total <= 0:
         return None
-    generating = _merge(run.intervals("generate"))
+    generating = merge_intervals(run.intervals("generate"))
     covered = 0.0
     for ts, te in train:
         for gs, ge in generating:
