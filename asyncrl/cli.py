@@ -1,4 +1,4 @@
-"""``asyncrl train|eval|serve|sft|bench|report|plan|models``: thin dispatch; exit 2 for usage/config
+"""``asyncrl train|eval|serve|sft|bench|report|doctor|plan|models``: thin dispatch; exit 2 for usage/config
 errors, 1 for failures."""
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")
     report.add_argument("run_dir", help="output directory of an asyncrl train run")
+    doctor = sub.add_parser("doctor", help="check every invariant of a train run (also one crashed or running): "
+                                            "OK / WARN / FAIL per line; exit 0 all OK, 1 a WARN, 2 a FAIL")
+    doctor.add_argument("run_dir", help="output directory of an asyncrl train run")
     plan = sub.add_parser("plan", help="the scheduler on a simulated clock: samples/s, speed-up over sync, "
                                         "idle fractions, staleness, a sweep over η and the rollout/learner split")
     plan.add_argument("config", help="YAML config file of the run to plan (e.g. examples/countdown/async.yaml)")
@@ -183,18 +186,24 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
             run_plan_command(args.config, args.overrides, args.from_run, args.cluster, args.out, args.sweep)
         elif args.command == "models":
             return run_models_command(args)
-        elif args.command == "report":
+        elif args.command in ("report", "doctor"):
             from asyncrl.report import load_run, write_report
+            from asyncrl.report.doctor import diagnose
 
             try:
                 run = load_run(args.run_dir)
             except (FileNotFoundError, ValueError) as exc:  # not a usable run dir: a usage error
                 raise ConfigError(str(exc)) from None
+            lines, status = diagnose(run)
+            if args.command == "doctor":
+                print("\n".join(lines))
+                return status
             try:
                 print(write_report(run))
             except ImportError as exc:  # a missing extra is a usage error: one line, how to install it
                 print(f"asyncrl report: {exc}", file=sys.stderr)
                 return 2
+            print("\n".join(lines[1:]), file=sys.stderr)  # the doctor's lines, also on the page
     except ConfigError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from asyncrl.orchestrator.checkpoint import (
 )
 from asyncrl.orchestrator.evaluations import RunEvaluations
 from asyncrl.orchestrator.hooks import HookEvent, HookName
+from asyncrl.orchestrator.invariants import InvariantWatch, Limits
 from asyncrl.orchestrator.metrics import sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
@@ -132,6 +133,9 @@ class Trainer:
                           f"written after it: {removed}", file=sys.stderr)
                     print(f"asyncrl: {self.rollouts.replay_note()}", file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
+                # each invariant's first break said once, live (asyncrl doctor checks the whole run)
+                self.invariants = InvariantWatch(Limits.from_config(self.cfg.model_dump(), self.max_staleness),
+                                                 say=lambda line: print(line, file=sys.stderr, flush=True))
                 self.start_time = _clock() - (state.elapsed_s if state else 0.0)
                 try:
                     await self._loops(evaluate_first=state is None, first_step=first_step)
@@ -209,6 +213,7 @@ class Trainer:
                                filtered_window, self.log.errors_unlogged)
 
     async def _after_step(self, step: int, row: dict[str, Any]) -> None:
+        self.invariants.observe(row)
         await self._hook("on_step_end", row)
         while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
             await self._hook("on_epoch_end", row, epoch=self._epochs_reported)

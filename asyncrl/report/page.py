@@ -8,6 +8,7 @@ import base64
 import html
 from pathlib import Path
 
+from asyncrl.report.doctor import diagnose
 from asyncrl.report.figures import (
     has_agent_metrics,
     plot_agent,
@@ -76,6 +77,7 @@ def write_report(run_dir: str | Path | Run) -> Path:
     esc = html.escape
     rows = "\n".join(f"<tr><th>{esc(k)}</th><td class=\"num\">{esc(format_value(v))}</td></tr>"
                      for k, v in summarize(run).items())
+    doctor = "\n".join(esc(line) for line in diagnose(run)[0][1:])
     parts = []
     for png, caption in _figures(run, out):
         data = base64.b64encode(png.read_bytes()).decode("ascii")
@@ -101,6 +103,10 @@ def write_report(run_dir: str | Path | Run) -> Path:
 <table>
 {rows}
 </table>
+<h2>Doctor</h2>
+<p>Every invariant of the run (<code>asyncrl doctor {esc(str(run.run_dir))}</code>): OK / WARN / FAIL, the first
+step it broke, the evidence, the fix.</p>
+<pre>{doctor}</pre>
 <h2>Figures</h2>
 {chr(10).join(parts)}
 <h2>Config</h2>

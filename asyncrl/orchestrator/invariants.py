@@ -1,0 +1,356 @@
+"""The invariants a healthy run keeps, each a small pure function over the rows a run
+writes (``metrics.jsonl``, ``samples.jsonl``, ``errors.jsonl``): checked live, a step at a
+time (:class:`InvariantWatch`, one warning per invariant), and over a whole run directory
+by ``asyncrl doctor`` (``asyncrl/report/doctor.py``).
+
+A step check looks at one metrics row (and the one before it, for cumulative counters)
+and says ``(status, evidence)`` when the row breaks its invariant, None when it keeps it
+or does not carry its metric. A run check looks at every row at once. Each invariant has
+a name, the fix to try, and statuses: ``FAIL`` (training is meaningless: weights not
+delivered, samples older than η, nothing left to learn from), ``WARN`` (a part is broken
+or wasteful, training goes on), ``OK``, ``SKIP`` (the run has no evidence either way:
+the metric was never logged).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from asyncrl.algorithms.mismatch import MAX_LAG
+from asyncrl.modes import trajectory_staleness
+
+Row = dict[str, Any]
+OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
+SEVERITY = {SKIP: 0, OK: 0, WARN: 1, FAIL: 2}
+"""A finding's weight in ``asyncrl doctor``'s exit status: the worst one's."""
+
+MISMATCH_K3_WARN = 1e-3
+"""k3 KL(μ ‖ π) at lag 0 above which the engine and learner disagree more than numerics
+explain: float32 on one machine gives ~1e-6, a bfloat16 engine ~1e-4 to 1e-3."""
+MISMATCH_K3_FAIL = 1e-2
+"""k3 at lag 0 above which the engine is not computing the trained version at all (a
+skipped sync, wrong weights): a whole step of learning's distance."""
+MISMATCH_BEYOND_WARN = 0.01
+"""Share of lag-0 tokens beyond ``MISMATCH_BOUND`` above which the mismatch warns."""
+SAME_SCORE_WARN = 0.5
+"""Share of trained groups whose samples all scored the same (advantage 0: nothing learned
+from them) above which it warns; all of them fails."""
+STALE_DROP_WARN = 0.1
+"""Share of generated groups dropped as stale above which it warns (generation wasted)."""
+
+
+def _num(row: Row | None, key: str) -> float | None:
+    value = None if row is None else row.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        return None
+    return float(value)
+
+
+def _step(row: Row) -> int:
+    return int(row["step"])
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The bounds a run set itself, from its ``config.yaml``."""
+
+    check_tolerance: float = 1e-4  # weight_sync.check_tolerance
+    max_staleness: int | None = None  # η enforced (None: unknown)
+    starvation_warn_fraction: float = 0.9  # watchdog.starvation_warn_fraction
+    total_steps: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Row, max_staleness: int | None) -> Limits:
+        def get(section: str, key: str, default: Any) -> Any:
+            part = config.get(section)
+            value = part.get(key) if isinstance(part, dict) else None
+            return default if value is None else value
+
+        total = config.get("total_steps")
+        return cls(float(get("weight_sync", "check_tolerance", 1e-4)), max_staleness,
+                   float(get("watchdog", "starvation_warn_fraction", 0.9)),
+                   total if isinstance(total, int) and not isinstance(total, bool) else None)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One invariant's verdict on a run: ``step`` is the first step it broke (None if none)."""
+
+    name: str
+    status: str
+    step: int | None
+    evidence: str
+    fix: str = ""
+
+    def line(self) -> str:
+        """``STATUS  name: evidence [first at step N] → fix`` (the fix only when broken)."""
+        at = f" (first at step {self.step})" if self.step is not None and self.status in (WARN, FAIL) else ""
+        fix = f"; fix: {self.fix}" if self.status in (WARN, FAIL) and self.fix else ""
+        return f"{self.status:<4}  {self.name}: {self.evidence}{at}{fix}"
+
+
+Judgement = tuple[str, str] | None
+StepCheck = Callable[[Row, Row | None, Limits], Judgement]
+
+
+def _delta(row: Row, prev: Row | None, key: str) -> float | None:
+    """A cumulative counter's increase over the step (its value at the first row)."""
+    now = _num(row, key)
+    return None if now is None else now - (_num(prev, key) or 0.0)
+
+
+# ---------------------------------------------------------------- step checks
+def weights_delivered(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    diff = _num(row, "weight_sync/probe_max_abs_diff")
+    if diff is None and "weight_sync/probe_max_abs_diff" in row:  # logged as null: NaN
+        return FAIL, "the probe's max |Δ| is NaN"
+    if diff is not None and diff > limits.check_tolerance:
+        return FAIL, f"the engines' probe logprobs are {diff:.3g} from the learner's (tolerance {limits.check_tolerance:g})"
+    return None
+
+
+def mismatch_at_lag0(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    k3, beyond = _num(row, "mismatch/k3_lag0"), _num(row, "mismatch/beyond_fraction_lag0")
+    if k3 is None:
+        return None
+    said = (f"k3 {k3:.3g}, max |Δ| {_num(row, 'mismatch/max_abs_lag0') or 0:.3g}, "
+            f"{beyond or 0:.1%} of {int(_num(row, 'mismatch/tokens_lag0') or 0)} tokens beyond the bound")
+    if k3 > MISMATCH_K3_FAIL:
+        return FAIL, said
+    if k3 > MISMATCH_K3_WARN or (beyond or 0) > MISMATCH_BEYOND_WARN:
+        return WARN, said
+    return None
+
+
+def tool_parse_failures(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    failed = _delta(row, prev, "rollout/tool_parse_errors_total")
+    if failed:
+        return WARN, f"{int(failed)} tool calls in the step the parser could not read"
+    return None
+
+
+def template_rewrites(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    n = _num(row, "rollout/template_rewrites")
+    if n:
+        return WARN, f"{int(n)} chat turns whose template rewrote earlier turns (a new trajectory each)"
+    return None
+
+
+def untrainable_episodes(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    n = _num(row, "rollout/untrainable_episodes")
+    if n:
+        return WARN, f"{int(n)} episodes with no model token to train on"
+    return None
+
+
+def filtered_share(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    share = _num(row, "rollout/filtered_fraction_window")
+    if share is not None and share > limits.starvation_warn_fraction:
+        return WARN, f"{share:.0%} of the latest groups filtered (every sample scored the same)"
+    return None
+
+
+def stale_drops(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    dropped, generated = _num(row, "buffer/stale_dropped_total"), _generated(row)
+    if dropped and generated and dropped / generated > STALE_DROP_WARN:
+        return WARN, f"{int(dropped)} of {int(generated)} groups generated so far dropped as stale ({dropped / generated:.0%})"
+    return None
+
+
+def _generated(row: Row) -> float | None:
+    parts = [_num(row, f"rollout/groups_{k}_total") for k in ("accepted", "filtered", "all_error")]
+    return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class StepInvariant:
+    name: str
+    check: StepCheck
+    fix: str
+    keys: tuple[str, ...]  # the metrics it reads: a run that logged none of them is SKIP
+
+
+STEP_INVARIANTS = (
+    StepInvariant("weights delivered", weights_delivered,
+                  "the engines do not compute the learner's weights: check the weight sync (a skipped or failed "
+                  "load, LoRA adapters not applied); for a bf16 engine raise weight_sync.check_tolerance",
+                  ("weight_sync/probe_max_abs_diff",)),
+    StepInvariant("engine-learner mismatch at lag 0", mismatch_at_lag0,
+                  "tokens the trained version sampled score differently in the learner: a sync that did not load "
+                  "(see 'weights delivered'), an engine in another precision (algorithm.is_mask or "
+                  "policy_loss=icepop mask such tokens), or a different sampling temperature",
+                  ("mismatch/k3_lag0",)),
+    StepInvariant("tool-call parse failures", tool_parse_failures,
+                  "the model writes tool calls the parser cannot read: set gateway.tool_parser to the format the "
+                  "chat template teaches (auto picks it), or warm the policy up on that format (asyncrl sft)",
+                  ("rollout/tool_parse_errors_total",)),
+    StepInvariant("template rewrites", template_rewrites,
+                  "the chat template renders earlier turns differently from what was sampled (e.g. it strips "
+                  "reasoning): use a template that keeps history, or accept one trajectory per turn",
+                  ("rollout/template_rewrites",)),
+    StepInvariant("episodes with no trainable token", untrainable_episodes,
+                  "a workflow returned trajectories holding only prompt or tool tokens: check that the model's "
+                  "replies reach the trajectory (sampling.max_tokens > 0, the agent uses the gateway's base_url)",
+                  ("rollout/untrainable_episodes",)),
+    StepInvariant("filtered groups (all samples scored the same)", filtered_share,
+                  "the reward cannot tell samples apart: check the reward function, make the tasks harder or "
+                  "easier, raise group_size, or task.sampler to skip saturated tasks",
+                  ("rollout/filtered_fraction_window",)),
+    StepInvariant("stale drops", stale_drops,
+                  "groups outlive η: raise max_staleness, lower sampling.max_tokens, or stale_groups=wait",
+                  ("buffer/stale_dropped_total",)),
+)
+
+
+def train_rows(metrics: Sequence[Row]) -> list[Row]:
+    """The optimizer steps' rows (step ≥ 1), in order."""
+    return [r for r in metrics if (_num(r, "step") or 0) >= 1]
+
+
+def step_finding(inv: StepInvariant, rows: Sequence[Row], limits: Limits) -> Finding:
+    """``inv`` over every step: the worst status, the first step it broke, that step's
+    evidence and how many steps broke it."""
+    if not any(k in r for r in rows for k in inv.keys):
+        return Finding(inv.name, SKIP, None, f"not logged ({', '.join(inv.keys)})")
+    broken: list[tuple[int, str, str]] = []
+    prev = None
+    for row in rows:
+        judged = inv.check(row, prev, limits)
+        if judged is not None:
+            broken.append((_step(row), *judged))
+        prev = row
+    if not broken:
+        return Finding(inv.name, OK, None, _ok_evidence(inv, rows))
+    worst = max(SEVERITY[s] for _, s, _ in broken)
+    step, status, evidence = next(b for b in broken if SEVERITY[b[1]] == worst)
+    return Finding(inv.name, status, step, f"{evidence}; {len(broken)} of {len(rows)} steps", inv.fix)
+
+
+def _ok_evidence(inv: StepInvariant, rows: Sequence[Row]) -> str:
+    values = [v for r in rows if (v := _num(r, inv.keys[0])) is not None]
+    if inv.check is mismatch_at_lag0:
+        return f"k3 ≤ {max(values):.2g} over {len(values)} steps; " + _by_lag(rows)
+    if inv.check is weights_delivered:
+        return f"probe max |Δ| ≤ {max(values):.2g} in {len(values)} checks"
+    if inv.check is filtered_share:
+        return f"filtered share of the latest groups ≤ {max(values):.0%}"
+    return f"none in {len(rows)} steps"
+
+
+def _by_lag(rows: Sequence[Row]) -> str:
+    """The mean k3 and largest |Δ| at every lag a run logged: past lag 0 it holds learning
+    too, what the staleness correction is for."""
+    parts = []
+    for lag in range(MAX_LAG + 1):  # the last is every lag from MAX_LAG on
+        k3 = [v for r in rows if (v := _num(r, f"mismatch/k3_lag{lag}")) is not None]
+        if k3:
+            top = max(_num(r, f"mismatch/max_abs_lag{lag}") or 0.0 for r in rows)
+            parts.append(f"lag {lag}: k3 {sum(k3) / len(k3):.2g}, max |Δ| {top:.2g}")
+    return "; ".join(parts)
+
+
+# ----------------------------------------------------------------- run checks
+def staleness_bound(samples: Sequence[Row], limits: Limits) -> Finding:
+    """Every trained sample at most η versions old (never newer than the trained version)."""
+    name, fix = "staleness ≤ η", "a bug in the staleness gate or a resumed run's versions: report it with the run dir"
+    ages = [(int(s["step"]), trajectory_staleness(int(t), int(b))) for s in samples
+            if (t := _num(s, "trained_version")) is not None and (b := _num(s, "behavior_version_min")) is not None
+            and s.get("response_tokens", 1)]  # no model token: no version (-1), not a sample of any policy
+    if not ages or limits.max_staleness is None:
+        return Finding(name, SKIP, None, "no samples with versions, or no max_staleness in config.yaml")
+    eta = limits.max_staleness
+    bad = [(step, age) for step, age in ages if not 0 <= age <= eta]
+    if bad:
+        return Finding(name, FAIL, bad[0][0], f"{len(bad)} samples outside [0, η={eta}], the first {bad[0][1]} old", fix)
+    return Finding(name, OK, None, f"max {max(a for _, a in ages)} ≤ η={eta} over {len(ages)} samples")
+
+
+def same_score_groups(samples: Sequence[Row]) -> Finding:
+    """Trained groups whose samples all scored the same: advantage 0, nothing learned."""
+    name = "trained groups that all score the same"
+    fix = ("the reward gives every sample of a group one score (a constant reward, a broken parser of "
+           "answers): check the reward function; algorithm.filter_zero_variance=true drops such groups")
+    groups: dict[tuple[int, Any], list[float]] = defaultdict(list)
+    for s in samples:
+        if (r := _num(s, "reward")) is not None:
+            groups[(int(s["step"]), s.get("group"))].append(r)
+    if not groups:
+        return Finding(name, SKIP, None, "no samples")
+    same = sorted(step for (step, _), rewards in groups.items() if len(rewards) > 1 and max(rewards) == min(rewards))
+    share = len(same) / len(groups)
+    evidence = f"{len(same)} of {len(groups)} trained groups ({share:.0%}) have zero reward variance"
+    if share >= 1:
+        return Finding(name, FAIL, same[0], evidence, fix)
+    if share > SAME_SCORE_WARN:
+        return Finding(name, WARN, same[0], evidence, fix)
+    return Finding(name, OK, None, evidence)
+
+
+def episode_errors(errors: Sequence[Row], rows: Sequence[Row]) -> Finding:
+    """Failed episode attempts (``errors.jsonl``): the most frequent exception named."""
+    name = "failed episodes (errors.jsonl)"
+    total = max((_num(r, "rollout/episodes_error_total") or 0 for r in rows), default=0)
+    if not errors and not total:
+        return Finding(name, OK, None, "none")
+    counts = Counter(str(e.get("exception", "?")).splitlines()[0][:120] for e in errors)
+    common, n = counts.most_common(1)[0] if counts else ("?", 0)
+    steps = [int(s) for e in errors if (s := _num(e, "step")) is not None]
+    return Finding(name, WARN, min(steps) if steps else None,
+                   f"{len(errors)} attempts logged ({int(total)} episodes failed in all); most frequent: {common} (×{n})",
+                   "read its traceback in errors.jsonl; a reward or tool that raises fails only its episode, "
+                   "the watchdog stops the run past watchdog.max_error_rate")
+
+
+def run_finished(rows: Sequence[Row], limits: Limits) -> Finding:
+    """Whether the run trained every step it was asked for."""
+    name = "run finished"
+    if not rows:
+        return Finding(name, FAIL, None, "no optimizer step logged: the run stopped (or is still) before its first step",
+                       "read the run's stderr; a run whose groups are all filtered never trains (see above)")
+    last = _step(rows[-1])
+    if limits.total_steps is not None and last < limits.total_steps:
+        return Finding(name, WARN, last, f"last step {last} of total_steps={limits.total_steps}: crashed, stopped "
+                       "or still running", "resume it (resume=true), or read its stderr for why it stopped")
+    return Finding(name, OK, None, f"{last} steps")
+
+
+def check_run(config: Row, max_staleness: int | None, metrics: Sequence[Row], samples: Sequence[Row],
+              errors: Sequence[Row]) -> list[Finding]:
+    """Every invariant over a run's rows, in a fixed order."""
+    limits = Limits.from_config(config, max_staleness)
+    rows = train_rows(metrics)
+    findings = [step_finding(inv, rows, limits) for inv in STEP_INVARIANTS]
+    findings[2:2] = [staleness_bound(samples, limits)]
+    return [*findings, same_score_groups(samples), episode_errors(errors, rows), run_finished(rows, limits)]
+
+
+def worst(findings: Sequence[Finding]) -> int:
+    """The exit status the findings make: 0 all OK (or skipped), 1 a WARN, 2 a FAIL."""
+    return max((SEVERITY[f.status] for f in findings), default=0)
+
+
+class InvariantWatch:
+    """The step checks, live: each row of a running training is judged as it is logged, and
+    the first break of each invariant is said once (``say``), with its step, its number
+    and the fix; the rest show in ``asyncrl doctor``."""
+
+    def __init__(self, limits: Limits, say: Callable[[str], None]) -> None:
+        self.limits, self.say = limits, say
+        self.prev: Row | None = None
+        self.said: set[str] = set()
+
+    def observe(self, row: Row) -> None:
+        for inv in STEP_INVARIANTS:
+            if inv.name in self.said:
+                continue
+            judged = inv.check(row, self.prev, self.limits)
+            if judged is not None:
+                self.said.add(inv.name)
+                status, evidence = judged
+                self.say(f"asyncrl: {status} {inv.name} at step {row['step']}: {evidence}; fix: {inv.fix} "
+                         "(said once; asyncrl doctor RUN_DIR checks the whole run)")
+        self.prev = row

@@ -1,0 +1,172 @@
+"""``asyncrl doctor``: each invariant broken on purpose, and named with its status and step.
+
+A real tiny run (the addition example, a few steps) is the healthy case; broken runs are
+real runs where that is cheap (a constant reward, episodes with no model token, a weight
+sync that loads nothing) or that healthy run's files edited to show what a broken part
+would log (a failed delivery check, tool calls nobody parses, a run cut short)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from asyncrl.cli import main
+from asyncrl.engine.torch_engine import TorchEngine
+from asyncrl.orchestrator.invariants import FAIL, OK, SKIP, WARN, InvariantWatch, Limits
+from asyncrl.report import load_run
+from asyncrl.report.doctor import diagnose, findings
+
+ADDITION = "examples/addition/async.yaml"
+FAST = ["total_steps=4", "eval_every=0", "eval.num_tasks=8", "eval.samples_per_task=2", "weight_sync.check_every=1"]
+
+
+def _train(out: Path, *overrides: str, config: str = ADDITION) -> Path:
+    assert main(["train", config, f"output_dir={out}", *FAST, *overrides]) == 0
+    return out
+
+
+def _by_name(run_dir: Path) -> dict[str, object]:
+    return {f.name: f for f in findings(load_run(run_dir))}
+
+
+def _edit(src: Path, dst: Path, name: str, edit) -> Path:
+    """A copy of run ``src`` whose ``name`` rows went through ``edit(rows) -> rows``."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("checkpoints"))
+    path = dst / name
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    path.write_text("".join(json.dumps(r) + "\n" for r in edit(rows)))
+    return dst
+
+
+def _at_step(step: int, **values):
+    def edit(rows):
+        return [{**r, **values} if r["step"] == step else r for r in rows]
+    return edit
+
+
+@pytest.fixture(scope="module")
+def healthy(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("doctor") / "healthy")
+
+
+@pytest.mark.slow
+def test_a_healthy_example_is_all_ok(healthy, capsys):
+    assert main(["doctor", str(healthy)]) == 0
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.split(" ", 1)[0] in (OK, WARN, FAIL, SKIP)]
+    assert lines and all(line.startswith(OK) for line in lines), out
+    assert "verdict: OK (exit 0)" in out
+    # the new per-step metrics are there: the mismatch at lag 0 is float32 noise
+    rows = [json.loads(line) for line in (healthy / "metrics.jsonl").read_text().splitlines()]
+    lag0 = [r["mismatch/k3_lag0"] for r in rows if "mismatch/k3_lag0" in r]
+    assert lag0 and max(lag0) < 1e-6
+    assert all(r["rollout/untrainable_episodes"] == 0 for r in rows if r["step"] >= 1)
+
+
+@pytest.mark.slow
+def test_the_doctor_is_in_the_report(healthy, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = shutil.copytree(healthy, tmp_path / "run", ignore=shutil.ignore_patterns("checkpoints"))
+    assert main(["report", str(run)]) == 0
+    assert "OK    engine-learner mismatch at lag 0" in capsys.readouterr().err
+    assert "<h2>Doctor</h2>" in (run / "report.html").read_text()
+
+
+@pytest.mark.slow
+def test_a_sync_that_loads_nothing_shows_as_mismatch_at_lag_0(tmp_path, monkeypatch):
+    """A real skipped sync: the engine stamps the new version and keeps the old weights.
+    In sync mode every token is lag 0, so the learner sees the whole difference."""
+    async def version_only(self, weights, version):
+        def stamp() -> None:
+            self._version = version
+        await self._call(stamp)
+
+    monkeypatch.setattr(TorchEngine, "update_weights", version_only)
+    run = _train(tmp_path / "skipped", "weight_sync.check_every=0", "optim.lr=0.003", config="examples/addition/sync.yaml")
+    found = _by_name(run)["engine-learner mismatch at lag 0"]
+    assert found.status in (WARN, FAIL) and found.step == 2, found  # step 1 samples the initial weights: no gap yet
+    assert main(["doctor", str(run)]) >= 1
+
+
+@pytest.mark.slow
+def test_a_constant_reward_fails_same_score_groups(tmp_path):
+    run = _train(tmp_path / "constant", "task.reward_fn=tests/doctor_breakers.py:constant",
+                 "algorithm.filter_zero_variance=false")
+    found = _by_name(run)["trained groups that all score the same"]
+    assert (found.status, found.step) == (FAIL, 1), found
+    assert "32 of 32 trained groups" in found.evidence
+    assert main(["doctor", str(run)]) == 2
+
+
+@pytest.mark.slow
+def test_episodes_with_only_tool_tokens_are_named_and_the_run_goes_on(tmp_path):
+    run = _train(tmp_path / "untrainable", "workflow.name=tests/doctor_breakers.py:EveryFourthWithoutModelTokens")
+    found = _by_name(run)["episodes with no trainable token"]
+    assert (found.status, found.step) == (WARN, 1), found
+    assert _by_name(run)["staleness ≤ η"].status == OK  # their samples (no version) are not counted as stale
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "edit", "invariant", "status", "step"), [
+    ("undelivered", _at_step(3, **{"weight_sync/probe_max_abs_diff": 0.25}), "weights delivered", FAIL, 3),
+    ("perturbed", _at_step(2, **{"mismatch/k3_lag0": 0.03, "mismatch/beyond_fraction_lag0": 0.2}),
+     "engine-learner mismatch at lag 0", FAIL, 2),
+    ("bf16", _at_step(2, **{"mismatch/k3_lag0": 0.002}), "engine-learner mismatch at lag 0", WARN, 2),
+    ("unparsed", lambda rows: [{**r, "rollout/tool_parse_errors_total": 0 if r["step"] < 2 else 5} for r in rows],
+     "tool-call parse failures", WARN, 2),
+    ("rewritten", _at_step(4, **{"rollout/template_rewrites": 3}), "template rewrites", WARN, 4),
+    ("starved", _at_step(3, **{"rollout/filtered_fraction_window": 0.95}),
+     "filtered groups (all samples scored the same)", WARN, 3),
+    ("stale", _at_step(2, **{"buffer/stale_dropped_total": 40}), "stale drops", WARN, 2),
+    ("cut short", lambda rows: rows[:-2], "run finished", WARN, 2),
+])
+def test_each_broken_metric_is_named_with_its_step(healthy, tmp_path, name, edit, invariant, status, step):
+    run = _edit(healthy, tmp_path / name, "metrics.jsonl", edit)
+    found = _by_name(run)
+    assert (found[invariant].status, found[invariant].step) == (status, step), found[invariant]
+    assert found[invariant].fix  # a broken invariant says what to do
+    others = [f for n, f in found.items() if n != invariant and f.status not in (OK, SKIP)]
+    assert not others, others
+    lines, code = diagnose(load_run(run))
+    assert code == (2 if status == FAIL else 1)
+    assert any(line.startswith(status) and invariant in line and f"first at step {step}" in line for line in lines)
+
+
+@pytest.mark.slow
+def test_samples_older_than_eta_fail(healthy, tmp_path):
+    def age(rows):
+        return [{**r, "behavior_version_min": r["trained_version"] - 5} if r["step"] == 3 else r for r in rows]
+
+    found = _by_name(_edit(healthy, tmp_path / "stale", "samples.jsonl", age))["staleness ≤ η"]
+    assert (found.status, found.step) == (FAIL, 3), found
+
+
+@pytest.mark.slow
+def test_errors_and_a_torn_line_of_a_crashed_run(healthy, tmp_path):
+    run = shutil.copytree(healthy, tmp_path / "crashed", ignore=shutil.ignore_patterns("checkpoints"))
+    (run / "errors.jsonl").write_text(json.dumps({"step": 2, "phase": "train", "task_id": "t", "attempt": 1,
+                                                  "exception": "ValueError: the reward service is down",
+                                                  "traceback": ""}) + "\n")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "reward/me')  # what a killed writer leaves
+    with pytest.warns(UserWarning):
+        found = _by_name(run)
+    assert (found["failed episodes (errors.jsonl)"].status, found["failed episodes (errors.jsonl)"].step) == (WARN, 2)
+    assert "the reward service is down" in found["failed episodes (errors.jsonl)"].evidence
+
+
+def test_not_a_run_directory_is_a_usage_error(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert "has no config.yaml" in capsys.readouterr().err
+
+
+def test_live_warnings_are_said_once_with_step_number_and_fix():
+    said: list[str] = []
+    watch = InvariantWatch(Limits(), said.append)
+    for step, k3 in ((1, 1e-7), (2, 0.05), (3, 0.07)):
+        watch.observe({"step": step, "mismatch/k3_lag0": k3, "mismatch/tokens_lag0": 10})
+    assert len(said) == 1
+    assert "FAIL engine-learner mismatch at lag 0 at step 2: k3 0.05" in said[0] and "fix:" in said[0]
