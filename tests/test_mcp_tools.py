@@ -184,3 +184,20 @@ def test_an_episode_cancelled_mid_call_stops_its_servers_without_hanging():
         return time.monotonic() - started
 
     assert asyncio.run(go()) < 15
+
+
+@pytest.mark.slow
+def test_a_dying_server_fails_its_episode_and_the_run_goes_on(tmp_path, policy_dir):
+    """``tests/agent_mcp_flaky.py``: the server dies under each task's first episode. Those
+    episodes are written to errors.jsonl naming the server and tool and retried; training finishes."""
+    from asyncrl.cli import main
+
+    out = tmp_path / "flaky"
+    assert main(["train", "examples/openai_agent/train.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+                 "workflow.agent=tests/agent_mcp_flaky.py:run", "total_steps=2", "batch_size=2", "group_size=2",
+                 "eval.num_tasks=2", "eval.samples_per_task=1", "task.num_train=16", "task.num_validation=4",
+                 "algorithm.filter_zero_variance=false", "watchdog.max_error_rate=1"]) == 0
+    errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
+    assert errors and all("MCP server 'flaky', tool 'die': the call failed" in e["exception"] for e in errors)
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 2 * 2 * 2 and all(s["reward"] == 1.0 for s in samples)  # every episode trained is a retry or a later one
