@@ -170,3 +170,29 @@ def test_live_warnings_are_said_once_with_step_number_and_fix():
         watch.observe({"step": step, "mismatch/k3_lag0": k3, "mismatch/tokens_lag0": 10})
     assert len(said) == 1
     assert "FAIL engine-learner mismatch at lag 0 at step 2: k3 0.05" in said[0] and "fix:" in said[0]
+
+
+def test_the_mismatch_by_lag_by_hand():
+    """μ and π on four model tokens and a prompt position: lag 0 agrees exactly, lag 1
+    differs by 0.5 on one token (k3 = e^0.5 − 1 − 0.5), lag 5 lands in the last bucket."""
+    import math
+
+    import torch
+
+    from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
+
+    behavior = torch.tensor([[0.0, -1.0, -1.0, -2.0, -3.0]])
+    learner = torch.tensor([[9.0, -1.0, -0.5, -2.0, -3.05]])
+    mask = torch.tensor([[0.0, 1.0, 1.0, 1.0, 1.0]])  # the first position is a prompt token: never counted
+    lag = torch.tensor([[0, 0, 1, 1, 5]])
+    total = torch.zeros(MAX_LAG + 1, 4)
+    add_sums(total, mismatch_sums(behavior, learner, mask, lag))
+    add_sums(total, mismatch_sums(behavior, learner, mask, lag))  # a second micro-batch: counts add, max stays
+    m = mismatch_metrics(total)
+    assert m["mismatch/k3_lag0"] == 0 and m["mismatch/max_abs_lag0"] == 0 and m["mismatch/tokens_lag0"] == 2
+    assert m["mismatch/k3_lag1"] == pytest.approx((math.exp(0.5) - 1 - 0.5) / 2, rel=1e-5)
+    assert m["mismatch/max_abs_lag1"] == pytest.approx(0.5) and m["mismatch/beyond_fraction_lag1"] == 0.5
+    assert m["mismatch/tokens_lag1"] == 4
+    assert m[f"mismatch/max_abs_lag{MAX_LAG}"] == pytest.approx(0.05, rel=1e-4)
+    assert m[f"mismatch/beyond_fraction_lag{MAX_LAG}"] == 0  # 0.05 is within the 0.1 bound
+    assert "mismatch/k3_lag2" not in m  # a lag no token had is left out
