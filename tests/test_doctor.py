@@ -76,7 +76,7 @@ def test_the_doctor_is_in_the_report(healthy, tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_a_sync_that_loads_nothing_shows_as_mismatch_at_lag_0(tmp_path, monkeypatch):
+def test_a_sync_that_loads_nothing_shows_as_mismatch_at_lag_0(tmp_path, monkeypatch, capsys):
     """A real skipped sync: the engine stamps the new version and keeps the old weights.
     In sync mode every token is lag 0, so the learner sees the whole difference."""
     async def version_only(self, weights, version):
@@ -88,6 +88,8 @@ def test_a_sync_that_loads_nothing_shows_as_mismatch_at_lag_0(tmp_path, monkeypa
     run = _train(tmp_path / "skipped", "weight_sync.check_every=0", "optim.lr=0.003", config="examples/addition/sync.yaml")
     found = _by_name(run)["engine-learner mismatch at lag 0"]
     assert found.status in (WARN, FAIL) and found.step == 2, found  # step 1 samples the initial weights: no gap yet
+    said = [line for line in capsys.readouterr().err.splitlines() if "mismatch at lag 0 at step" in line]
+    assert len(said) == 1 and f"asyncrl: {found.status} engine-learner mismatch at lag 0 at step 2: k3" in said[0]
     assert main(["doctor", str(run)]) >= 1
 
 

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from asyncrl.config import Config, changed_settings, run_settings
 from asyncrl.orchestrator.announce import banner, finished_note, save_run_config
 from asyncrl.orchestrator.checkpoint import (
@@ -135,7 +137,7 @@ class Trainer:
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
                 # each invariant's first break said once, live (asyncrl doctor checks the whole run)
                 self.invariants = InvariantWatch(Limits.from_config(self.cfg.model_dump(), self.max_staleness),
-                                                 say=lambda line: print(line, file=sys.stderr, flush=True))
+                                                 say=lambda line: tqdm.write(line, file=sys.stderr))  # above the bar
                 self.start_time = _clock() - (state.elapsed_s if state else 0.0)
                 try:
                     await self._loops(evaluate_first=state is None, first_step=first_step)
