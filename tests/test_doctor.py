@@ -94,13 +94,19 @@ def test_a_sync_that_loads_nothing_shows_as_mismatch_at_lag_0(tmp_path, monkeypa
 
 
 @pytest.mark.slow
-def test_a_constant_reward_fails_same_score_groups(tmp_path):
+def test_a_constant_reward_fails_same_score_groups(tmp_path, capsys):
     run = _train(tmp_path / "constant", "task.reward_fn=tests/doctor_breakers.py:constant",
                  "algorithm.filter_zero_variance=false")
+    assert "asyncrl: FAIL trained groups that all score the same at step 1: 100%" in capsys.readouterr().err
     found = _by_name(run)["trained groups that all score the same"]
     assert (found.status, found.step) == (FAIL, 1), found
-    assert "32 of 32 trained groups" in found.evidence
+    assert "100% of the step's trained groups" in found.evidence and "4 of 4 steps" in found.evidence
     assert main(["doctor", str(run)]) == 2
+    # a run logged before the metric existed: the same verdict from samples.jsonl
+    old = _edit(run, tmp_path / "old", "metrics.jsonl",
+                lambda rows: [{k: v for k, v in r.items() if k != "rollout/same_score_fraction"} for r in rows])
+    found = _by_name(old)["trained groups that all score the same"]
+    assert (found.status, found.step) == (FAIL, 1) and "32 of 32 trained groups" in found.evidence, found
 
 
 @pytest.mark.slow

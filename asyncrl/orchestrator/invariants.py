@@ -39,6 +39,9 @@ MISMATCH_BEYOND_WARN = 0.01
 SAME_SCORE_WARN = 0.5
 """Share of trained groups whose samples all scored the same (advantage 0: nothing learned
 from them) above which it warns; all of them fails."""
+SAME_SCORE = "trained groups that all score the same"
+SAME_SCORE_FIX = ("the reward gives every sample of a group one score (a constant reward, a broken parser of "
+                  "answers): check the reward function; algorithm.filter_zero_variance=true drops such groups")
 STALE_DROP_WARN = 0.1
 """Share of generated groups dropped as stale above which it warns (generation wasted)."""
 
@@ -154,6 +157,13 @@ def filtered_share(row: Row, prev: Row | None, limits: Limits) -> Judgement:
     return None
 
 
+def same_score_trained(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    share = _num(row, "rollout/same_score_fraction")
+    if share is not None and share > SAME_SCORE_WARN:
+        return FAIL if share >= 1 else WARN, f"{share:.0%} of the step's trained groups have zero reward variance"
+    return None
+
+
 def stale_drops(row: Row, prev: Row | None, limits: Limits) -> Judgement:
     dropped, generated = _num(row, "buffer/stale_dropped_total"), _generated(row)
     if dropped and generated and dropped / generated > STALE_DROP_WARN:
@@ -200,6 +210,7 @@ STEP_INVARIANTS = (
                   "the reward cannot tell samples apart: check the reward function, make the tasks harder or "
                   "easier, raise group_size, or task.sampler to skip saturated tasks",
                   ("rollout/filtered_fraction_window",)),
+    StepInvariant(SAME_SCORE, same_score_trained, SAME_SCORE_FIX, ("rollout/same_score_fraction",)),
     StepInvariant("stale drops", stale_drops,
                   "groups outlive η: raise max_staleness, lower sampling.max_tokens, or stale_groups=wait",
                   ("buffer/stale_dropped_total",)),
@@ -236,6 +247,8 @@ def _ok_evidence(inv: StepInvariant, rows: Sequence[Row]) -> str:
         return f"k3 ≤ {max(values):.2g} over {len(values)} steps; " + _by_lag(rows)
     if inv.check is weights_delivered:
         return f"probe max |Δ| ≤ {max(values):.2g} in {len(values)} checks"
+    if inv.check is same_score_trained:
+        return f"at most {max(values):.0%} of a step's trained groups have zero reward variance"
     if inv.check is filtered_share:
         return f"filtered share of the latest groups ≤ {max(values):.0%}"
     return f"none in {len(rows)} steps"
@@ -270,10 +283,9 @@ def staleness_bound(samples: Sequence[Row], limits: Limits) -> Finding:
 
 
 def same_score_groups(samples: Sequence[Row]) -> Finding:
-    """Trained groups whose samples all scored the same: advantage 0, nothing learned."""
-    name = "trained groups that all score the same"
-    fix = ("the reward gives every sample of a group one score (a constant reward, a broken parser of "
-           "answers): check the reward function; algorithm.filter_zero_variance=true drops such groups")
+    """Trained groups whose samples all scored the same (advantage 0, nothing learned), from
+    ``samples.jsonl``: for a run logged before ``rollout/same_score_fraction``."""
+    name, fix = SAME_SCORE, SAME_SCORE_FIX
     groups: dict[tuple[int, Any], list[float]] = defaultdict(list)
     for s in samples:
         if (r := _num(s, "reward")) is not None:
@@ -324,8 +336,9 @@ def check_run(config: Row, max_staleness: int | None, metrics: Sequence[Row], sa
     limits = Limits.from_config(config, max_staleness)
     rows = train_rows(metrics)
     findings = [step_finding(inv, rows, limits) for inv in STEP_INVARIANTS]
+    findings = [same_score_groups(samples) if f.name == SAME_SCORE and f.status == SKIP else f for f in findings]
     findings[2:2] = [staleness_bound(samples, limits)]
-    return [*findings, same_score_groups(samples), episode_errors(errors, rows), run_finished(rows, limits)]
+    return [*findings, episode_errors(errors, rows), run_finished(rows, limits)]
 
 
 def worst(findings: Sequence[Finding]) -> int:
