@@ -17,6 +17,7 @@ from asyncrl.tasks.hf import load_hf_splits
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 from asyncrl.tasks.longtail import iter_longtail, longtail_reward
 from asyncrl.tasks.multihop import iter_multihop, multihop_corpus, multihop_reward
+from asyncrl.tasks.verifiers_env import load_verifiers_splits
 
 __all__ = [
     "is_validation_prompt",
@@ -35,7 +36,7 @@ _GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
     # train and validation ask about one corpus: multihop_corpus(**options).
     "multihop": iter_multihop,
 }
-TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl", "hf")
+TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl", "hf", "verifiers")
 _USER_DATA = ("jsonl", "hf")  # the user's own rows, scored by the user's own reward
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
@@ -156,6 +157,8 @@ def load_tasks(
     caps the train rows taken from the front, and ``num_train <= 0`` means all rows.
     ``hf``: a local dataset through ``datasets`` (``asyncrl/tasks/hf.py``), its train
     ``split`` and held-out ``validation_split`` (names or slices).
+    ``verifiers``: a `verifiers` taskset (``options.environment``, ``asyncrl/tasks/verifiers_env.py``),
+    its last ``num_validation`` tasks held out; its rubric scores through the agent there.
     """
     if num_train < 0 or num_validation < 0:
         raise ValueError(f"num_train and num_validation must be >= 0, got {num_train}, {num_validation}")
@@ -166,6 +169,10 @@ def load_tasks(
     if name == "hf":
         return load_hf_splits(path, split=split, validation_split=validation_split, validation_path=validation_path,
                               num_train=num_train, num_validation=num_validation, options=options or {})
+    if name == "verifiers":
+        if path is not None or validation_path is not None:
+            raise ValueError("task 'verifiers' reads its taskset: name it in options.environment, not `path`")
+        return load_verifiers_splits(options or {}, num_train=num_train, num_validation=num_validation)
     if split != "train" or validation_split is not None:
         raise ValueError(f"task {name!r}: `split`/`validation_split` only apply to 'hf'")
     if name not in _GENERATORS:
@@ -180,6 +187,9 @@ def default_reward_fn(name: str) -> RewardFn:
     default: only the user knows how to score their data."""
     if name in REWARD_FUNCTIONS:
         return REWARD_FUNCTIONS[name]
+    if name == "verifiers":
+        raise ValueError("task 'verifiers' is scored by its own rubric: set workflow.name=openai_agent and "
+                         "workflow.agent=asyncrl.tasks.verifiers_env:run, and no task.reward_fn")
     if name in _USER_DATA:
         raise ValueError(f"task {name!r} has no default reward; set a reward spec 'module:function'")
     raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")

@@ -1,0 +1,165 @@
+"""``task.name: verifiers``: train on a `verifiers` taskset (prime-rl's environment format,
+``pip install -e ".[verifiers]"``), its own tasks and its own rubric, unchanged.
+
+Two halves, both here:
+
+- the tasks: ``load_verifiers_splits`` loads the taskset that ``task.options.environment``
+  names — an installed taskset package id (what ``vf-run <id>`` takes, e.g.
+  ``reverse-text``) or ``path/to/file.py`` exporting its ``vf.Taskset`` subclass in
+  ``__all__`` — with ``task.options.config`` as its ``TasksetConfig`` fields. Its tasks in
+  ``load()`` order are the rows: the last ``num_validation`` held out, the first
+  ``num_train`` (0: all) of the rest trained on;
+- the episode: ``run(task, base_url)`` is an ``openai_agent`` agent
+  (``workflow.agent: asyncrl.tasks.verifiers_env:run``). It sends the task's prompt (its
+  system prompt first) to the model through ``openai.AsyncOpenAI`` at the episode's gateway
+  session, so the call is recorded token-exact like any agent's, records the reply on a
+  ``vf.Trace`` and returns what the task's rubric (its ``@vf.reward`` methods and judges,
+  ``Task.score``) makes of it: ``trace.reward``, the weighted sum.
+
+Why an agent and not a workflow class of its own: the ``openai_agent`` workflow already
+gives each episode its gateway session, the token-exact trajectories, the timeout, retry
+and error rules; the adapter only has to be the conversation and the scoring.
+
+What it does not run: verifiers' own harnesses (the programs, e.g. ``bash`` or
+``claude_code``, that verifiers launches in a runtime through its interception server),
+runtime-dependent rewards (a reward that takes a ``runtime`` argument is skipped, as
+``Task.score`` does offline) and multi-turn user simulation. One model call per episode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from asyncrl.plugins import _import_file
+from asyncrl.tasks.base import Task, TaskSplits
+
+INSTALL_HINT = 'pip install -e ".[verifiers]"  (the `verifiers` package, verifiers>=0.4)'
+_loaded: dict[str, list[Any]] = {}  # (environment, config) as JSON -> the taskset's tasks
+_clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _vf() -> Any:
+    try:
+        import verifiers.v1 as vf
+    except ImportError as exc:
+        raise ValueError(f"task 'verifiers' needs the verifiers package ({exc}); install it: {INSTALL_HINT}") from None
+    return vf
+
+
+def _taskset_class(environment: str) -> Any:
+    """The ``vf.Taskset`` subclass a path or an installed id names."""
+    vf = _vf()
+    from verifiers.v1.utils.loaders import taskset_class
+
+    if environment.endswith(".py"):
+        module = _import_file(environment, environment, "task.options.environment")  # ValueError names it
+        found = [obj for n in getattr(module, "__all__", [])
+                 if isinstance(obj := getattr(module, n, None), type) and issubclass(obj, vf.Taskset)
+                 and obj is not vf.Taskset]
+        if len(found) != 1:
+            raise ValueError(f"task.options.environment {environment!r} must export exactly one vf.Taskset "
+                             f"subclass in __all__, found {[c.__name__ for c in found]}")
+        return found[0]
+    try:
+        return taskset_class(environment)
+    except (ModuleNotFoundError, TypeError, AttributeError, ValueError) as exc:
+        raise ValueError(f"task.options.environment {environment!r} cannot be loaded: {exc} "
+                         "(an installed verifiers taskset id, or path/to/file.py exporting a vf.Taskset)") from None
+
+
+def _tasks(environment: str, config: Mapping[str, Any]) -> list[Any]:
+    key = json.dumps([environment, dict(config)], sort_keys=True, default=str)
+    if key not in _loaded:
+        vf = _vf()
+        from verifiers.v1.utils.generic import concrete_type
+
+        cls = _taskset_class(environment)
+        config_type = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
+        try:
+            taskset = cls(config_type.model_validate({**config, "id": "" if environment.endswith(".py") else environment}))
+            if not taskset.bounded:
+                raise ValueError("it is infinite; bound it in its own config")
+            _loaded[key] = list(taskset)
+        except ValueError as exc:  # pydantic's ValidationError included
+            raise ValueError(f"task.options.environment {environment!r}: {exc}") from None
+    return _loaded[key]
+
+
+def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_validation: int) -> TaskSplits:
+    """Train/validation splits of the taskset ``options['environment']`` names."""
+    unknown = set(options) - {"environment", "config"}
+    if unknown:
+        raise ValueError(f"task 'verifiers': unknown options {sorted(unknown)}; it takes `environment` "
+                         "(an installed taskset id or path/to/file.py) and `config` (its TasksetConfig fields)")
+    environment = options.get("environment")
+    if not isinstance(environment, str) or not environment:
+        raise ValueError("task 'verifiers' needs task.options.environment: an installed verifiers taskset id "
+                         "or path/to/file.py exporting a vf.Taskset")
+    config = options.get("config") or {}
+    loaded = _tasks(environment, config)
+    rows = []
+    for index, vf_task in enumerate(loaded):
+        ref = {"environment": environment, "config": dict(config), "index": index}
+        text = vf_task.data.prompt_text
+        rows.append(Task(id=f"{vf_task.data.id or index}", prompt=text, data={"verifiers": ref}))
+    cut = len(rows) - num_validation
+    if cut < 1:
+        raise ValueError(f"task.options.environment {environment!r}: {len(rows)} tasks is too few to hold out "
+                         f"{num_validation} for validation and still train; lower num_validation")
+    train, validation = rows[:cut], rows[cut:]
+    return TaskSplits(train=train[:num_train] if num_train > 0 else train, validation=validation)
+
+
+def _messages(vf_task: Any) -> list[dict[str, Any]]:
+    data = vf_task.data
+    messages: list[dict[str, Any]] = []
+    if data.system_prompt:
+        messages.append({"role": "system", "content": data.system_prompt})
+    if isinstance(data.prompt, str):
+        messages.append({"role": "user", "content": data.prompt})
+    else:
+        messages.extend(m.model_dump(exclude_none=True) for m in data.prompt or [])
+    return messages
+
+
+def _client(base_url: str) -> Any:
+    """One SDK client per event loop, pointed at each episode's session URL."""
+    from openai import AsyncOpenAI
+
+    loop = asyncio.get_running_loop()
+    if loop not in _clients:
+        _clients[loop] = AsyncOpenAI(base_url=base_url, api_key="asyncrl", max_retries=0)
+    return _clients[loop].with_options(base_url=base_url)
+
+
+async def run(task: Task, base_url: str) -> float:
+    """One episode of a ``task.name: verifiers`` task: the model's reply through the
+    gateway, scored by the taskset's rubric."""
+    vf = _vf()
+    from verifiers.v1.graph import MessageNode
+    from verifiers.v1.trace import AgentInfo, TraceTask
+
+    ref = task.data.get("verifiers")
+    if not isinstance(ref, Mapping):
+        raise ValueError(f"task {task.id}: not a task.name 'verifiers' task; this agent only runs those")
+    vf_task = _tasks(ref["environment"], ref["config"])[ref["index"]]
+    messages = _messages(vf_task)
+    reply = await _client(base_url).chat.completions.create(model="policy", messages=messages)
+    text = reply.choices[0].message.content or ""
+    trace = vf.Trace(task=TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key,
+                                    hash=vf_task.hash),
+                     agent=AgentInfo(config=vf.AgentConfig()))
+    for i, message in enumerate([*messages, {"role": "assistant", "content": text}]):
+        node = MessageNode.model_validate({"parent": i - 1 if i else None, "message": message,
+                                           "sampled": message["role"] == "assistant" and i == len(messages)})
+        trace.nodes.append(node)
+    trace.is_completed = trace.ok = True
+    await vf_task.score(trace)
+    missing = [name for name, r in trace.rewards.items() if r is None]
+    if missing:
+        raise RuntimeError(f"task {task.id}: the rubric left rewards {missing} unscored")
+    return float(trace.reward)
