@@ -71,7 +71,8 @@ def _taskset_class(environment: str) -> Any:
                          "(an installed verifiers taskset id, or path/to/file.py exporting a vf.Taskset)") from None
 
 
-def _tasks(environment: str, config: Mapping[str, Any]) -> list[Any]:
+def verifiers_tasks(environment: str, config: Mapping[str, Any]) -> list[Any]:
+    """The taskset's tasks (``vf.Task``) in ``load()`` order, loaded once per process."""
     key = json.dumps([environment, dict(config)], sort_keys=True, default=str)
     if key not in _loaded:
         vf = _vf()
@@ -91,6 +92,7 @@ def _tasks(environment: str, config: Mapping[str, Any]) -> list[Any]:
 
 def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_validation: int) -> TaskSplits:
     """Train/validation splits of the taskset ``options['environment']`` names."""
+    _vf()  # the package first: its absence is the first thing to say
     unknown = set(options) - {"environment", "config"}
     if unknown:
         raise ValueError(f"task 'verifiers': unknown options {sorted(unknown)}; it takes `environment` "
@@ -100,7 +102,7 @@ def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_val
         raise ValueError("task 'verifiers' needs task.options.environment: an installed verifiers taskset id "
                          "or path/to/file.py exporting a vf.Taskset")
     config = options.get("config") or {}
-    loaded = _tasks(environment, config)
+    loaded = verifiers_tasks(environment, config)
     rows = []
     for index, vf_task in enumerate(loaded):
         ref = {"environment": environment, "config": dict(config), "index": index}
@@ -114,7 +116,8 @@ def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_val
     return TaskSplits(train=train[:num_train] if num_train > 0 else train, validation=validation)
 
 
-def _messages(vf_task: Any) -> list[dict[str, Any]]:
+def prompt_messages(vf_task: Any) -> list[dict[str, Any]]:
+    """The chat the model is sent: the task's system prompt, then its prompt (text or messages)."""
     data = vf_task.data
     messages: list[dict[str, Any]] = []
     if data.system_prompt:
@@ -139,27 +142,31 @@ def _client(base_url: str) -> Any:
 async def run(task: Task, base_url: str) -> float:
     """One episode of a ``task.name: verifiers`` task: the model's reply through the
     gateway, scored by the taskset's rubric."""
+    ref = task.data.get("verifiers")
+    if not isinstance(ref, Mapping):
+        raise ValueError(f"task {task.id}: not a task.name 'verifiers' task; this agent only runs those")
+    vf_task = verifiers_tasks(ref["environment"], ref["config"])[ref["index"]]
+    messages = prompt_messages(vf_task)
+    reply = await _client(base_url).chat.completions.create(model="policy", messages=messages)
+    return await score_reply(vf_task, messages, reply.choices[0].message.content or "", what=f"task {task.id}")
+
+
+async def score_reply(vf_task: Any, messages: list[dict[str, Any]], text: str, *, what: str = "the task") -> float:
+    """The rubric's verdict (``trace.reward``, its rewards' weighted sum) on the reply
+    ``text`` to ``messages``, recorded on a ``vf.Trace`` as verifiers records a turn."""
     vf = _vf()
     from verifiers.v1.graph import MessageNode
     from verifiers.v1.trace import AgentInfo, TraceTask
 
-    ref = task.data.get("verifiers")
-    if not isinstance(ref, Mapping):
-        raise ValueError(f"task {task.id}: not a task.name 'verifiers' task; this agent only runs those")
-    vf_task = _tasks(ref["environment"], ref["config"])[ref["index"]]
-    messages = _messages(vf_task)
-    reply = await _client(base_url).chat.completions.create(model="policy", messages=messages)
-    text = reply.choices[0].message.content or ""
     trace = vf.Trace(task=TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key,
                                     hash=vf_task.hash),
                      agent=AgentInfo(config=vf.AgentConfig()))
     for i, message in enumerate([*messages, {"role": "assistant", "content": text}]):
-        node = MessageNode.model_validate({"parent": i - 1 if i else None, "message": message,
-                                           "sampled": message["role"] == "assistant" and i == len(messages)})
-        trace.nodes.append(node)
+        trace.nodes.append(MessageNode.model_validate({"parent": i - 1 if i else None, "message": message,
+                                                       "sampled": i == len(messages)}))
     trace.is_completed = trace.ok = True
     await vf_task.score(trace)
     missing = [name for name, r in trace.rewards.items() if r is None]
     if missing:
-        raise RuntimeError(f"task {task.id}: the rubric left rewards {missing} unscored")
+        raise RuntimeError(f"{what}: the rubric left rewards {missing} unscored")
     return float(trace.reward)
