@@ -13,13 +13,14 @@ import pytest
 
 vf = pytest.importorskip("verifiers.v1")
 
-from conftest import SpyEngine  # noqa: E402
-from test_examples import REPO, SMALL, in_repo  # noqa: E402,F401 (a fixture)
+from conftest import SpyEngine
+from test_examples import SMALL, in_repo  # noqa: F401 (a fixture: the examples' paths are the repository's)
 
-from asyncrl.cli import main  # noqa: E402
-from asyncrl.tasks import load_tasks  # noqa: E402
-from asyncrl.tasks.verifiers_env import prompt_messages, score_reply, verifiers_tasks  # noqa: E402
+from asyncrl.cli import main
+from asyncrl.tasks import load_tasks
+from asyncrl.tasks.verifiers_env import prompt_messages, score_reply, verifiers_tasks
 
+pytestmark = pytest.mark.usefixtures("in_repo")
 CONFIG = "examples/verifiers_env/train.yaml"
 ENV = "examples/verifiers_env/addition_taskset.py"
 
@@ -29,7 +30,31 @@ def rubric(task_id: str, text: str) -> float:
     return asyncio.run(score_reply(vf_task, prompt_messages(vf_task), text))
 
 
-def test_the_taskset_is_the_rows_its_tail_held_out(in_repo):
+def run_one_episode(engine, tokenizer, task, max_tokens):
+    """``task``'s episode under the openai_agent workflow with the adapter's agent, on a
+    real gateway over ``engine`` (closed after)."""
+    from asyncrl.rollout.client import LLMClient
+    from asyncrl.rollout.gateway import Gateway, hermes
+    from asyncrl.rollout.workflows import run_episode
+    from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
+    from asyncrl.tasks.verifiers_env import run
+    from asyncrl.types import SamplingParams
+
+    async def main_():
+        gateway = Gateway(tokenizer, hermes, model_name="tiny")
+        await gateway.start()
+        try:
+            return await run_episode(OpenAIAgentWorkflow(run, gateway), task,
+                                     lambda: LLMClient(engine, tokenizer, SamplingParams(max_tokens=max_tokens)),
+                                     timeout_s=60, max_retries=0)
+        finally:
+            await gateway.stop()
+            await engine.engine.shutdown()
+
+    return asyncio.run(main_())
+
+
+def test_the_taskset_is_the_rows_its_tail_held_out():
     splits = load_tasks("verifiers", seed=0, num_train=0, num_validation=16, options={"environment": ENV})
     loaded = verifiers_tasks(ENV, {})
     assert (len(splits.train), len(splits.validation)) == (184, 16) == (len(loaded) - 16, 16)
@@ -38,7 +63,7 @@ def test_the_taskset_is_the_rows_its_tail_held_out(in_repo):
     assert rubric(splits.train[0].id, str(a + b)) == 1.0 and rubric(splits.train[0].id, str(a + b + 1)) == 0.0
 
 
-def test_a_missing_package_or_environment_exits_2_naming_it(in_repo, tmp_path, monkeypatch, capsys):
+def test_a_missing_package_or_environment_exits_2_naming_it(tmp_path, monkeypatch, capsys):
     args = ["train", CONFIG, f"output_dir={tmp_path / 'run'}", *SMALL]
     assert main([*args, "task.options.environment=no-such-taskset"]) == 2
     assert "no-such-taskset" in capsys.readouterr().err
@@ -47,31 +72,13 @@ def test_a_missing_package_or_environment_exits_2_naming_it(in_repo, tmp_path, m
     assert '".[verifiers]"' in capsys.readouterr().err
 
 
-def test_an_episode_is_the_gateway_call_token_exact_and_the_rubric_score(in_repo, tiny_policy):
+def test_an_episode_is_the_gateway_call_token_exact_and_the_rubric_score(tiny_policy):
     from asyncrl.engine import TorchEngine
-    from asyncrl.rollout.client import LLMClient
-    from asyncrl.rollout.gateway import Gateway, hermes
-    from asyncrl.rollout.workflows import run_episode
-    from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
-    from asyncrl.tasks.verifiers_env import run
-    from asyncrl.types import SamplingParams
 
     model, tokenizer = tiny_policy
     task = load_tasks("verifiers", seed=0, num_train=3, num_validation=16, options={"environment": ENV}).train[2]
-
-    async def main_():
-        spy = SpyEngine(TorchEngine(model, max_batch_size=4, seed=0))
-        gateway = Gateway(tokenizer, hermes, model_name="tiny")
-        await gateway.start()
-        try:
-            return spy, await run_episode(OpenAIAgentWorkflow(run, gateway), task,
-                                          lambda: LLMClient(spy, tokenizer, SamplingParams(max_tokens=4)),
-                                          timeout_s=60, max_retries=0)
-        finally:
-            await gateway.stop()
-            await spy.engine.shutdown()
-
-    spy, episode = asyncio.run(main_())
+    spy = SpyEngine(TorchEngine(model, max_batch_size=4, seed=0))
+    episode = run_one_episode(spy, tokenizer, task, max_tokens=4)
     assert episode.status == "ok", episode.error
     [trajectory] = episode.trajectories
     [(prompt_ids, completion)] = spy.calls  # one model call, the one the gateway served
@@ -84,10 +91,38 @@ def test_an_episode_is_the_gateway_call_token_exact_and_the_rubric_score(in_repo
 
 
 @pytest.mark.slow
-def test_the_example_trains_on_the_rubrics_scores(in_repo, tmp_path):
+def test_the_example_trains_on_the_rubrics_scores(tmp_path):
     out = tmp_path / "run"
     assert main(["train", CONFIG, f"output_dir={out}", *SMALL]) == 0
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == 2 * 2 * 4 and not (out / "errors.jsonl").read_text().strip()
     assert all(s["reward"] == rubric(s["task_id"], s["response"]) for s in samples)
     assert any(s["reward"] == 1.0 for s in samples)  # the shipped addition policy gets some right
+
+
+def test_a_multi_turn_episode_answers_tool_calls_from_the_toolset_token_exact(tiny_policy):
+    """examples/verifiers_env/calculator_taskset.py: the model calls the toolset's
+    ``calc_add`` (written here: a random tiny model writes no call), the tool's result goes
+    back as a tool message, the model answers; one trajectory holds both calls, the tool's
+    tokens masked out, and the rubric scores the final reply."""
+    from test_gateway_requests import Scripted
+
+    from asyncrl.engine import TorchEngine
+
+    model, tokenizer = tiny_policy
+    env = "examples/verifiers_env/calculator_taskset.py"
+    task = load_tasks("verifiers", seed=0, num_train=1, num_validation=8, options={"environment": env}).train[0]
+    a, b = (int(x) for x in task.prompt.rstrip("=").split("+"))
+    call = f'<tool_call>\n{{"name": "calc_add", "arguments": {{"a": {a}, "b": {b}}}}}\n</tool_call>'
+
+    engine = Scripted(TorchEngine(model, max_batch_size=4, seed=0), tokenizer, call, str(a + b))
+    episode = run_one_episode(engine, tokenizer, task, max_tokens=64)
+    assert episode.status == "ok", episode.error
+    assert episode.reward == 1.0 and episode.metadata["calls"] == 2
+    [trajectory] = episode.trajectories
+    first, second = engine.prompts
+    assert trajectory.prompt_ids == first
+    assert first + trajectory.response_ids[:len(second) - len(first)] == second  # the second call extends the first
+    assert 0 in trajectory.loss_mask and trajectory.loss_mask[-1] == 1  # the tool's tokens are not trained on
+    tool = [m for m in trajectory.steps[-1].messages if m["role"] == "tool"]
+    assert [m["content"] for m in tool] == [str(a + b)]  # calc_add answered in-process

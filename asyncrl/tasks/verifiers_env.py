@@ -38,6 +38,7 @@ from asyncrl.plugins import _import_file
 from asyncrl.tasks.base import Task, TaskSplits
 
 INSTALL_HINT = 'pip install -e ".[verifiers]"  (the `verifiers` package, verifiers>=0.4)'
+DEFAULT_MAX_TURNS = 4  # model calls per episode, where the taskset's tools keep being called
 _loaded: dict[str, list[Any]] = {}  # (environment, config) as JSON -> the taskset's tasks
 _clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -93,10 +94,11 @@ def verifiers_tasks(environment: str, config: Mapping[str, Any]) -> list[Any]:
 def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_validation: int) -> TaskSplits:
     """Train/validation splits of the taskset ``options['environment']`` names."""
     _vf()  # the package first: its absence is the first thing to say
-    unknown = set(options) - {"environment", "config"}
+    unknown = set(options) - {"environment", "config", "max_turns"}
     if unknown:
         raise ValueError(f"task 'verifiers': unknown options {sorted(unknown)}; it takes `environment` "
-                         "(an installed taskset id or path/to/file.py) and `config` (its TasksetConfig fields)")
+                         "(an installed taskset id or path/to/file.py), `config` (its TasksetConfig fields) "
+                         f"and `max_turns` (model calls per episode, default {DEFAULT_MAX_TURNS})")
     environment = options.get("environment")
     if not isinstance(environment, str) or not environment:
         raise ValueError("task 'verifiers' needs task.options.environment: an installed verifiers taskset id "
@@ -105,7 +107,8 @@ def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_val
     loaded = verifiers_tasks(environment, config)
     rows = []
     for index, vf_task in enumerate(loaded):
-        ref = {"environment": environment, "config": dict(config), "index": index}
+        ref = {"environment": environment, "config": dict(config), "index": index,
+               "max_turns": int(options.get("max_turns", DEFAULT_MAX_TURNS))}
         text = vf_task.data.prompt_text
         rows.append(Task(id=f"{vf_task.data.id or index}", prompt=text, data={"verifiers": ref}))
     cut = len(rows) - num_validation
@@ -139,21 +142,85 @@ def _client(base_url: str) -> Any:
     return _clients[loop].with_options(base_url=base_url)
 
 
+def task_tools(vf_task: Any) -> dict[str, tuple[Any, Any, dict[str, Any]]]:
+    """The tools of the task's toolsets (``Task.toolsets``), called in this process rather
+    than served over MCP: name -> (the bound ``@vf.tool`` method, its arguments' pydantic
+    model, its OpenAI schema). Names as verifiers advertises them: ``<prefix>_<tool>``."""
+    import inspect
+    import typing
+
+    import pydantic
+    from verifiers.v1.utils.decorators import discover_decorated
+
+    tools: dict[str, tuple[Any, Any, dict[str, Any]]] = {}
+    for toolset in type(vf_task).toolsets(vf_task.config):
+        for fn in discover_decorated(toolset, "tool"):
+            raw = getattr(fn, "tool_name", None) or fn.__name__
+            name = f"{toolset.server_name}_{raw}" if toolset.server_name else raw
+            hints = typing.get_type_hints(fn)
+            fields = {n: (hints.get(n, Any), ... if p.default is p.empty else p.default)
+                      for n, p in inspect.signature(fn).parameters.items()}
+            args = pydantic.create_model(f"{name}_arguments", **fields)
+            tools[name] = (fn, args, {"type": "function", "function": {
+                "name": name, "description": (fn.__doc__ or "").strip(), "parameters": args.model_json_schema()}})
+    return tools
+
+
+async def _call_tool(tools: dict[str, tuple[Any, Any, dict[str, Any]]], name: str, arguments: str) -> str:
+    """A tool's result as the model reads it; a call the tool refuses is answered with the
+    reason (as an MCP tool error is), not an episode failure."""
+    if name not in tools:
+        return f"error: no tool {name!r}; the tools are {sorted(tools)}"
+    fn, model, _ = tools[name]
+    try:
+        parsed = model.model_validate_json(arguments or "{}")
+        result = fn(**{k: getattr(parsed, k) for k in type(parsed).model_fields})
+        if asyncio.iscoroutine(result):
+            result = await result
+    except Exception as exc:  # noqa: BLE001 - the tool's own failure goes back to the model
+        return f"error: {type(exc).__name__}: {exc}"
+    return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
 async def run(task: Task, base_url: str) -> float:
-    """One episode of a ``task.name: verifiers`` task: the model's reply through the
-    gateway, scored by the taskset's rubric."""
+    """One episode of a ``task.name: verifiers`` task: the conversation with the model
+    through the gateway (its tool calls answered by the task's toolsets, up to
+    ``max_turns`` model calls), scored by the taskset's rubric."""
     ref = task.data.get("verifiers")
     if not isinstance(ref, Mapping):
         raise ValueError(f"task {task.id}: not a task.name 'verifiers' task; this agent only runs those")
     vf_task = verifiers_tasks(ref["environment"], ref["config"])[ref["index"]]
     messages = prompt_messages(vf_task)
-    reply = await _client(base_url).chat.completions.create(model="policy", messages=messages)
-    return await score_reply(vf_task, messages, reply.choices[0].message.content or "", what=f"task {task.id}")
+    tools = task_tools(vf_task)
+    extra = {"tools": [schema for _, _, schema in tools.values()]} if tools else {}
+    conversation = list(messages)
+    for _ in range(ref.get("max_turns", DEFAULT_MAX_TURNS)):
+        reply = (await _client(base_url).chat.completions.create(model="policy", messages=conversation,
+                                                                  **extra)).choices[0].message
+        calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name,
+                                                              "arguments": c.function.arguments}}
+                 for c in reply.tool_calls or []]
+        conversation.append({"role": "assistant", "content": reply.content or "", **({"tool_calls": calls}
+                                                                                     if calls else {})})
+        if not calls:
+            break
+        for call in calls:
+            content = await _call_tool(tools, call["function"]["name"], call["function"]["arguments"])
+            conversation.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+    return await score_conversation(vf_task, conversation, len(messages), what=f"task {task.id}")
 
 
 async def score_reply(vf_task: Any, messages: list[dict[str, Any]], text: str, *, what: str = "the task") -> float:
-    """The rubric's verdict (``trace.reward``, its rewards' weighted sum) on the reply
-    ``text`` to ``messages``, recorded on a ``vf.Trace`` as verifiers records a turn."""
+    """The rubric's verdict on the one reply ``text`` to ``messages``."""
+    return await score_conversation(vf_task, [*messages, {"role": "assistant", "content": text}], len(messages),
+                                    what=what)
+
+
+async def score_conversation(vf_task: Any, conversation: list[dict[str, Any]], prompt_len: int, *,
+                             what: str = "the task") -> float:
+    """The rubric's verdict (``trace.reward``, its rewards' weighted sum) on
+    ``conversation``, recorded on a ``vf.Trace`` as verifiers records one: the first
+    ``prompt_len`` messages the prompt, each later assistant message a sampled turn."""
     vf = _vf()
     from verifiers.v1.graph import MessageNode
     from verifiers.v1.trace import AgentInfo, TraceTask
@@ -161,9 +228,11 @@ async def score_reply(vf_task: Any, messages: list[dict[str, Any]], text: str, *
     trace = vf.Trace(task=TraceTask(type=type(vf_task).__name__, data=vf_task.data, key=vf_task.key,
                                     hash=vf_task.hash),
                      agent=AgentInfo(config=vf.AgentConfig()))
-    for i, message in enumerate([*messages, {"role": "assistant", "content": text}]):
+    for i, message in enumerate(conversation):
+        if message.get("tool_calls"):  # verifiers' ToolCall is flat: name and arguments beside the id
+            message = {**message, "tool_calls": [{"id": c["id"], **c["function"]} for c in message["tool_calls"]]}
         trace.nodes.append(MessageNode.model_validate({"parent": i - 1 if i else None, "message": message,
-                                                       "sampled": i == len(messages)}))
+                                                       "sampled": i >= prompt_len and message["role"] == "assistant"}))
     trace.is_completed = trace.ok = True
     await vf_task.score(trace)
     missing = [name for name, r in trace.rewards.items() if r is None]
