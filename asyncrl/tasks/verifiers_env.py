@@ -12,18 +12,23 @@ Two halves, both here:
 - the episode: ``run(task, base_url)`` is an ``openai_agent`` agent
   (``workflow.agent: asyncrl.tasks.verifiers_env:run``). It sends the task's prompt (its
   system prompt first) to the model through ``openai.AsyncOpenAI`` at the episode's gateway
-  session, so the call is recorded token-exact like any agent's, records the reply on a
-  ``vf.Trace`` and returns what the task's rubric (its ``@vf.reward`` methods and judges,
+  session, so every call is recorded token-exact like any agent's, records the conversation
+  on a ``vf.Trace`` and returns what the task's rubric (its ``@vf.reward`` methods and judges,
   ``Task.score``) makes of it: ``trace.reward``, the weighted sum.
 
 Why an agent and not a workflow class of its own: the ``openai_agent`` workflow already
 gives each episode its gateway session, the token-exact trajectories, the timeout, retry
 and error rules; the adapter only has to be the conversation and the scoring.
 
+Multi-turn: the task's toolsets (``Task.toolsets``) are built here and their ``@vf.tool``
+methods offered as OpenAI tools and answered in this process (not served over MCP), up to
+``task.options.max_turns`` model calls on the one session.
+
 What it does not run: verifiers' own harnesses (the programs, e.g. ``bash`` or
 ``claude_code``, that verifiers launches in a runtime through its interception server),
-runtime-dependent rewards (a reward that takes a ``runtime`` argument is skipped, as
-``Task.score`` does offline) and multi-turn user simulation. One model call per episode.
+toolsets that need a runtime or state channel of their own, multi-agent ``Env``s
+(``user-sim``), and runtime-dependent rewards (a reward that takes a ``runtime`` argument
+is skipped, as ``Task.score`` does offline).
 """
 
 from __future__ import annotations
@@ -104,11 +109,14 @@ def load_verifiers_splits(options: Mapping[str, Any], *, num_train: int, num_val
         raise ValueError("task 'verifiers' needs task.options.environment: an installed verifiers taskset id "
                          "or path/to/file.py exporting a vf.Taskset")
     config = options.get("config") or {}
+    max_turns = options.get("max_turns", DEFAULT_MAX_TURNS)
+    if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
+        raise ValueError(f"task.options.max_turns {max_turns!r}: expected a whole number of model calls, 1 or more")
     loaded = verifiers_tasks(environment, config)
     rows = []
     for index, vf_task in enumerate(loaded):
         ref = {"environment": environment, "config": dict(config), "index": index,
-               "max_turns": int(options.get("max_turns", DEFAULT_MAX_TURNS))}
+               "max_turns": max_turns}
         text = vf_task.data.prompt_text
         rows.append(Task(id=f"{vf_task.data.id or index}", prompt=text, data={"verifiers": ref}))
     cut = len(rows) - num_validation
@@ -192,6 +200,9 @@ async def run(task: Task, base_url: str) -> float:
     vf_task = verifiers_tasks(ref["environment"], ref["config"])[ref["index"]]
     messages = prompt_messages(vf_task)
     tools = task_tools(vf_task)
+    for toolset in {id(fn.__self__): fn.__self__ for fn, _, _ in tools.values()}.values():
+        await toolset.setup()  # what verifiers runs as a toolset server starts, then per task
+        await toolset.setup_task(vf_task)
     extra = {"tools": [schema for _, _, schema in tools.values()]} if tools else {}
     conversation = list(messages)
     for _ in range(ref.get("max_turns", DEFAULT_MAX_TURNS)):
