@@ -63,10 +63,12 @@ def test_the_taskset_is_the_rows_its_tail_held_out():
     assert rubric(splits.train[0].id, str(a + b)) == 1.0 and rubric(splits.train[0].id, str(a + b + 1)) == 0.0
 
 
-def test_a_missing_package_or_environment_exits_2_naming_it(tmp_path, monkeypatch, capsys):
+def test_a_missing_package_environment_or_agent_exits_2_naming_it(tmp_path, monkeypatch, capsys):
     args = ["train", CONFIG, f"output_dir={tmp_path / 'run'}", *SMALL]
     assert main([*args, "task.options.environment=no-such-taskset"]) == 2
     assert "no-such-taskset" in capsys.readouterr().err
+    assert main([*args, "workflow.name=single_turn", "workflow.agent=null"]) == 2  # the rubric scores, not a reward_fn
+    assert "workflow.agent=asyncrl.tasks.verifiers_env:run" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if never installed
     assert main(args) == 2
     assert '".[verifiers]"' in capsys.readouterr().err
