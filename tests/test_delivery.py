@@ -129,6 +129,14 @@ def test_train_stops_with_exit_1_when_a_delivery_is_dropped(tmp_path, monkeypatc
     assert main(args) == 1
     err = capsys.readouterr().err
     assert f"weight sync of version {loads[1]}" in err and "max |Δ|" in err and "Traceback" not in err
+    # the failed step's row was written before the stop, so the run's own files name it
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    failed = rows[-1]
+    assert failed["step"] == loads[1] and failed["weight_sync/probe_max_abs_diff"] > TOLERANCE, failed
+    assert all(r["weight_sync/probe_max_abs_diff"] <= TOLERANCE for r in rows[1:-1])
+    assert main(["doctor", str(tmp_path / "run")]) == 2
+    said = [line for line in capsys.readouterr().out.splitlines() if "weights delivered" in line]
+    assert said and said[0].startswith("FAIL") and f"step {loads[1]}" in said[0], said
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from typing import Any
 
 from asyncrl.algorithms.mismatch import MAX_LAG
 from asyncrl.modes import trajectory_staleness
+from asyncrl.weight_sync.delivery import check_tolerance
 
 Row = dict[str, Any]
 OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
@@ -74,7 +75,10 @@ class Limits:
             return default if value is None else value
 
         total = config.get("total_steps")
-        return cls(float(get("weight_sync", "check_tolerance", 1e-4)), max_staleness,
+        weights = str(get("model", "dtype", "float32"))  # the tolerance the run resolved (delivery.py)
+        tolerance = check_tolerance(get("weight_sync", "check_tolerance", None), weights,
+                                    str(get("rollout", "dtype", weights)))
+        return cls(float(tolerance), max_staleness,
                    float(get("watchdog", "starvation_warn_fraction", 0.9)),
                    total if isinstance(total, int) and not isinstance(total, bool) else None)
 
@@ -110,7 +114,7 @@ def _delta(row: Row, prev: Row | None, key: str) -> float | None:
 def weights_delivered(row: Row, prev: Row | None, limits: Limits) -> Judgement:
     diff = _num(row, "weight_sync/probe_max_abs_diff")
     if diff is None and "weight_sync/probe_max_abs_diff" in row:  # logged as null: NaN
-        return FAIL, "the probe's max |Δ| is NaN"
+        return FAIL, "the probe's max |Δ| is NaN (or an engine sampled the probe at another version)"
     if diff is not None and diff > limits.check_tolerance:
         return FAIL, f"the engines' probe logprobs are {diff:.3g} from the learner's (tolerance {limits.check_tolerance:g})"
     return None
@@ -187,7 +191,7 @@ class StepInvariant:
 STEP_INVARIANTS = (
     StepInvariant("weights delivered", weights_delivered,
                   "the engines do not compute the learner's weights: check the weight sync (a skipped or failed "
-                  "load, LoRA adapters not applied); for a bf16 engine raise weight_sync.check_tolerance",
+                  "load, LoRA adapters not applied); for another engine's kernels raise weight_sync.check_tolerance",
                   ("weight_sync/probe_max_abs_diff",)),
     StepInvariant("engine-learner mismatch at lag 0", mismatch_at_lag0,
                   "tokens the trained version sampled score differently in the learner: a sync that did not load "

@@ -137,7 +137,7 @@ class RunLog:
             self.bar.update(step - self.bar.n)
         shown = {"reward": "reward/mean", "eval": "eval/reward_mean", "stale": "staleness/mean",
                  "samples/s": "throughput/samples_per_s", "errors": "rollout/episodes_error_total",
-                 "filtered": "rollout/groups_filtered_total"}
+                 "filtered": "rollout/groups_filtered_total", "mismatch": "mismatch/k3_lag0"}
         self._shown.update({k: f"{row[v]:.3g}" for k, v in shown.items() if row.get(v) is not None})
         self.bar.set_postfix(self._shown)
 

@@ -48,7 +48,7 @@ from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.types import Episode
-from asyncrl.weight_sync.delivery import DeliveryCheck
+from asyncrl.weight_sync.delivery import DeliveryCheck, WeightsNotDelivered
 
 
 class Trainer:
@@ -121,9 +121,7 @@ class Trainer:
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
                 self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
-                self.delivery = DeliveryCheck(self.learner, self.rollout, self.tokenizer,
-                                              every=self.cfg.weight_sync.check_every,
-                                              tolerance=self.cfg.weight_sync.check_tolerance)
+                self.delivery = DeliveryCheck.for_config(self.learner, self.rollout, self.tokenizer, self.cfg)
                 self.train_steps = TrainSteps(
                     self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
                     max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
@@ -198,12 +196,22 @@ class Trainer:
             synced = self._sync_due(step, due)
             weights = await meter.timed_sync(self._sync_weights(trained.actor)) if synced else None
             # apart from time/weight_sync: the delivery check's own seconds are time/delivery_check
-            delivered = await self.delivery.after_sync(self.version) if synced else {}
+            try:
+                delivered = await self.delivery.after_sync(self.version) if synced else {}
+            except WeightsNotDelivered as undelivered:  # the step's row first: the run's files name the step
+                failed = {"weight_sync/probe_max_abs_diff": undelivered.probe_max_abs_diff}
+                self._log_step(step, trained_version, trained, {**await self._row(meter, step, trained_version,
+                                                                                    trained), **failed})
+                raise
             row = {**await self._row(meter, step, trained_version, trained), **delivered}
-            self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode))
-            self.log.step(row, await self._evaluation(step, weights) if due else None)
+            self._log_step(step, trained_version, trained, row, await self._evaluation(step, weights) if due else None)
             await self._after_step(step, row)
         return self.step
+
+    def _log_step(self, step: int, trained_version: int, trained: Trained, row: dict[str, Any],
+                  evaluation: asyncio.Future[dict[str, Any]] | None = None) -> None:
+        self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode))
+        self.log.step(row, evaluation)
 
     async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained) -> dict[str, Any]:
         # the window's fraction and the group counts are read together, before any await

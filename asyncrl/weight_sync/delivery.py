@@ -10,8 +10,9 @@ greedily through the engine protocol's own ``generate`` (so any engine: the buil
 vLLM, on Ray or in process), and the learner scores the same tokens with one plain
 forward pass of its current weights: log softmax of the raw logits, which is what an
 engine reports for a greedy token (``Completion``). Every token's |Δ| must be within
-``weight_sync.check_tolerance`` (1e-4: the engine/learner bound in float32, the adapters'
-forward against the merged weights included, ``docs/scaling.md``); otherwise
+``weight_sync.check_tolerance`` (:func:`check_tolerance` picks it from the dtypes when it is
+unset: :data:`FLOAT32_TOLERANCE` in float32, :data:`ROUNDED_TOLERANCE` when either side's
+weights are bf16/fp16); otherwise
 :class:`WeightsNotDelivered` stops the run (exit 1) naming the version, the worker, the
 max |Δ| and what to do. The learner scores without autocast, in its weights' own dtype,
 and in eval mode (no dropout), so what it computes is the policy itself.
@@ -46,9 +47,39 @@ PROBE_MAX_PROMPT = 16
 """A prompt's tokens beyond this are cut (a tokenizer of single bytes makes long prompts)."""
 
 
+FLOAT32_TOLERANCE = 1e-4
+"""The probe's bound when the engines' and the learner's weights are both float32: the
+engine/learner difference in float32, the adapters' forward against the merged weights
+included (``docs/scaling.md``, LoRA)."""
+ROUNDED_TOLERANCE = 0.1
+"""The probe's bound when either side's weights are bf16 or fp16 (``rollout.dtype``,
+``model.dtype``): the engine then computes with the learner's weights rounded, and a greedy
+token's logprob moves with the rounding. Measured with ``asyncrl bench precision``: up to
+0.015 on the tiny Countdown policy and SmolLM2-135M (docs/results.md, "Precision"), so 0.1
+leaves a margin across models, while weights that were not delivered at all (another
+checkpoint, an adapter never applied) still differ by far more. A sync whose weights moved
+less than bf16 rounding cannot be told from a delivered one in bf16: the price of a
+rounded engine."""
+
+
+def check_tolerance(setting: float | None, weights_dtype: str, engine_dtype: str) -> float:
+    """The delivery probe's bound: ``weight_sync.check_tolerance`` when set, else picked
+    from ``model.dtype`` (the learner's weights, which score the probe without autocast)
+    and the engines' (``Config.engine_dtype``)."""
+    if setting is not None:
+        return setting
+    return FLOAT32_TOLERANCE if weights_dtype == engine_dtype == "float32" else ROUNDED_TOLERANCE
+
+
 class WeightsNotDelivered(WeightSyncError):
     """An engine does not compute the learner's policy after a sync; the message names the
-    version, the worker, the max |Δ| and what to do (the CLI prints it alone, exit 1)."""
+    version, the worker, the max |Δ| and what to do (the CLI prints it alone, exit 1).
+    ``probe_max_abs_diff`` is that |Δ| (NaN when the engine sampled at another version), for
+    the failed step's metrics row: the trainer writes it before the run stops."""
+
+    def __init__(self, message: str, probe_max_abs_diff: float = float("nan")) -> None:
+        super().__init__(message)
+        self.probe_max_abs_diff = probe_max_abs_diff
 
 
 class Handle(Protocol):
@@ -119,6 +150,13 @@ class DeliveryCheck:
         self.bytes: int | None = None
         self._unsupported = False  # a runtime that runs no functions in its workers (asyncrl plan's simulated one)
 
+    @classmethod
+    def for_config(cls, learner: Handle, rollout: Handle, tokenizer: Any, cfg: Any) -> DeliveryCheck:
+        """The check a run's ``Config`` asks for: ``weight_sync.check_every``, and the
+        tolerance :func:`check_tolerance` resolves from it and the dtypes."""
+        return cls(learner, rollout, tokenizer, every=cfg.weight_sync.check_every,
+                   tolerance=check_tolerance(cfg.weight_sync.check_tolerance, cfg.model.dtype, cfg.engine_dtype))
+
     async def after_sync(self, version: int) -> dict[str, float]:
         """The sync's metrics (``weight_sync/bytes``; on a checked sync
         ``weight_sync/probe_max_abs_diff`` and ``time/delivery_check``); raises
@@ -160,7 +198,7 @@ class DeliveryCheck:
                     "does not compute the policy the learner trained, so it samples from other weights. Check that "
                     "the engine loads what the learner sends (its update_weights; with model.lora the targeted "
                     "layers merged under the base model's parameter names); if the difference is rounding "
-                    "(bfloat16/float16, another engine's kernels), raise weight_sync.check_tolerance; "
-                    "weight_sync.check_every=0 turns the check off.")
+                    "(float16, another engine's kernels), raise weight_sync.check_tolerance; "
+                    "weight_sync.check_every=0 turns the check off.", probe_max_abs_diff=diff)
             worst = max(worst, diff)
         return worst
