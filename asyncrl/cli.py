@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("--keys", action=_ListKeys, schema="sft", help="list every config key with its default, and exit")
     bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
     bench.add_argument("suite", choices=["engine", "modes", "gateway", "learner", "sync", "trl", "staleness",
-                                          "retokenize"])
+                                          "retokenize", "precision"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
     report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")

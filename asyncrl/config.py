@@ -66,6 +66,10 @@ class ModelConfig(Section):
     path: str = "models/countdown-tiny"
     """A Hugging Face model directory (causal LM + tokenizer)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The weights' dtype as loaded: the learner's (its master weights and AdamW state) and,
+    unless ``rollout.dtype`` says otherwise, the engines'. Keep ``float32`` to train: bf16
+    weights lose updates smaller than 1/256 of a weight; for bf16 compute set
+    ``learner.autocast`` and ``rollout.dtype`` instead (docs/results.md, "Precision")."""
     device: str = "auto"
     """``auto`` = CUDA when available, else CPU."""
     lora: LoraConfig | None = None
@@ -178,6 +182,13 @@ class RolloutConfig(Section):
     group_prefill: bool = True
     """Built-in engine: prefill a prompt once for the n samples of its group and fork the KV
     rows (each sample keeps its own seed); ``false`` prefills every request on its own."""
+    dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """The rollout engines' weights' dtype (``None``: ``model.dtype``). ``bfloat16`` with a
+    ``float32`` learner: each sync's weights are rounded to bf16 as the engine loads them,
+    the learner keeps training float32 weights; the engine's logprobs then differ from the
+    learner's by bf16 rounding, which the off-policy correction sees as mismatch and the
+    delivery check tolerates (``weight_sync.check_tolerance``)."""
+
 
 
 class EvalConfig(Section):
@@ -318,6 +329,12 @@ class LearnerConfig(Section):
     rounding. It fills the learner's wait for the step's last groups. One optimizer step
     per batch on one rank only: ``learner.world_size=1``, ``optim.ppo_epochs=1``,
     ``optim.mini_batches=1``."""
+    autocast: Literal["bfloat16", "off"] | None = None
+    """Forward and backward of the learner's passes (π_prox, the loss, the KL reference)
+    under ``torch.autocast`` to bfloat16, on CPU and CUDA alike: matmuls in bf16, while the
+    weights, gradients and AdamW state stay in ``model.dtype`` (float32: no update is lost
+    to rounding) and logits are read back as float32 before the softmax. ``off``: compute
+    in the weights' dtype. ``None``: bfloat16 on CUDA, off on CPU."""
     share_prompts: bool = True
     """Run each distinct prompt of a micro-batch through the model once, and the responses
     on its keys and values: a group's samples share their task's prompt, so at 8 samples
@@ -465,10 +482,11 @@ class WeightSyncConfig(Section):
     at that version within ``check_tolerance``, else the run stops (exit 1) naming the
     version and the max |Δ| (``asyncrl/weight_sync/delivery.py``; metric
     ``weight_sync/probe_max_abs_diff``; its cost: ``docs/scaling.md``, LoRA). 0: never."""
-    check_tolerance: float = Field(1e-4, gt=0)
+    check_tolerance: float | None = Field(None, gt=0)
     """The largest |Δ| between an engine's and the learner's logprob of a probe token that
-    counts as delivered: 1e-4 is the engine/learner bound in float32; bfloat16/float16
-    weights round more and need a larger one."""
+    counts as delivered. ``None``: picked from the dtypes (``delivery.check_tolerance``):
+    1e-4, the engine/learner bound in float32, when ``model.dtype`` and the engines'
+    (``rollout.dtype``) are both float32; a bound measured for bf16 rounding otherwise."""
 
 
 class VLLMConfig(Section):
@@ -675,6 +693,11 @@ class Config(Section):
         if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine != "torch":
             raise ValueError(f"model.lora.sync=adapters needs the built-in engine, which merges them itself; "
                              f"engine={self.engine} loads whole weights: use model.lora.sync=merged")
+        if (self.model.lora is not None and self.model.lora.sync == "adapters"
+                and self.engine_dtype != self.model.dtype):
+            raise ValueError(f"model.lora.sync=adapters merges the adapters onto the engine's own base, but "
+                             f"rollout.dtype={self.engine_dtype} is not model.dtype={self.model.dtype}: the base "
+                             "would be rounded before the merge; use model.lora.sync=merged, or rollout.dtype=null")
         dog = self.watchdog
         if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
@@ -690,6 +713,11 @@ class Config(Section):
     sync_every = property(lambda self: self.schedule.sync_every)
     effective_max_staleness = property(lambda self: self.schedule.effective_max_staleness)
     effective_partial_rollout = property(lambda self: self.schedule.effective_partial_rollout)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The rollout engines' weights' dtype: ``rollout.dtype``, else ``model.dtype``."""
+        return self.rollout.dtype or self.model.dtype
 
     @property
     def background_eval(self) -> bool:

@@ -18,6 +18,15 @@ from asyncrl.model_store import KNOWN_MODELS, cached_model
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def weights_dtype(name: str | torch.dtype) -> torch.dtype:
+    """The torch dtype a config's ``model.dtype`` / ``rollout.dtype`` names (a dtype as is)."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in _DTYPES:
+        raise ConfigError(f"dtype {name!r} is not one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,8 +62,8 @@ def load_policy(cfg: ModelConfig) -> tuple[PreTrainedModel, PreTrainedTokenizerB
     tokenizer = check_policy(cfg)
     path = resolve_model_path(cfg.path)
     base = adapter_base(path)
-    model = (merged_adapters(path, base, _DTYPES[cfg.dtype]) if base is not None
-             else AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype]))
+    model = (merged_adapters(path, base, weights_dtype(cfg.dtype)) if base is not None
+             else AutoModelForCausalLM.from_pretrained(path, dtype=weights_dtype(cfg.dtype)))
     return model.to(resolve_device(cfg.device)).eval(), tokenizer
 
 

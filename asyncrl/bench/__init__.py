@@ -59,6 +59,10 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         from asyncrl.bench.staleness import run_staleness_bench
 
         result = run_staleness_bench(overrides, out_dir)
+    elif suite == "precision":
+        from asyncrl.bench.precision import run_precision_bench
+
+        result = run_precision_bench(overrides)
     elif suite == "retokenize":
         from asyncrl.bench.retokenize import run_retokenize_bench
 
@@ -71,7 +75,7 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         result = run_trl_bench(overrides, out_dir)
     else:
         raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, staleness, "
-                          "retokenize")
+                          "retokenize, precision")
     result["machine"] = machine()
     write_result(result, out_dir)
     return result

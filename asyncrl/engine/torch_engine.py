@@ -33,6 +33,7 @@ from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongE
 from asyncrl.engine.sampling import RowParams, sample_tokens
 from asyncrl.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
+from asyncrl.policy import weights_dtype
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, SamplingParams
 
@@ -66,13 +67,18 @@ class TorchEngine:
 
     ``group_prefill``: prefill a prompt once for all the requests admitted with it, and keep
     the last ``prefix_cache_size`` prefilled prompts (on the current weights) for requests
-    that come later; ``False`` prefills every request on its own (the reference)."""
+    that come later; ``False`` prefills every request on its own (the reference).
+
+    ``dtype`` (``rollout.dtype``): the engine casts ``model`` to it in place (the model is
+    the engine's own from then on), and :meth:`update_weights` rounds each tensor it is sent
+    to it as it copies, so a float32 learner can feed a bf16 engine. ``None``: as given."""
 
     def __init__(
         self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,
         num_threads: int | None = None, group_prefill: bool = True, prefix_cache_size: int = 64,
+        dtype: str | torch.dtype | None = None,
     ) -> None:
-        self.model = model.eval()
+        self.model = model.eval() if dtype is None else model.eval().to(weights_dtype(dtype))
         self.device = next(model.parameters()).device
         self.max_batch_size = max_batch_size
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30

@@ -115,6 +115,17 @@ def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | N
     return bounds
 
 
+def autocast_dtype(setting: str | None, device: torch.device) -> torch.dtype | None:
+    """The dtype the learner's passes autocast to (``learner.autocast``), or None for none.
+    ``None`` keeps what the learner always did: bf16 on CUDA, the weights' dtype on CPU.
+    Only bf16: float16 would need loss scaling, which this learner does not do."""
+    if setting not in (None, "off", "bfloat16"):
+        raise ConfigError(f"learner.autocast={setting!r}: use bfloat16, off, or null")
+    if setting == "off" or (setting is None and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
 class Learner:
     """Trains one policy: each ``train_step`` takes one batch to one new version, however
     many optimizer steps sample reuse makes of it (``optim.ppo_epochs`` × ``optim.mini_batches``).
@@ -124,7 +135,8 @@ class Learner:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
                  sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True,
-                 lora: LoraConfig | None = None, send_every_weight: bool = False) -> None:
+                 lora: LoraConfig | None = None, send_every_weight: bool = False,
+                 autocast: str | None = None) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
         full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
@@ -132,7 +144,8 @@ class Learner:
         run shuffles as the uninterrupted one would). ``lora``: train LoRA adapters on
         ``model`` (wrapped in place) instead of its weights; one rank only.
         ``send_every_weight``: with LoRA, the engines take every weight at each sync
-        (vLLM reloads whole layers), not only the merged targeted ones."""
+        (vLLM reloads whole layers), not only the merged targeted ones. ``autocast``:
+        ``learner.autocast`` (:func:`autocast_dtype`)."""
         if lora is not None and sharding is not None:
             raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
                               "small; a sharded LoRA learner is not built yet)")
@@ -157,6 +170,7 @@ class Learner:
         self.optim = optim
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report raw logits
         self.device = sharding.device if sharding is not None else next(model.parameters()).device
+        self.autocast = autocast_dtype(autocast, self.device)
         self.version = version
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         # with LoRA the adapters only: the frozen base has no gradients and no optimizer state
@@ -175,7 +189,8 @@ class Learner:
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors."""
         shared = prompt_index(batch) if self.share_prompts and self.sharding is None else None
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+        # the matmuls in bf16 (learner.autocast); logits are read back as float32 before the softmax
+        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
             if shared is not None:  # each distinct prompt once (shared_prompts.py)
                 responses = response_logits(model, batch, *shared)
                 logits, targets = responses.logits.float() / self.temperature, responses.targets  # (B, R, V)

@@ -121,7 +121,7 @@ class RolloutWorker:
             path = str(resolve_model_path(self.cfg.model.path))
             self.engine = await VLLMEngine.start(path, seed=self._seed, version=self._version,
                                                  max_batch_size=self.cfg.rollout.max_batch_size,
-                                                 dtype=self.cfg.model.dtype, **engine_args(self.cfg.vllm, on_cpu=on_cpu))
+                                                 dtype=self.cfg.engine_dtype, **engine_args(self.cfg.vllm, on_cpu=on_cpu))
             applied = None
             while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
                 applied = self._weights
@@ -133,7 +133,8 @@ class RolloutWorker:
             model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
         make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
                                            seed=seed, version=self._version, num_threads=self._num_threads,
-                                           group_prefill=self.cfg.rollout.group_prefill)
+                                           group_prefill=self.cfg.rollout.group_prefill,
+                                           dtype=self.cfg.engine_dtype)
         if self._eval_replica:
             self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
         self.engine = make(model, self._seed)

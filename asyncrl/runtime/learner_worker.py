@@ -77,7 +77,7 @@ class LearnerWorker:
         c = self.cfg
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
                                temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
-                               share_prompts=c.learner.share_prompts, lora=c.model.lora,
+                               share_prompts=c.learner.share_prompts, lora=c.model.lora, autocast=c.learner.autocast,
                                send_every_weight=c.engine == "vllm")
 
     def leave(self) -> None:
