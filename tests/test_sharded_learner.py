@@ -222,3 +222,31 @@ def test_bench_learner_shows_fsdp2_halving_the_state_per_rank(tmp_path, policy_d
     assert runs[1]["state_ratio_vs_1"] == pytest.approx(0.5, abs=0.02)  # counted from the local shards
     assert [len(r["memory"]) for r in runs] == [1, 2] and all(r["step_s"] > 0 for r in runs)
     assert "params+grads+optim MiB/rank" in capsys.readouterr().out
+
+
+def test_bench_learner_times_lora_beside_full_fine_tuning_on_a_generated_llama(tmp_path, policy_dir, char_tokenizer):
+    """A generated Llama (hidden 128, 2 layers, 4 heads of 32, 1 key/value head, MLP 384),
+    LoRA r = 4 first, then full fine-tuning: LoRA's gradients are exactly its adapters', r x
+    (in + out) a targeted layer; full fine-tuning's are every parameter's."""
+    out = tmp_path / "bench"
+    assert main(["bench", "learner", f"model_path={policy_dir}", "architecture=llama", "hidden_size=128",
+                 "num_layers=2", "num_kv_heads=1", "lora_ranks=[4,0]", "world_sizes=[1]", "repeats=1", "rows=3",
+                 "threads=1", "--out", str(out)]) == 0
+    llama = json.loads((out / "bench.json").read_text())["models"]["llama-h128-l2"]
+    per_layer = 2 * 128 * 128 + 2 * 128 * 32 + 3 * 128 * 384 + 2 * 128  # q, o; k, v; gate, up, down; 2 norms
+    assert llama["params"] == len(char_tokenizer) * 128 + 2 * per_layer + 128  # tied embedding, final norm
+    lora, full = llama["runs"]
+    assert (lora["lora_rank"], full["lora_rank"]) == (4, 0)
+    adapters = 2 * 4 * ((128 + 128) * 2 + (128 + 32) * 2 + (128 + 384) * 3)
+    assert lora["memory"][0]["grads"] == 4 * adapters and full["memory"][0]["grads"] == 4 * llama["params"]
+    assert lora["state_bytes_per_rank"] < full["state_bytes_per_rank"] / 3
+
+
+def test_bench_learner_names_a_bad_lora_rank_or_head_count(policy_dir):
+    from asyncrl.bench.learner import run_learner_bench
+    from asyncrl.config import ConfigError
+
+    with pytest.raises(ConfigError, match="lora_ranks"):
+        run_learner_bench([f"model_path={policy_dir}", "hidden_size=0", "lora_ranks=[-1]"])
+    with pytest.raises(ConfigError, match="num_kv_heads=3 must divide the 4 heads of hidden_size=128"):
+        run_learner_bench([f"model_path={policy_dir}", "hidden_size=128", "num_kv_heads=3"])
