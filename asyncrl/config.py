@@ -176,6 +176,12 @@ class RolloutConfig(Section):
     trains beside it (``sync``, ``eval``), half of them otherwise."""
     learner_threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the learner thread; ``None``: as above."""
+    engine_weight_noise: float = Field(0.0, ge=0)
+    """A bench and test facility, not a training knob: the built-in engine samples from a
+    copy of the weights with each element multiplied by (1 + σ·ε), ε ~ N(0, 1) drawn afresh
+    at every load, σ = this, while the learner computes on the exact weights: the
+    training–inference mismatch of a GPU engine (bf16, other kernels), made on CPU
+    (``asyncrl bench staleness mismatch=…``). 0: the engine's weights are the learner's."""
     max_concurrent_episodes: int = Field(256, ge=1)
     """Episodes in flight at once per rollout worker, training and evaluation together:
     what a retrieval or sandbox service behind a workflow sees at most."""
@@ -680,6 +686,10 @@ class Config(Section):
             raise ValueError("learner.streaming=true takes one optimizer step per batch on one learner rank, but "
                              + " and ".join(f"{k}={unstreamable[k]}" for k in beyond)
                              + "; set learner.streaming=false, or " + " and ".join(f"{k}=1" for k in beyond))
+        if self.rollout.engine_weight_noise and (self.engine != "torch" or self.weight_sync.check_every):
+            raise ValueError(f"rollout.engine_weight_noise={self.rollout.engine_weight_noise:g} perturbs the built-in "
+                             "engine's copy of the weights, which the delivery check would rightly call undelivered: "
+                             "set engine=torch and weight_sync.check_every=0, or rollout.engine_weight_noise=0")
         if self.learner.backend == "nccl" and self.model.device.startswith("cpu"):
             raise ValueError("learner.backend=nccl moves tensors between GPUs, but model.device is "
                              f"{self.model.device!r}; use learner.backend=gloo (or leave it unset) on CPU")

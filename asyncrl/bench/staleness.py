@@ -10,10 +10,20 @@ after truncation, truncated fraction, effective sample size). The objectives:
   min(π_prox/μ, C) against staleness (the default);
 - ``bypass``: no recompute, PPO against μ itself (π_prox := μ, w = 1);
 - ``naive``: π_prox recomputed but no IS weight (w = 1): stale tokens trained as if the
-  current policy had sampled them.
+  current policy had sampled them;
+- ``gspo``, ``cispo``, ``icepop``: those losses (``algorithm.policy_loss``);
+- ``token_mask``, ``sequence_mask``, ``geometric_mask``: decoupled PPO with
+  ``algorithm.is_mask`` dropping tokens, or whole sequences, whose π_prox/μ leaves the band.
 
-At η = 0 every token is on-policy and the three are the same update, so η = 0 runs once
-per seed and its row is shared by the three objectives (``shared_with``).
+``OBJECTIVE_KEYS`` maps each to its config keys. The ones that act only through
+k = π_prox/μ (``SAME_ON_POLICY``) are decoupled PPO's update when k = 1, that is at η = 0
+with no mismatch: there they share decoupled PPO's run per seed (``shared_with``).
+
+``mismatch`` > 0 is the second workload: the engine samples from a perturbed copy of the
+weights while the learner computes on the exact ones, so k ≠ 1 even on-policy, as on a
+GPU whose engine computes in bf16. Each row reports the k3 estimate of KL(μ‖π) on tokens
+of the trained version (``mismatch_k3``), so the magnitude a value stands for is measured
+in every run, not assumed.
 
 The workload, and why: the Countdown policy gains ~0.07 in five minutes, too little to
 separate curves in a CPU budget. Here a 91k-parameter policy (``asyncrl.tiny.addition_sft``,
@@ -48,12 +58,29 @@ from asyncrl.orchestrator.metrics import training_seconds
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.tiny.addition_sft import make_addition_policy
 
-Objective = Literal["decoupled", "bypass", "naive"]
+Objective = Literal["decoupled", "bypass", "naive", "gspo", "cispo", "icepop", "token_mask", "sequence_mask",
+                    "geometric_mask"]
+_DECOUPLED = ["algorithm.policy_loss=decoupled_ppo", "algorithm.bypass=false", "algorithm.is_correction=true",
+              "algorithm.is_mask=none"]
 OBJECTIVE_KEYS: dict[str, list[str]] = {
-    "decoupled": ["algorithm.bypass=false", "algorithm.is_correction=true"],
-    "bypass": ["algorithm.bypass=true"],
-    "naive": ["algorithm.bypass=false", "algorithm.is_correction=false"],
+    "decoupled": _DECOUPLED,
+    "bypass": [*_DECOUPLED, "algorithm.bypass=true"],
+    "naive": [*_DECOUPLED, "algorithm.is_correction=false"],
+    "gspo": [*_DECOUPLED, "algorithm.policy_loss=gspo"],
+    "cispo": [*_DECOUPLED, "algorithm.policy_loss=cispo"],
+    "icepop": [*_DECOUPLED, "algorithm.policy_loss=icepop"],
+    "token_mask": [*_DECOUPLED, "algorithm.is_mask=token"],
+    "sequence_mask": [*_DECOUPLED, "algorithm.is_mask=sequence"],
+    "geometric_mask": [*_DECOUPLED, "algorithm.is_mask=geometric"],
 }
+"""Each objective as config keys (later keys override earlier ones), all spelled out so a
+row never inherits another's setting."""
+SAME_ON_POLICY = ("decoupled", "bypass", "naive", "icepop", "token_mask", "sequence_mask", "geometric_mask")
+"""Objectives that differ from decoupled PPO only through k = π_prox / μ (its weight, its
+cap, a band that drops tokens or sequences): on-policy with the engine computing as the
+learner does, k = 1 to float32 rounding and all of them are decoupled PPO's update, so at
+η = 0 without ``mismatch`` they share its runs. GSPO's and CISPO's clips differ from PPO's
+at the second optimizer step of a batch (``mini_batches`` > 1): they run their own."""
 # two-sided 95 % Student t quantiles by degrees of freedom (n seeds - 1); the normal's 1.96 beyond 30
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262, 10: 2.228,
         11: 2.201, 12: 2.179, 13: 2.160, 14: 2.145, 15: 2.131, 16: 2.120, 17: 2.110, 18: 2.101, 19: 2.093,
@@ -81,6 +108,12 @@ class StalenessBenchSettings(Section):
     hidden_size: int = Field(64, ge=8)
     policy: str | None = None
     """A warm-up made by an earlier run of this bench (its ``policy/``), to skip making it."""
+    mismatch: float = Field(0.0, ge=0)
+    """The training–inference mismatch workload: the engine samples from a copy of the
+    weights with each element multiplied by (1 + mismatch·ε), ε ~ N(0, 1) afresh at every
+    sync (``rollout.engine_weight_noise``), while the learner computes on the exact ones,
+    as a bf16 GPU engine beside a float32 learner does. 0: none (float32 on both sides).
+    What a value does to the logprobs is measured per row (``mismatch_k3``, at lag 0)."""
     threads: int = Field(1, ge=1)
     """torch threads of the engine and of the learner each: 1 + 1 fills a 2-core machine."""
 
@@ -99,7 +132,13 @@ def run_config(s: StalenessBenchSettings, policy: Path, out: Path, eta: int, obj
         f"optim.lr={s.lr}", f"optim.mini_batches={s.mini_batches}", "algorithm.filter_zero_variance=false", "algorithm.advantage=grpo",
         f"rollout.num_threads={s.threads}", f"rollout.learner_threads={s.threads}",
         *OBJECTIVE_KEYS[objective],
+        *([f"rollout.engine_weight_noise={s.mismatch}", "weight_sync.check_every=0"] if s.mismatch else []),
     ])
+
+
+def shares_on_policy_run(s: StalenessBenchSettings, eta: int, objective: str) -> bool:
+    """At η = 0 without mismatch the ``SAME_ON_POLICY`` objectives train on decoupled PPO's runs."""
+    return eta == 0 and not s.mismatch and objective in SAME_ON_POLICY
 
 
 # ----------------------------------------------------------------------------- one run, one row
@@ -132,7 +171,20 @@ def summarise_run(run_dir: Path) -> dict[str, Any]:
         "is_weight_mean": mean_of("actor/is_weight_mean"),
         "is_truncated_fraction": mean_of("actor/is_truncated_fraction"), "ess": mean_of("actor/is_ess"),
         "entropy_final": trained[-1].get("actor/entropy"),
+        # the engine's logprobs against the learner's on tokens sampled by the trained version
+        "mismatch_k3": mean_of("mismatch/k3_lag0"), "mismatch_max_abs": _max_of(trained, "mismatch/max_abs_lag0"),
+        "clip_fraction": mean_of("actor/clip_fraction"),
+        "masked_fraction": _first(mean_of("actor/is_masked_fraction"), mean_of("actor/icepop_masked_fraction")),
     }
+
+
+def _first(*values: float | None) -> float | None:
+    return next((v for v in values if v is not None), None)
+
+
+def _max_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return max(values) if values else None
 
 
 def ci95(values: list[float]) -> float:
@@ -151,9 +203,9 @@ def summarise_row(eta: int, objective: str, runs: list[dict[str, Any]], *, bypas
         for k, v in r["staleness_hist"].items():
             hist[k] = hist.get(k, 0) + v
 
-    def mean(key: str) -> float | None:
-        values = [r[key] for r in runs if r[key] is not None]
-        return statistics.mean(values) if values and not bypass else None
+    def mean(key: str, *, of_weights: bool = True) -> float | None:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        return statistics.mean(values) if values and not (bypass and of_weights) else None
 
     return {
         "eta": eta, "objective": objective, "num_seeds": len(runs),
@@ -164,7 +216,11 @@ def summarise_row(eta: int, objective: str, runs: list[dict[str, Any]], *, bypas
         "staleness_mean": statistics.mean(r["staleness_mean"] for r in runs),
         "staleness_max": max(r["staleness_max"] for r in runs), "staleness_hist": hist,
         "is_weight_mean": mean("is_weight_mean"), "is_truncated_fraction": mean("is_truncated_fraction"),
-        "ess": mean("ess"),
+        "ess": mean("ess"), "mismatch_k3": mean("mismatch_k3", of_weights=False),
+        "mismatch_max_abs": max((r["mismatch_max_abs"] for r in runs if r.get("mismatch_max_abs") is not None),
+                                default=None),
+        "clip_fraction": mean("clip_fraction", of_weights=False),
+        "masked_fraction": mean("masked_fraction", of_weights=False),
         "curve": _mean_curve([r["curve"] for r in runs]),
     }
 
@@ -237,7 +293,9 @@ def _settings_guard(s: StalenessBenchSettings, out: Path) -> None:
     # ones, and threads change the speed, not what is learned
     mine = s.model_dump(exclude={"threads", "seeds", "etas", "objectives"})
     if path.is_file():
-        theirs = json.loads(path.read_text())
+        # a setting added since those runs were made holds its default there: they ran without it
+        defaults = StalenessBenchSettings().model_dump()
+        theirs = {k: defaults[k] for k in mine if k in defaults} | json.loads(path.read_text())
         if theirs != mine:
             differ = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
             raise ConfigError(f"{out} holds runs of bench staleness with other settings ({', '.join(differ)}); "
@@ -254,15 +312,16 @@ def paired_difference(row: dict[str, Any], baseline: dict[str, Any]) -> dict[str
 
 
 def tabulate(s: StalenessBenchSettings, runs: dict[tuple[int, str], list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """The table's rows, η = 0 shown once per objective; each row against decoupled PPO at its η."""
+    """The table's rows, each against decoupled PPO at its η (paired by seed); a row that
+    shares decoupled PPO's on-policy runs (``shares_on_policy_run``) says so instead."""
     rows = []
     for eta in s.etas:
         for objective in s.objectives:
-            shared = eta == 0
-            row = summarise_row(eta, objective, runs[(eta, s.objectives[0] if shared else objective)],
+            shared = shares_on_policy_run(s, eta, objective)
+            row = summarise_row(eta, objective, runs[(eta, "decoupled" if shared else objective)],
                                 bypass=objective == "bypass" and not shared)
-            if shared and len(s.objectives) > 1:
-                row["shared_with"] = [o for o in s.objectives if o != objective]
+            if shared:
+                row["shared_with"] = [o for o in s.objectives if o != objective and shares_on_policy_run(s, eta, o)]
             rows.append(row)
     for row in rows:
         base = next((r for r in rows if r["eta"] == row["eta"] and r["objective"] == "decoupled"), None)
@@ -292,7 +351,8 @@ def run_staleness_bench(overrides: list[str], out: Path) -> dict[str, Any]:
             record.write_text(json.dumps(base, indent=2) + "\n")
             progress.figure = (f"{base['params']:,} params, {base['steps']} steps, loss {base['final_loss_ema']:.3f}, "
                                f"expected held-out reward {base['expected_val_reward']:.3f}")
-    plan = [(eta, objective) for eta in s.etas for objective in ([s.objectives[0]] if eta == 0 else s.objectives)]
+    plan = list(dict.fromkeys((eta, "decoupled" if shares_on_policy_run(s, eta, objective) else objective)
+                              for eta in s.etas for objective in s.objectives))
     runs: dict[tuple[int, str], list[dict[str, Any]]] = {}
     total = len(plan) * s.seeds
     done = 0
@@ -332,12 +392,16 @@ def _paired(row: dict[str, Any]) -> str:
 
 
 def _print_table(result: dict[str, Any]) -> None:
-    print(f"{'η':>3s} {'objective':10s} {'held-out final ± CI95':>22s} {'start':>6s} {'gain/1k samples':>15s} "
+    print(f"{'η':>3s} {'objective':14s} {'held-out final ± CI95':>22s} {'start':>6s} {'gain/1k samples':>15s} "
           f"{'vs decoupled (paired)':>21s} {'wall s':>7s} {'stale mean':>10s} {'max':>4s} {'IS w':>6s} "
-          f"{'trunc':>6s} {'ESS':>6s}")
+          f"{'trunc':>6s} {'ESS':>6s} {'clip':>6s} {'masked':>6s} {'k3 lag0':>8s}")
     for r in result["rows"]:
-        print(f"{r['eta']:3d} {r['objective']:10s} {r['final_reward_mean']:14.3f} ± {r['final_reward_ci95']:5.3f} "
+        print(f"{r['eta']:3d} {r['objective']:14s} {r['final_reward_mean']:14.3f} ± {r['final_reward_ci95']:5.3f} "
               f"{r['start_reward']:6.3f} {1000 * r['reward_per_sample']:15.3f} {_paired(r):>21s} {r['wall_s']:7.1f} "
               f"{r['staleness_mean']:10.2f} {r['staleness_max']:4d} {_fmt(r['is_weight_mean'], '6.3f')} "
-              f"{_fmt(r['is_truncated_fraction'], '6.3f')} {_fmt(r['ess'], '6.3f')}")
-    print(f"seeds per row: {result['settings']['seeds']}; η = 0 is on-policy, one run per seed shared by the objectives")
+              f"{_fmt(r['is_truncated_fraction'], '6.3f')} {_fmt(r['ess'], '6.3f')} "
+              f"{_fmt(r.get('clip_fraction'), '6.3f')} {_fmt(r.get('masked_fraction'), '6.3f')} "
+              f"{_fmt(r.get('mismatch_k3'), '8.2e')}")
+    s = result["settings"]
+    print(f"seeds per row: {s['seeds']}; mismatch {s['mismatch']:g}; η = 0 without mismatch is on-policy, one run per "
+          f"seed shared by {', '.join(SAME_ON_POLICY)}")

@@ -75,6 +75,7 @@ class TorchEngine:
 
     def __init__(
         self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,
+        weight_noise: float = 0.0,  # a bench and test facility: see _perturb
         num_threads: int | None = None, group_prefill: bool = True, prefix_cache_size: int = 64,
         dtype: str | torch.dtype | None = None,
     ) -> None:
@@ -92,6 +93,9 @@ class TorchEngine:
         self._version = version
         self._adapters = AdapterMerger()  # model.lora.sync=adapters: the targeted layers' base, merged here
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.weight_noise = weight_noise
+        self._noise = torch.Generator().manual_seed(seed)  # its own stream: sampling draws the same with or without
+        self._perturb(dict(model.named_parameters()))
         self._ids = itertools.count()
         self._drain_waiters: list[tuple[asyncio.Future[None], asyncio.AbstractEventLoop]] = []
         self._closed = False
@@ -173,10 +177,24 @@ class TorchEngine:
             with torch.no_grad():
                 for name, tensor in weights.items():
                     params[name].copy_(tensor, non_blocking=True)
+            self._perturb({name: params[name] for name in weights})
             self._version = version
             self._prefixes.clear()  # prefilled on the old weights: never fork them again
 
         await self._call(load)
+
+    def _perturb(self, params: Mapping[str, torch.Tensor]) -> None:
+        """``weight_noise`` σ > 0 (``rollout.engine_weight_noise``, a bench and test facility):
+        every tensor loaded becomes w · (1 + σ·ε), ε ~ N(0, 1) drawn afresh at each load, so
+        the engine samples from a copy that differs from the learner's, as a GPU engine's
+        bf16 weights and kernels make it differ: the training–inference mismatch, made
+        reproducibly on CPU. σ = 0: the engine's weights are the learner's exactly."""
+        if not self.weight_noise:
+            return
+        with torch.no_grad():
+            for param in params.values():
+                eps = torch.randn(param.shape, generator=self._noise).to(param.device, param.dtype)
+                param.mul_(1 + self.weight_noise * eps)
 
     async def shutdown(self) -> None:
         with self._wake:

@@ -126,6 +126,7 @@ class Trainer:
                     self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
                     max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
                     watchdog=self.watchdog, now=self._now,
+                    engine_exact=not self.cfg.rollout.engine_weight_noise and self.cfg.engine_dtype == self.cfg.model.dtype,
                     on_train=lambda start, end, step: self.log.event("train", start, end, step=step))
                 if state is not None:
                     removed = rollback_logs(self.output_dir, state)

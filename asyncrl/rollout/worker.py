@@ -133,6 +133,7 @@ class RolloutWorker:
             model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
         make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
                                            seed=seed, version=self._version, num_threads=self._num_threads,
+                                           weight_noise=self.cfg.rollout.engine_weight_noise,
                                            group_prefill=self.cfg.rollout.group_prefill,
                                            dtype=self.cfg.engine_dtype)
         if self._eval_replica:
