@@ -188,6 +188,67 @@ def test_bench_trl_checkpoints_and_time_to_target():
     assert time_to_target(curve, 0.6) is None
 
 
+def test_bench_trl_summarises_seeds_by_hand():
+    """Time to target over seeds: each seed's, how many reached, the mean ± Student-t CI95 of
+    those that did (t at 1 degree of freedom 12.706: values 10 and 14, sample s.d. 2√2 → 12 ± 12.706 · 2√2/√2 = 25.412)."""
+    from asyncrl.bench.trl import SYSTEMS, summarise_seeds
+
+    def sitting(seed, times, finals):
+        systems = {name: {"time_to_target_s": t, "final_held_out_reward": f, "samples_per_s": 100.0}
+                   for name, t, f in zip(SYSTEMS, times, finals)}
+        return {"seed": seed, "systems": systems, "target_reward": 0.5, "target_above_start": True}
+
+    summary = summarise_seeds([sitting(0, [10.0, 6.0, None], [0.5, 0.6, 0.4]),
+                               sitting(1, [14.0, None, None], [0.5, 0.4, 0.3])])
+    trl, sync, async_ = (summary["systems"][n] for n in SYSTEMS)
+    assert trl["time_to_target_s"] == [10.0, 14.0] and (trl["reached"], trl["of"]) == (2, 2)
+    assert trl["time_to_target"]["mean"] == 12.0
+    assert trl["time_to_target"]["ci95"] == pytest.approx(25.412, rel=1e-4)
+    assert sync["reached"] == 1 and sync["time_to_target"] == {"mean": 6.0, "ci95": 0.0}
+    assert async_["reached"] == 0 and async_["time_to_target"] == {"mean": None, "ci95": None}
+    assert async_["final_held_out_reward"]["mean"] == pytest.approx(0.35)
+    assert summary["seeds"] == [0, 1] and summary["targets"] == [0.5, 0.5]
+
+
+def test_bench_trl_takes_a_train_config_for_both_sides():
+    """``config=``: both sides read the model, task, reward and sampling from the user's
+    config; the TRL prompt is what asyncrl's single-turn workflow renders."""
+    from asyncrl.bench.trl import TrlBenchSettings, task_config, trl_prompt
+    from asyncrl.rollout.workflows.registry import build_reward_fn, build_tasks
+
+    countdown = task_config(TrlBenchSettings(), [])
+    assert (countdown.task.name, countdown.model.path, countdown.sampling.max_tokens) == (
+        "countdown", "models/countdown-tiny", 24)
+    s = TrlBenchSettings(config="examples/jsonl/train.yaml", seed=3, max_tokens=12)
+    cfg = task_config(s, ["total_steps=2"])
+    assert (cfg.task.name, cfg.seed, cfg.sampling.max_tokens, cfg.total_steps) == ("jsonl", 3, 12, 2)
+    task = build_tasks(cfg).train[0]
+    assert trl_prompt(cfg, task) == [{"role": "user", "content": task.prompt}]
+    plain = task_config(s, ["workflow.use_chat_template=false"])
+    assert trl_prompt(plain, task) == task.prompt
+    assert build_reward_fn(cfg)(task, "no expression here") == 0.0
+
+
+@pytest.mark.slow
+def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys):
+    pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
+    out = tmp_path / "trl"
+    assert main(["bench", "trl", "config=examples/jsonl/train.yaml", "seeds=2", "steps=2", "batch_size=2",
+                 "group_size=2", "max_tokens=6", "eval_every=2", "eval_tasks=2", "eval_samples=1",
+                 "--out", str(out)]) == 0
+    result = json.loads((out / "bench.json").read_text())
+    assert [r["seed"] for r in result["seeds"]] == [0, 1]
+    summary = result["across_seeds"]
+    for k, sitting in enumerate(result["seeds"]):
+        assert sitting["target_reward"] == sitting["systems"]["trl"]["held_out"][-1]["reward_mean"]
+        assert sitting["held_out_eval"]["split"] == "examples/jsonl/train.yaml validation"
+        for name, system in sitting["systems"].items():
+            assert summary["systems"][name]["time_to_target_s"][k] == system["time_to_target_s"]
+        assert (out / f"seed_{k}" / "trl" / "checkpoints" / "step_2").is_dir()
+    assert summary["systems"]["trl"]["reached"] == 2  # TRL reaches its own final score
+    assert "--- across seeds [0, 1]" in capsys.readouterr().out
+
+
 def test_bench_gateway_smoke(tmp_path, capsys, policy_dir):
     out = tmp_path / "gateway"
     assert main(["bench", "gateway", f"model_path={policy_dir}", "num_prompts=4", "requests=6", "concurrency=3",

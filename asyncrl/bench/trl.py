@@ -37,6 +37,18 @@ as listed, and each size's results go under ``sizes``, keyed ``"BxG"`` (``"4x8"`
 top-level keys are the first size's, as for a single one. ``held_out=false``: a
 speed-only run: no checkpoints are saved inside the clocks and none is scored
 (``time_to_target_s`` is then ``None`` and the table says skipped).
+
+Any task, several seeds. ``config=examples/smollm2/train.yaml`` takes the model, the task
+(its train split in the order asyncrl's trainer draws it, its validation split for the
+held-out score), the reward function, the chat-template switch, ``sampling.max_tokens``
+and the temperature from an ``asyncrl train`` config, for both sides: TRL gets the same
+prompts (chat messages when the config renders them through the chat template, else
+the plain text) and a reward function that calls the config's own on each completion.
+Without it the task is Countdown on ``models/countdown-tiny``. ``seeds=3`` repeats the
+whole sitting with seeds ``seed``, ``seed + 1``, … (each under ``seed_N/``) and reports,
+per system, the time to target of every seed, how many reached it, and the mean with a
+Student-t 95 % interval over those that did; the target is each seed's own TRL final
+score unless ``target=`` fixes one for all.
 """
 
 from __future__ import annotations
@@ -52,26 +64,32 @@ from typing import Annotated, Any
 from pydantic import Field
 
 from asyncrl.bench.progress import phase
-from asyncrl.config import EvalConfig, Section, apply_overrides, load_config, validate
+from asyncrl.bench.staleness import ci95
+from asyncrl.config import Config, EvalConfig, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.eval_command import run_eval
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.orchestrator.trainer import Trainer
-from asyncrl.tasks import countdown_reward
+from asyncrl.policy import resolve_model_path
+from asyncrl.rollout.workflows.registry import build_reward_fn, build_tasks
 from asyncrl.tasks.base import Task
-from asyncrl.rollout.workflows.registry import build_tasks
 
 SYSTEMS = ("trl", "asyncrl_sync", "asyncrl_async")
 TARGET_RULE = "held-out reward of TRL's last checkpoint (step = steps)"
 
 
 class TrlBenchSettings(Section):
-    model_path: str = "models/countdown-tiny"
+    config: str | None = None
+    """An ``asyncrl train`` config whose model, task, reward function, chat-template switch,
+    ``sampling.max_tokens`` and temperature both sides use; None: Countdown on the tiny policy."""
+    model_path: str | None = None
+    """The policy both sides start from; None: the config's ``model.path``, else ``models/countdown-tiny``."""
     steps: int = Field(40, ge=2)
     batch_size: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
     lr: float = Field(3e-4, gt=0)
-    max_tokens: int = Field(24, ge=1)
+    max_tokens: int | None = Field(None, ge=1)
+    """Response tokens; None: the config's ``sampling.max_tokens``, else 24."""
     smooth: int = Field(5, ge=1)
     seed: int = 0
     eval_every: int = Field(10, ge=1)
@@ -84,6 +102,10 @@ class TrlBenchSettings(Section):
     """Tasks per step for each size to measure, one after another (overrides ``batch_size``)."""
     held_out: bool = True
     """Save and score checkpoints on held-out tasks; false: samples/s only (no saves, no evaluation)."""
+    seeds: int = Field(1, ge=1)
+    """Sittings, with seeds ``seed``, ``seed + 1``, …: time to target per seed and its interval."""
+    target: float | None = None
+    """A held-out reward every system must reach; None: each seed's TRL final (``target_rule``)."""
 
     def sizes(self) -> list[int]:
         return list(self.batch_sizes) if self.batch_sizes else [self.batch_size]
@@ -91,6 +113,28 @@ class TrlBenchSettings(Section):
     def label(self) -> str:
         """This size's key in ``sizes``: tasks × samples per step."""
         return f"{self.batch_size}x{self.group_size}"
+
+
+def task_config(s: TrlBenchSettings, overrides: list[str]) -> Config:
+    """The run's config: ``s.config`` (or Countdown on the tiny policy) with the bench's
+    model, seed, response length and ``overrides``."""
+    model = [f"model.path={s.model_path}"] if s.model_path else []
+    tokens = [f"sampling.max_tokens={s.max_tokens}"] if s.max_tokens else []
+    if s.config is None:
+        base = ["model.path=models/countdown-tiny", "task.name=countdown", "sampling.max_tokens=24",
+                "sampling.temperature=1.0"]
+        return load_config(None, [*base, *model, f"seed={s.seed}", *tokens, *overrides])
+    return load_config(s.config, [*model, f"seed={s.seed}", *tokens, *overrides])
+
+
+def trl_prompt(cfg: Config, task: Task) -> Any:
+    """The prompt as asyncrl's single-turn workflow renders it: chat messages through the
+    chat template, or the plain text."""
+    if task.messages is not None:
+        return list(task.messages)
+    if cfg.workflow.use_chat_template:
+        return [{"role": "user", "content": task.prompt}]
+    return task.prompt
 
 
 class Run:
@@ -122,11 +166,10 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
 
 def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
     steps = checkpoint_steps(s)
-    cfg = load_config(None, [
-        f"output_dir={out}", f"seed={s.seed}", f"model.path={s.model_path}", "task.name=countdown",
-        f"mode={mode}", "max_staleness=2", f"partial_rollout={'abort' if mode == 'async' else 'off'}",
+    cfg = task_config(s, [
+        f"output_dir={out}", f"mode={mode}", "max_staleness=2", f"partial_rollout={'abort' if mode == 'async' else 'off'}",
         f"total_steps={s.steps}", f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0",
-        "eval.num_tasks=8", "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}",
+        "eval.num_tasks=8", "eval.samples_per_task=1",
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
         f"save_every={s.eval_every if s.held_out else 0}", f"keep_last={len(steps) + 1}",
     ])
@@ -152,15 +195,15 @@ def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
     from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    cfg = load_config(None, [f"seed={s.seed}", "task.name=countdown"])
+    cfg = task_config(s, [])
     stream = TaskStream(build_tasks(cfg).train, s.seed)  # the order asyncrl's trainer draws them in
     tasks = [stream.next() for _ in range(s.steps * s.batch_size)]
-    data = Dataset.from_list([{"prompt": [{"role": "user", "content": t.prompt}], "task_id": t.id,
-                               "numbers": t.data["numbers"], "target": t.data["target"]} for t in tasks])
+    data = Dataset.from_list([{"prompt": trl_prompt(cfg, t), "task_index": i} for i, t in enumerate(tasks)])
+    score = build_reward_fn(cfg)
 
-    def reward(prompts, completions, numbers, target, **_: Any) -> list[float]:
-        return [countdown_reward(Task("trl", "", {"numbers": n, "target": g}), c[0]["content"])
-                for c, n, g in zip(completions, numbers, target)]
+    def reward(prompts, completions, task_index, **_: Any) -> list[float]:
+        return [float(score(tasks[i], c if isinstance(c, str) else c[0]["content"]))
+                for c, i in zip(completions, task_index)]
 
     run, due = Run(), set(checkpoint_steps(s))
 
@@ -186,13 +229,15 @@ def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
 
     args = GRPOConfig(
         output_dir=str(out), per_device_train_batch_size=s.batch_size * s.group_size,
-        num_generations=s.group_size, max_completion_length=s.max_tokens, temperature=1.0, top_k=0, top_p=1.0,
+        num_generations=s.group_size, max_completion_length=cfg.sampling.max_tokens,
+        temperature=cfg.sampling.temperature, top_k=0, top_p=1.0,
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=s.steps, beta=0.0,
         epsilon=0.2, epsilon_high=0.28, scale_rewards="group", loss_type="dapo", use_cpu=True, bf16=False,
         report_to="none", logging_steps=1, save_strategy="no", seed=s.seed, shuffle_dataset=False,
     )
-    trainer = GRPOTrainer(model=s.model_path, reward_funcs=reward, args=args, train_dataset=data,
-                          processing_class=AutoTokenizer.from_pretrained(s.model_path), callbacks=[Clock()])
+    model = str(resolve_model_path(cfg.model.path))
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
+                          processing_class=AutoTokenizer.from_pretrained(model), callbacks=[Clock()])
     trainer.train()
     run.wall_s = run.train_curve[-1][0]  # the last save came before the last log: already off the clock
     return run
@@ -200,10 +245,10 @@ def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
 
 def held_out_eval(s: TrlBenchSettings, model_dir: Path, out: Path) -> dict[str, float]:
     """``asyncrl eval``'s evaluation of ``model_dir`` (written to ``out``): mean reward and pass@1."""
-    cfg = load_config(None, [
-        f"output_dir={out}", f"seed={s.seed}", f"model.path={model_dir}", "task.name=countdown",
-        f"task.num_validation={max(s.eval_tasks, 128)}", f"eval.num_tasks={s.eval_tasks}",
-        f"eval.samples_per_task={s.eval_samples}", f"sampling.max_tokens={s.max_tokens}",
+    validation = [f"task.num_validation={max(s.eval_tasks, 128)}"] if s.config is None else []
+    cfg = task_config(s.model_copy(update={"model_path": str(model_dir)}), [
+        f"output_dir={out}", *validation, f"eval.num_tasks={s.eval_tasks}", f"eval.samples_per_task={s.eval_samples}",
+        *([] if s.config else [f"eval.temperature={EvalConfig().temperature}"]),
     ])
     result = run_eval(cfg)
     return {"reward_mean": result.mean_reward, "pass@1": result.pass_at[1]}
@@ -211,6 +256,8 @@ def held_out_eval(s: TrlBenchSettings, model_dir: Path, out: Path) -> dict[str, 
 
 def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     s = validate(TrlBenchSettings, apply_overrides({}, overrides))
+    if s.seeds > 1:
+        return _across_seeds(s, out)
     sizes = [s.model_copy(update={"batch_size": b, "batch_sizes": None}) for b in s.sizes()]
     if len(sizes) == 1:  # one size: its directories and phase names as they always were
         result = {"settings": s.model_dump(), **_bench_size(sizes[0], out, "")}
@@ -225,6 +272,60 @@ def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
         _print_table(size_result)
     _print_size_table(per_size)
     return result
+
+
+def _across_seeds(s: TrlBenchSettings, out: Path) -> dict[str, Any]:
+    """One sitting per seed (one batch size), then each system's time to target over the
+    seeds: every seed's, how many reached it, and the mean ± CI95 of those that did."""
+    if s.batch_sizes and len(s.batch_sizes) > 1:
+        raise ValueError("seeds > 1 takes one batch size (batch_size=B), not batch_sizes")
+    sittings = []
+    for k in range(s.seeds):
+        seed = s.seed + k
+        print(f"--- seed {seed} ({k + 1} of {s.seeds})")
+        one = s.model_copy(update={"seed": seed, "seeds": 1, "batch_sizes": None,
+                                   "batch_size": s.sizes()[0]})
+        sitting = {"seed": seed, **_bench_size(one, out / f"seed_{seed}", f"seed {seed}: ")}
+        _print_table(sitting)
+        sittings.append(sitting)
+    summary = summarise_seeds(sittings)
+    _print_seed_table(summary)
+    return {"settings": s.model_dump(), "seeds": sittings, "across_seeds": summary}
+
+
+def mean_ci(values: list[float]) -> dict[str, float | None]:
+    return {"mean": statistics.mean(values) if values else None, "ci95": ci95(values) if values else None}
+
+
+def summarise_seeds(sittings: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per system over the sittings: time to target (each seed's; reached count; mean ± CI95
+    over the seeds that reached it), held-out final and samples/s (mean ± CI95); and the
+    seeds whose target lies above the start, without which a time to target ranks nothing."""
+    systems = {}
+    for name in SYSTEMS:
+        runs = [r["systems"][name] for r in sittings]
+        times = [r["time_to_target_s"] for r in runs]
+        reached = [t for t in times if t is not None]
+        finals = [r["final_held_out_reward"] for r in runs if r["final_held_out_reward"] is not None]
+        systems[name] = {"time_to_target_s": times, "reached": len(reached), "of": len(times),
+                         "time_to_target": mean_ci(reached), "final_held_out_reward": mean_ci(finals),
+                         "samples_per_s": mean_ci([r["samples_per_s"] for r in runs])}
+    return {"systems": systems, "seeds": [r["seed"] for r in sittings],
+            "targets": [r["target_reward"] for r in sittings],
+            "target_above_start": [r["target_above_start"] for r in sittings]}
+
+
+def _print_seed_table(summary: dict[str, Any]) -> None:
+    def cell(v: dict[str, float | None], spec: str) -> str:
+        return "n/a" if v["mean"] is None else f"{v['mean']:{spec}} ± {v['ci95']:{spec}}"
+
+    print(f"--- across seeds {summary['seeds']}; targets {[round(t, 3) for t in summary['targets'] if t is not None]}"
+          f" (above the start: {summary['target_above_start']})")
+    print(f"{'system':14s} {'time to target s (mean ± CI95 of those reached)':>48s} {'reached':>8s} "
+          f"{'held-out final':>16s} {'samples/s':>14s}")
+    for name, v in summary["systems"].items():
+        print(f"{name:14s} {cell(v['time_to_target'], '.1f'):>48s} {v['reached']:>4d}/{v['of']:<3d} "
+              f"{cell(v['final_held_out_reward'], '.3f'):>16s} {cell(v['samples_per_s'], '.1f'):>14s}")
 
 
 def _in_own_process(train: Callable[..., Run], *args: Any) -> Run:
@@ -255,7 +356,7 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     start = None
     if s.held_out:
         with phase("trl", f"{prefix}held-out eval: start policy") as progress:
-            start = held_out_eval(s, Path(s.model_path), out / "start_policy_eval")
+            start = held_out_eval(s, resolve_model_path(task_config(s, []).model.path), out / "start_policy_eval")
             progress.figure = f"reward {start['reward_mean']:.3f}, pass@1 {start['pass@1']:.3f}"
         for name, run in runs.items():
             with phase("trl", f"{prefix}held-out eval: {name} ({len(run.checkpoints)} checkpoints)",
@@ -267,7 +368,7 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
                     progress.advance()
                 progress.figure = " → ".join(f"{p['reward_mean']:.3f}" for p in held_out[name])
 
-    target = held_out["trl"][-1]["reward_mean"] if s.held_out else None
+    target = (s.target if s.target is not None else held_out["trl"][-1]["reward_mean"]) if s.held_out else None
     systems = {}
     for name, run in runs.items():
         systems[name] = {
@@ -281,9 +382,10 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     trl_rate = systems["trl"]["samples_per_s"]
     return {
         "batch_size": s.batch_size, "samples_per_step": s.batch_size * s.group_size,
-        "target_reward": target, "target_rule": TARGET_RULE,
-        "held_out_eval": {"split": "countdown validation", "tasks": s.eval_tasks, "samples_per_task": s.eval_samples,
-                          "max_tokens": s.max_tokens, "temperature": EvalConfig().temperature,
+        "target_reward": target, "target_rule": TARGET_RULE if s.target is None else "target= (fixed)",
+        "held_out_eval": {"split": f"{s.config or 'countdown'} validation", "tasks": s.eval_tasks,
+                          "samples_per_task": s.eval_samples, "max_tokens": task_config(s, []).sampling.max_tokens,
+                          "temperature": task_config(s, []).eval.temperature,
                           "evaluator": "asyncrl eval (run_eval) on each checkpoint directory"} if s.held_out else None,
         "target_above_start": target > start["reward_mean"] + 1e-9 if s.held_out else None,
         "systems": systems,
