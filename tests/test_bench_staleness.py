@@ -179,3 +179,16 @@ def test_the_mismatch_workload_has_the_stated_mismatch_and_the_default_none(tmp_
     exact = rows(tmp_path / "exact")
     assert exact["decoupled"]["mismatch_k3"] < 1e-6 and exact["decoupled"]["mismatch_max_abs"] < 1e-3
     assert exact["icepop"]["shared_with"] == ["decoupled"] and exact["decoupled"]["shared_with"] == ["icepop"]
+
+
+def test_runs_made_before_a_setting_existed_are_reused_at_its_default(tmp_path):
+    """settings.json of a bench made before ``mismatch`` existed: its runs had none, so the
+    default reuses them and ``mismatch=0.1`` (another workload) is refused."""
+    from asyncrl.bench.staleness import StalenessBenchSettings, _settings_guard
+    from asyncrl.config import ConfigError
+
+    old = StalenessBenchSettings().model_dump(exclude={"threads", "seeds", "etas", "objectives", "mismatch"})
+    (tmp_path / "settings.json").write_text(json.dumps(old))
+    _settings_guard(StalenessBenchSettings(), tmp_path)
+    with pytest.raises(ConfigError, match=r"other settings \(mismatch\)"):
+        _settings_guard(StalenessBenchSettings(mismatch=0.1), tmp_path)
