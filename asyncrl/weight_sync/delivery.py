@@ -51,15 +51,15 @@ FLOAT32_TOLERANCE = 1e-4
 """The probe's bound when the engines' and the learner's weights are both float32: the
 engine/learner difference in float32, the adapters' forward against the merged weights
 included (``docs/scaling.md``, LoRA)."""
-ROUNDED_TOLERANCE = 0.1
+ROUNDED_TOLERANCE = 0.5
 """The probe's bound when either side's weights are bf16 or fp16 (``rollout.dtype``,
 ``model.dtype``): the engine then computes with the learner's weights rounded, and a greedy
-token's logprob moves with the rounding. Measured with ``asyncrl bench precision``: up to
-0.015 on the tiny Countdown policy and SmolLM2-135M (docs/results.md, "Precision"), so 0.1
-leaves a margin across models, while weights that were not delivered at all (another
-checkpoint, an adapter never applied) still differ by far more. A sync whose weights moved
-less than bf16 rounding cannot be told from a delivered one in bf16: the price of a
-rounded engine."""
+token's logprob moves with the rounding. Measured for a bf16 engine against a float32
+learner: 0.015 on the tiny Countdown policy, 0.019 on the tiny addition one, 0.077 on
+SmolLM2-135M (docs/results.md, "Precision"); 0.5 leaves a margin for deeper models, while
+weights that were not delivered at all (another checkpoint, an adapter never applied)
+still differ by more. A sync whose weights moved less than this cannot be told from a
+delivered one: the price of a rounded engine."""
 
 
 def check_tolerance(setting: float | None, weights_dtype: str, engine_dtype: str) -> float:
