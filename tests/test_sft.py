@@ -25,7 +25,9 @@ from asyncrl.tiny.sft import (
     collate,
     sft_examples,
     supervised_warmup,
+    wrong_expressions,
 )
+from asyncrl.tasks import Task
 
 SMALL = {"hidden_size": 32, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
          "max_position_embeddings": 64}
@@ -45,6 +47,37 @@ def test_sft_examples_mask_exactly_the_prompt(char_tokenizer):
         assert labels[-1] == eos
         answer = char_tokenizer.decode(ids[len(prompt):-1])
         assert answer == solve_countdown(task)
+
+
+def test_wrong_expressions_use_the_numbers_and_miss_the_target():
+    task = Task(id="t", prompt="1 2 3 -> 6", data={"numbers": [1, 2, 3], "target": 6})
+    wrong = wrong_expressions(task)
+    # 1+2+3 = 1*2*3 = 6 in every order: never a wrong answer; 1+2*3 = 7 and 3-2-1 = 0 are.
+    assert not {"1+2+3", "1*2*3", "3*2*1", "2*(1+2)"} & set(wrong)
+    assert {"1+2*3", "3-2-1", "(1+2)*3"} <= set(wrong)
+    assert all(countdown_reward(task, text) == 0.1 for text in wrong)
+    assert wrong == sorted(set(wrong))
+
+
+def test_noisy_examples_replace_about_label_noise_of_targets(char_tokenizer):
+    tasks = generate_countdown(10, seed=2)
+    copies = 100
+    noisy = sft_examples(char_tokenizer, tasks, label_noise=0.5, copies=copies, seed=3)
+    assert len(noisy) == copies * len(tasks)
+    assert noisy == sft_examples(char_tokenizer, tasks, label_noise=0.5, copies=copies, seed=3)
+    assert noisy != sft_examples(char_tokenizer, tasks, label_noise=0.5, copies=copies, seed=4)
+    num_wrong = 0
+    for i, task in enumerate(tasks):
+        prompt_len = len(chat_prompt_ids(char_tokenizer, [{"role": "user", "content": task.prompt}]))
+        answers = [char_tokenizer.decode(ids[prompt_len:-1]) for ids, _ in noisy[i * copies:(i + 1) * copies]]
+        wrong = [a for a in answers if a != solve_countdown(task)]
+        assert set(wrong) <= set(wrong_expressions(task))
+        assert len(set(wrong)) > 5  # each copy draws its own wrong answer
+        num_wrong += len(wrong)
+    # 1,000 Bernoulli(0.5) draws: 5 standard deviations is +-79.
+    assert abs(num_wrong - 500) < 79
+    clean = sft_examples(char_tokenizer, tasks, label_noise=0.0, copies=3)
+    assert clean == [example for example in sft_examples(char_tokenizer, tasks) for _ in range(3)]
 
 
 def test_warmup_lowers_loss_and_round_trips(tmp_path):

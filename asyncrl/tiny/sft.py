@@ -1,11 +1,16 @@
-"""Supervised warm-up that turns a random tiny Qwen2 into an imperfect Countdown solver.
+"""Supervised warm-up that turns a random tiny Qwen2 into an unsure Countdown solver.
 
-RL from a random init never sees a reward on Countdown, and RL from a perfect model has
-nothing to learn. So the shipped base policy is made here, by the project's own code:
-a short supervised run on generated solutions, stopped early on purpose so greedy
-validation accuracy lands around 25-45 % and sampled rewards stay clearly below 1.
-The answers it teaches come from the task's own solver (``solve_countdown``); the scores
-it records come from the project's evaluation (``asyncrl.tiny.scoring``).
+RL from a random init never sees a reward on Countdown, and RL from a model that samples
+its best answer every time has nothing to sharpen. So the shipped base policy is made
+here, by the project's own code, the way the addition and search policies are: from
+**noisy** targets. Each training prompt appears ``copies`` times; each copy's target is
+the task's canonical solution (``solve_countdown``) or, with probability
+``label_noise``, a plausible wrong one: the same numbers in another order and other
+operators, well-formed but missing the target (it scores the format bonus). The policy
+learns the right answer as its single most likely one where it can, but samples it far
+less often than greedy decoding finds it, as a pretrained model that half-knows a task
+does; RL gains by concentrating on it. The scores it records come from the project's
+evaluation (``asyncrl.tiny.scoring``).
 
     python -m asyncrl.tiny.sft --out models/countdown-tiny
 """
@@ -21,6 +26,8 @@ import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
+from fractions import Fraction
+from itertools import permutations
 from typing import Any
 
 import torch
@@ -28,7 +35,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from asyncrl.tasks import Task, load_tasks
-from asyncrl.tasks.countdown import solve_countdown
+from asyncrl.tasks.countdown import _expressions, solve_countdown
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
 from asyncrl.tiny.scoring import greedy_accuracy, mean_reward
 from asyncrl.tiny.tokenizer import build_char_tokenizer, chat_prompt_ids
@@ -41,28 +48,55 @@ NUM_THREADS = 2
 DEFAULT_MODEL: dict[str, int] = {"hidden_size": 128, "num_layers": 4, "num_heads": 4, "num_kv_heads": 2,
                                  "intermediate_size": 384, "max_position_embeddings": 128}
 DEFAULT_STEPS = 1000
-DEFAULT_MINUTES = 6.0
+DEFAULT_MINUTES = 60.0
 # A small slice of the ~8.6k train-split prompts: RL then mostly meets prompts the warm-up
 # never saw, so what it learns must generalise (the validation split is unseen by both).
 DEFAULT_NUM_TRAIN = 4_000
 DEFAULT_NUM_VALIDATION = 256
+DEFAULT_LABEL_NOISE = 0.5
+DEFAULT_COPIES = 16
+DEFAULT_LR = 3e-3
 
 
 # ----------------------------------------------------------------------------- examples
 
 
-def sft_examples(tokenizer: Any, tasks: Sequence[Task]) -> list[tuple[list[int], list[int]]]:
-    """(input_ids, labels) per task: chat prompt + solution + eos, loss only on the answer.
+def wrong_expressions(task: Task, ops: str = "+-*") -> list[str]:
+    """Every expression over ``task``'s numbers (any order, ``ops``, both shapes, only the
+    parentheses precedence needs) whose value is not the target, sorted: the noisy
+    teacher's wrong answers. Each scores ``FORMAT_REWARD``, never 1."""
+    numbers = [int(n) for n in task.data["numbers"]]
+    target = Fraction(int(task.data["target"]))
+    return sorted({text for order in dict.fromkeys(permutations(numbers))
+                   for text, _, value, _ in _expressions(order, ops) if value != target})
+
+
+def sft_examples(tokenizer: Any, tasks: Sequence[Task], *, label_noise: float = 0.0, copies: int = 1,
+                 seed: int = 0) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, labels): ``copies`` per task, chat prompt + target + eos, loss only on
+    the target. A copy's target is the canonical solution, or with probability
+    ``label_noise`` (a seeded draw per copy) one of ``wrong_expressions(task)`` at random.
 
     The prompt is rendered exactly as rollouts render it (``chat_prompt_ids``), so the
     warm-up teaches the very continuation the RL engine will sample.
     """
+    if not 0 <= label_noise < 1:
+        raise ValueError(f"label_noise must be in [0, 1), got {label_noise}")
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    rng = random.Random(f"countdown-label-noise-{seed}")
     eos = tokenizer.eos_token_id
     examples = []
     for task in tasks:
         prompt = chat_prompt_ids(tokenizer, [{"role": "user", "content": task.prompt}])
-        answer = list(tokenizer.encode(solve_countdown(task), add_special_tokens=False)) + [eos]
-        examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
+        solution, wrong = solve_countdown(task), None
+        for _ in range(copies):
+            text = solution
+            if label_noise and rng.random() < label_noise:
+                wrong = wrong if wrong is not None else wrong_expressions(task)
+                text = rng.choice(wrong) if wrong else solution  # a task with no wrong answer keeps its own
+            answer = list(tokenizer.encode(text, add_special_tokens=False)) + [eos]
+            examples.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
     return examples
 
 
@@ -112,8 +146,10 @@ def supervised_warmup(
     seed: int = 0,
     log_every: int = 50,
     eval_fn: Callable[[Any], float] | None = None,
+    label_noise: float = 0.0,
+    copies: int = 1,
 ) -> dict[str, Any]:
-    """Fine-tune ``model`` in place on ``tasks``' canonical solutions.
+    """Fine-tune ``model`` in place on ``tasks``' solutions, noisy as ``sft_examples`` says.
 
     Stops at ``steps`` or ``time_budget_s``, whichever comes first. The cosine horizon
     is ``steps`` when given (so a run is reproducible: data order comes from ``seed``),
@@ -125,7 +161,8 @@ def supervised_warmup(
         raise ValueError("supervised_warmup needs `steps` or `time_budget_s` (or both)")
     if not tasks:
         raise ValueError("supervised_warmup needs at least one task")
-    return train_examples(model, sft_examples(tokenizer, tasks), tokenizer.pad_token_id, steps=steps,
+    examples = sft_examples(tokenizer, tasks, label_noise=label_noise, copies=copies, seed=seed)
+    return train_examples(model, examples, tokenizer.pad_token_id, steps=steps,
                           time_budget_s=time_budget_s, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
                           seed=seed, log_every=log_every, eval_fn=eval_fn)
 
@@ -251,9 +288,15 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=DEFAULT_MINUTES, help="wall-clock cap on training")
     p.add_argument("--num-train", type=int, default=DEFAULT_NUM_TRAIN)
     p.add_argument("--num-validation", type=int, default=DEFAULT_NUM_VALIDATION)
+    p.add_argument("--label-noise", type=float, default=DEFAULT_LABEL_NOISE,
+                   help="share of targets replaced by a wrong expression over the same numbers")
+    p.add_argument("--copies", type=int, default=DEFAULT_COPIES, help="copies of each prompt, each with its own noise draw")
     p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; one (the default) is fastest on a shared 2-core machine, and the weights "
+                        "depend on it")
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--eval-every-log", action="store_true", help="greedy accuracy on 64 val tasks at each log")
     add_model_flags(p, DEFAULT_MODEL)
@@ -265,7 +308,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     import transformers
 
     args = _parse_args(argv)
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(args.threads)
     command = "python -m asyncrl.tiny.sft " + shlex.join(sys.argv[1:] if argv is None else list(argv))
     model_kwargs = {key: getattr(args, key) for key in DEFAULT_MODEL}
     tokenizer = build_char_tokenizer()
@@ -284,6 +327,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         model, tokenizer, splits.train, steps=args.steps,
         time_budget_s=args.minutes * 60 if args.minutes else None, batch_size=args.batch_size, lr=args.lr,
         warmup_steps=args.warmup_steps, seed=args.seed, log_every=args.log_every, eval_fn=eval_fn,
+        label_noise=args.label_noise, copies=args.copies,
     )
     model.eval()
     acc = greedy_accuracy(model, tokenizer, splits.validation)
@@ -297,6 +341,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "num_validation": args.num_validation,
         "params": n_params,
         "model": model_kwargs,
+        "label_noise": args.label_noise,
+        "copies_per_prompt": args.copies,
         "batch_size": args.batch_size,
         "lr": args.lr,
         "warmup_steps": args.warmup_steps,
@@ -313,7 +359,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "torch_version": torch.__version__,
         "transformers_version": transformers.__version__,
         "python_version": platform.python_version(),
-        "num_threads": NUM_THREADS,
+        "num_threads": args.threads,
     }
     (out / "base_policy.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps({k: record[k] for k in (
