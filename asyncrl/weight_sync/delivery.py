@@ -55,8 +55,8 @@ ROUNDED_TOLERANCE = 0.5
 """The probe's bound when either side's weights are bf16 or fp16 (``rollout.dtype``,
 ``model.dtype``): the engine then computes with the learner's weights rounded, and a greedy
 token's logprob moves with the rounding. Measured for a bf16 engine against a float32
-learner: 0.015 on the tiny Countdown policy, 0.019 on the tiny addition one, 0.077 on
-SmolLM2-135M (docs/results.md, "Precision"); 0.5 leaves a margin for deeper models, while
+learner: 0.015–0.023 on the tiny Countdown policy, 0.019 on the tiny addition one,
+0.077–0.105 on SmolLM2-135M (docs/results.md, "Precision"); 0.5 leaves a margin, while
 weights that were not delivered at all (another checkpoint, an adapter never applied)
 still differ by more. A sync whose weights moved less than this cannot be told from a
 delivered one: the price of a rounded engine."""
