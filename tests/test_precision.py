@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from test_delivery import InProcess, train_one_step
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.bench.precision import mismatch, run_precision_bench
 from asyncrl.config import ConfigError, load_config
 from asyncrl.engine import TorchEngine
 from asyncrl.learner import Learner, pack_batch
@@ -155,3 +157,28 @@ def test_the_delivery_probe_of_a_bf16_engine_passes_the_picked_tolerance_not_flo
     assert probe_prompts(AutoTokenizer.from_pretrained(POLICY))
     delivered = asyncio.run(run())
     assert FLOAT32_TOLERANCE < delivered <= ROUNDED_TOLERANCE
+
+
+def test_mismatch_figures_by_hand():
+    engine = torch.tensor([[-1.0, -2.0, -9.0]])
+    learner = torch.tensor([[-1.1, -2.0, 0.0]])
+    m = mismatch(engine, learner, torch.tensor([[1.0, 1.0, 0.0]]))  # the third token is masked
+    w = math.exp(-0.1)  # π/μ of the first token; the second's is 1
+    assert m["tokens"] == 2
+    assert m["max_abs_diff"] == pytest.approx(0.1) and m["mean_abs_diff"] == pytest.approx(0.05)
+    assert m["kl_k3"] == pytest.approx((w - 1 + 0.1) / 2)  # k3 = exp(d) - d - 1, d = π - μ
+    assert (m["is_min"], m["is_max"], m["is_mean"]) == pytest.approx((w, 1.0, (w + 1) / 2))
+    assert m["is_std"] == pytest.approx((1 - w) / math.sqrt(2))  # two values: |a - b| / sqrt(2), unbiased
+
+
+def test_bench_precision_on_the_tiny_policy(capsys):
+    """float32 on both sides agrees to float32's bound; any bf16 side does not, within the
+    stated autocast bound; the table is printed."""
+    result = run_precision_bench(["configs=[examples/countdown/async.yaml]", "repeats=1", "threads=1"])
+    (r,) = result["results"]
+    exact = r["mismatch"]["engine float32 / learner fp32"]
+    assert exact["max_abs_diff"] <= FLOAT32_TOLERANCE and exact["probe_max_abs_diff"] <= FLOAT32_TOLERANCE
+    for name in ("engine float32 / learner bf16-autocast", "engine bfloat16 / learner fp32"):
+        assert FLOAT32_TOLERANCE < r["mismatch"][name]["max_abs_diff"] <= AUTOCAST_MAX_ABS
+    assert r["engine"]["float32"]["tok_s"] > 0 and r["learner"]["bf16-autocast"]["step_s"] > 0
+    assert "bf16/fp32" in capsys.readouterr().out
