@@ -196,7 +196,6 @@ class RolloutConfig(Section):
     delivery check tolerates (``weight_sync.check_tolerance``)."""
 
 
-
 class EvalConfig(Section):
     num_tasks: int = Field(128, ge=1)
     """Validation tasks scored (at most the split's size)."""
@@ -341,6 +340,11 @@ class LearnerConfig(Section):
     weights, gradients and AdamW state stay in ``model.dtype`` (float32: no update is lost
     to rounding) and logits are read back as float32 before the softmax. ``off``: compute
     in the weights' dtype. ``None``: bfloat16 on CUDA, off on CPU."""
+
+    @field_validator("autocast", mode="before")
+    @classmethod
+    def _autocast_off(cls, value: Any) -> Any:
+        return "off" if value is False else value  # `learner.autocast=off`: YAML reads `off` as false
     share_prompts: bool = True
     """Run each distinct prompt of a micro-batch through the model once, and the responses
     on its keys and values: a group's samples share their task's prompt, so at 8 samples

@@ -182,3 +182,20 @@ def test_bench_precision_on_the_tiny_policy(capsys):
         assert FLOAT32_TOLERANCE < r["mismatch"][name]["max_abs_diff"] <= AUTOCAST_MAX_ABS
     assert r["engine"]["float32"]["tok_s"] > 0 and r["learner"]["bf16-autocast"]["step_s"] > 0
     assert "bf16/fp32" in capsys.readouterr().out
+
+
+def test_on_policy_batches_skip_the_recompute_only_when_the_engine_computes_as_the_learner():
+    """π_prox := μ for an on-policy batch only without weight noise, with the engine in the
+    weights' dtype and the learner not under bf16 autocast; `learner.autocast=off` on the
+    command line (YAML's false) is the `off` setting."""
+    from asyncrl.config import load_config
+    from asyncrl.orchestrator.trainer import engine_computes_as_learner
+
+    def exact(*overrides: str) -> bool:
+        return engine_computes_as_learner(load_config(None, ["model.device=cpu", *overrides]))
+
+    assert load_config(None, ["learner.autocast=off"]).learner.autocast == "off"
+    assert exact() and exact("learner.autocast=off")
+    assert not exact("learner.autocast=bfloat16")
+    assert not exact("rollout.dtype=bfloat16")
+    assert not exact("rollout.engine_weight_noise=0.1", "weight_sync.check_every=0")

@@ -46,6 +46,7 @@ from asyncrl.orchestrator.step_meter import StepMeter, Trained
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
+from asyncrl.policy import resolve_device
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.types import Episode
 from asyncrl.weight_sync.delivery import DeliveryCheck, WeightsNotDelivered
@@ -126,7 +127,7 @@ class Trainer:
                     self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
                     max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
                     watchdog=self.watchdog, now=self._now,
-                    engine_exact=not self.cfg.rollout.engine_weight_noise and self.cfg.engine_dtype == self.cfg.model.dtype,
+                    engine_exact=engine_computes_as_learner(self.cfg),
                     on_train=lambda start, end, step: self.log.event("train", start, end, step=step))
                 if state is not None:
                     removed = rollback_logs(self.output_dir, state)
@@ -304,6 +305,17 @@ class Trainer:
         """The ``eval/*`` keys of ``step``'s version, as a future (``evaluations.py``: beside
         training, or now on the engines, which serve the last synced version)."""
         return await self.evaluations.of(step, self.version, self._served_version, weights)
+
+
+def engine_computes_as_learner(cfg: Config) -> bool:
+    """Whether the engine's logprobs are the learner's at the same version, to float32
+    rounding: no weight noise, the engine in the weights' dtype, and the learner not under
+    bf16 autocast (``learner.autocast``; unset means bf16 on CUDA). Only then may an on-policy
+    batch take π_prox := μ and skip the recompute; otherwise the correction and the masks
+    would never see the engine–learner mismatch on the trained version's tokens."""
+    autocast = cfg.learner.autocast == "bfloat16" or (
+        cfg.learner.autocast is None and resolve_device(cfg.model.device).type == "cuda")
+    return not cfg.rollout.engine_weight_noise and cfg.engine_dtype == cfg.model.dtype and not autocast
 
 
 def _clock() -> float:
