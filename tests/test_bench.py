@@ -182,6 +182,7 @@ def test_bench_trl_checkpoints_and_time_to_target():
 
     assert checkpoint_steps(TrlBenchSettings(steps=25, eval_every=10)) == [10, 20, 25]
     assert checkpoint_steps(TrlBenchSettings(steps=20, eval_every=10)) == [10, 20]
+    assert checkpoint_steps(TrlBenchSettings(steps=20, eval_every=10, asyncrl_steps=35), 35) == [10, 20, 30, 35]
     curve = [{"step": 0, "time_s": 0.0, "reward_mean": 0.3}, {"step": 10, "time_s": 2.0, "reward_mean": 0.5},
              {"step": 20, "time_s": 4.0, "reward_mean": 0.45}]
     assert time_to_target(curve, 0.45) == 2.0 and time_to_target(curve, 0.3) == 0.0
@@ -190,7 +191,8 @@ def test_bench_trl_checkpoints_and_time_to_target():
 
 def test_bench_trl_summarises_seeds_by_hand():
     """Time to target over seeds: each seed's, how many reached, the mean ± Student-t CI95 of
-    those that did (t at 1 degree of freedom 12.706: values 10 and 14, sample s.d. 2√2 → 12 ± 12.706 · 2√2/√2 = 25.412)."""
+    those that did (t at 1 degree of freedom 12.706: values 10 and 14, sample s.d. 2√2 →
+    12 ± 12.706 · 2√2/√2 = 25.412)."""
     from asyncrl.bench.trl import SYSTEMS, summarise_seeds
 
     def sitting(seed, times, finals):
@@ -233,8 +235,8 @@ def test_bench_trl_takes_a_train_config_for_both_sides():
 def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys):
     pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
     out = tmp_path / "trl"
-    assert main(["bench", "trl", "config=examples/jsonl/train.yaml", "seeds=2", "steps=2", "batch_size=2",
-                 "group_size=2", "max_tokens=6", "eval_every=2", "eval_tasks=2", "eval_samples=1",
+    assert main(["bench", "trl", "config=examples/jsonl/train.yaml", "seeds=2", "steps=2", "asyncrl_steps=3",
+                 "batch_size=2", "group_size=2", "max_tokens=6", "eval_every=2", "eval_tasks=2", "eval_samples=1",
                  "--out", str(out)]) == 0
     result = json.loads((out / "bench.json").read_text())
     assert [r["seed"] for r in result["seeds"]] == [0, 1]
@@ -245,6 +247,9 @@ def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys):
         for name, system in sitting["systems"].items():
             assert summary["systems"][name]["time_to_target_s"][k] == system["time_to_target_s"]
         assert (out / f"seed_{k}" / "trl" / "checkpoints" / "step_2").is_dir()
+        # asyncrl trains on past TRL's step count (asyncrl_steps=3): checkpoints 2 and 3
+        assert [p["step"] for p in sitting["systems"]["asyncrl_async"]["held_out"]] == [0, 2, 3]
+        assert [p["step"] for p in sitting["systems"]["trl"]["held_out"]] == [0, 2]
     assert summary["systems"]["trl"]["reached"] == 2  # TRL reaches its own final score
     assert "--- across seeds [0, 1]" in capsys.readouterr().out
 

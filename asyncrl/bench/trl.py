@@ -85,6 +85,9 @@ class TrlBenchSettings(Section):
     model_path: str | None = None
     """The policy both sides start from; None: the config's ``model.path``, else ``models/countdown-tiny``."""
     steps: int = Field(40, ge=2)
+    asyncrl_steps: int | None = Field(None, ge=2)
+    """asyncrl's steps (both modes); None: ``steps``. More lets the faster side train on
+    through TRL's wall time, so its time to target is not cut off at TRL's step count."""
     batch_size: int = Field(8, ge=1)
     group_size: int = Field(8, ge=2)
     lr: float = Field(3e-4, gt=0)
@@ -148,10 +151,12 @@ class Run:
         self.wall_s = 0.0
 
 
-def checkpoint_steps(s: TrlBenchSettings) -> list[int]:
+def checkpoint_steps(s: TrlBenchSettings, steps: int | None = None) -> list[int]:
+    """Every ``eval_every`` steps and the last of ``steps`` (default ``s.steps``)."""
     if not s.held_out:
         return []
-    return sorted({*range(s.eval_every, s.steps + 1, s.eval_every), s.steps})
+    steps = steps or s.steps
+    return sorted({*range(s.eval_every, steps + 1, s.eval_every), steps})
 
 
 def _smoothed(curve: list[tuple[float, float]], k: int) -> list[tuple[float, float]]:
@@ -165,10 +170,12 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
 
 
 def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
-    steps = checkpoint_steps(s)
+    total = s.asyncrl_steps or s.steps
+    steps = checkpoint_steps(s, total)
     cfg = task_config(s, [
-        f"output_dir={out}", f"mode={mode}", "max_staleness=2", f"partial_rollout={'abort' if mode == 'async' else 'off'}",
-        f"total_steps={s.steps}", f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0",
+        f"output_dir={out}", f"mode={mode}", "max_staleness=2",
+        f"partial_rollout={'abort' if mode == 'async' else 'off'}",
+        f"total_steps={total}", f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0",
         "eval.num_tasks=8", "eval.samples_per_task=1",
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
         f"save_every={s.eval_every if s.held_out else 0}", f"keep_last={len(steps) + 1}",
@@ -185,7 +192,7 @@ def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
     run.train_curve = [(clock(r), r["reward/mean"]) for r in rows]
     at = {r["step"]: clock(r) for r in rows}
     run.checkpoints = [(k, at[k], out / "checkpoints" / f"step_{k}") for k in steps]
-    run.save_s = sum(d for k, d in trainer.save_seconds.items() if k < s.steps)
+    run.save_s = sum(d for k, d in trainer.save_seconds.items() if k < total)
     run.wall_s = run.train_curve[-1][0]
     return run
 
@@ -343,12 +350,14 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     trainers = {"trl": (_trl_run, s, out / "trl"),  # TRL and the trainer show their own bars
                 "asyncrl_sync": (_asyncrl_run, s, out / "asyncrl_sync", "sync"),
                 "asyncrl_async": (_asyncrl_run, s, out / "asyncrl_async", "async")}
-    samples = s.steps * s.batch_size * s.group_size
+    per_step = s.batch_size * s.group_size
+    samples = {"trl": s.steps * per_step, "asyncrl_sync": (s.asyncrl_steps or s.steps) * per_step,
+               "asyncrl_async": (s.asyncrl_steps or s.steps) * per_step}
     runs: dict[str, Run] = {}
     for i, (name, (train, *args)) in enumerate(trainers.items(), 1):
         with phase("trl", f"{prefix}{name} (run {i}/{len(trainers)})") as progress:
             runs[name] = run = _in_own_process(train, *args)
-            progress.figure = (f"{samples / run.wall_s:.1f} samples/s, "
+            progress.figure = (f"{samples[name] / run.wall_s:.1f} samples/s, "
                                f"final reward {_smoothed(run.train_curve, s.smooth)[-1][1]:.3f}")
 
     # held-out evaluation, after all training: the start policy once, then every checkpoint
@@ -372,7 +381,7 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     systems = {}
     for name, run in runs.items():
         systems[name] = {
-            "samples_per_s": samples / run.wall_s, "wall_s": run.wall_s,
+            "samples_per_s": samples[name] / run.wall_s, "wall_s": run.wall_s,
             "final_reward": _smoothed(run.train_curve, s.smooth)[-1][1],
             "time_to_target_s": time_to_target(held_out[name], target) if s.held_out else None,
             "final_held_out_reward": held_out[name][-1]["reward_mean"] if s.held_out else None,
@@ -412,7 +421,7 @@ def _print_table(result: dict[str, Any]) -> None:
               f"{result['async_vs_trl_samples_per_s']:.2f}")
         print("not matched:", result["unmatched"])
         return
-    steps = [p["step"] for p in systems["trl"]["held_out"]]
+    steps = max(([p["step"] for p in v["held_out"]] for v in systems.values()), key=len)  # asyncrl_steps: longer
     print("held-out reward (pass@1) [time s] by step:")
     print(f"{'step':14s} " + " ".join(f"{k:>20d}" for k in steps))
     for name, v in systems.items():
