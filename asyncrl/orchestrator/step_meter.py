@@ -55,6 +55,19 @@ class Trained:
     overlap_s: float = 0.0  # the engines' busy seconds (mean per engine) during the learner's calls
 
 
+@dataclass(frozen=True)
+class RolloutSide:
+    """The rollout side's part of a step's row, read at the step's end *before* the weight
+    sync opens the gate to the next version (after it, what has finished is timing):
+    the starvation window's filtered fraction, the group and gateway counters, every
+    episode's reward finished since the last step (filtered groups included), the buffer."""
+
+    filtered_window: float | None
+    counters: dict[str, int]
+    finished_rewards: list[float]
+    buffer: dict[str, int]
+
+
 async def learner_call(rollout: RolloutHandle, trained: Trained, call: Awaitable[T]) -> T:
     """``call``'s value, its seconds counted into ``trained.learner_s`` and the engines'
     busy seconds meanwhile into ``trained.overlap_s``."""

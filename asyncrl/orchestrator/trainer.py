@@ -42,7 +42,7 @@ from asyncrl.orchestrator.metrics import sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
-from asyncrl.orchestrator.step_meter import StepMeter, Trained
+from asyncrl.orchestrator.step_meter import RolloutSide, StepMeter, Trained
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
@@ -196,16 +196,20 @@ class Trainer:
             self.step = step
             due = step == self.cfg.total_steps or bool(self.cfg.eval_every and step % self.cfg.eval_every == 0)
             synced = self._sync_due(step, due)
+            # the rollout side is read before the sync opens the gate to the next version: after
+            # it, how many of that version's episodes have finished is a matter of timing, and
+            # a sync run and an async η = 0 run would log different rows for the same samples
+            rollout_side = await self._rollout_side()
             weights = await meter.timed_sync(self._sync_weights(trained.actor)) if synced else None
             # apart from time/weight_sync: the delivery check's own seconds are time/delivery_check
             try:
                 delivered = await self.delivery.after_sync(self.version) if synced else {}
             except WeightsNotDelivered as undelivered:  # the step's row first: the run's files name the step
                 failed = {"weight_sync/probe_max_abs_diff": undelivered.probe_max_abs_diff}
-                self._log_step(step, trained_version, trained, {**await self._row(meter, step, trained_version,
-                                                                                    trained), **failed})
+                self._log_step(step, trained_version, trained,
+                               {**await self._row(meter, step, trained_version, trained, rollout_side), **failed})
                 raise
-            row = {**await self._row(meter, step, trained_version, trained), **delivered}
+            row = {**await self._row(meter, step, trained_version, trained, rollout_side), **delivered}
             self._log_step(step, trained_version, trained, row, await self._evaluation(step, weights) if due else None)
             await self._after_step(step, row)
         return self.step
@@ -215,14 +219,20 @@ class Trainer:
         self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode))
         self.log.step(row, evaluation)
 
-    async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained) -> dict[str, Any]:
-        # the window's fraction and the group counts are read together, before any await
-        filtered_window, counters, buffer = self.watchdog.starvation.fraction, self._counters(), self.rollouts.buffer
-        counters.update(await self.rollout.gateway_counts())
-        return await meter.row(step, self.version, trained_version, trained, self._now(),
-                               self.rollouts.take_finished_rewards(), counters,
-                               {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped},
-                               filtered_window, self.log.errors_unlogged)
+    async def _rollout_side(self) -> RolloutSide:
+        """The rollout side's part of a step's row: episodes finished since the last step,
+        group counters, the buffer. The window's fraction, the counters and the buffer are
+        read together, before any await."""
+        buffer = self.rollouts.buffer
+        side = RolloutSide(self.watchdog.starvation.fraction, self._counters(), self.rollouts.take_finished_rewards(),
+                           {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped})
+        side.counters.update(await self.rollout.gateway_counts())
+        return side
+
+    async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained,
+                   side: RolloutSide) -> dict[str, Any]:
+        return await meter.row(step, self.version, trained_version, trained, self._now(), side.finished_rewards,
+                               side.counters, side.buffer, side.filtered_window, self.log.errors_unlogged)
 
     async def _after_step(self, step: int, row: dict[str, Any]) -> None:
         self.invariants.observe(row)
