@@ -5,7 +5,11 @@ rate (optional dependency ``trl``), each run in a fresh process of its own.
 Matched: model and tokenizer (the same directory), Countdown train tasks (same seed),
 reward function, n samples per task, tasks per step, learning rate, temperature, max
 response length, ε_low/ε_high, no KL (β = 0), group-normalised advantages, token-level
-loss aggregation, no zero-variance filtering. Not matched, and why: TRL generates with
+loss aggregation, no zero-variance filtering, no activation checkpointing (TRL 1.x's
+``GRPOConfig`` turns gradient checkpointing on by default; asyncrl's learner keeps its
+activations, so the bench turns TRL's off: recomputing them would slow TRL's backward
+pass for a memory saving neither side needs here; before 2026-11-25 TRL ran with it on).
+Not matched, and why: TRL generates with
 ``model.generate`` in the training process (asyncrl uses its own engine — that is what
 is being compared); TRL computes the old-policy logprobs itself while asyncrl uses the
 engine's behavior logprobs with a truncated importance weight.
@@ -240,7 +244,7 @@ def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
         temperature=cfg.sampling.temperature, top_k=0, top_p=1.0,
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=s.steps, beta=0.0,
         epsilon=0.2, epsilon_high=0.28, scale_rewards="group", loss_type="dapo", use_cpu=True, bf16=False,
-        report_to="none", logging_steps=1, save_strategy="no", seed=s.seed, shuffle_dataset=False,
+        gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no", seed=s.seed, shuffle_dataset=False,
     )
     model = str(resolve_model_path(cfg.model.path))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
