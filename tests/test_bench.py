@@ -107,9 +107,11 @@ def test_bench_trl_smoke(tmp_path, capsys):
     pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
     out = tmp_path / "trl"
     assert main(["bench", "trl", "steps=2", "batch_size=2", "group_size=2", "max_tokens=8", "eval_every=1",
-                 "eval_tasks=2", "eval_samples=1", "--out", str(out)]) == 0
+                 "eval_tasks=2", "eval_samples=1", "keep_checkpoints=true", "--out", str(out)]) == 0
     result = json.loads((out / "bench.json").read_text())
     systems = result["systems"]
+    for name in systems:  # keep_checkpoints=true: every scored checkpoint stays
+        assert all((out / name / "checkpoints" / f"step_{k}").is_dir() for k in (1, 2))
     assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
     assert {"sync_vs_trl_samples_per_s", "async_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched",
             "target_reward", "target_rule", "target_above_start"} <= set(result)
@@ -246,7 +248,9 @@ def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys):
         assert sitting["held_out_eval"]["split"] == "examples/jsonl/train.yaml validation"
         for name, system in sitting["systems"].items():
             assert summary["systems"][name]["time_to_target_s"][k] == system["time_to_target_s"]
-        assert (out / f"seed_{k}" / "trl" / "checkpoints" / "step_2").is_dir()
+        # scored, then deleted (keep_checkpoints=false): the score stays, the weights go
+        assert (out / f"seed_{k}" / "trl" / "held_out_eval" / "step_2").is_dir()
+        assert not (out / f"seed_{k}" / "trl" / "checkpoints" / "step_2").exists()
         # asyncrl trains on past TRL's step count (asyncrl_steps=3): checkpoints 2 and 3
         assert [p["step"] for p in sitting["systems"]["asyncrl_async"]["held_out"]] == [0, 2, 3]
         assert [p["step"] for p in sitting["systems"]["trl"]["held_out"]] == [0, 2]

@@ -58,6 +58,7 @@ score unless ``target=`` fixes one for all.
 from __future__ import annotations
 
 import multiprocessing
+import shutil
 import statistics
 import time
 from collections.abc import Callable
@@ -113,6 +114,10 @@ class TrlBenchSettings(Section):
     """Sittings, with seeds ``seed``, ``seed + 1``, …: time to target per seed and its interval."""
     target: float | None = None
     """A held-out reward every system must reach; None: each seed's TRL final (``target_rule``)."""
+    keep_checkpoints: bool = False
+    """Keep every checkpoint once scored; false: each is deleted after its held-out score is
+    written (an asyncrl checkpoint of SmolLM2 with its optimizer state is ~1.6 GB: three seeds
+    of the SmolLM2 bench wrote 31 GB and filled this machine's disk)."""
 
     def sizes(self) -> list[int]:
         return list(self.batch_sizes) if self.batch_sizes else [self.batch_size]
@@ -378,6 +383,8 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
                 for step, t, path in run.checkpoints:
                     scores = held_out_eval(s, path, out / name / "held_out_eval" / f"step_{step}")
                     held_out[name].append({"step": step, "time_s": t, **scores})
+                    if not s.keep_checkpoints:
+                        shutil.rmtree(path)
                     progress.advance()
                 progress.figure = " → ".join(f"{p['reward_mean']:.3f}" for p in held_out[name])
 
