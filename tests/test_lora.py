@@ -323,7 +323,7 @@ def test_eta_0_is_sync_with_lora(tmp_path, policy_dir):
     """``mode=async max_staleness=0`` trains on ``mode=sync``'s samples with LoRA too: the same
     tokens, rewards and evaluations, the adapters within float noise
     (``tests/test_reproducible.py`` says why not bit for bit)."""
-    from test_reproducible import METRIC_KEYS, WEIGHT_ATOL, run, same_run
+    from test_reproducible import WEIGHT_ATOL, run, same_run
 
     sync = run(tmp_path, policy_dir, "sync", "mode=sync", "partial_rollout=off", "model.lora.rank=4")
     async0 = run(tmp_path, policy_dir, "async0", "mode=async", "max_staleness=0", "model.lora.rank=4")
@@ -331,7 +331,7 @@ def test_eta_0_is_sync_with_lora(tmp_path, policy_dir):
     assert adapters and all("lora_" in name for name in adapters)
     assert max(float(t.abs().max()) for name, t in adapters.items() if "lora_B" in name) > 1e-3  # B left 0
     # every metric too: the rollout side's counters are read before the sync opens the gate to the next version
-    assert same_run(sync, async0, METRIC_KEYS) <= WEIGHT_ATOL
+    assert same_run(sync, async0) <= WEIGHT_ATOL
 
 
 @pytest.mark.parametrize("shipped", ["merged", "adapters"])

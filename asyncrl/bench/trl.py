@@ -122,6 +122,10 @@ class TrlBenchSettings(Section):
     def sizes(self) -> list[int]:
         return list(self.batch_sizes) if self.batch_sizes else [self.batch_size]
 
+    def steps_of(self, system: str) -> int:
+        """Steps ``system`` trains: TRL ``steps``, asyncrl's modes ``asyncrl_steps`` (or ``steps``)."""
+        return self.steps if system == "trl" else self.asyncrl_steps or self.steps
+
     def label(self) -> str:
         """This size's key in ``sizes``: tasks × samples per step."""
         return f"{self.batch_size}x{self.group_size}"
@@ -179,7 +183,7 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
 
 
 def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
-    total = s.asyncrl_steps or s.steps
+    total = s.steps_of(f"asyncrl_{mode}")
     steps = checkpoint_steps(s, total)
     cfg = task_config(s, [
         f"output_dir={out}", f"mode={mode}", "max_staleness=2",
@@ -249,7 +253,8 @@ def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
         temperature=cfg.sampling.temperature, top_k=0, top_p=1.0,
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=s.steps, beta=0.0,
         epsilon=0.2, epsilon_high=0.28, scale_rewards="group", loss_type="dapo", use_cpu=True, bf16=False,
-        gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no", seed=s.seed, shuffle_dataset=False,
+        gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no", seed=s.seed,
+        shuffle_dataset=False,
     )
     model = str(resolve_model_path(cfg.model.path))
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=data,
@@ -360,8 +365,7 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
                 "asyncrl_sync": (_asyncrl_run, s, out / "asyncrl_sync", "sync"),
                 "asyncrl_async": (_asyncrl_run, s, out / "asyncrl_async", "async")}
     per_step = s.batch_size * s.group_size
-    samples = {"trl": s.steps * per_step, "asyncrl_sync": (s.asyncrl_steps or s.steps) * per_step,
-               "asyncrl_async": (s.asyncrl_steps or s.steps) * per_step}
+    samples = {name: s.steps_of(name) * per_step for name in SYSTEMS}
     runs: dict[str, Run] = {}
     for i, (name, (train, *args)) in enumerate(trainers.items(), 1):
         with phase("trl", f"{prefix}{name} (run {i}/{len(trainers)})") as progress:

@@ -223,11 +223,10 @@ class Trainer:
         """The rollout side's part of a step's row: episodes finished since the last step,
         group counters, the buffer. The window's fraction, the counters and the buffer are
         read together, before any await."""
-        buffer = self.rollouts.buffer
-        side = RolloutSide(self.watchdog.starvation.fraction, self._counters(), self.rollouts.take_finished_rewards(),
-                           {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped})
-        side.counters.update(await self.rollout.gateway_counts())
-        return side
+        fraction, counters, rewards, buffer = (self.watchdog.starvation.fraction, self._counters(),
+                                               self.rollouts.take_finished_rewards(), self.rollouts.buffer)
+        held = {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped}
+        return RolloutSide(fraction, {**counters, **await self.rollout.gateway_counts()}, rewards, held)
 
     async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained,
                    side: RolloutSide) -> dict[str, Any]:
