@@ -199,3 +199,58 @@ def test_a_reward_model_scores_a_batch_as_it_scores_one(tmp_path: Path):
     alone = [model.score_texts([TASK.prompt + r])[0] for r in responses]
     assert batched == pytest.approx(alone, abs=1e-5)
     assert len(set(round(x, 6) for x in batched)) > 1  # the responses score differently
+
+
+def test_distill_advantages_by_hand():
+    import torch
+
+    from asyncrl.algorithms.distill import distill_advantages, reverse_kl
+
+    adv = torch.tensor([1.0, 0.0])
+    mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, 0.0]])
+    tau = torch.tensor([[-1.5, -1.0, -9.0], [-0.2, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = distill_advantages(adv, mu, tau, mask, coef=0.5)
+    # row 0: 1 - 0.5*(-1+1.5)=0.75; 1 - 0.5*(-2+1)=1.5; masked 0.  row 1: 0 - 0 = 0; 0 - 0.5*(-3+1)=1.0; 0
+    assert out.tolist() == [[0.75, 1.5, 0.0], [0.0, 1.0, 0.0]]
+    # mean of μ−τ over the four model tokens: (0.5 - 1 + 0 - 2) / 4
+    assert reverse_kl(mu, tau, mask).item() == pytest.approx(-0.625)
+    nan_mu = mu.clone()
+    nan_mu[0, 2] = float("nan")  # a masked position's value never leaks in
+    assert distill_advantages(adv, nan_mu, tau, mask, coef=0.5).tolist() == out.tolist()
+
+
+def test_a_teacher_scores_each_response_token_and_refuses_another_tokenizer():
+    from asyncrl.frozen.teacher import TokenizerMismatch, check_tokenizer, score_group
+    from asyncrl.types import Trajectory
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        if request.path == "/tokenize":
+            tokens = [ord(c) for c in body["prompt"]]
+            return web.json_response({"tokens": tokens[:3] if "fox" in body["prompt"] else tokens})
+        choices = [{"index": i, "prompt_logprobs": [None] + [{str(t): {"logprob": -float(t)}} for t in ids[1:]]}
+                   for i, ids in enumerate(body["prompt"])]
+        return web.json_response({"choices": choices})
+
+    class CharTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    trajectories = [Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 0, 1], logprobs=[0.0] * 3,
+                               versions=[0] * 3),
+                    Trajectory(prompt_ids=[9], response_ids=[7], loss_mask=[1], logprobs=[0.0], versions=[0])]
+
+    async def main():
+        async with fake_server(handler) as url:
+            teacher = FrozenModel("teacher", url, model="m")
+            try:
+                await score_group(teacher, trajectories)
+                with pytest.raises(TokenizerMismatch, match=r"teacher 'm' at .* tokenizes 'The quick.*student tiny"):
+                    await check_tokenizer(teacher, CharTokenizer(), "tiny")
+            finally:
+                await teacher.close()
+
+    asyncio.run(main())
+    assert trajectories[0].teacher_logprobs == [-3.0, -4.0, -5.0]
+    assert trajectories[1].teacher_logprobs == [-7.0]

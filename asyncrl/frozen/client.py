@@ -82,6 +82,13 @@ class FrozenModel:
 
     async def post(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         """POST ``body`` to ``route`` (under ``/v1``) within the bound, the deadline and the retries."""
+        return await self._post(f"{self.base}{route}", body)
+
+    async def post_root(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
+        """As :meth:`post`, for a route beside ``/v1`` (vLLM's ``/tokenize``)."""
+        return await self._post(f"{self.base.removesuffix('/v1')}{route}", body)
+
+    async def _post(self, address: str, body: dict[str, Any]) -> dict[str, Any]:
         session = self._http()
         assert self._slots is not None
         async with self._slots:
@@ -92,12 +99,12 @@ class FrozenModel:
                     await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
                 try:
                     async with asyncio.timeout(self.timeout_s):
-                        async with session.post(f"{self.base}{route}", json=body) as reply:
+                        async with session.post(address, json=body) as reply:
                             text = await reply.text()
                             if reply.status == 200:
                                 self.stats.calls += 1
                                 self.stats.seconds += time.monotonic() - started
-                                return _json(text, self, route)
+                                return _json(text, self, address)
                             last = f"HTTP {reply.status}: {text[:300]}"
                             if reply.status not in RETRYABLE_STATUS:
                                 break
@@ -109,7 +116,7 @@ class FrozenModel:
             self.stats.failures += 1
             waited = time.monotonic() - started
             self.stats.seconds += waited
-            raise FrozenModelError(f"{self}: POST {self.base}{route} failed after {attempt + 1} tries and "
+            raise FrozenModelError(f"{self}: POST {address} failed after {attempt + 1} tries and "
                                    f"{waited:.1f} s ({last})")
 
     async def served_model(self) -> str:
@@ -165,11 +172,11 @@ def _prompt_logprobs(model: FrozenModel, choice: dict[str, Any], ids: list[int])
     return out
 
 
-def _json(text: str, model: FrozenModel, route: str) -> dict[str, Any]:
+def _json(text: str, model: FrozenModel, address: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError:
-        raise FrozenModelError(f"{model}: {route} answered 200 with a body that is not JSON: {text[:200]!r}") from None
+        raise FrozenModelError(f"{model}: {address} answered 200 with a body that is not JSON: {text[:200]!r}") from None
     if not isinstance(data, dict):
-        raise FrozenModelError(f"{model}: {route} answered 200 with {type(data).__name__}, not an object")
+        raise FrozenModelError(f"{model}: {address} answered 200 with {type(data).__name__}, not an object")
     return data
