@@ -176,7 +176,8 @@ def _json(text: str, model: FrozenModel, address: str) -> dict[str, Any]:
     try:
         data = json.loads(text)
     except ValueError:
-        raise FrozenModelError(f"{model}: {address} answered 200 with a body that is not JSON: {text[:200]!r}") from None
+        raise FrozenModelError(f"{model}: {address} answered 200 with a body that is not JSON: {text[:200]!r}") \
+            from None
     if not isinstance(data, dict):
         raise FrozenModelError(f"{model}: {address} answered 200 with {type(data).__name__}, not an object")
     return data
