@@ -89,6 +89,9 @@ class Trajectory:
     num_resumes: int = 0
     steps: list[Step] = field(default_factory=list)
     metadata: dict[str, Any] = field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation (``teacher.url``): the frozen teacher's log-probability of each
+    response token in its context, aligned like ``logprobs``; ``None`` without a teacher."""
 
     def __post_init__(self) -> None:
         self.check_aligned()
@@ -98,6 +101,9 @@ class Trajectory:
         lengths = (len(self.loss_mask), len(self.logprobs), len(self.versions))
         if any(length != n for length in lengths):
             raise ValueError(f"per-token fields misaligned: response {n}, mask/logprobs/versions {lengths}")
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"per-token fields misaligned: response {n}, teacher_logprobs "
+                             f"{len(self.teacher_logprobs)}")
 
     @property
     def resumed(self) -> bool:

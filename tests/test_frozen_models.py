@@ -1,0 +1,256 @@
+"""Frozen models by URL: the client's bound, deadline, retries and named failures; the judge's
+prompt and grade; vLLM's prompt_logprobs read back; a local reward model batched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from asyncrl.frozen.client import FrozenModel, FrozenModelError
+from asyncrl.frozen.judge import JudgeParseError, JudgeReward, RewardModel, parse_grade, render_prompt
+from asyncrl.tasks.base import Task
+
+TASK = Task(id="t1", prompt="What is 2+3?", data={"answer": "5"})
+
+
+@asynccontextmanager
+async def fake_server(handler):
+    """An OpenAI-compatible stub on a free loopback port, stopped on the way out."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def chat_reply(text: str) -> web.Response:
+    return web.json_response({"choices": [{"index": 0, "message": {"role": "assistant", "content": text}}]})
+
+
+def replying(text: str):
+    async def handler(request: web.Request) -> web.Response:
+        return chat_reply(text)
+    return handler
+
+
+def test_render_prompt_fills_the_task_and_names_a_missing_field():
+    text = render_prompt("Q: {prompt} A: {response} expected {answer}", TASK, "5")
+    assert text == "Q: What is 2+3? A: 5 expected 5"
+    with pytest.raises(KeyError, match="'rubric'.*lacks"):
+        render_prompt("{rubric}", TASK, "5")
+
+
+def test_parse_grade_takes_the_last_match_and_scales():
+    assert parse_grade("GRADE: 3 ... no wait, GRADE: 7", r"GRADE:\s*(\d+)", 10) == 0.7
+    with pytest.raises(ValueError, match="no grade"):
+        parse_grade("looks fine to me", r"GRADE:\s*(\d+)", 10)
+
+
+def test_a_judge_grades_within_its_concurrency_bound():
+    in_flight, most, seen = [0], [0], []
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        seen.append(body)
+        in_flight[0] += 1
+        most[0] = max(most[0], in_flight[0])
+        await asyncio.sleep(0.05)
+        in_flight[0] -= 1
+        grade = 10 if "A: 5" in body["messages"][0]["content"] else 2
+        return chat_reply(f"GRADE: {grade}")
+
+    async def main():
+        async with fake_server(handler) as url:
+            judge = JudgeReward(FrozenModel("judge", url, model="m", max_concurrency=2),
+                                prompt="Q: {prompt} A: {response}")
+            grades = await asyncio.gather(*(judge(TASK, r) for r in ["5", "6", "5", "7", "5", "5"]))
+            await judge.model.close()
+            return grades, judge.model.stats
+
+    grades, stats = asyncio.run(main())
+    assert grades == [1.0, 0.2, 1.0, 0.2, 1.0, 1.0]
+    assert most[0] == 2
+    assert stats.calls == 6 and stats.failures == 0 and stats.seconds > 0
+    assert seen[0]["model"] == "m" and seen[0]["temperature"] == 0.0
+
+
+def test_a_judge_that_is_down_is_named_after_its_retries():
+    async def main():
+        async with fake_server(replying("")) as url:
+            pass  # the server is gone: its port refuses
+        judge = JudgeReward(FrozenModel("judge", url, model="m", retries=2, backoff_s=0.01, timeout_s=5))
+        try:
+            with pytest.raises(FrozenModelError, match=rf"the judge at {url}: POST .* failed after 3 tries"):
+                await judge(TASK, "5")
+        finally:
+            await judge.model.close()
+        return judge.model.stats
+
+    stats = asyncio.run(main())
+    assert stats.failures == 1
+
+
+def test_a_slow_judge_meets_its_deadline_and_a_4xx_is_not_retried():
+    calls = {"slow": 0, "bad": 0}
+
+    async def handler(request: web.Request) -> web.Response:
+        if request.path.startswith("/slow"):
+            calls["slow"] += 1
+            await asyncio.sleep(5)
+            return chat_reply("GRADE: 1")
+        calls["bad"] += 1
+        return web.json_response({"error": {"message": "no such model"}}, status=404)
+
+    async def main():
+        async with fake_server(handler) as url:
+            slow = FrozenModel("judge", url + "/slow", model="m", timeout_s=0.2, retries=1, backoff_s=0.01)
+            with pytest.raises(FrozenModelError, match="no answer within 0.2 s"):
+                await slow.chat([{"role": "user", "content": "x"}])
+            bad = FrozenModel("judge", url + "/bad", model="m", retries=3)
+            with pytest.raises(FrozenModelError, match="HTTP 404.*no such model"):
+                await bad.chat([{"role": "user", "content": "x"}])
+            await slow.close()
+            await bad.close()
+
+    asyncio.run(main())
+    assert calls == {"slow": 2, "bad": 1}
+
+
+def test_an_unreadable_grade_fails_the_episode_naming_the_judge():
+    async def main():
+        async with fake_server(replying("I think it is good")) as url:
+            judge = JudgeReward(FrozenModel("judge", url, model="m"))
+            try:
+                with pytest.raises(JudgeParseError, match=r"judge at .* for task t1: no grade"):
+                    await judge(TASK, "5")
+            finally:
+                await judge.model.close()
+
+    asyncio.run(main())
+
+
+def test_the_model_name_comes_from_the_server_when_unset():
+    async def handler(request: web.Request) -> web.Response:
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "served-judge"}]})
+        body = await request.json()
+        return chat_reply(f"GRADE: {10 if body['model'] == 'served-judge' else 0}")
+
+    async def main():
+        async with fake_server(handler) as url:
+            judge = JudgeReward(FrozenModel("judge", url + "/v1/"))
+            try:
+                return await judge(TASK, "5")
+            finally:
+                await judge.model.close()
+
+    assert asyncio.run(main()) == 1.0
+
+
+def test_token_logprobs_read_vllms_prompt_logprobs():
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        assert body["prompt_logprobs"] == 0 and body["max_tokens"] == 1
+        choices = []
+        for index, ids in enumerate(body["prompt"]):
+            rows = [None] + [{str(t): {"logprob": -0.5 * t, "rank": 1, "decoded_token": "x"}} for t in ids[1:]]
+            choices.append({"index": index, "text": "", "prompt_logprobs": rows})
+        return web.Response(text=json.dumps({"choices": choices[::-1]}), content_type="application/json")
+
+    async def main():
+        async with fake_server(handler) as url:
+            teacher = FrozenModel("teacher", url, model="m")
+            try:
+                return await teacher.token_logprobs([[5, 1, 2], [7, 4]])
+            finally:
+                await teacher.close()
+
+    assert asyncio.run(main()) == [[-0.5, -1.0], [-2.0]]
+
+
+def test_a_reward_model_scores_a_batch_as_it_scores_one(tmp_path: Path):
+    transformers = pytest.importorskip("transformers")
+    tiny = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
+    config = transformers.AutoConfig.from_pretrained(tiny)
+    config.num_labels = 1
+    transformers.set_seed(0)
+    net = transformers.AutoModelForSequenceClassification.from_config(config)
+    net.config.pad_token_id = 0
+    net.save_pretrained(tmp_path)
+    transformers.AutoTokenizer.from_pretrained(tiny).save_pretrained(tmp_path)
+    model = RewardModel(str(tmp_path), batch_size=4)
+    responses = ["5", "12", "7", "19", "3"]
+
+    async def together():
+        return await asyncio.gather(*(model(TASK, r) for r in responses))
+
+    batched = asyncio.run(together())
+    alone = [model.score_texts([TASK.prompt + r])[0] for r in responses]
+    assert batched == pytest.approx(alone, abs=1e-5)
+    assert len(set(round(x, 6) for x in batched)) > 1  # the responses score differently
+
+
+def test_distill_advantages_by_hand():
+    import torch
+
+    from asyncrl.algorithms.distill import distill_advantages, reverse_kl
+
+    adv = torch.tensor([1.0, 0.0])
+    mu = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, 0.0]])
+    tau = torch.tensor([[-1.5, -1.0, -9.0], [-0.2, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0]])
+    out = distill_advantages(adv, mu, tau, mask, coef=0.5)
+    # row 0: 1 - 0.5*(-1+1.5)=0.75; 1 - 0.5*(-2+1)=1.5; masked 0.  row 1: 0 - 0 = 0; 0 - 0.5*(-3+1)=1.0; 0
+    assert out.tolist() == [[0.75, 1.5, 0.0], [0.0, 1.0, 0.0]]
+    # mean of μ−τ over the four model tokens: (0.5 - 1 + 0 - 2) / 4
+    assert reverse_kl(mu, tau, mask).item() == pytest.approx(-0.625)
+    nan_mu = mu.clone()
+    nan_mu[0, 2] = float("nan")  # a masked position's value never leaks in
+    assert distill_advantages(adv, nan_mu, tau, mask, coef=0.5).tolist() == out.tolist()
+
+
+def test_a_teacher_scores_each_response_token_and_refuses_another_tokenizer():
+    from asyncrl.frozen.teacher import TokenizerMismatch, check_tokenizer, score_group
+    from asyncrl.types import Trajectory
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        if request.path == "/tokenize":
+            tokens = [ord(c) for c in body["prompt"]]
+            return web.json_response({"tokens": tokens[:3] if "fox" in body["prompt"] else tokens})
+        choices = [{"index": i, "prompt_logprobs": [None] + [{str(t): {"logprob": -float(t)}} for t in ids[1:]]}
+                   for i, ids in enumerate(body["prompt"])]
+        return web.json_response({"choices": choices})
+
+    class CharTokenizer:
+        def encode(self, text, add_special_tokens=False):
+            return [ord(c) for c in text]
+
+    trajectories = [Trajectory(prompt_ids=[1, 2], response_ids=[3, 4, 5], loss_mask=[1, 0, 1], logprobs=[0.0] * 3,
+                               versions=[0] * 3),
+                    Trajectory(prompt_ids=[9], response_ids=[7], loss_mask=[1], logprobs=[0.0], versions=[0])]
+
+    async def main():
+        async with fake_server(handler) as url:
+            teacher = FrozenModel("teacher", url, model="m")
+            try:
+                await score_group(teacher, trajectories)
+                with pytest.raises(TokenizerMismatch, match=r"teacher 'm' at .* tokenizes 'The quick.*student tiny"):
+                    await check_tokenizer(teacher, CharTokenizer(), "tiny")
+            finally:
+                await teacher.close()
+
+    asyncio.run(main())
+    assert trajectories[0].teacher_logprobs == [-3.0, -4.0, -5.0]
+    assert trajectories[1].teacher_logprobs == [-7.0]
