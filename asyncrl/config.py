@@ -616,9 +616,16 @@ class Config(Section):
     """Steps between evaluations; evaluation also runs before the first and after the last
     step (0 = only those two)."""
     save_every: int = Field(0, ge=0)
-    """Steps between checkpoints (0 = only at the end)."""
+    """Steps between checkpoints (0 = none by steps). The run's end always saves one."""
+    save_every_minutes: float = Field(10.0, ge=0)
+    """Minutes of wall time between checkpoints, from the run's start (or resume) or its last
+    save: a step that ends past it saves, so a kill (``kill -9``, a lost machine) costs at
+    most this much training plus one step. On by default; 0 = off. Such a checkpoint is
+    there for a crash: it is removed once a later one is written and does not count in
+    ``keep_last``. With ``save_every`` too, a checkpoint is taken when either is due."""
     keep_last: int = Field(2, ge=1)
-    """Checkpoints kept on disk; older ones are deleted after each save."""
+    """Checkpoints kept on disk; older ones are deleted after each save (each holds the model
+    and its optimizer state: keep it small for a large model)."""
     resume: bool = False
     """Continue from the latest checkpoint in ``output_dir/checkpoints`` (a fresh start when
     there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups.

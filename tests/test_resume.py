@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,12 @@ from asyncrl.config import load_config
 from asyncrl.orchestrator.checkpoint import (
     RunState,
     clear_unfinished,
+    is_interim,
     latest_checkpoint,
+    mark_kept,
     rollback_logs,
+    rotate,
+    save_due,
     starting_point,
 )
 from asyncrl.orchestrator.task_stream import Draw, TaskStream
@@ -92,14 +97,56 @@ def test_a_resume_clears_what_a_crash_mid_save_left(tmp_path, capsys, monkeypatc
     assert clear_unfinished(ckpt) == []  # nothing left to tidy
 
 
+def test_a_checkpoint_is_due_by_steps_or_by_wall_time():
+    # (step, total_steps, save_every, save_every_minutes, seconds since the last save) -> kind
+    assert save_due(4, 10, 2, 10.0, 0.0) == "kept"
+    assert save_due(4, 10, 2, 10.0, 601.0) == "kept"  # both due: the step's, kept
+    assert save_due(3, 10, 2, 10.0, 599.0) is None
+    assert save_due(3, 10, 2, 10.0, 600.0) == "interim"
+    assert save_due(3, 10, 0, 0.5, 30.0) == "interim"
+    assert save_due(3, 10, 0, 0.0, 1e9) is None  # both off: only the run's end saves
+    assert save_due(10, 10, 2, 10.0, 1e9) is None  # the last step's checkpoint is the run's end's
+
+
+def fake_checkpoint(ckpt: Path, step: int, interim: bool) -> Path:
+    path = ckpt / f"step_{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.pt").write_bytes(b"x")
+    state = RunState(step=step, elapsed_s=0.0, started=0, epoch=0, index=0, reissue=[], buffered=[], interim=interim)
+    (path / "run_state.json").write_text(state.to_json())
+    return path
+
+
+def test_an_interim_checkpoint_goes_once_a_later_one_is_written_and_pushes_no_kept_one_out(tmp_path):
+    ckpt = tmp_path / "checkpoints"
+
+    def names() -> list[str]:
+        return sorted((p.name for p in ckpt.iterdir()), key=lambda n: int(n[5:]))
+
+    fake_checkpoint(ckpt, 10, interim=False)
+    rotate(ckpt, keep_last=1, newest=fake_checkpoint(ckpt, 13, interim=True))
+    assert names() == ["step_10", "step_13"]  # keep_last=1 counts kept ones: step_10 stays
+    rotate(ckpt, keep_last=1, newest=fake_checkpoint(ckpt, 17, interim=True))
+    assert names() == ["step_10", "step_17"]
+    rotate(ckpt, keep_last=1, newest=fake_checkpoint(ckpt, 20, interim=False))
+    assert names() == ["step_20"]
+    newest = fake_checkpoint(ckpt, 22, interim=True)
+    mark_kept(newest)  # the run ended (or a hook saved) at the interim checkpoint's step
+    assert not is_interim(newest) and RunState.from_json((newest / "run_state.json").read_text()).step == 22
+    rotate(ckpt, keep_last=2, newest=fake_checkpoint(ckpt, 25, interim=True))
+    assert names() == ["step_20", "step_22", "step_25"]
+
+
 def test_rollback_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)) + '{"step": 5, "rew')
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 3)))
     (tmp_path / "timeline.jsonl").write_text(json.dumps({"end": 1.0}) + "\n" + json.dumps({"end": 9.0}) + "\n")
     (tmp_path / "errors.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 3)))
+    (tmp_path / "eval_samples.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (0, 0, 2, 4, 4)))
     state = RunState(step=2, elapsed_s=5.0, started=0, epoch=0, index=0, reissue=[], buffered=[])
     assert rollback_logs(tmp_path, state) == {"metrics.jsonl": 3, "samples.jsonl": 2, "timeline.jsonl": 1,
-                                              "errors.jsonl": 1}
+                                              "errors.jsonl": 1, "eval_samples.jsonl": 2}
+    assert [r["step"] for r in read_jsonl(tmp_path / "eval_samples.jsonl")] == [0, 0, 2]
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2]
     assert [r["step"] for r in read_jsonl(tmp_path / "samples.jsonl")] == [1, 2]
 
@@ -190,3 +237,37 @@ def read_jsonl_safe(path):
         except json.JSONDecodeError:
             pass
     return rows
+
+
+@pytest.mark.slow
+def test_a_run_with_the_default_checkpoints_killed_after_its_first_resumes(tmp_path, policy_dir):
+    """Nothing set about saving but ``save_every_minutes``, shortened (0.6 s): the default's
+    interim checkpoint is there to resume from after a SIGKILL, the resumed run finishes
+    with every step once, and the interim checkpoints are gone once the final one is written."""
+    out = tmp_path / "run"
+    args = [sys.executable, "-m", "asyncrl.cli", "train", "examples/countdown/async.yaml", f"model.path={policy_dir}",
+            f"output_dir={out}", "total_steps=40", "batch_size=2", "group_size=2", "eval_every=0",
+            "eval.num_tasks=2", "eval.samples_per_task=1", "task.num_train=64", "task.num_validation=4",
+            "sampling.max_tokens=8", "algorithm.filter_zero_variance=false", "save_every_minutes=0.01"]
+    cfg = load_config("examples/countdown/async.yaml", [])
+    assert cfg.save_every == 0 and cfg.save_every_minutes > 0  # the example as shipped: by time only
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None and latest_checkpoint(out / "checkpoints") is None:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read().decode()[-2000:]
+    checkpoint = latest_checkpoint(out / "checkpoints")
+    assert checkpoint is not None and is_interim(checkpoint)
+    killed_at = int(checkpoint.name[5:])
+    assert killed_at < 40
+
+    done = subprocess.run([*args, "resume=true"], capture_output=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert f"resuming from {checkpoint}".encode() in done.stderr
+    metrics = read_jsonl(out / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(41))
+    assert Counter(s["step"] for s in read_jsonl(out / "samples.jsonl")) == {step: 2 * 2 for step in range(1, 41)}
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_40"]

@@ -84,7 +84,7 @@ def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int,
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0", "eval.num_tasks=16",
         "eval.samples_per_task=1", f"sampling.max_tokens={s.max_tokens}", f"optim.lr={s.lr}",
         "algorithm.filter_zero_variance=false", f"learner.streaming={str(streaming).lower()}",
-        f"stale_groups={s.stale_groups}",
+        f"stale_groups={s.stale_groups}", "save_every_minutes=0",  # no save inside the timed steps
     ]
     if s.task == "search":  # the example's own config: agent, task, sampling, algorithm
         return load_config(SEARCH_EXAMPLE, common)

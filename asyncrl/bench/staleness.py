@@ -129,6 +129,7 @@ def run_config(s: StalenessBenchSettings, policy: Path, out: Path, eta: int, obj
         "mode=async", f"max_staleness={eta}", "partial_rollout=off", f"total_steps={s.steps}",
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", f"eval_every={s.eval_every}",
         f"eval.num_tasks={s.eval_tasks}", f"eval.samples_per_task={s.eval_samples}", "sampling.max_tokens=4",
+        "save_every_minutes=0",
         f"optim.lr={s.lr}", f"optim.mini_batches={s.mini_batches}", "algorithm.filter_zero_variance=false", "algorithm.advantage=grpo",
         f"rollout.num_threads={s.threads}", f"rollout.learner_threads={s.threads}",
         *OBJECTIVE_KEYS[objective],

@@ -192,6 +192,7 @@ def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
         "eval.num_tasks=8", "eval.samples_per_task=1",
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
         f"save_every={s.eval_every if s.held_out else 0}", f"keep_last={len(steps) + 1}",
+        "save_every_minutes=0",  # only the evaluated steps' checkpoints: keep_last holds them all
     ])
     trainer = Trainer(cfg)
     trainer.run()

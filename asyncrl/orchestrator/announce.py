@@ -21,7 +21,7 @@ from asyncrl.tasks.base import TaskSplits
 def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer: PreTrainedTokenizerBase) -> str:
     """What a run is about to do, said before it starts."""
     evals = f"every {cfg.eval_every} steps" if cfg.eval_every else "before the first and after the last step"
-    tool_format = resolve_format(cfg.gateway.tool_parser, tokenizer) if cfg.workflow.name == "openai_agent" else None
+    tool_format = run_tool_format(cfg, tokenizer)
     return "\n".join([
         f"asyncrl train → {Path(cfg.output_dir)}" + (f" (resuming from step {resumed.step})" if resumed else ""),
         f"  mode {cfg.mode}, η = {cfg.effective_max_staleness}, partial rollouts: {cfg.effective_partial_rollout}; "
@@ -33,6 +33,12 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
         *(f"  {note}" for note in template_notes(tokenizer, templated=cfg.workflow.use_chat_template,
                                                   tool_format=tool_format)),
         "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
+
+
+def run_tool_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> ToolFormat | None:
+    """The format the gateway reads tool calls in, for a run whose agent goes through one
+    (``workflow.name=openai_agent``); None for a workflow that calls the engine itself."""
+    return resolve_format(cfg.gateway.tool_parser, tokenizer) if cfg.workflow.name == "openai_agent" else None
 
 
 def template_notes(tokenizer: PreTrainedTokenizerBase, *, templated: bool,

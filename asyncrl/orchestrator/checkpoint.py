@@ -13,8 +13,8 @@ what makes a resume one consistent history:
   generated before the checkpoint is lost;
 - counters and the wall time so far, so metrics continue where they stopped.
 
-Rows that ``metrics.jsonl``, ``samples.jsonl``, ``timeline.jsonl`` and ``errors.jsonl`` got after the
-checkpoint describe work the resumed run redoes; :func:`rollback_logs` removes them.
+Rows that ``metrics.jsonl``, ``samples.jsonl``, ``timeline.jsonl``, ``errors.jsonl`` and
+``eval_samples.jsonl`` got after the checkpoint describe work the resumed run redoes; :func:`rollback_logs` removes them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -55,6 +55,7 @@ class RunState:
     buffered: list[dict[str, Any]]  # {"start_order", "group"} of groups not yet trained
     counters: dict[str, int] = field(default_factory=dict)
     stale_dropped: int = 0
+    interim: bool = False  # saved because save_every_minutes had passed: removed once a later checkpoint is written
 
     def to_json(self) -> str:
         """Each draw as ``{"index", "epoch", "order"}``."""
@@ -185,9 +186,54 @@ def clear_unfinished(ckpt_dir: Path) -> list[str]:
     return done
 
 
+SaveKind = Literal["kept", "interim"]
+
+
+def save_due(step: int, total_steps: int, save_every: int, save_every_minutes: float,
+             seconds_since_save: float) -> SaveKind | None:
+    """Whether a periodic checkpoint is due after ``step``, and of which kind: ``kept``
+    every ``save_every`` steps; else ``interim`` once ``save_every_minutes`` of wall time
+    have passed since the last save (or the run's start); either 0 is off. None at
+    ``total_steps``, whose checkpoint the run's end takes. Pure."""
+    if step >= total_steps:
+        return None
+    if save_every and step % save_every == 0:
+        return "kept"
+    if save_every_minutes > 0 and seconds_since_save >= 60.0 * save_every_minutes:
+        return "interim"
+    return None
+
+
+def is_interim(checkpoint: Path) -> bool:
+    """A checkpoint saved by time only (:attr:`RunState.interim`); a damaged one's state
+    counts as kept (rotation then treats it as any other)."""
+    try:
+        return json.loads((checkpoint / RUN_STATE_FILE).read_text()).get("interim", False) is True
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def mark_kept(checkpoint: Path) -> None:
+    """An interim checkpoint made a kept one (the run's end, or a hook's ``run.save()``, at
+    its step): its ``run_state.json`` rewritten without the mark, atomically."""
+    path = checkpoint / RUN_STATE_FILE
+    state = RunState.from_json(path.read_text())
+    if state.interim:
+        state.interim = False
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(state.to_json())
+        os.replace(tmp, path)
+
+
 def rotate(ckpt_dir: Path, keep_last: int, newest: Path) -> None:
-    """Keep the ``keep_last`` latest checkpoints, and always ``newest``, the one just written."""
-    for _, old in checkpoint_steps(ckpt_dir)[:-keep_last]:
+    """Keep the ``keep_last`` latest checkpoints saved by steps, at a run's end or on request,
+    and always ``newest``, the one just written. An interim checkpoint (saved by time) is
+    there for a crash only: it is removed once a later one is written, so it never pushes
+    a kept one out, and the disk holds at most ``keep_last`` + 1."""
+    complete = [path for _, path in checkpoint_steps(ckpt_dir)]
+    interim = [path for path in complete if is_interim(path)]
+    kept = [path for path in complete if path not in interim]
+    for old in [*interim, *kept[:-keep_last]]:
         if old != newest:
             shutil.rmtree(old, ignore_errors=True)
 
@@ -214,4 +260,6 @@ def rollback_logs(output_dir: Path, state: RunState) -> dict[str, int]:
         "timeline.jsonl": _rewrite_jsonl(output_dir / "timeline.jsonl",
                                          lambda r: r.get("end", 0.0) <= state.elapsed_s),
         "errors.jsonl": _rewrite_jsonl(output_dir / "errors.jsonl", lambda r: r.get("step", 0) <= state.step),
+        "eval_samples.jsonl": _rewrite_jsonl(output_dir / "eval_samples.jsonl",
+                                             lambda r: r.get("step", 0) <= state.step),
     }

@@ -29,7 +29,9 @@ from asyncrl.types import Episode
 
 class RunEvaluations:
     def __init__(self, cfg: Config, validation: list[Task], stop: StopControl, now: Callable[[], float],
-                 seen: Callable[[Episode], None]) -> None:
+                 seen: Callable[[Episode, int, int], None]) -> None:
+        """``seen(episode, step, version)``: each evaluation episode as it finishes (its
+        errors, its row in ``eval_samples.jsonl``)."""
         self.cfg, self.validation, self._stop, self._now, self._seen = cfg, validation, stop, now, seen
         self._background: set[asyncio.Task] = set()
 
@@ -66,7 +68,8 @@ class RunEvaluations:
 
     async def _evaluate(self, step: int, version: int, weights: Weights | None) -> dict[str, Any]:
         tasks, t_eval = self.validation[: self.cfg.eval.num_tasks], self._now()
-        result = await self._rollout.evaluate(tasks, version=version, weights=weights, on_episode=self._seen)
+        result = await self._rollout.evaluate(tasks, version=version, weights=weights,
+                                              on_episode=lambda episode: self._seen(episode, step, version))
         for episode in result.episodes:
             if episode.status == "ok":
                 check_rewards([episode.reward], max_abs=self.cfg.algorithm.max_abs_reward, task_id=episode.task_id,

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.rollout.eval_scoring import EvalResult
+from asyncrl.rollout.eval_scoring import EVAL_SAMPLE, EvalResult
+from asyncrl.rollout.gateway.tool_calls import ToolParser
 from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.buffer import ReadyGroup
@@ -90,14 +91,16 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
 
 
 def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
-                decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+                decode: Callable[[list[int]], str], parse: ToolParser | None = None) -> list[dict[str, Any]]:
     """One row per trained trajectory. ``response`` is the decoded ``response_ids``: in a
     multi-turn episode that mixes the model's replies with the environment's turns, so
     ``response_segments`` splits it where ``loss_mask`` changes, in order:
     ``{"role": "model" | "environment", "text", "tokens"}``; their texts joined are
     ``response``. Multi-turn and agent episodes (those with ``metadata["agent"]``) also
     get ``conversation``: the trajectory's messages, read as the agent saw them
-    (:func:`conversation`)."""
+    (:func:`conversation`). With ``parse`` (the gateway's tool-call format: a run whose
+    agent calls tools through it), ``tool_calls``: the calls in the model's segments, read
+    as the gateway read them (:func:`tool_calls_in`), beside the text they were written in."""
     rows = []
     for g in groups:
         for index, (episode, advantage) in enumerate(zip(g.group.episodes, g.group.advantages or [])):
@@ -113,9 +116,56 @@ def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
                     "resumed": t.resumed, "num_resumes": t.num_resumes, "response": response,
                     "response_segments": segments,
                 })
-                if "agent" in episode.metadata:
-                    rows[-1]["conversation"] = conversation(episode, t, decode)
+                rows[-1].update(_read_calls(episode, t, segments, decode, parse))
     return rows
+
+
+def eval_sample_row(episode: Episode, version: int, decode: Callable[[list[int]], str],
+                    parse: ToolParser | None = None, step: int | None = None) -> dict[str, Any]:
+    """One scored evaluation episode, as ``eval_samples.jsonl`` holds it: ``step`` (a
+    training run's evaluation of that step; none for ``asyncrl eval``) and ``version`` (the
+    policy scored), ``task_id``, ``sample`` (its index among the task's samples), ``reward``,
+    ``status``, ``finish_reason``, ``response`` (the workflow's reply text, else the last
+    trajectory's decoded response), ``error``; for multi-turn and agent episodes the
+    ``conversation`` and, with ``parse``, ``tool_calls`` (as in :func:`sample_rows`, over the
+    episode's trajectories); and ``trajectories``, token for token."""
+    response = episode.metadata.get("response")
+    if response is None and episode.trajectories:
+        response = decode(episode.trajectories[-1].response_ids)
+    row: dict[str, Any] = {**({} if step is None else {"step": step}), "version": version,
+                           "task_id": episode.task_id, "sample": episode.metadata.get(EVAL_SAMPLE),
+                           "reward": episode.reward, "status": episode.status, "finish_reason": episode.finish_reason,
+                           "response": response}
+    if episode.error:
+        row["error"] = episode.error
+    read = [_read_calls(episode, t, _segments(t.response_ids, t.loss_mask, decode)[1] if parse else [], decode, parse)
+            for t in episode.trajectories]
+    if read and "conversation" in read[-1]:
+        row["conversation"] = read[-1]["conversation"]
+    if parse is not None:
+        row["tool_calls"] = [call for r in read for call in r["tool_calls"]]
+    row["trajectories"] = [t.to_dict() for t in episode.trajectories]
+    return row
+
+
+def tool_calls_in(text: str, parse: ToolParser) -> list[dict[str, Any]]:
+    """The tool calls ``parse`` reads in ``text``, in OpenAI's form without an id (``{"type":
+    "function", "function": {"name", "arguments"}}``, ``arguments`` a JSON string): the same
+    call gets the same row in every run."""
+    return [{"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+            for c in parse(text).tool_calls]
+
+
+def _read_calls(episode: Episode, t: Trajectory, segments: list[dict[str, Any]], decode: Callable[[list[int]], str],
+                parse: ToolParser | None) -> dict[str, Any]:
+    """``conversation`` (agent and multi-turn episodes) and, with ``parse``, ``tool_calls``
+    (every call in ``t``'s model segments) of a row."""
+    out: dict[str, Any] = {}
+    if "agent" in episode.metadata:
+        out["conversation"] = conversation(episode, t, decode, parse)
+    if parse is not None:
+        out["tool_calls"] = [c for s in segments if s["role"] == "model" for c in tool_calls_in(s["text"], parse)]
+    return out
 
 
 MAX_MESSAGE_CHARS = 2000
@@ -123,12 +173,14 @@ MAX_MESSAGE_CHARS = 2000
 the exact tokens are still in ``response``."""
 
 
-def conversation(episode: Episode, t: Trajectory, decode: Callable[[list[int]], str]) -> list[dict[str, Any]]:
+def conversation(episode: Episode, t: Trajectory, decode: Callable[[list[int]], str],
+                 parse: ToolParser | None = None) -> list[dict[str, Any]]:
     """The messages of ``t``: the workflow's own record where it kept one
     (``metadata["messages"]``, a multi-turn episode of one trajectory, the environment's
     last answer included), else the messages of its last model call and that call's reply,
     decoded. Each message keeps ``role``, ``content`` (cut at ``MAX_MESSAGE_CHARS``) and
-    the tool fields it has."""
+    the tool fields it has; with ``parse``, an assistant message recorded as the text the
+    model wrote (the gateway records replies so) also gets the ``tool_calls`` read in it."""
     messages = episode.metadata.get("messages")
     if not (isinstance(messages, list) and len(episode.trajectories) == 1):
         last = t.steps[-1] if t.steps else None
@@ -136,15 +188,19 @@ def conversation(episode: Episode, t: Trajectory, decode: Callable[[list[int]], 
             return []
         reply = decode(t.response_ids[len(t.response_ids) - last.response_tokens:])
         messages = [*last.messages, {"role": "assistant", "content": reply}]
-    return [_brief(m) for m in messages]
+    return [_brief(m, parse) for m in messages]
 
 
-def _brief(message: dict[str, Any]) -> dict[str, Any]:
+def _brief(message: dict[str, Any], parse: ToolParser | None = None) -> dict[str, Any]:
     content = message.get("content")
+    calls = (tool_calls_in(content, parse) if parse is not None and message.get("role") == "assistant"
+             and not message.get("tool_calls") and isinstance(content, str) else [])
     if isinstance(content, str) and len(content) > MAX_MESSAGE_CHARS:
         content = content[:MAX_MESSAGE_CHARS] + f"… [{len(content) - MAX_MESSAGE_CHARS} characters cut]"
     out = {"role": message.get("role"), "content": content}
     out.update({k: message[k] for k in ("tool_calls", "tool_call_id", "name") if message.get(k)})
+    if calls:
+        out["tool_calls"] = calls
     return out
 
 

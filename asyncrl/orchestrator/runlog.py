@@ -2,7 +2,8 @@
 object per optimizer step, in step order), ``samples.jsonl`` (one per trained
 trajectory), ``timeline.jsonl`` (when each group was generated, each step trained, each
 weight sync and evaluation ran: what the report's overlap timeline draws),
-``errors.jsonl`` (failed episode attempts, capped per step), TensorBoard or W&B when
+``errors.jsonl`` (failed episode attempts, capped per step), ``eval_samples.jsonl`` (each
+evaluation episode as it finishes, with the step evaluated), TensorBoard or W&B when
 asked, and a live progress bar.
 
 A step whose evaluation runs in the background is queued until that evaluation ends;
@@ -34,7 +35,7 @@ from tqdm import tqdm
 from asyncrl.config import Config, ConfigError
 from asyncrl.types import Episode
 
-LOG_FILES = ("metrics.jsonl", "samples.jsonl", "timeline.jsonl", "errors.jsonl")
+LOG_FILES = ("metrics.jsonl", "samples.jsonl", "timeline.jsonl", "errors.jsonl", "eval_samples.jsonl")
 
 
 class LogWriteError(RuntimeError):
@@ -144,6 +145,10 @@ class RunLog:
     # -- the other files --------------------------------------------------------
     def samples(self, rows: list[dict[str, Any]]) -> None:
         self._write("samples.jsonl", rows)
+
+    def eval_samples(self, rows: list[dict[str, Any]]) -> None:
+        """Scored evaluation episodes, each as it finishes (an evaluation cut short keeps its rows)."""
+        self._write("eval_samples.jsonl", rows)
 
     def event(self, kind: str, start: float, end: float, **extra: Any) -> None:
         """An interval of work; times are seconds since the run started."""

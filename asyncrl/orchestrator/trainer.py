@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,21 +25,23 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncrl.config import Config, changed_settings, run_settings
-from asyncrl.orchestrator.announce import banner, finished_note, save_run_config
+from asyncrl.orchestrator.announce import banner, finished_note, run_tool_format, save_run_config
 from asyncrl.orchestrator.checkpoint import (
     IN_FLIGHT_FILE,
     RUN_STATE_FILE,
     RunState,
     encode_in_flight,
+    mark_kept,
     read_in_flight,
     rollback_logs,
     rotate,
+    save_due,
     starting_point,
 )
 from asyncrl.orchestrator.evaluations import RunEvaluations
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.invariants import InvariantWatch, Limits
-from asyncrl.orchestrator.metrics import sample_rows
+from asyncrl.orchestrator.metrics import eval_sample_row, sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
@@ -74,6 +77,9 @@ class Trainer:
         self._stop = StopControl()
         self.last_checkpoint: Path | None = checkpoint
         self._saved_step: int | None = None
+        # when the last checkpoint was written (or the run began): the real clock, not the loop's, since
+        # save_every_minutes bounds what a kill costs in real time (a plan's virtual clock jumps)
+        self._saved_at = time.monotonic()
         self.save_seconds: dict[int, float] = {}  # each checkpoint save's wall time, by step (off a benchmark's clock)
         self.resumed_from = state
         self.step = state.step if state else 0  # optimizer steps taken; each made one version
@@ -83,8 +89,8 @@ class Trainer:
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
         self.watchdog.counts.update(state.counters if state else {})
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
-        self.evaluations = RunEvaluations(cfg, self.splits.validation, self._stop, self._now,
-                                          lambda episode: self._seen(episode, "eval"))
+        self._tool_format = run_tool_format(cfg, self.tokenizer)  # samples' tool_calls, read as the gateway reads
+        self.evaluations = RunEvaluations(cfg, self.splits.validation, self._stop, self._now, self._seen_eval)
 
     # ------------------------------------------------------------- control
     def run(self) -> Path:
@@ -139,6 +145,7 @@ class Trainer:
                 self.invariants = InvariantWatch(Limits.from_config(self.cfg.model_dump(), self.max_staleness),
                                                  say=lambda line: tqdm.write(line, file=sys.stderr))  # above the bar
                 self.start_time = _clock() - (state.elapsed_s if state else 0.0)
+                self._saved_at = time.monotonic()  # the model load and the runtime's start do not count
                 try:
                     await self._loops(evaluate_first=state is None, first_step=first_step)
                     self.wall_s = self._now()
@@ -166,8 +173,8 @@ class Trainer:
                     side[0].cancel()  # the watchdog does not turn it into a failure while it saves
                     self.evaluations.cancel_background()
                 await self.log.flushed()
-                if (last > first_step or evaluate_first) and self._saved_step != last:
-                    await self._save(last)
+                if last > first_step or evaluate_first:
+                    await self._save_kept(last)
                 for task in side:
                     task.cancel()
             return last
@@ -216,7 +223,7 @@ class Trainer:
 
     def _log_step(self, step: int, trained_version: int, trained: Trained, row: dict[str, Any],
                   evaluation: asyncio.Future[dict[str, Any]] | None = None) -> None:
-        self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode))
+        self.log.samples(sample_rows(step, trained_version, trained.groups, self._decode, self._tool_format))
         self.log.step(row, evaluation)
 
     async def _rollout_side(self) -> RolloutSide:
@@ -239,8 +246,10 @@ class Trainer:
         while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
             await self._hook("on_epoch_end", row, epoch=self._epochs_reported)
             self._epochs_reported += 1
-        if self.cfg.save_every and step % self.cfg.save_every == 0 and step < self.cfg.total_steps:
-            await self._save(step)
+        due = save_due(step, self.cfg.total_steps, self.cfg.save_every, self.cfg.save_every_minutes,
+                       time.monotonic() - self._saved_at)
+        if due is not None:
+            await self._save(step, interim=due == "interim")
 
     def _sync_due(self, step: int, evaluation_due: bool) -> bool:
         """Every ``sync_every`` steps; and, whatever ``sync_every``, after the last step (the
@@ -276,21 +285,30 @@ class Trainer:
 
     # ------------------------------------------------- checkpoints (a hook may ask)
     async def save(self) -> Path:
-        if self._saved_step != self.step:
-            await self._save(self.step)
+        await self._save_kept(self.step)
         return self.last_checkpoint
 
-    async def _save(self, step: int) -> None:
+    async def _save_kept(self, step: int) -> None:
+        """A kept checkpoint of ``step``: saved, or, where ``step``'s is already saved as an
+        interim one, that one marked kept."""
+        if self._saved_step != step:
+            await self._save(step)
+        elif self.last_checkpoint is not None:
+            mark_kept(self.last_checkpoint)
+
+    async def _save(self, step: int, interim: bool = False) -> None:
+        """``interim``: saved by time only, removed once a later checkpoint is written (``rotate``)."""
         start = _clock()
         await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
         journals = await self.rollout.in_flight()  # the episodes under way, continued after a restart
-        state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), **self.rollouts.snapshot())
+        state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), interim=interim,
+                         **self.rollouts.snapshot())
         in_flight = self.rollouts.journals_to_keep(journals, state.reissue)
         ckpt_dir = self.output_dir / "checkpoints"
         self.last_checkpoint = await self.learner.save_checkpoint(
             ckpt_dir / f"step_{step}", {"step": step},
             {RUN_STATE_FILE: state.to_json(), IN_FLIGHT_FILE: encode_in_flight(in_flight)})
-        self._saved_step = step
+        self._saved_step, self._saved_at = step, time.monotonic()
         rotate(ckpt_dir, self.cfg.keep_last, newest=self.last_checkpoint)
         self.save_seconds[step] = _clock() - start
 
@@ -301,6 +319,11 @@ class Trainer:
     def _seen(self, episode: Episode, phase: str) -> None:
         self.watchdog.episode(episode, phase)
         self.log.errors(self.step, phase, episode)
+
+    def _seen_eval(self, episode: Episode, step: int, version: int) -> None:
+        """An evaluation episode of ``step``'s ``version``, recorded as it finishes."""
+        self._seen(episode, "eval")
+        self.log.eval_samples([eval_sample_row(episode, version, self._decode, self._tool_format, step=step)])
 
     # ------------------------------------------------------------ evaluation
     async def evaluate(self) -> dict[str, Any]:

@@ -61,7 +61,7 @@ class _PlannedTrainer(Trainer):
 def simulate(cfg: Config, costs: Costs, out: Path) -> dict[str, Any]:
     """One simulated run of ``cfg`` into ``out``; its figures, read from its files."""
     # the simulated handles carry the sync's cost themselves; evaluations are left out
-    cfg = changed(cfg, output_dir=str(out), resume=False, save_every=0, eval_every=0,
+    cfg = changed(cfg, output_dir=str(out), resume=False, save_every=0, save_every_minutes=0, eval_every=0,
                   weight_sync={**cfg.weight_sync.model_dump(), "method": "object_store"})
     unit = unit_for(min(costs.workload.max_response, cfg.sampling.max_tokens))
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
@@ -55,6 +57,12 @@ class EvalResult:
         return out
 
 
+EVAL_SAMPLE = "eval_sample"
+"""``Episode.metadata`` key :func:`evaluate` sets on each episode it runs: the sample's index
+among its task's (0 to ``samples_per_task`` - 1), so a row written as the episode ends,
+before the whole result is in order, names it."""
+
+
 async def evaluate(
     run_episode: Callable[..., Awaitable[Episode]], tasks: list[Task], *, samples_per_task: int,
     max_concurrent: int, success_threshold: float = 1.0, on_episode: Callable[[Episode], None] | None = None,
@@ -74,6 +82,7 @@ async def evaluate(
     async def runner() -> None:
         for i, task, s in todo:  # one shared iterator: each pair is taken by exactly one runner
             episode = await (run_episode(task, s) if indexed else run_episode(task))
+            episode.metadata[EVAL_SAMPLE] = s
             grouped[i][s] = episode
             if on_episode is not None:
                 on_episode(episode)
@@ -92,18 +101,11 @@ async def evaluate(
     )
 
 
-def write_eval(result: EvalResult, output_dir: Path) -> None:
-    """``eval.json`` (the scores) and ``eval_samples.jsonl`` (every episode)."""
+def write_eval(result: EvalResult, output_dir: Path, rows: list[dict[str, Any]]) -> None:
+    """``eval.json`` (the scores) and ``eval_samples.jsonl`` rewritten whole from ``rows``
+    (every episode's, in (task, sample) order, where the evaluation appended them in the
+    order they finished), through a temporary file: a crash here leaves the appended ones."""
     (output_dir / "eval.json").write_text(json.dumps(result.summary(), indent=2) + "\n")
-    with open(output_dir / "eval_samples.jsonl", "w") as f:
-        for episode in result.episodes:
-            f.write(json.dumps(_sample_row(episode)) + "\n")
-
-
-def _sample_row(episode: Episode) -> dict:
-    row = {"task_id": episode.task_id, "reward": episode.reward, "status": episode.status,
-           "finish_reason": episode.finish_reason, "response": episode.metadata.get("response")}
-    if episode.error:
-        row["error"] = episode.error
-    row["trajectories"] = [t.to_dict() for t in episode.trajectories]
-    return row
+    tmp = output_dir / "eval_samples.jsonl.tmp"
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    os.replace(tmp, output_dir / "eval_samples.jsonl")

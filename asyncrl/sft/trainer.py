@@ -30,7 +30,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.config import ConfigError, OptimConfig
 from asyncrl.learner.learner import lr_lambda
+from asyncrl.orchestrator.announce import template_notes
 from asyncrl.policy import check_policy, load_policy
+from asyncrl.rollout.gateway.tool_calls import AUTO, resolve_format
 from asyncrl.seeding import derive_seed
 from asyncrl.sft.batches import collate, micro_batches, step_order, summed_loss, trained_tokens
 from asyncrl.sft.config import SFTConfig, save_sft_config
@@ -63,6 +65,7 @@ class SFTRun:
                               "choose another output_dir, or remove that one")
         train_data, eval_data = self._conversations()
         tokenizer = check_policy(cfg.model)
+        tqdm.write("\n".join(f"asyncrl sft: {note}" for note in format_notes(tokenizer)), file=sys.stderr)
         train, held_out = self._examples(tokenizer, train_data), self._examples(tokenizer, eval_data)
         order = self._step_order(len(train))
         torch.manual_seed(derive_seed(cfg.seed, "sft-torch"))
@@ -231,6 +234,17 @@ def _metrics(path: Path) -> Iterator[Callable[[dict[str, float | int]], None]]:
             f.flush()
 
         yield log
+
+
+def format_notes(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The lines ``train`` and ``serve`` print (``template_notes``), for the traces: what
+    asyncrl renders in place of the chat template, and the tool-call format the calls are
+    rendered in, which ``gateway.tool_parser=auto`` reads back in RL."""
+    try:
+        tool_format = resolve_format(AUTO, tokenizer)
+    except ConfigError as exc:  # the template's own format, which no built-in parser reads
+        return [*template_notes(tokenizer, templated=True, tool_format=None), f"tool calls: {exc}"]
+    return template_notes(tokenizer, templated=True, tool_format=tool_format)
 
 
 def _sources(conversations: list[Conversation]) -> str:
