@@ -12,14 +12,15 @@ from asyncrl.config import Config, save_config
 from asyncrl.rollout.eval_scoring import EvalResult, write_eval
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.runtime import start
+from asyncrl.tasks.base import TaskSplits
 from asyncrl.types import Episode
 
 
-def run_eval(cfg: Config) -> EvalResult:
+def run_eval(cfg: Config, splits: TaskSplits | None = None) -> EvalResult:
     """Everything is validated (model, tasks, workflow) before any generation starts, so
     bad input fails fast with exit status 2; the results go to ``eval.json`` and
-    ``eval_samples.jsonl`` in ``output_dir``."""
-    checked = preflight(cfg, "eval")
+    ``eval_samples.jsonl`` in ``output_dir``. ``splits``: from ``check_inputs``, where it ran."""
+    checked = preflight(cfg, "eval", splits)
     tasks = checked.splits.validation[: cfg.eval.num_tasks]
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
