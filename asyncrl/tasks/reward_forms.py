@@ -11,7 +11,8 @@ one and its parameters say which it is.
   ``log_metric`` come as ``None`` (asyncrl has no ``TrainerState``; TRL's own reward
   functions take these as optional);
 - verl's (``custom_reward_function``): ``compute_score(data_source, solution_str,
-  ground_truth, extra_info=None) -> float | dict`` (a dict's ``"score"`` is the reward),
+  ground_truth, extra_info=None) -> float | dict`` (a dict's ``"score"`` is the reward, its
+  other keys kept as the completion's extras, ``reward_extras`` in ``samples.jsonl``),
   one call per completion, with the row's ``data_source``, ``reward_model.ground_truth``
   and ``extra_info`` (verl's schema); or verl's batched form, the same names in the
   plural (``solution_strs``...), returning one score per completion.
@@ -21,6 +22,9 @@ the run's worker threads, as asyncrl's own rewards do. Recognised by parameter n
 (``completions``; ``solution_str`` with ``ground_truth``) because those are the names the
 two frameworks pass them by (keywords), so a function written for them has them. Only
 the keywords a function names (or all, when it takes ``**kwargs``) are passed.
+
+Several functions as one weighted reward (TRL's ``reward_funcs`` with ``reward_weights``),
+where ``None`` means "not applicable": ``reward_sum.py``.
 
 What comes back is checked as asyncrl's rewards are: not a number is a ``TypeError``
 (the episode is retried, then counted as an error), a non-finite number stops the run in
