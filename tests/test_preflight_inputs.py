@@ -7,6 +7,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -42,7 +43,7 @@ def test_a_missing_data_file_is_named(tmp_path, capsys, no_weights):
 
 
 def test_a_row_without_its_prompt_is_named_with_file_and_line(tmp_path, capsys, no_weights):
-    rows = open("examples/jsonl/data.jsonl").read().splitlines()
+    rows = Path("examples/jsonl/data.jsonl").read_text().splitlines()
     rows[3] = '{"id": "row-003", "numbers": [1, 2], "target": 3}'
     data = write(tmp_path / "data.jsonl", "\n".join(rows) + "\n")
     err = refused(capsys, *JSONL, f"output_dir={tmp_path / 'o'}", f"task.path={data}")
@@ -131,5 +132,5 @@ def test_the_checks_import_no_torch():
         heavy = [m for m in ("torch", "transformers", "numpy") if m in sys.modules]
         print(code, heavy)
         """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert result.stdout.strip() == "2 []", result.stdout + result.stderr
