@@ -11,6 +11,7 @@ import traceback
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.model_convert import add_models_command, run_models_command
+from asyncrl.orchestrator.inputs import check_inputs
 from asyncrl.orchestrator.watchdog import WatchdogStop
 from asyncrl.sft.config import load_sft_config
 from asyncrl.threads import stuck_report
@@ -129,10 +130,11 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
     try:
         if args.command == "train":
             cfg = load_config(args.config, args.overrides)  # before torch loads: a typo fails in a blink
+            splits = check_inputs(cfg, "train")  # so do data, reward and agent mistakes
             _quiet_transformers()
             from asyncrl.orchestrator.trainer import Trainer
 
-            trainer = Trainer(cfg)
+            trainer = Trainer(cfg, splits=splits)
             try:
                 checkpoint = trainer.run()
             except BaseException:
@@ -146,10 +148,11 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
                 print(f"done; final checkpoint: {checkpoint}")
         elif args.command == "eval":
             cfg = load_config(args.config, args.overrides)
+            splits = check_inputs(cfg, "eval")
             _quiet_transformers()
             from asyncrl.orchestrator.eval_command import run_eval
 
-            result = run_eval(cfg)
+            result = run_eval(cfg, splits)
             print(json.dumps(result.summary(), indent=2))
         elif args.command == "serve":
             cfg = load_config(args.config, args.overrides)

@@ -124,11 +124,14 @@ class TaskConfig(Section):
     """Generated tasks in the train split (a JSONL file or an ``hf`` dataset: first N rows, 0 = all)."""
     num_validation: int = Field(128, ge=1)
     """Held-out tasks (``hf``: at most this many of the validation split's rows)."""
-    reward_fn: str | None = None
+    reward_fn: str | list[str] | None = None
     """``module:function`` or ``path/to/file.py:function``: asyncrl's ``(task, response_text) ->
     float``, TRL's ``(prompts, completions, **columns) -> list[float]`` (one call per group)
     or verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``, sync or
-    async, recognised by its parameters; default: the task's own."""
+    async, recognised by its parameters; default: the task's own. A list: TRL's
+    ``reward_funcs``, the reward their weighted sum (``asyncrl/tasks/reward_sum.py``)."""
+    reward_weights: list[float] | None = None
+    """TRL's ``reward_weights``: one per ``reward_fn`` of the list; ``None``: each 1.0."""
     sampler: TaskSamplerConfig = TaskSamplerConfig()
 
     @field_validator("sampler", mode="before")

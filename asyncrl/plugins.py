@@ -15,6 +15,7 @@ import difflib
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -45,6 +46,28 @@ def load_named(spec: str, *, key: str, callable_: bool = True) -> Any:
     if callable_ and not callable(obj):
         raise ValueError(f"{key} {spec!r}: {attr_path!r} is not callable ({type(obj).__name__})")
     return obj
+
+
+def check_call(obj: Any, spec: str, *, key: str, args: tuple[str, ...]) -> None:
+    """Refuse, before any work, a named callable that cannot take the positional ``args`` (their
+    names, as the docs call them) the run will pass; a class is checked through its ``run``
+    method, as an agent class is called (``Class().run(...)``). ``ValueError`` naming ``key``,
+    ``spec`` and the signature. A callable without an introspectable signature passes."""
+    fn, shown_name = obj, getattr(obj, "__qualname__", repr(obj))
+    if inspect.isclass(obj):
+        fn, shown_name = getattr(obj, "run", None), f"{shown_name}.run"
+        if not callable(fn):
+            raise ValueError(f"{key} {spec!r}: class {obj.__qualname__} has no run({', '.join(args)}) method")
+        args = ("self", *args)
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return
+    try:
+        signature.bind(*(object() for _ in args))
+    except TypeError as exc:
+        raise ValueError(f"{key} {spec!r}: {shown_name}{signature} cannot be called as "
+                         f"({', '.join(a for a in args if a != 'self')}): {exc}") from None
 
 
 MAX_LISTED = 10

@@ -205,6 +205,11 @@ class Episode:
     errors: list[AttemptError] = field(default_factory=list)  # every failed attempt, also of an ok episode
     timings: dict[str, float] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    rewards: dict[str, float | None] = field(default_factory=dict)
+    """Where ``task.reward_fn`` is a list: each function's value by name (``None``: not
+    applicable), ``reward`` their weighted sum (``asyncrl/tasks/reward_sum.py``)."""
+    reward_extras: dict[str, Any] = field(default_factory=dict)
+    """verl's score dicts' keys besides ``score`` (kept for ``samples.jsonl``)."""
 
     @property
     def finish_reason(self) -> FinishReason:

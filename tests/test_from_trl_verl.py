@@ -76,6 +76,7 @@ def test_the_verl_example_trains_with_compute_score_per_completion(tmp_path, mon
         data = tasks[s["task_id"]].data
         verdict = fn("countdown", s["response"], data["reward_model"]["ground_truth"], data["extra_info"])
         assert s["reward"] == verdict["score"]
+        assert s["reward_extras"] == {"parsed": verdict["parsed"]}  # the dict's other keys, kept
 
 
 def test_the_examples_data_is_what_their_scripts_write(tmp_path):
@@ -104,3 +105,20 @@ def test_the_examples_rewards_score_the_known_solutions():
     verl = load_named("examples/from_verl/reward.py:compute_score", key="task.reward_fn")
     assert verl("countdown", "9*(4-3)", "9", {"numbers": [4, 9, 3]})["score"] == 1.0
     assert verl("countdown", "nine", "9", {"numbers": [4, 9, 3]}) == {"score": 0.0, "parsed": False}
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("in_repo")
+def test_the_trl_example_trains_on_a_weighted_list_each_function_logged_apart(tmp_path):
+    from asyncrl.jsonl import read_jsonl
+
+    out = tmp_path / "list"
+    samples = train_example("examples/from_trl/train.yaml", out,
+                            "task.reward_fn=[examples/from_trl/reward.py:countdown_reward, "
+                            "examples/from_trl/reward.py:short_answer]", "task.reward_weights=[1.0, 0.1]")
+    assert samples and not (out / "errors.jsonl").read_text().strip()
+    for s in samples:  # the reward is the weighted sum of the two, each kept by name
+        assert set(s["rewards"]) == {"countdown_reward", "short_answer"}
+        assert s["reward"] == pytest.approx(s["rewards"]["countdown_reward"] + 0.1 * s["rewards"]["short_answer"])
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if "reward/mean" in r]
+    assert steps and all({"reward/countdown_reward/mean", "reward/short_answer/mean"} <= set(r) for r in steps)

@@ -19,17 +19,19 @@ from asyncrl.orchestrator.metrics import eval_sample_row
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.rollout.eval_scoring import EvalResult, write_eval
 from asyncrl.runtime import start
+from asyncrl.tasks.base import TaskSplits
 from asyncrl.types import Episode
 
 EVAL_SAMPLES_FILE = "eval_samples.jsonl"
 
 
-def run_eval(cfg: Config) -> EvalResult:
+def run_eval(cfg: Config, splits: TaskSplits | None = None) -> EvalResult:
     """Everything is validated (model, tasks, workflow) before any generation starts, so
     bad input fails fast with exit status 2; the results go to ``eval.json`` and
     ``eval_samples.jsonl`` in ``output_dir`` (the latter row by row as episodes finish,
-    then rewritten in (task, sample) order at the end)."""
-    checked = preflight(cfg, "eval")
+    then rewritten in (task, sample) order at the end). ``splits``: from ``check_inputs``,
+    where it ran."""
+    checked = preflight(cfg, "eval", splits)
     tasks = checked.splits.validation[: cfg.eval.num_tasks]
     output_dir = Path(cfg.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

@@ -68,8 +68,21 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         **{f"rollout/{k}_total": v for k, v in counters.items()},
         **({} if filtered_fraction_window is None else {"rollout/filtered_fraction_window": filtered_fraction_window}),
         **agent_metrics([e for g in groups for e in g.group.episodes]),
+        **reward_part_means([e for g in groups for e in g.group.episodes]),
         **actor,
     }
+
+
+def reward_part_means(episodes: list[Episode]) -> dict[str, float]:
+    """``reward/<name>/mean`` for each function of a weighted ``task.reward_fn`` list, over the
+    episodes it scored (``None``: not applicable, left out, as TRL's ``nanmean``)."""
+    values: dict[str, list[float]] = {}
+    for episode in episodes:
+        for name, value in episode.rewards.items():
+            values.setdefault(name, [])
+            if value is not None:
+                values[name].append(value)
+    return {f"reward/{name}/mean": sum(v) / len(v) if v else float("nan") for name, v in values.items()}
 
 
 def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
@@ -115,6 +128,8 @@ def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
                     "finish_reason": t.finish_reason,
                     "resumed": t.resumed, "num_resumes": t.num_resumes, "response": response,
                     "response_segments": segments,
+                    **({"rewards": episode.rewards} if episode.rewards else {}),
+                    **({"reward_extras": episode.reward_extras} if episode.reward_extras else {}),
                 })
                 rows[-1].update(_read_calls(episode, t, segments, decode, parse))
     return rows

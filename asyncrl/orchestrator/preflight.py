@@ -2,7 +2,8 @@
 and ``eval`` alike: the engine is installed, ``model.path`` is a causal LM with a
 tokenizer that can render the workflow's prompts, the tasks load, the workflow and every
 name the config gives (algorithms, hooks) resolve. A failure is a ``ConfigError``
-naming the key (exit 2)."""
+naming the key (exit 2). Its first phase, the data and the named user code, needs no
+torch: ``inputs.py``, which the CLI runs before torch loads and hands the result here."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.engine import require_engine
 from asyncrl.learner.lora import check_lora
 from asyncrl.orchestrator.hooks import Hooks
+from asyncrl.orchestrator.inputs import check_inputs
 from asyncrl.policy import adapter_base, check_policy, load_policy, resolve_model_path
 from asyncrl.tasks.base import TaskSplits
-from asyncrl.rollout.workflows.registry import build_tasks, build_workflow, check_tokenizer
+from asyncrl.rollout.workflows.registry import build_workflow, check_tokenizer
 
 
 @dataclass
@@ -32,12 +34,16 @@ class Checked:
     hooks: Hooks
 
 
-def preflight(cfg: Config, command: Literal["train", "eval", "plan"]) -> Checked:
+def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: TaskSplits | None = None) -> Checked:
     """``plan``: a training run whose engines and learner are simulated (``asyncrl plan``):
-    the checks of ``train`` without the engine or the weights, which it never runs."""
+    the checks of ``train`` without the engine or the weights, which it never runs.
+    ``splits``: what :func:`check_inputs` returned for this config, where it ran already
+    (the CLI's first phase); ``None`` runs it here, before anything loads."""
     trains = command in ("train", "plan")
     if trains:
         check_trainable(cfg)
+    if splits is None:
+        splits = check_inputs(cfg, command)
     if cfg.engine == "vllm" and adapter_base(resolve_model_path(cfg.model.path)) is not None:
         raise ConfigError(f"model.path {cfg.model.path!r} holds LoRA adapters, which engine=vllm does not load: "
                           f"write the merged model (python -m asyncrl.learner.lora_merge {cfg.model.path} OUT) "
@@ -50,9 +56,6 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"]) -> Checked
     check_tokenizer(cfg, tokenizer)
     if trains:
         check_lora(cfg.model, model)  # peft installed, model.lora.target_modules in the model
-    splits = build_tasks(cfg)
-    if trains and not splits.train:
-        raise ConfigError("task: the train split is empty")
     build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
     hooks = Hooks.from_config(cfg.hooks) if trains else Hooks()
     if trains:

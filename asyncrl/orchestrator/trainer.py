@@ -51,15 +51,17 @@ from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.policy import resolve_device
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
+from asyncrl.tasks.base import TaskSplits
 from asyncrl.types import Episode
 from asyncrl.weight_sync.delivery import DeliveryCheck, WeightsNotDelivered
 
 
 class Trainer:
-    def __init__(self, cfg: Config, runtime: RuntimeStarter = start) -> None:
+    def __init__(self, cfg: Config, runtime: RuntimeStarter = start, splits: TaskSplits | None = None) -> None:
         """Everything that can be wrong with the input fails here, before any work.
         ``runtime``: what starts the learner and rollout handles (``asyncrl.runtime.start``;
-        ``asyncrl plan`` passes simulated ones, and no weights are loaded then)."""
+        ``asyncrl plan`` passes simulated ones, and no weights are loaded then). ``splits``:
+        from ``check_inputs`` where it ran already (the CLI, before torch loads)."""
         self._start_runtime = runtime
         self.cfg, self.output_dir = cfg, Path(cfg.output_dir)
         checkpoint = starting_point(self.output_dir, cfg.resume)
@@ -69,7 +71,7 @@ class Trainer:
         self.changed_settings = changed_settings(run_settings(self.output_dir) or {}, cfg) if state else {}
         self.finished = state is not None and state.step >= cfg.total_steps
         with one_torch_thread():  # the model loads here: no OpenMP team on the caller's thread
-            checked = preflight(cfg, "train" if runtime is start else "plan")
+            checked = preflight(cfg, "train" if runtime is start else "plan", splits)
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
         self.max_staleness = cfg.effective_max_staleness

@@ -11,7 +11,8 @@ one and its parameters say which it is.
   ``log_metric`` come as ``None`` (asyncrl has no ``TrainerState``; TRL's own reward
   functions take these as optional);
 - verl's (``custom_reward_function``): ``compute_score(data_source, solution_str,
-  ground_truth, extra_info=None) -> float | dict`` (a dict's ``"score"`` is the reward),
+  ground_truth, extra_info=None) -> float | dict`` (a dict's ``"score"`` is the reward, its
+  other keys kept as the completion's extras, ``reward_extras`` in ``samples.jsonl``),
   one call per completion, with the row's ``data_source``, ``reward_model.ground_truth``
   and ``extra_info`` (verl's schema); or verl's batched form, the same names in the
   plural (``solution_strs``...), returning one score per completion.
@@ -21,6 +22,9 @@ the run's worker threads, as asyncrl's own rewards do. Recognised by parameter n
 (``completions``; ``solution_str`` with ``ground_truth``) because those are the names the
 two frameworks pass them by (keywords), so a function written for them has them. Only
 the keywords a function names (or all, when it takes ``**kwargs``) are passed.
+
+Several functions as one weighted reward (TRL's ``reward_funcs`` with ``reward_weights``),
+where ``None`` means "not applicable": ``reward_sum.py``.
 
 What comes back is checked as asyncrl's rewards are: not a number is a ``TypeError``
 (the episode is retried, then counted as an error), a non-finite number stops the run in
@@ -56,7 +60,7 @@ def is_async_reward(fn: Callable[..., Any]) -> bool:
 
 class ForeignReward:
     """A TRL or verl reward function behind asyncrl's ``(task, response) -> float`` (a
-    batch of one), and :meth:`score_batch` for a group's completions in one call where
+    batch of one), and :meth:`outcomes_batch` for a group's completions in one call where
     the function is batched (``batched``). ``form``: ``trl``, ``verl`` or ``verl_batch``."""
 
     def __init__(self, fn: Callable[..., Any], spec: str, form: str, parameters: Mapping[str, inspect.Parameter]):
@@ -76,21 +80,10 @@ class ForeignReward:
         ``score(ctx.reward_fn, task, text)`` calls."""
         if self.is_async:
             return self._one_async(task, response)
-        return self.values(self._call([task], [response], None), 1)[0]
+        return self._float(self.outcomes_batch([task], [response], None)[0])
 
     async def _one_async(self, task: Task, response: str) -> float:
-        return (await self.score_batch_async([task], [response], None))[0]
-
-    def score_batch(self, tasks: Sequence[Task], responses: Sequence[str],
-                    token_ids: Sequence[list[int]] | None) -> list[float]:
-        """A plain function's scores of ``responses`` (``tasks[i]``'s), one call where it is batched."""
-        return self.values(self._call(tasks, responses, token_ids), len(responses))
-
-    async def score_batch_async(self, tasks: Sequence[Task], responses: Sequence[str],
-                                token_ids: Sequence[list[int]] | None) -> list[float]:
-        """An ``async def``'s scores, awaited (verl's per-completion calls together)."""
-        raw = self._call(tasks, responses, token_ids)
-        return self.values(await (asyncio.gather(*raw) if self.form == "verl" else raw), len(responses))
+        return self._float((await self.outcomes_batch_async([task], [response], None))[0])
 
     def _call(self, tasks: Sequence[Task], responses: Sequence[str], token_ids: Sequence[list[int]] | None) -> Any:
         if self.form == "trl":
@@ -124,25 +117,59 @@ class ForeignReward:
         return {"data_source": task.data.get("data_source"), "solution_str": response,
                 "ground_truth": task.data["reward_model"]["ground_truth"], "extra_info": task.data.get("extra_info")}
 
-    def values(self, raw: Any, n: int) -> list[float]:
-        """The rewards in ``raw`` as floats, or a ``TypeError`` naming the function and what
-        it returned (the path a non-number from asyncrl's own reward takes)."""
+    def _float(self, outcome: Outcome) -> float:
+        """One completion's reward alone: ``None`` is refused, as it leaves it without one."""
+        if outcome[0] is None:
+            raise TypeError(f"reward function {self.spec} returned None; expected a float (None, TRL's 'not "
+                            "applicable', needs another reward function beside it in task.reward_fn's list)")
+        return outcome[0]
+
+    def outcomes(self, raw: Any, n: int) -> list[Outcome]:
+        """Each completion's ``(reward or None, verl's extra keys)`` in ``raw``; ``None`` where the
+        function returned ``None`` (TRL's "not applicable"); a ``TypeError`` naming the
+        function for anything else that is not a number (or verl's dict holding one)."""
         not_a_list = isinstance(raw, (str, bytes, Mapping)) or not isinstance(raw, Sequence) or len(raw) != n
         if self.form != "verl" and not_a_list:  # verl's per-completion calls are gathered into a list here
             size = f" of {len(raw)}" if isinstance(raw, Sequence) else ""
             raise TypeError(f"reward function {self.spec} returned {type(raw).__name__}{size} {str(raw)[:80]!r} "
                             f"for {n} completions; expected a list of {n} floats")
-        return [self._number(value) for value in raw]
+        return [self._outcome(value) for value in raw]
 
-    def _number(self, value: Any) -> float:
+    def _outcome(self, value: Any) -> Outcome:
+        extras: dict[str, Any] = {}
         if self.form != "trl" and isinstance(value, Mapping):  # verl: {"score": ..., what else it logs}
             if "score" not in value:
                 raise TypeError(f"reward function {self.spec} returned a dict without 'score' ({sorted(value)}); "
                                 "verl's compute_score returns a float or a dict holding 'score'")
+            extras = {key: item for key, item in value.items() if key != "score"}
             value = value["score"]
-        if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(f"reward function {self.spec} returned {value!r}; expected a float")
-        return float(value)
+        return checked_number(value, self.spec, none_ok=True), extras
+
+    def outcomes_batch(self, tasks: Sequence[Task], responses: Sequence[str],
+                       token_ids: Sequence[list[int]] | None) -> list[Outcome]:
+        """A plain function's outcomes (:meth:`outcomes`), one call where it is batched."""
+        return self.outcomes(self._call(tasks, responses, token_ids), len(responses))
+
+    async def outcomes_batch_async(self, tasks: Sequence[Task], responses: Sequence[str],
+                                   token_ids: Sequence[list[int]] | None) -> list[Outcome]:
+        """An ``async def``'s outcomes, awaited (verl's per-completion calls together)."""
+        raw = self._call(tasks, responses, token_ids)
+        return self.outcomes(await (asyncio.gather(*raw) if self.form == "verl" else raw), len(responses))
+
+
+Outcome = tuple[float | None, dict[str, Any]]
+"""One completion's score from one function: the number (``None``: "not applicable", TRL's
+multi-task convention) and the extra keys of verl's score dict (empty otherwise)."""
+
+
+def checked_number(value: Any, spec: str, *, none_ok: bool = False) -> float | None:
+    """``value`` as a float (``None`` kept where ``none_ok``), else a ``TypeError`` naming the
+    function ``spec`` and what it returned."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"reward function {spec} returned {value!r}; expected a float")
+    return float(value)
 
 
 def recognise_reward(fn: Callable[..., Any], spec: str) -> RewardFn:

@@ -1,10 +1,11 @@
-"""A reward function as TRL's ``GRPOTrainer`` takes it, used by asyncrl unchanged.
+"""Reward functions as TRL's ``GRPOTrainer`` takes them, used by asyncrl unchanged.
 
 TRL calls ``reward_funcs`` with ``prompts``, ``completions`` and every other dataset column
 as a keyword argument, one value per completion, and wants one float per completion
 back. So does asyncrl (``task.reward_fn: examples/from_trl/reward.py:countdown_reward``):
 once for each group's completions, on a worker thread (an ``async def`` is awaited).
-``completion_ids`` are the sampled tokens; ``trainer_state`` comes as ``None``.
+``completion_ids`` are the sampled tokens; ``trainer_state`` comes as ``None``. Several, as
+``reward_funcs=[...]`` with ``reward_weights``: ``task.reward_fn`` a list (train.yaml shows it).
 """
 
 from __future__ import annotations
@@ -23,3 +24,10 @@ def countdown_reward(completions, numbers, target, **kwargs) -> list[float]:
         right = parsed is not None and parsed[0] == goal and Counter(parsed[1]) == Counter(nums)
         rewards.append(1.0 if right else 0.0)
     return rewards
+
+
+def short_answer(completions, **kwargs) -> list[float]:
+    """A format reward, as TRL's guides pair with a correctness one: 1.0 for an answer of at
+    most 12 characters, the length of an expression over three numbers."""
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [1.0 if len(text.strip()) <= 12 else 0.0 for text in texts]

@@ -1,6 +1,6 @@
-"""One reward call for a group: a batched reward function (TRL's, verl's batched form)
-scores the completions of a task's episodes that run together in one call, as TRL calls
-it with a generation batch.
+"""One reward call for a group: a batched reward function (TRL's, verl's batched form), or a
+weighted list holding one, scores the completions of a task's episodes that run together
+in one call, as TRL calls it with a generation batch.
 
 Episodes run one by one (``run_episode``: each its own retries and timeout), so the
 group is gathered here rather than handed over whole: an episode enters before it
@@ -23,20 +23,19 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from asyncrl.tasks.base import Task
-from asyncrl.tasks.reward_forms import ForeignReward
-from asyncrl.threads import call_in_thread
+from asyncrl.tasks.reward_sum import RewardSum, Scored
 
 
 @dataclass(eq=False)
 class _Batch:
     members: int = 0  # entered and not left without handing in
-    items: list[tuple[Task, str, list[int], asyncio.Future[float]]] = field(default_factory=list)
+    items: list[tuple[Task, str, list[int], asyncio.Future[Scored]]] = field(default_factory=list)
 
 
 class GroupReward:
     """Gathers the completions of one task's concurrent episodes into one reward call."""
 
-    def __init__(self, reward: ForeignReward, *, timeout_s: float) -> None:
+    def __init__(self, reward: RewardSum, *, timeout_s: float) -> None:
         self.reward, self.timeout_s = reward, timeout_s
         self.calls = 0  # reward calls made (for tests and curiosity: one per group when all run together)
         self._open: dict[str, _Batch] = {}
@@ -70,19 +69,18 @@ class GroupReward:
         tasks, texts, ids, futures = (list(column) for column in zip(*batch.items))
         self.calls += 1
         try:
-            if self.reward.is_async:
-                async with asyncio.timeout(self.timeout_s):
-                    scores = await self.reward.score_batch_async(tasks, texts, ids)
-            else:
-                scores = await call_in_thread(self.reward.score_batch, tasks, texts, ids, timeout_s=self.timeout_s,
-                                              what=f"reward function {self.reward.spec}", task_id=tasks[0].id)
+            scores = await self.reward.score_batch(tasks, texts, ids, timeout_s=self.timeout_s)
         except Exception as exc:  # noqa: BLE001 (the user's code: every episode of the call fails with it)
             for future in futures:
                 if not future.done():
                     future.set_exception(exc)
             return
         for future, value in zip(futures, scores):
-            if not future.done():
+            if future.done():
+                continue
+            if isinstance(value, TypeError):  # no function scored this one: it alone fails
+                future.set_exception(value)
+            else:
                 future.set_result(value)
 
 
@@ -91,9 +89,9 @@ class GroupMember:
         self.owner, self.key, self.batch = owner, key, batch
         self.handed_in = False
 
-    async def score(self, task: Task, text: str, token_ids: list[int]) -> float:
+    async def score(self, task: Task, text: str, token_ids: list[int]) -> Scored:
         """This episode's reward, once the batch's call is made."""
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        future: asyncio.Future[Scored] = asyncio.get_running_loop().create_future()
         self.batch.items.append((task, text, token_ids, future))
         self.handed_in = True
         self.owner._maybe_call(self.key, self.batch)

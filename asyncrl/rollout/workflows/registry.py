@@ -32,43 +32,12 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.rollout.gateway.server import Gateway
 from asyncrl.rollout.gateway.tool_calls import check_format_name
 from asyncrl.plugins import load_named
-from asyncrl.tasks import default_reward_fn, load_tasks, resolve_reward_fn
-from asyncrl.tasks.base import RewardFn, TaskSplits
-from asyncrl.tasks.reward_forms import check_reward_fits, recognise_reward
+from asyncrl.tasks.from_config import build_reward_fn, build_tasks
 from asyncrl.rollout.workflows.base import Workflow, WorkflowContext
 from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
 from asyncrl.rollout.workflows.single_turn import SingleTurnWorkflow
 
-
-def build_tasks(cfg: Config) -> TaskSplits:
-    """The task splits, with any dataset problem reported as a config error (exit 2)."""
-    t = cfg.task
-    try:
-        splits = load_tasks(t.name, path=t.path, validation_path=t.validation_path, seed=cfg.seed,
-                            num_train=t.num_train, num_validation=t.num_validation, options=t.options,
-                            split=t.split, validation_split=t.validation_split)
-    except ValueError as exc:  # TaskDataError included: it names the file and line
-        raise ConfigError(f"task: {exc}") from None
-    chats = [task for task in splits.train + splits.validation if task.messages is not None]
-    if chats and not cfg.workflow.use_chat_template:
-        raise ConfigError(f"workflow.use_chat_template=false, but task {chats[0].id!r} (and {len(chats) - 1} more) "
-                          "gives its prompt as chat messages, which only the chat template renders; set it to true")
-    if cfg.task.reward_fn and cfg.workflow.name != "openai_agent":
-        reward_fn = build_reward_fn(cfg)
-        try:
-            check_reward_fits(reward_fn, splits.train + splits.validation)
-        except ValueError as exc:
-            raise ConfigError(f"task.reward_fn {cfg.task.reward_fn!r}: {exc}") from None
-    return splits
-
-
-def build_reward_fn(cfg: Config) -> RewardFn:
-    try:
-        if not cfg.task.reward_fn:
-            return default_reward_fn(cfg.task.name)
-        return recognise_reward(resolve_reward_fn(cfg.task.reward_fn), cfg.task.reward_fn)
-    except ValueError as exc:
-        raise ConfigError(f"task.reward_fn: {exc}") from None
+__all__ = ["build_context", "build_reward_fn", "build_tasks", "build_workflow", "check_tokenizer"]
 
 
 def build_context(cfg: Config) -> WorkflowContext:

@@ -10,6 +10,7 @@ from asyncrl.rollout.client import LLMClient
 from asyncrl.rollout.workflows.group_reward import GroupMember, GroupReward
 from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.tasks.reward_forms import ForeignReward, is_async_reward
+from asyncrl.tasks.reward_sum import RewardSum, Scored, unwrap
 from asyncrl.threads import call_in_thread, describe
 from asyncrl.types import Episode
 
@@ -21,9 +22,12 @@ class SingleTurnWorkflow:
         self.reward_fn = reward_fn
         self.use_chat_template = use_chat_template
         self.reward_timeout_s = reward_timeout_s
-        # a batched reward (TRL's) is called once for the episodes of a task that run together
-        batched = isinstance(reward_fn, ForeignReward) and reward_fn.batched
-        self.group_reward = GroupReward(reward_fn, timeout_s=reward_timeout_s) if batched else None
+        # TRL's and verl's forms and a weighted list score through a RewardSum (verl's extra keys, each
+        # function's value kept); a batched one (TRL's) is called once for a task's episodes that run together
+        self.reward_sum = RewardSum([reward_fn]) if isinstance(reward_fn, ForeignReward) else \
+            reward_fn if isinstance(reward_fn, RewardSum) else None
+        batched = self.reward_sum is not None and self.reward_sum.batched
+        self.group_reward = GroupReward(self.reward_sum, timeout_s=reward_timeout_s) if batched else None
 
     async def run(self, task: Task, llm: LLMClient) -> Episode:
         if self.group_reward is None:
@@ -43,12 +47,16 @@ class SingleTurnWorkflow:
             response = await llm.generate(task.prompt, sampling=sampling)
         generated = time.perf_counter()
         if member is not None:
-            reward = await member.score(task, response.text, response.token_ids)
+            scored = await member.score(task, response.text, response.token_ids)
+        elif self.reward_sum is not None:
+            scored = unwrap((await self.reward_sum.score_batch([task], [response.text], [response.token_ids],
+                                                               timeout_s=self.reward_timeout_s))[0])
         else:
-            reward = await score(self.reward_fn, task, response.text, timeout_s=self.reward_timeout_s)
+            scored = Scored(await score(self.reward_fn, task, response.text, timeout_s=self.reward_timeout_s))
         for trajectory in llm.trajectories:
-            trajectory.reward = reward
-        return Episode(task_id=task.id, trajectories=llm.trajectories, reward=reward,
+            trajectory.reward = scored.reward
+        return Episode(task_id=task.id, trajectories=llm.trajectories, reward=scored.reward,
+                       rewards=scored.parts, reward_extras=scored.extras,
                        timings={"generate_s": generated - start, "reward_s": time.perf_counter() - generated},
                        metadata={"response": response.text})
 
