@@ -24,6 +24,7 @@ DEFAULT_PROMPT = (
     "Reply with one line `GRADE: <0-10>` (10 = fully correct) and nothing else."
 )
 DEFAULT_PATTERN = r"GRADE:\s*(-?\d+(?:\.\d+)?)"
+JUDGE = "judge"  # the name in ``task.reward_fn`` that means the ``judge:`` section's model
 
 
 class JudgeParseError(FrozenModelError):
@@ -60,10 +61,16 @@ class JudgeReward:
         re.compile(pattern)
         self.model, self.prompt, self.pattern, self.scale = model, prompt, pattern, scale
         self.params = {"max_tokens": max_tokens, "temperature": temperature}
+        self.__name__ = JUDGE  # what its values are logged under (reward/judge/mean)
         self.__qualname__ = f"judge at {model.url}"
 
     def __repr__(self) -> str:
         return self.__qualname__
+
+    def check_tasks(self, tasks: list[Task]) -> None:
+        """Refuse, before any work, a rubric naming a field some task lacks (``KeyError``)."""
+        for task in tasks:
+            render_prompt(self.prompt, task, "")
 
     async def __call__(self, task: Task, response: str) -> float:
         reply = await self.model.chat([{"role": "user", "content": render_prompt(self.prompt, task, response)}],
@@ -81,15 +88,14 @@ class RewardModel:
     are scored in one forward pass of at most ``batch_size`` rows, on a worker thread."""
 
     def __init__(self, path: str, *, label: int = 0, batch_size: int = 16, max_length: int = 1024) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from pathlib import Path
 
+        if not (Path(path) / "config.json").is_file():
+            raise ValueError(f"judge.reward_model {path!r} is not a model directory (no config.json)")
         self.path, self.label, self.batch_size, self.max_length = path, label, batch_size, max_length
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.net = AutoModelForSequenceClassification.from_pretrained(path).eval()
-        if self.net.config.pad_token_id is None:
-            self.net.config.pad_token_id = self.tokenizer.pad_token_id
+        self.tokenizer: Any = None
+        self.net: Any = None  # loaded on the first score, on the scoring thread (pre-flight loads no weights)
+        self.__name__ = JUDGE
         self._queue: asyncio.Queue[tuple[str, asyncio.Future[float]]] | None = None
         self._batcher: asyncio.Task[None] | None = None
         self.__qualname__ = f"reward model {path}"
@@ -97,9 +103,21 @@ class RewardModel:
     def __repr__(self) -> str:
         return self.__qualname__
 
+    def _load(self) -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.net = AutoModelForSequenceClassification.from_pretrained(self.path).eval()
+        if self.net.config.pad_token_id is None:
+            self.net.config.pad_token_id = self.tokenizer.pad_token_id
+
     def score_texts(self, texts: list[str]) -> list[float]:
         import torch
 
+        if self.net is None:
+            self._load()
         enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, max_length=self.max_length)
         with torch.inference_mode():
             logits = self.net(**enc).logits  # (B, num_labels)

@@ -69,8 +69,27 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         **({} if filtered_fraction_window is None else {"rollout/filtered_fraction_window": filtered_fraction_window}),
         **agent_metrics([e for g in groups for e in g.group.episodes]),
         **reward_part_means([e for g in groups for e in g.group.episodes]),
+        **frozen_model_metrics([e for g in groups for e in g.group.episodes]),
         **actor,
     }
+
+
+FROZEN_ROLES = ("judge", "teacher")  # asyncrl/frozen: each failure names "the <role> at <url>"
+
+
+def frozen_model_metrics(episodes: list[Episode]) -> dict[str, float | int]:
+    """``reward/seconds_mean`` (the reward's time per episode, a judge's calls included) and
+    ``<role>/failures``: the failed attempts of these episodes that a judge or teacher caused
+    (each retried; an episode that ran out of attempts is in ``rollout/episodes_error_total``)."""
+    row: dict[str, float | int] = {}
+    seconds = [e.timings["reward_s"] for e in episodes if "reward_s" in e.timings]
+    if seconds:
+        row["reward/seconds_mean"] = sum(seconds) / len(seconds)
+    for role in FROZEN_ROLES:
+        failures = sum(f"the {role} at " in error.exception for e in episodes for error in e.errors)
+        if failures:
+            row[f"{role}/failures"] = failures
+    return row
 
 
 def reward_part_means(episodes: list[Episode]) -> dict[str, float]:

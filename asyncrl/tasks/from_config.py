@@ -6,6 +6,7 @@ Every problem is a ``ConfigError`` naming the key (exit 2)."""
 from __future__ import annotations
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.frozen.judge import JUDGE, JudgeReward, judge_from_config
 from asyncrl.plugins import load_named
 from asyncrl.tasks import default_reward_fn, load_tasks
 from asyncrl.tasks.base import RewardFn, TaskSplits
@@ -32,8 +33,10 @@ def build_tasks(cfg: Config) -> TaskSplits:
         members = reward_fn.members if isinstance(reward_fn, RewardSum) else [reward_fn]
         for key, spec, member in zip(_reward_keys(cfg), _specs(cfg), members):
             try:
+                if isinstance(member, JudgeReward):
+                    member.check_tasks(splits.train + splits.validation)
                 check_reward_fits(member, splits.train + splits.validation)
-            except ValueError as exc:
+            except (ValueError, KeyError) as exc:
                 raise ConfigError(f"{key} {spec!r}: {exc}") from None
     return splits
 
@@ -51,6 +54,12 @@ def build_reward_fn(cfg: Config) -> RewardFn:
             raise ConfigError(f"task.reward_fn: {exc}") from None
     members = []
     for key, spec in zip(_reward_keys(cfg), _specs(cfg)):
+        if spec == JUDGE:  # the `judge:` section's model grades the response
+            if not (cfg.judge.url or cfg.judge.reward_model):
+                raise ConfigError(f"{key} names the judge, but neither judge.url nor judge.reward_model is set: "
+                                  "give the judge's server (judge.url=http://host:port) or a reward model's directory")
+            members.append(judge_from_config(cfg.judge))
+            continue
         try:
             members.append(recognise_reward(load_named(spec, key=key), spec))
         except ValueError as exc:
