@@ -254,3 +254,28 @@ def test_a_teacher_scores_each_response_token_and_refuses_another_tokenizer():
     asyncio.run(main())
     assert trajectories[0].teacher_logprobs == [-3.0, -4.0, -5.0]
     assert trajectories[1].teacher_logprobs == [-7.0]
+
+
+def test_pack_batch_carries_the_distillation_term_on_model_tokens_only():
+    import torch
+
+    from asyncrl.learner.batch import pack_batch
+    from asyncrl.orchestrator.metrics import distill_metrics
+    from asyncrl.types import Trajectory
+
+    a = Trajectory(prompt_ids=[2], response_ids=[3, 4], loss_mask=[1, 0], logprobs=[-1.0, -5.0], versions=[0, 0],
+                   teacher_logprobs=[-0.5, -9.0])
+    b = Trajectory(prompt_ids=[1], response_ids=[5, 6, 7], loss_mask=[1, 1, 1], logprobs=[-2.0, -1.0, -1.0],
+                   versions=[0, 0, 0], teacher_logprobs=[-2.0, -3.0, -1.0])
+    plain = pack_batch([a, b], [1.0, -1.0], pad_id=0)
+    assert plain.advantages.tolist() == [1.0, -1.0]
+    batch = pack_batch([a, b], [1.0, -1.0], pad_id=0, distill_coef=2.0)
+    # target axis (length 4 - 1 = 3): a's response at positions 0, 1 (mask 1, 0), then padding; b's at 0, 1, 2
+    assert batch.advantages.tolist() == [[1.0 - 2.0 * (-1.0 + 0.5), 0.0, 0.0],
+                                         [-1.0, -1.0 - 2.0 * (-1.0 + 3.0), -1.0]]
+    assert batch.slice(0, 1).advantages.shape == (1, 2)  # trimmed with the row's own length
+    assert distill_metrics([a, b])["distill/reverse_kl"] == pytest.approx((-0.5 + 0.0 + 2.0 + 0.0) / 4)
+    with pytest.raises(ValueError, match="no teacher logprobs"):
+        pack_batch([Trajectory(prompt_ids=[1], response_ids=[2], loss_mask=[1], logprobs=[0.0], versions=[0])],
+                   [0.0], pad_id=0, distill_coef=1.0)
+    assert torch.equal(pack_batch([a], [1.0], 0, 0.0).advantages, torch.tensor([1.0]))

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.algorithms.distill import distill_advantages
 from asyncrl.types import NO_VERSION, Trajectory
 
 
@@ -20,7 +21,7 @@ class TrainBatch:
     attention_mask: torch.Tensor  # (B, L)
     loss_mask: torch.Tensor  # (B, L-1) 1 where the target is a model token
     behavior_logprobs: torch.Tensor  # (B, L-1) μ from the engine, 0 elsewhere
-    advantages: torch.Tensor  # (B,)
+    advantages: torch.Tensor  # (B,), or (B, L-1) per token (on-policy distillation: algorithms/distill.py)
     prompt_lengths: torch.Tensor  # (B,) long: row i's prompt is input_ids[i, :prompt_lengths[i]]
     # (B, L-1) long: the version that sampled each model token (NO_VERSION elsewhere), from
     # which the learner's engine–learner mismatch by lag (algorithms/mismatch.py); None: not measured
@@ -35,7 +36,8 @@ class TrainBatch:
         length = int(self.attention_mask[start:stop].sum(-1).max())
         return TrainBatch(self.input_ids[start:stop, :length], self.attention_mask[start:stop, :length],
                           self.loss_mask[start:stop, :length - 1], self.behavior_logprobs[start:stop, :length - 1],
-                          self.advantages[start:stop], self.prompt_lengths[start:stop],
+                          self.advantages[start:stop] if self.advantages.dim() == 1
+                          else self.advantages[start:stop, :length - 1], self.prompt_lengths[start:stop],
                           None if self.versions is None else self.versions[start:stop, :length - 1])
 
     def rows(self, start: int, stop: int) -> TrainBatch:
@@ -67,8 +69,11 @@ class TrainBatch:
                 self.prompt_lengths, *(() if self.versions is None else (self.versions,)))
 
 
-def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int) -> TrainBatch:
-    """One right-padded :class:`TrainBatch` of ``trajectories``, one advantage each."""
+def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int,
+               distill_coef: float = 0.0) -> TrainBatch:
+    """One right-padded :class:`TrainBatch` of ``trajectories``, one advantage each; with
+    ``distill_coef`` and trajectories that carry ``teacher_logprobs``, per-token advantages
+    ``A − coef · (μ − τ)`` on model tokens (``algorithms/distill.py``)."""
     if len(trajectories) != len(advantages):
         raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages")
     length = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
@@ -85,5 +90,26 @@ def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: 
         loss_mask[i, p - 1:p + r - 1] = torch.tensor(t.loss_mask, dtype=torch.float32)
         behavior[i, p - 1:p + r - 1] = torch.tensor(t.logprobs, dtype=torch.float32)
         versions[i, p - 1:p + r - 1] = torch.tensor(t.versions, dtype=torch.long)
-    return TrainBatch(input_ids, attention_mask, loss_mask, behavior, torch.tensor(advantages, dtype=torch.float32),
+    per_sequence = torch.tensor(advantages, dtype=torch.float32)
+    return TrainBatch(input_ids, attention_mask, loss_mask, behavior,
+                      _distilled(trajectories, per_sequence, behavior, loss_mask, distill_coef),
                       torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long), versions)
+
+
+def teacher_tensor(trajectories: list[Trajectory], length: int) -> torch.Tensor:
+    """The teachers' logprobs on the target axis (B, length - 1), 0 where there are none."""
+    out = torch.zeros((len(trajectories), length - 1), dtype=torch.float32)
+    for i, t in enumerate(trajectories):
+        if t.teacher_logprobs is None:
+            raise ValueError(f"trajectory {i} of the batch has no teacher logprobs, but distillation is on")
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        out[i, p - 1:p + r - 1] = torch.tensor(t.teacher_logprobs, dtype=torch.float32)
+    return out
+
+
+def _distilled(trajectories: list[Trajectory], advantages: torch.Tensor, behavior: torch.Tensor,
+               loss_mask: torch.Tensor, coef: float) -> torch.Tensor:
+    if not coef:
+        return advantages
+    teacher = teacher_tensor(trajectories, behavior.shape[1] + 1)
+    return distill_advantages(advantages, behavior, teacher, loss_mask, coef)

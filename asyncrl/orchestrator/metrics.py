@@ -70,8 +70,18 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         **agent_metrics([e for g in groups for e in g.group.episodes]),
         **reward_part_means([e for g in groups for e in g.group.episodes]),
         **frozen_model_metrics([e for g in groups for e in g.group.episodes]),
+        **distill_metrics(trajectories),
         **actor,
     }
+
+
+def distill_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """``distill/reverse_kl``: the mean over trained model tokens of ``μ − τ`` (student's
+    sampling logprob minus the teacher's), the sampled estimate of KL(student ‖ teacher)
+    per token; absent without a teacher."""
+    gaps = [mu - tau for t in trajectories if t.teacher_logprobs is not None
+            for mu, tau, m in zip(t.logprobs, t.teacher_logprobs, t.loss_mask) if m]
+    return {"distill/reverse_kl": sum(gaps) / len(gaps)} if gaps else {}
 
 
 FROZEN_ROLES = ("judge", "teacher")  # asyncrl/frozen: each failure names "the <role> at <url>"

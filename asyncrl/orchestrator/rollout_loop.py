@@ -14,6 +14,8 @@ import torch
 from asyncrl.algorithms import compute_advantages
 from asyncrl.algorithms.finite import check_advantages, check_rewards
 from asyncrl.config import Config
+from asyncrl.frozen.client import FrozenModel, FrozenModelError
+from asyncrl.frozen.teacher import score_group
 from asyncrl.orchestrator.buffer import BUFFER_COUNTS, GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import RunState
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
@@ -23,6 +25,16 @@ from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.runtime import RolloutHandle
 from asyncrl.tasks.base import Task
 from asyncrl.types import Episode, Group
+
+TEACHER_FAILURES_IN_A_ROW = 8
+
+
+def teacher_of(cfg: Config) -> FrozenModel | None:
+    t = cfg.teacher
+    if not t.url:
+        return None
+    return FrozenModel("teacher", t.url, model=t.model, api_key=t.api_key, max_concurrency=t.max_concurrency,
+                       timeout_s=t.timeout_s, retries=t.retries)
 
 
 class RolloutLoop:
@@ -39,6 +51,8 @@ class RolloutLoop:
         self.started = 0  # groups admitted so far: the start order of the next fresh one is started + 1
         self.in_flight: dict[int, Draw] = {}  # start order -> its draw, until the group is done
         self.finished_rewards: list[float] = []  # every episode's since the last step, filtered ones too
+        self.teacher = teacher_of(cfg)  # on-policy distillation's frozen teacher, or None
+        self.teacher_failures_in_a_row = 0
         if state is None:
             self.gate = AsyncStalenessGate(StalenessGate(eta, cfg.batch_size, version))
             self.buffer = GroupBuffer(self.gate, eta)
@@ -88,16 +102,38 @@ class RolloutLoop:
         if ok:
             self._outcome(self.in_flight[start_order].index, [e.reward for e in ok])
         rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
-        if not ok or (self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all())):
+        # with a teacher every token teaches (its distillation term), so equal rewards filter nothing
+        same = bool((rewards == rewards[0, 0]).all()) if ok else True
+        if not ok or (self.cfg.algorithm.filter_zero_variance and same and self.teacher is None):
             self.watchdog.group("filtered" if ok else "all_error")
+            await self.buffer.reject(start_order)
+        elif self.teacher is not None and not await self._distill(ok, task):
             await self.buffer.reject(start_order)
         else:
             computed = compute_advantages(self.cfg.algorithm.advantage, rewards)[0]
             check_advantages(computed, estimator=self.cfg.algorithm.advantage, task_id=task.id, step=step)
-            advantages = computed.tolist()
+            advantages = computed.tolist() if self.cfg.teacher.with_reward or self.teacher is None else [0.0] * len(ok)
             self.watchdog.group("accepted")
             await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
         del self.in_flight[start_order]  # only now: a cancelled group is re-issued on resume
+
+    async def _distill(self, ok: list[Episode], task: Task) -> bool:
+        """The teacher's logprobs of the group's sampled tokens (one batched call, here on the
+        rollout side while other groups generate). A failed call drops the group and is
+        counted (``rollout/teacher_failures_total``); ``TEACHER_FAILURES_IN_A_ROW`` of them
+        stop the run, naming the teacher: a teacher that is gone would starve it."""
+        assert self.teacher is not None
+        try:
+            await score_group(self.teacher, [t for e in ok for t in e.trajectories])
+        except FrozenModelError as exc:
+            self.watchdog.counts["teacher_failures"] = self.watchdog.counts.get("teacher_failures", 0) + 1
+            self.teacher_failures_in_a_row += 1
+            if self.teacher_failures_in_a_row >= TEACHER_FAILURES_IN_A_ROW:
+                raise FrozenModelError(f"{exc} — {self.teacher_failures_in_a_row} groups in a row (the last task "
+                                       f"{task.id}); stopping: check the teacher server") from None
+            return False
+        self.teacher_failures_in_a_row = 0
+        return True
 
     def _outcome(self, index: int, rewards: list[float]) -> None:
         """A task's group scored: counted if every sample scored the same, and told to the sampler."""

@@ -27,17 +27,18 @@ class TrainSteps:
     def __init__(self, buffer: GroupBuffer, learner: LearnerHandle, rollout: RolloutHandle, *, batch_size: int,
                  max_staleness: int, pad_token_id: int, stop: StopControl, watchdog: Watchdog,
                  on_train: Callable[[float, float, int], None], now: Callable[[], float],
-                 engine_exact: bool = True) -> None:
+                 engine_exact: bool = True, distill_coef: float = 0.0) -> None:
         """``on_train(start, end, step)``: each learner call's span, for the timeline.
         ``engine_exact``: the engine's logprobs are the learner's at the same version (to
         float rounding), so an on-policy batch may take π_prox := μ and skip the recompute;
         ``False`` (``rollout.engine_weight_noise``, or ``rollout.dtype`` other than
         ``model.dtype``) recomputes always, or the correction and the masks would never see
-        the engine–learner mismatch on the tokens of the trained version."""
+        the engine–learner mismatch on the tokens of the trained version. ``distill_coef``:
+        on-policy distillation's weight (``teacher.coef``; 0 = off)."""
         self.buffer, self.learner, self.rollout = buffer, learner, rollout
         self.batch_size, self.max_staleness, self.pad_token_id = batch_size, max_staleness, pad_token_id
         self._stop, self._watchdog, self._on_train, self._now = stop, watchdog, on_train, now
-        self.engine_exact = engine_exact
+        self.engine_exact, self.distill_coef = engine_exact, distill_coef
 
     async def batched(self, version: int, step: int) -> Trained | None:
         """Wait for the step's B groups, then one ``train_step`` on them all. None when a
@@ -81,7 +82,7 @@ class TrainSteps:
         trained.groups += groups
         trained.trajectories += trajectories
         on_policy = self.engine_exact and all(t.behavior_version_max == version for t in trajectories)
-        return pack_batch(trajectories, advantages, self.pad_token_id), on_policy
+        return pack_batch(trajectories, advantages, self.pad_token_id, self.distill_coef), on_policy
 
     async def _learn(self, trained: Trained, step: int, call: Awaitable[T]) -> T:
         """A learner call of ``step``, timed into ``trained`` (``step_meter.learner_call``) and on the timeline."""

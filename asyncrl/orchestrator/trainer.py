@@ -136,6 +136,7 @@ class Trainer:
                     max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
                     watchdog=self.watchdog, now=self._now,
                     engine_exact=engine_computes_as_learner(self.cfg),
+                    distill_coef=self.cfg.teacher.coef if self.cfg.teacher.url else 0.0,
                     on_train=lambda start, end, step: self.log.event("train", start, end, step=step))
                 if state is not None:
                     removed = rollback_logs(self.output_dir, state)
