@@ -7,6 +7,9 @@ torch: ``inputs.py``, which the CLI runs before torch loads and hands the result
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -21,6 +24,10 @@ from asyncrl.orchestrator.hooks import Hooks
 from asyncrl.orchestrator.inputs import check_inputs
 from asyncrl.policy import adapter_base, check_policy, load_policy, resolve_model_path
 from asyncrl.tasks.base import TaskSplits
+from asyncrl.frozen.client import FrozenModelError
+from asyncrl.frozen.teacher import TokenizerMismatch
+from asyncrl.frozen.teacher import check_tokenizer as check_teacher_tokenizer
+from asyncrl.orchestrator.rollout_loop import teacher_of
 from asyncrl.rollout.workflows.registry import build_workflow, check_tokenizer
 
 
@@ -32,6 +39,25 @@ class Checked:
     model: PreTrainedModel | None  # None where the workers load their own (Ray, vLLM)
     splits: TaskSplits
     hooks: Hooks
+
+
+def check_teacher(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+    """On-policy distillation's teacher answers and tokenizes as the student does, before any
+    work (exit 2 naming both otherwise). Run on a thread of its own: a caller may hold a loop."""
+    teacher = teacher_of(cfg)
+    assert teacher is not None
+
+    async def check() -> None:
+        try:
+            await check_teacher_tokenizer(teacher, tokenizer, repr(cfg.model.path))
+        finally:
+            await teacher.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            pool.submit(asyncio.run, check()).result()
+        except (TokenizerMismatch, FrozenModelError) as exc:
+            raise ConfigError(f"teacher.url: {exc}") from None
 
 
 def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: TaskSplits | None = None) -> Checked:
@@ -54,6 +80,8 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: Ta
     needs_model = cfg.runtime == "local" and (command == "train" or (command == "eval" and cfg.engine == "torch"))
     model, tokenizer = load_policy(cfg.model) if needs_model else (None, check_policy(cfg.model))
     check_tokenizer(cfg, tokenizer)
+    if trains and cfg.teacher.url:
+        check_teacher(cfg, tokenizer)
     if trains:
         check_lora(cfg.model, model)  # peft installed, model.lora.target_modules in the model
     build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
