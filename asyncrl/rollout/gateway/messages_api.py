@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 405: "invalid_request_error", 413: "request_too_large",
                429: "rate_limit_error", 503: "overloaded_error"}
-_RENAMED = {"max_tokens": "max_tokens", "stop": "stop_sequences"}
+_RENAMED = {"stop": "stop_sequences", "response_format": "output_config.format"}
 
 
 def error_body(status: int, message: str) -> dict[str, Any]:
@@ -77,6 +77,7 @@ class MessagesRequest(BaseModel):
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
     stream: bool = False
+    output_config: dict[str, Any] | None = None
 
 
 class CountRequest(MessagesRequest):
@@ -187,7 +188,7 @@ class MessagesWire:
         chat = {"messages": chat_messages(body.system, body.messages), "tools": chat_tools(body.tools),
                 "tool_choice": chat_tool_choice(body.tool_choice), "stream": body.stream,
                 "max_tokens": body.max_tokens, "stop": body.stop_sequences, "temperature": body.temperature,
-                "top_p": body.top_p, "top_k": body.top_k}
+                "top_p": body.top_p, "top_k": body.top_k, "response_format": (body.output_config or {}).get("format")}
         try:
             return validate({k: v for k, v in chat.items() if v is not None}, ChatRequest)
         except Refused as exc:
