@@ -41,6 +41,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
+import asyncrl.rollout.gateway.completions_api as completions_api
 import asyncrl.rollout.gateway.messages_api as messages_api
 import asyncrl.rollout.gateway.openai_api as api
 import asyncrl.rollout.gateway.prompt_size as prompt_size
@@ -142,10 +143,10 @@ class Gateway:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, api.ChatWire(self.model_name, self.tokenizer))
+        return await self._serve(request, completions_api.ChatWire(self.model_name, self.tokenizer))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, api.CompletionWire(self.model_name, self.tokenizer))
+        return await self._serve(request, completions_api.CompletionWire(self.model_name, self.tokenizer))
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, responses_api.ResponsesWire(self.model_name, self._plain_responses))
