@@ -3,8 +3,9 @@
 - ``openai_errors``: what aiohttp raises itself — 404 for an unknown route, 405 for a
   wrong method, 413 for a body read past ``client_max_size`` — comes back in OpenAI's
   error shape like our own refusals (Anthropic's on the ``/v1/messages`` routes), so an
-  SDK reports an API error instead of failing to parse plain text. A client that hangs up before its reply is one warning line, not
-  aiohttp's traceback: agents time out and retry, and a run would log pages of them.
+  SDK reports an API error instead of failing to parse plain text. A client that hangs
+  up before its reply is one warning line, not aiohttp's traceback: agents time out and
+  retry, and a run would log pages of them.
 - ``admit``: the key, then the size. A body over ``gateway.max_body_bytes`` is refused
   from its Content-Length before a byte of it is read, so a 10 MB upload costs nothing
   and is never tokenized; a body without one (chunked) is cut off at the same limit by

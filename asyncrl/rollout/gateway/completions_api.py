@@ -38,6 +38,7 @@ class ChatWire:
 
     def __init__(self, model: str, tokenizer: PreTrainedTokenizerBase) -> None:
         self.model, self.tokenizer = model, tokenizer
+        self.notes: list[str] = []  # nothing of the request is left out: it is the session's form
         self.body: ChatRequest | None = None
 
     def read(self, data: Any, session: Session | None) -> ChatRequest:

@@ -176,6 +176,7 @@ class MessagesWire:
 
     def __init__(self, model: str, *, counting: bool = False) -> None:
         self.model, self.counting = model, counting
+        self.notes: list[str] = []  # what is not honoured is refused or said by the session
         self.id = f"msg_{uuid.uuid4().hex}"
         self.body: MessagesRequest | None = None
 

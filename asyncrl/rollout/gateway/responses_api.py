@@ -20,11 +20,12 @@ The reply: a ``reasoning`` item where the model wrote ``<think>…</think>``
 run on a message), a ``function_call`` item per call (``call_id`` the call's id).
 ``status`` ``incomplete`` (``max_output_tokens``) when the reply ran out of tokens.
 
+Function tools are served, also inside a ``namespace`` (Codex groups its sub-agent tools
+so); hosted and freeform tools are not offered to the model, and said (``chat_tools``).
 Refused (400, OpenAI's error shape, ``param`` naming the field): an input item of a type
 not served (``item_reference``, built-in tools' calls), content that is not text (images,
-files: the policy reads text), a tool that is not a function (hosted tools run on
-OpenAI's servers), ``text.format`` JSON (as ``response_format``: constrained decoding),
-and an unknown ``previous_response_id``.
+files: the policy reads text), ``text.format`` JSON (as ``response_format``: constrained
+decoding), and an unknown ``previous_response_id``.
 """
 
 from __future__ import annotations
@@ -136,22 +137,38 @@ def chat_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     return messages
 
 
-def chat_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-    """Function tools in the chat form. ``strict`` is left out: it asks for constrained
-    decoding, which the gateway does not do (the policy's own distribution is sampled),
-    and without it a conversation's tools are the same whichever dialect sends them."""
+def chat_tools(tools: list[dict[str, Any]] | None) -> tuple[list[dict[str, Any]] | None, dict[str, str], list[str]]:
+    """Function tools in the chat form, each function of a ``namespace`` among them (its
+    calls come back with that ``namespace``); the namespaces by function name; the types
+    of the tools left out. ``strict`` is left out: it asks for constrained decoding,
+    which the gateway does not do (the policy's own distribution is sampled), and without
+    it a conversation's tools are the same whichever dialect sends them.
+
+    Hosted tools (``web_search``, ``file_search``, …) and freeform ``custom`` tools are
+    left out, and said: the agent offers them and the model may call them or not; here
+    it is not offered them (it could not call them: a hosted tool runs on OpenAI's
+    servers, a custom tool's call is free text no tool format reads). Codex offers
+    ``web_search`` beside its function tools; refusing would refuse every Codex call."""
     if not tools:
-        return None
-    out = []
+        return None, {}, []
+    out: list[dict[str, Any]] = []
+    namespaces: dict[str, str] = {}
+    dropped: list[str] = []
     for i, tool in enumerate(tools):
-        if not isinstance(tool, dict) or tool.get("type") != "function":
-            kind = tool.get("type") if isinstance(tool, dict) else tool
-            raise Refused(400, f"tools[{i}].type {kind!r:.60} is not served: only function tools (the agent runs "
-                               "them and sends back function_call_output); hosted tools run on OpenAI's servers",
-                          f"tools[{i}].type")
-        out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
-                                                      if k in tool}})
-    return out
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind == "namespace" and isinstance(tool.get("tools"), list):
+            inner, _, left = chat_tools(tool["tools"])
+            out += inner or []
+            namespaces.update({t["function"]["name"]: tool.get("name") for t in inner or []})
+            dropped += left
+        elif kind == "function":
+            out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
+                                                          if k in tool}})
+        elif isinstance(kind, str):
+            dropped.append(kind)
+        else:
+            raise Refused(400, f"tools[{i}]: expected a tool object with a type (got {tool!r:.80})", f"tools[{i}]")
+    return out or None, namespaces, dropped
 
 
 def chat_tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -173,6 +190,8 @@ class ResponsesWire:
         self.ids = {"reasoning": _id("rs"), "message": _id("msg")}
         self.store: dict[str, list[dict[str, Any]]] = {}
         self.conversation: list[dict[str, Any]] = []  # the request's, without instructions
+        self.namespaces: dict[str, str] = {}  # a namespaced function's name -> its namespace
+        self.notes: list[str] = []
         self.body: ResponsesRequest | None = None
 
     def read(self, data: Any, session: Session | None) -> ChatRequest:
@@ -189,7 +208,10 @@ class ResponsesWire:
         self.conversation = history + chat_messages(body.input)
         system = [{"role": "system", "content": body.instructions}] if body.instructions else []
         fmt = (body.text or {}).get("format")
-        chat = {"messages": system + self.conversation, "tools": chat_tools(body.tools),
+        tools, self.namespaces, dropped = chat_tools(body.tools)
+        if dropped:
+            self.notes.append(f"tools not offered to the model: {', '.join(sorted(set(dropped)))} (served: function)")
+        chat = {"messages": system + self.conversation, "tools": tools,
                 "tool_choice": chat_tool_choice(body.tool_choice), "stream": body.stream,
                 "max_tokens": body.max_output_tokens, "temperature": body.temperature, "top_p": body.top_p,
                 "response_format": fmt}
@@ -213,7 +235,8 @@ class ResponsesWire:
         content = result.parsed.content
         if content or not result.parsed.tool_calls:
             items.append(message_item(self.ids["message"], content or "", "completed"))
-        items += [call_item(call, "completed") for call in result.parsed.tool_calls]
+        items += [call_item(call, "completed", namespace=self.namespaces.get(call.name))
+                  for call in result.parsed.tool_calls]
         return items
 
     def response(self, result: CallResult | None, status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
@@ -261,9 +284,10 @@ def message_item(item_id: str, text: str | None, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 
-def call_item(call: Any, status: str, arguments: str | None = None) -> dict[str, Any]:
-    return {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
+def call_item(call: Any, status: str, arguments: str | None = None, namespace: str | None = None) -> dict[str, Any]:
+    item = {"type": "function_call", "id": "fc_" + call.id.removeprefix("call_"), "call_id": call.id,
             "name": call.name, "arguments": call.arguments if arguments is None else arguments, "status": status}
+    return item if namespace is None else {**item, "namespace": namespace}
 
 
 class ResponseEvents:
@@ -351,9 +375,10 @@ class ResponseEvents:
         if self.open == "message":
             events += self._close(content or "")
         for call in result.parsed.tool_calls:
-            index, item = len(self.items), call_item(call, "completed")
+            namespace = self.wire.namespaces.get(call.name)
+            index, item = len(self.items), call_item(call, "completed", namespace=namespace)
             events += [self._event("response.output_item.added", output_index=index,
-                                   item=call_item(call, "in_progress", "")),
+                                   item=call_item(call, "in_progress", "", namespace)),
                        self._event("response.function_call_arguments.delta", output_index=index,
                                    item_id=item["id"], delta=call.arguments),
                        self._event("response.function_call_arguments.done", output_index=index,

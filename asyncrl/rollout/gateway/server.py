@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP gateway (aiohttp, on the event loop of its rollout worker).
+"""The HTTP gateway (aiohttp, on the event loop of its rollout worker): OpenAI chat and
+text completions, the OpenAI Responses API and the Anthropic Messages API, each a wire
+(``wire.py``) translated into one session's chat form, so one recording serves all three.
 
 ``/v1/...`` serves anyone (``asyncrl serve``: nothing recorded, the request's sampling);
 ``/sessions/<id>/v1/...`` serves one episode's agent and records every call into that
@@ -17,7 +19,8 @@ holds the GIL: 0.09 s for 8 MiB of tiny messages, up to about 1 s for 8 MiB of n
 but nested empty arrays — and by the context: validating and tokenizing a prompt that
 fits.
 
-Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
+Errors never take the server down: each comes back in the dialect's error shape (OpenAI's,
+or Anthropic's on ``/v1/messages``) — 404 for an
 unknown session or route, 405 for a wrong method, 400 for a body that is not JSON (nested
 past the parser included) or not a valid request (``n`` > 1, a tool without a named
 function, a JSON ``response_format``, a ``logit_bias``, a ``tool_choice`` that cannot be
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -192,6 +196,8 @@ class Gateway:
             if not wire.raw_prompt and isinstance(body, api.ChatRequest):  # sized once in the session's form
                 self._refuse_unfit({"messages": [m.plain() for m in body.messages]}, wire.param, client, "messages")
             plan = session.plan(body, self.settings.max_tokens)
+            if wire.notes:
+                plan = dataclasses.replace(plan, notes=plan.notes + wire.notes)
             if body.stream:
                 return await self._stream(request, session, body, plan, wire)
             if isinstance(body, api.ChatRequest):

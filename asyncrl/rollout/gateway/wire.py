@@ -60,10 +60,12 @@ class Wire(Protocol):
     """One request in one dialect. ``param``: the request field the prompt is in, as a
     refusal names it; ``raw_prompt``: the prompt can be sized from the body as sent,
     before validation (the chat form's own fields) — otherwise it is sized once
-    translated."""
+    translated; ``notes``: what of the request the translation left out, said with what
+    the session did not honour (``system_fingerprint``, ``x-asyncrl-sampling``)."""
 
     param: str
     raw_prompt: bool
+    notes: list[str]
 
     def read(self, data: Any, session: Session | None) -> ChatRequest | CompletionRequest:
         """The body (parsed JSON) as the session's request, or ``Refused``; ``session`` None
