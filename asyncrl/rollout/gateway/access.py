@@ -2,15 +2,17 @@
 
 - ``openai_errors``: what aiohttp raises itself — 404 for an unknown route, 405 for a
   wrong method, 413 for a body read past ``client_max_size`` — comes back in OpenAI's
-  error shape like our own refusals, so an SDK reports an API error instead of failing
-  to parse plain text. A client that hangs up before its reply is one warning line, not
-  aiohttp's traceback: agents time out and retry, and a run would log pages of them.
+  error shape like our own refusals (Anthropic's on the ``/v1/messages`` routes), so an
+  SDK reports an API error instead of failing to parse plain text. A client that hangs
+  up before its reply is one warning line, not aiohttp's traceback: agents time out and
+  retry, and a run would log pages of them.
 - ``admit``: the key, then the size. A body over ``gateway.max_body_bytes`` is refused
   from its Content-Length before a byte of it is read, so a 10 MB upload costs nothing
   and is never tokenized; a body without one (chunked) is cut off at the same limit by
   aiohttp's ``client_max_size`` while it is read.
 
-``gateway.api_key`` guards every route but ``/health`` and the session routes. A
+``gateway.api_key`` guards every route but ``/health`` and the session routes, sent as
+``Authorization: Bearer <key>`` (OpenAI's SDKs) or ``x-api-key: <key>`` (Anthropic's). A
 session URL ``/sessions/<id>/v1`` is its own credential: its id is 128 random bits,
 handed only to the episode's agent, and dead once the episode ends. That is how a
 training run's agents get in with the contract unchanged, ``run(task, base_url)``:
@@ -28,6 +30,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+import asyncrl.rollout.gateway.messages_api as messages_api
 from asyncrl.config import ConfigError, GatewayConfig
 from asyncrl.json_api import Refused, error_response
 
@@ -64,11 +67,11 @@ def middlewares(settings: GatewayConfig) -> list[Callable[[web.Request, Handler]
         try:
             return await handler(request)
         except Refused as exc:
-            return error_response(exc)
+            return _error_response(request, exc)
         except web.HTTPException as exc:
             if exc.status < 400:  # a redirect is not an error
                 raise
-            return error_response(Refused(exc.status, _explain(request, exc, settings)))
+            return _error_response(request, Refused(exc.status, _explain(request, exc, settings)))
         except ConnectionResetError as exc:  # aiohttp would log a traceback per client that hangs up
             logger.warning("gateway: %s %s: the client disconnected before its reply was sent (%s)",
                            request.method, request.path, exc)
@@ -79,9 +82,12 @@ def middlewares(settings: GatewayConfig) -> list[Callable[[web.Request, Handler]
         if key is not None and request.path != "/health" and "session" not in request.match_info:
             scheme, _, token = request.headers.get("Authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
-                return _unauthorized("no API key: send 'Authorization: Bearer <key>' (gateway.api_key)")
+                token = request.headers.get("x-api-key", "")
+            if not token.strip():
+                return _unauthorized(request, "no API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>' "
+                                              "(gateway.api_key)")
             if not hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key):
-                return _unauthorized("wrong API key: the key is the gateway's gateway.api_key")
+                return _unauthorized(request, "wrong API key: the key is the gateway's gateway.api_key")
         if (request.content_length or 0) > settings.max_body_bytes:
             raise Refused(413, _over_limit(settings, request.content_length))
         return await handler(request)
@@ -89,8 +95,15 @@ def middlewares(settings: GatewayConfig) -> list[Callable[[web.Request, Handler]
     return [openai_errors, admit]
 
 
-def _unauthorized(message: str) -> web.Response:
-    response = error_response(Refused(401, message))
+def _error_response(request: web.Request, refused: Refused) -> web.Response:
+    """``refused`` in the error shape of the API ``request`` speaks."""
+    if "/v1/messages" in request.path:
+        return messages_api.error_response(refused)
+    return error_response(refused)
+
+
+def _unauthorized(request: web.Request, message: str) -> web.Response:
+    response = _error_response(request, Refused(401, message))
     response.headers["WWW-Authenticate"] = "Bearer"
     return response
 

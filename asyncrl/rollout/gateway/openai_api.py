@@ -17,8 +17,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from asyncrl.rollout.gateway.tool_calls import ParsedReply
 from asyncrl.json_api import Refused
+from asyncrl.rollout.gateway.tool_calls import ParsedReply
 
 
 class _Request(BaseModel):
@@ -223,3 +223,4 @@ def text_completion(model: str, fingerprint: str, text: str, reason: str, use: d
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": model, "system_fingerprint": fingerprint,
             "choices": [{"index": 0, "text": text, "finish_reason": reason, "logprobs": logprobs}], "usage": use}
+

@@ -77,14 +77,17 @@ def is_small(messages: int, chars: int) -> bool:
     return messages <= SMALL_MESSAGES and chars <= SMALL_CHARS
 
 
-def refuse_unfit(data: Any, param: str, context: int, token_chars: int) -> None:
+def refuse_unfit(data: Any, param: str, context: int, token_chars: int, *, key: str | None = None) -> None:
     """``Refused(400)`` for a request body (parsed JSON) whose ``param`` (``messages`` or
     ``prompt``) certainly cannot fit a context of ``context`` tokens, given that no token
     spans more than ``token_chars`` characters. The engine refuses a prompt that leaves no
-    room for one new token, so "fit" is fewer than ``context`` tokens."""
-    value = data.get(param) if isinstance(data, dict) else None
-    if param == "messages" and isinstance(value, list) and len(value) >= context:
-        raise Refused(400, f"messages: {len(value)} messages cannot fit the model's context of {context} tokens "
+    room for one new token, so "fit" is fewer than ``context`` tokens. ``key``: where the
+    prompt is in ``data`` when that is not ``param`` (another dialect's request, in the
+    chat form it was translated into: ``param`` is then the field the refusal names)."""
+    key = key or param
+    value = data.get(key) if isinstance(data, dict) else None
+    if key == "messages" and isinstance(value, list) and len(value) >= context:
+        raise Refused(400, f"{param}: {len(value)} messages cannot fit the model's context of {context} tokens "
                            "(each takes at least one token)", param)
     chars = len(value) if isinstance(value, str) else text_chars(value)
     if (tokens := math.ceil(chars / token_chars)) >= context:

@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP gateway (aiohttp, on the event loop of its rollout worker).
+"""The HTTP gateway (aiohttp, on the event loop of its rollout worker): OpenAI chat and
+text completions, the OpenAI Responses API and the Anthropic Messages API, each a wire
+(``wire.py``) translated into one session's chat form, so one recording serves all three.
 
 ``/v1/...`` serves anyone (``asyncrl serve``: nothing recorded, the request's sampling);
 ``/sessions/<id>/v1/...`` serves one episode's agent and records every call into that
@@ -17,7 +19,8 @@ holds the GIL: 0.09 s for 8 MiB of tiny messages, up to about 1 s for 8 MiB of n
 but nested empty arrays — and by the context: validating and tokenizing a prompt that
 fits.
 
-Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
+Errors never take the server down: each comes back in the dialect's error shape (OpenAI's,
+or Anthropic's on ``/v1/messages``) — 404 for an
 unknown session or route, 405 for a wrong method, 400 for a body that is not JSON (nested
 past the parser included) or not a valid request (``n`` > 1, a tool without a named
 function, a JSON ``response_format``, a ``logit_bias``, a ``tool_choice`` that cannot be
@@ -32,7 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import dataclasses
 import logging
 import secrets
 from collections.abc import AsyncIterator, Callable
@@ -42,16 +45,20 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedTokenizerBase
 
+import asyncrl.rollout.gateway.completions_api as completions_api
+import asyncrl.rollout.gateway.messages_api as messages_api
 import asyncrl.rollout.gateway.openai_api as api
 import asyncrl.rollout.gateway.prompt_size as prompt_size
+import asyncrl.rollout.gateway.responses_api as responses_api
 import asyncrl.rollout.gateway.streaming as streaming
 from asyncrl.rollout.client import LLMClient
 from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.rollout.gateway.access import check_exposure, middlewares
-from asyncrl.rollout.gateway.session import CallPlan, CallResult, Session
+from asyncrl.rollout.gateway.session import CallPlan, Session
 from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
-from asyncrl.json_api import Refused, error_body, error_response, listen, read_json, validate
+from asyncrl.json_api import Refused, error_response, listen, read_json
+from asyncrl.rollout.gateway.wire import Event, Wire, sse
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,6 +88,7 @@ class Gateway:
         self._runner: web.AppRunner | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._token_chars: dict[int, tuple[object, int]] = {}  # id(tokenizer) -> (it, its longest token)
+        self._plain_responses: dict[str, list[dict[str, Any]]] = {}  # plain /v1/responses: id -> conversation
 
     # -- lifecycle ------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -91,6 +99,9 @@ class Gateway:
         for prefix in ("", "/sessions/{session}"):
             app.router.add_post(prefix + "/v1/chat/completions", self._chat)
             app.router.add_post(prefix + "/v1/completions", self._completions)
+            app.router.add_post(prefix + "/v1/responses", self._responses)
+            app.router.add_post(prefix + "/v1/messages", self._messages)
+            app.router.add_post(prefix + "/v1/messages/count_tokens", self._count_tokens)
             app.router.add_get(prefix + "/v1/models", self._models)
         app.router.add_get("/health", self._health)
         self._runner, self.base_url = await listen(app, host, port)
@@ -136,29 +147,59 @@ class Gateway:
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, api.ChatRequest)
+        return await self._serve(request, completions_api.ChatWire(self.model_name, self.tokenizer))
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, api.CompletionRequest)
+        return await self._serve(request, completions_api.CompletionWire(self.model_name, self.tokenizer))
 
-    async def _serve(self, request: web.Request, kind: type[api.ChatRequest | api.CompletionRequest]
-                     ) -> web.StreamResponse:
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, responses_api.ResponsesWire(self.model_name, self._plain_responses))
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, messages_api.MessagesWire(self.model_name))
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """``/v1/messages/count_tokens``: the prompt a ``/v1/messages`` request would render,
+        counted (Claude Code asks before it sends a long conversation)."""
+        wire = messages_api.MessagesWire(self.model_name, counting=True)
+        try:
+            session = self._session_of(request)
+            client = session.client if session is not None else self._plain_client()
+            if client is None:
+                raise Refused(404, "this gateway serves sessions only: use the base URL of your session")
+            body = wire.read(await read_json(request), session)
+            messages = [m.plain() for m in body.messages]
+            self._refuse_unfit({"messages": messages}, wire.param, client, "messages")
+            ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, client._render_ids, messages, body.tools or None)
+        except (web.HTTPException, ConnectionResetError):
+            raise
+        except Exception as exc:
+            return wire.refusal(_refusal(exc, wire.param, request))
+        return web.json_response({"input_tokens": len(ids)})
+
+    async def _serve(self, request: web.Request, wire: Wire) -> web.StreamResponse:
+        """Every dialect's call: the body read and sized, translated by ``wire`` into the
+        session's request, recorded by the session, and written back by ``wire``."""
         self.counts["requests"] += 1
-        param = "messages" if kind is api.ChatRequest else "prompt"
         try:
             session = self._session_of(request)
             data = await read_json(request)
             client = session.client if session is not None else self._plain_client()
-            if client is not None:  # before validating: pydantic takes a second for 200,000 messages
-                self._refuse_unfit(data, param, client)
-            body = validate(data, kind)
+            if client is not None and wire.raw_prompt:  # before validating: pydantic takes a second for 200,000
+                self._refuse_unfit(data, wire.param, client)
+            body = wire.read(data, session)
             if session is None:  # a plain request: a throwaway client, nothing recorded
                 if client is None:
                     raise Refused(404, "this gateway serves sessions only: use the base URL of your session")
                 session = Session("", client, self.parser, training=False, tokenize_pool=self._pool)
+            if not wire.raw_prompt and isinstance(body, api.ChatRequest):  # sized once in the session's form
+                self._refuse_unfit({"messages": [m.plain() for m in body.messages]}, wire.param, client, "messages")
             plan = session.plan(body, self.settings.max_tokens)
+            if wire.notes:
+                plan = dataclasses.replace(plan, notes=plan.notes + wire.notes)
             if body.stream:
-                return await self._stream(request, session, body, plan)
+                return await self._stream(request, session, body, plan, wire)
             if isinstance(body, api.ChatRequest):
                 result = await session.chat(body, plan)
             else:
@@ -166,26 +207,22 @@ class Gateway:
         except (web.HTTPException, ConnectionResetError):  # 413 while reading, a client gone: access.py's
             raise
         except Exception as exc:
-            return error_response(_refusal(exc, param, request))
-        fingerprint = self._fingerprint(session, plan.notes)
-        if isinstance(body, api.CompletionRequest):
-            return _json(self._text_reply(body, result, fingerprint), plan.notes)
-        return _json(self._chat_reply(body, result, fingerprint), plan.notes)
+            return wire.refusal(_refusal(exc, wire.param, request))
+        return _json(wire.reply(result, self._fingerprint(session, plan.notes)), plan.notes)
 
     # -- helpers ----------------------------------------------------------------
     def _plain_client(self) -> LLMClient | None:
         return None if self.engine is None else LLMClient(self.engine, self.tokenizer, self.sampling)
 
-    def _refuse_unfit(self, data: Any, param: str, client: LLMClient) -> None:
+    def _refuse_unfit(self, data: Any, param: str, client: LLMClient, key: str | None = None) -> None:
         """``prompt_size.refuse_unfit`` against the context of ``client``'s engine, where it
         says one; the tokenizer's longest token is looked up once."""
         context = prompt_size.context_of(client.engine)
         if context is None:
             return
-        key = id(client.tokenizer)
-        if key not in self._token_chars:
-            self._token_chars[key] = (client.tokenizer, prompt_size.longest_token(client.tokenizer))
-        prompt_size.refuse_unfit(data, param, context, self._token_chars[key][1])
+        if id(client.tokenizer) not in self._token_chars:
+            self._token_chars[id(client.tokenizer)] = (client.tokenizer, prompt_size.longest_token(client.tokenizer))
+        prompt_size.refuse_unfit(data, param, context, self._token_chars[id(client.tokenizer)][1], key=key)
 
     def _session_of(self, request: web.Request) -> Session | None:
         sid = request.match_info.get("session")
@@ -201,31 +238,14 @@ class Gateway:
         said = "; ".join(notes)
         return f"asyncrl-v{session.client.engine.version}" + (f"; {said}" if said else "")
 
-    def _chat_reply(self, body: api.ChatRequest, result: CallResult, fingerprint: str) -> dict[str, Any]:
-        r = result.response
-        logprobs = None
-        if body.logprobs:
-            logprobs = api.token_logprobs([self.tokenizer.decode([t]) for t in r.token_ids], r.logprobs)
-        return api.chat_completion(self.model_name, fingerprint, result.message,
-                                   api.finish_reason(result.parsed, r.finish_reason),
-                                   api.usage(r.prompt_tokens, len(r.token_ids)), logprobs)
-
-    def _text_reply(self, body: api.CompletionRequest, result: CallResult, fingerprint: str) -> dict[str, Any]:
-        r = result.response
-        logprobs = None
-        if body.logprobs is not None:
-            tokens = [self.tokenizer.decode([t]) for t in r.token_ids]
-            logprobs = {"tokens": tokens, "token_logprobs": list(r.logprobs), "top_logprobs": None}
-        return api.text_completion(self.model_name, fingerprint, r.text, api.text_finish_reason(r.finish_reason),
-                                   api.usage(r.prompt_tokens, len(r.token_ids)), logprobs)
-
     async def _stream(self, request: web.Request, session: Session, body: api.ChatRequest | api.CompletionRequest,
-                      plan: CallPlan) -> web.StreamResponse:
+                      plan: CallPlan, wire: Wire) -> web.StreamResponse:
         """The reply as server-sent events, its text sent as it is sampled
-        (``streaming.py``). Nothing goes out before the first token, so a call refused
-        before sampling gets the same error response unstreamed; one that fails after
-        ends its stream with an error event. The call is the unstreamed one with a sink
-        for its tokens: what it records does not depend on the stream."""
+        (``streaming.py``), in ``wire``'s events. Nothing goes out before the first token,
+        so a call refused before sampling gets the same error response unstreamed; one
+        that fails after ends its stream with the dialect's error event. The call is the
+        unstreamed one with a sink for its tokens: what it records does not depend on the
+        stream."""
         chat = isinstance(body, api.ChatRequest)
         tokens: asyncio.Queue[list[int] | None] = asyncio.Queue()
         call = asyncio.ensure_future(session.chat(body, plan, tokens.put_nowait) if isinstance(body, api.ChatRequest)
@@ -243,18 +263,17 @@ class Gateway:
         else:
             text = streaming.ReplyStream(stops=tuple(body.stops))
         detokenizer = streaming.Detokenizer(session.client.tokenizer)
-        base = api.chunk_base(self.model_name, self._fingerprint(session, plan.notes), chat=chat)
-        chunk = api.chat_chunk if chat else api.text_chunk
+        events = wire.stream(plan, self._fingerprint(session, plan.notes))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                **_note_header(plan.notes)})
         await response.prepare(request)
         call.add_done_callback(_retrieved)  # a client gone mid-stream: the call still ends, and is recorded
 
-        async def send(event: dict[str, Any]) -> None:
-            await response.write(f"data: {json.dumps(event)}\n\n".encode())
+        async def send(batch: list[Event]) -> None:
+            if batch:
+                await response.write(b"".join(map(sse, batch)))
 
-        if chat:
-            await send(chunk(base, {"role": "assistant", "content": ""}))
+        await send(events.opened())
         pending: list[int] | None = ids
         while pending is not None:
             batch, pending = list(pending), []
@@ -265,27 +284,17 @@ class Gateway:
                 else:
                     batch += more
             if delta := text.update(detokenizer.add(batch)):
-                await send(chunk(base, delta))
+                await send(events.text(delta))
             if pending is not None:
                 pending = await tokens.get()
         try:
             result = call.result()
-        except Exception as exc:  # after the stream began: an error event, as OpenAI sends one
-            refused = _refusal(exc, "messages" if chat else "prompt", request)
-            await send(error_body(refused.status, str(refused), refused.param))
+        except Exception as exc:  # after the stream began: the dialect's error event
+            await send(events.failed(_refusal(exc, wire.param, request)))
         else:
-            r = result.response
-            use = api.usage(r.prompt_tokens, len(r.token_ids))
-            if isinstance(body, api.ChatRequest):
-                deltas = [text.finish(result.reasoning, result.parsed.content), *api.call_deltas(result.message)]
-                reason = api.finish_reason(result.parsed, r.finish_reason)
-            else:
-                deltas, reason = [text.finish(None, r.text)], api.text_finish_reason(r.finish_reason)
-            for delta in deltas:
-                if delta:
-                    await send(chunk(base, delta))
-            await send(chunk(base, {} if chat else "", reason, use))
-        await response.write(b"data: [DONE]\n\n")
+            rest = text.finish(result.reasoning, result.parsed.content) if chat else text.finish(None,
+                                                                                                  result.response.text)
+            await send(events.finished(result, rest))
         await response.write_eof()
         return response
 

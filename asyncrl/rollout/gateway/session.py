@@ -118,6 +118,7 @@ class Session:
         self.id, self.client, self.parser, self.training = session_id, client, parser, training
         self.tokenize_pool = tokenize_pool
         self.replies: dict[str, dict[str, Any]] = {}  # canonical OpenAI form -> the reply as recorded
+        self.responses: dict[str, list[dict[str, Any]]] = {}  # Responses API: response id -> its conversation
         self.tool_parse_errors = 0
         self.sampling_overrides = 0
         self.calls = self.tool_calls = self.model_tokens = 0
@@ -162,7 +163,8 @@ class Session:
         """The sampling for ``request`` and what of it was not honoured. Penalties are never
         applied (the engine has none) and always said so."""
         base = self.client.sampling
-        notes = [f"{name} ignored" for name in ("frequency_penalty", "presence_penalty") if getattr(request, name)]
+        notes = [f"{name} ignored" for name in ("frequency_penalty", "presence_penalty", "top_k")
+                 if getattr(request, name, None)]
         if not self.training:  # nobody trains on it: the request's sampling, as asked
             return dataclasses.replace(
                 base, temperature=base.temperature if request.temperature is None else request.temperature,
