@@ -89,7 +89,7 @@ class RolloutLoop:
             self._outcome(self.in_flight[start_order].index, [e.reward for e in ok])
         rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
         if not ok or (self.cfg.algorithm.filter_zero_variance and bool((rewards == rewards[0, 0]).all())):
-            self.watchdog.group("filtered" if ok else "all_error")
+            self.watchdog.group("filtered" if ok else "all_error", episodes)
             await self.buffer.reject(start_order)
         else:
             computed = compute_advantages(self.cfg.algorithm.advantage, rewards)[0]

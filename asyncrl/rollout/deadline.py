@@ -1,22 +1,27 @@
-"""An episode's deadline over the seconds it is served, not the seconds it waits its turn.
+"""An episode's deadline over the time it makes no progress, not the time it waits its turn.
 
 ``workflow.timeout_s`` is there to catch an episode that is stuck: a reward function or a
-tool that hangs, an agent that loops, an engine that stopped. Under load a healthy episode
-spends most of its life in the engine's queue, behind up to ``rollout.max_concurrent_episodes``
-others; a clock that counted that wait failed every episode of a run on a busy machine
-(issue 47). So the clock stops while one of the episode's engine requests waits for its
-first token (queued, not yet in the running batch) and runs again when one arrives.
-Everything else counts: generation once admitted, the workflow's own code, the reward.
+tool that hangs, an agent that waits on nothing, an engine that stopped. Under load a
+healthy episode spends most of its life in the engine: queued behind up to
+``rollout.max_concurrent_episodes`` others, then decoding in a batch whose steps a busy
+CPU makes slow. A clock that counted that failed every episode of a run on a loaded
+machine (issue 47), and so did one that counted only the time after admission: under two
+CPU hogs and six other jobs on 2 cores, a reply got 11 tokens in its 60 s of service.
 
-A stopped clock must not hide a stopped engine. While it is stopped, a check every
-``timeout_s`` asks whether the engine worked meanwhile (its ``stats.busy_s`` grew); if it
-did not, that interval counts after all. So an episode queued behind a moving queue never
-times out, and one queued at an engine that does nothing does, within two ``timeout_s``.
+So the clock stops while the episode waits for one of its engine calls, as long as that
+call makes progress: while it is queued, the engine works (its ``stats.busy_s`` grows,
+so the queue moves); once it is served, its tokens keep arriving. A check every
+``timeout_s`` asks each open call whether it moved since the last; if none did, that
+interval counts after all. So an episode queued behind a moving queue, or decoding
+slowly, never times out; one whose engine stopped, or whose call gets no token for a
+whole interval, does within two ``timeout_s``. Everything outside engine calls counts:
+the workflow's own code, the reward, tools. (An agent that loops on engine calls forever
+is bounded by its turn limit, not by this clock.)
 
-Invariants: one timer per deadline (the expiry while the clock runs, the check while it is
-stopped); ``used_s + queued_s`` is the time inside, split; the error of an expired deadline
-is an :class:`EpisodeTimeout` (a ``TimeoutError``) that says what the episode waited for,
-written when it expired, before cancellation unwinds the workflow.
+Invariants: one timer per deadline (the expiry while the clock runs, the check while it
+is stopped); ``used_s + waited_s`` is the time inside, split; the error of an expired
+deadline is an :class:`EpisodeTimeout` (a ``TimeoutError``) that says what the episode
+waited for, written when it expired, before cancellation unwinds the workflow.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ class EpisodeTimeout(TimeoutError):
 
 
 class EngineWait:
-    """One engine call of the episode: queued until its first token, served after it."""
+    """One engine call of the episode: queued until its first token, served after it;
+    it moves while queued if the engine works, while served if its tokens arrive."""
 
     def __init__(self, deadline: EpisodeDeadline, context_tokens: int, progress: Callable[[], float] | None,
                  queue: Callable[[], object] | None) -> None:
@@ -40,7 +46,7 @@ class EngineWait:
         self.sent = deadline.now()
         self.admitted: float | None = None  # when its first token came
         self.tokens, self.last_token = 0, self.sent
-        self.mark = progress() if progress is not None else None
+        self.mark = self._progress()
 
     def on_tokens(self, ids: list[int]) -> None:
         """The engine's sink (``TokenSink``): the first token ends the wait in the queue."""
@@ -48,7 +54,14 @@ class EngineWait:
         self.last_token = self._deadline.now()
         if self.admitted is None:
             self.admitted = self.last_token
-            self._deadline._changed()
+
+    def moved(self) -> bool:
+        """Whether it made progress since the last time it was asked."""
+        mark, self.mark = self.mark, self._progress()
+        return self.mark != mark
+
+    def _progress(self) -> tuple[int, float | None]:
+        return self.tokens, self.progress() if self.admitted is None and self.progress is not None else None
 
     def close(self) -> None:
         """The call returned (or was cancelled)."""
@@ -63,7 +76,7 @@ class EpisodeDeadline:
     def __init__(self, timeout_s: float) -> None:
         self.timeout_s = timeout_s
         self.used_s = 0.0  # counted, up to the last start or stop of the clock
-        self.queued_s = 0.0  # not counted: waits for the engine's first token while the engine worked
+        self.waited_s = 0.0  # not counted: waits for engine calls that made progress
         self.reason: str | None = None  # set when it expired
         self._waits: set[EngineWait] = set()
         self._running_since: float | None = None  # exactly one of these two is set while inside
@@ -91,7 +104,7 @@ class EpisodeDeadline:
         self._timeout = asyncio.timeout(None)  # the canceller; our timer decides when
         await self._timeout.__aenter__()
         self._inside, self._running_since = True, self.now()
-        self._changed()
+        self._arm(self._running_since)
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -113,20 +126,21 @@ class EpisodeDeadline:
             self.used_s += now - self._running_since
             self._running_since = now
         elif self._stopped_since is not None:
-            self.queued_s += now - self._stopped_since
+            self.waited_s += now - self._stopped_since
             self._stopped_since = now
 
     def _changed(self) -> None:
-        """A wait opened, got its first token or closed: stop or start the clock, re-arm the timer."""
+        """A wait opened or closed: stop or start the clock, re-arm the timer."""
         if not self._inside or self.reason is not None:
             return
         now = self.now()
         self._settle(now)
-        queued = [w for w in self._waits if w.admitted is None]
-        if queued and self._running_since is not None:
+        if self._waits and self._running_since is not None:
             self._running_since, self._stopped_since = None, now
-        elif not queued and self._stopped_since is not None:
+        elif not self._waits and self._stopped_since is not None:
             self._stopped_since, self._running_since = None, now
+        else:
+            return  # no change: the timer stands
         self._arm(now)
 
     def _arm(self, now: float) -> None:
@@ -140,13 +154,8 @@ class EpisodeDeadline:
             return
         now = self.now()
         if self._stopped_since is not None:
-            queued = [w for w in self._waits if w.admitted is None]
-            moved = False
-            for w in queued:
-                if w.progress is not None:
-                    mark, w.mark = w.mark, w.progress()
-                    moved = moved or w.mark != mark
-            if not moved:  # the engine did nothing for a whole interval: it counts
+            moved = [w.moved() for w in self._waits]  # each asked, so each mark is of now
+            if not any(moved):  # no call moved for a whole interval: it counts
                 self.used_s += now - self._stopped_since
                 self._stopped_since = now
         self._settle(now)
@@ -160,8 +169,9 @@ class EpisodeDeadline:
     def describe(self, now: float | None = None) -> str:
         """What the episode had used and what it was waiting for."""
         now = self.now() if now is None else now
-        lines = [f"the episode used its workflow.timeout_s={self.timeout_s:g} s (time waiting in the engine's "
-                 f"queue not counted: {self.queued_s:.1f} s)"]
+        lines = [f"the episode used its workflow.timeout_s={self.timeout_s:g} s without progress (not counted: "
+                 f"{self.waited_s:.1f} s waiting for engine calls that moved: queued at a working engine, "
+                 "or receiving tokens)"]
         if not self._waits:
             lines.append("it was waiting for its own code, not an engine call: the workflow, the reward function, "
                          "a tool or the agent")
@@ -172,7 +182,7 @@ class EpisodeDeadline:
             else:
                 what = (f"it was waiting for the engine's reply to a request of {w.context_tokens} context tokens: "
                         f"admitted {now - w.admitted:.1f} s ago, {w.tokens} tokens sampled, the last "
-                        f"{now - w.last_token:.1f} s ago")
+                        f"{now - w.last_token:.1f} s ago, none since")
             snapshot = w.queue() if w.queue is not None else None
             lines.append(what + (f"; the engine's queue: {snapshot}" if snapshot is not None else ""))
         return "\n".join(lines)

@@ -6,9 +6,10 @@ retried up to a limit, then returned as an episode with status ``error`` that ke
 exception and traceback. Only cancellation and a dead engine propagate: those are the
 run's failures, not the workflow's.
 
-The timeout counts the attempt's own time, not its engine calls' waits in the engine's
-queue (``asyncrl/rollout/deadline.py``): under load a healthy episode waits there behind
-hundreds of others, and only a stuck one should time out.
+The timeout counts the attempt's time without progress, not its waits for engine calls
+that move — queued at a working engine, or receiving tokens (``asyncrl/rollout/deadline.py``):
+under load a healthy episode waits there behind hundreds of others, and only a stuck one
+should time out.
 """
 
 from __future__ import annotations
