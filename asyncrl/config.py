@@ -162,7 +162,9 @@ class WorkflowConfig(Section):
     method. It talks to the model through the OpenAI API at ``base_url``."""
     use_chat_template: bool = True
     timeout_s: float = Field(60.0, gt=0)
-    """An episode (generation + reward) running longer is cancelled and counted as an error."""
+    """An episode (generation + reward) that goes this long without progress is cancelled
+    and counted as an error. Waits for an engine call that moves (queued at a working
+    engine, or receiving tokens) do not count: ``asyncrl/rollout/deadline.py``."""
     max_retries: int = Field(1, ge=0)
     """Attempts after the first before an erroring episode is dropped."""
 

@@ -186,6 +186,7 @@ class AttemptError:
     attempt: int
     exception: str  # "ValueError: reward service unavailable"
     traceback: str
+    timed_out: bool = False  # ran past workflow.timeout_s (the watchdog says how many did)
 
 
 @dataclass

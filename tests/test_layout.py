@@ -80,7 +80,7 @@ FLOORS = {
     "asyncrl.jsonl": 0, "asyncrl.json_api": 0, "asyncrl.heap": 0, "asyncrl.threads": 0, "asyncrl.plugins": 0,
     "asyncrl.model_store": 0,  # the known models and their cache; the conversion is model_convert (floor 1)
     "asyncrl.rollout": 0,  # the rollout side's package: its own __init__ (a docstring), and per module below
-    "asyncrl.rollout.chat_format": 0, "asyncrl.rollout.journal": 0,
+    "asyncrl.rollout.chat_format": 0, "asyncrl.rollout.journal": 0, "asyncrl.rollout.deadline": 0,
     # 1 parts: one job each
     "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.engine": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
     "asyncrl.model_convert": 1,

@@ -142,6 +142,30 @@ def test_evaluation_of_256_tasks_never_exceeds_the_episode_bound(tmp_path, polic
     assert json.loads((tmp_path / "eval.json").read_text())["num_tasks"] == 256
 
 
+def test_an_evaluation_beside_training_takes_at_most_half_the_episode_slots(policy_dir):
+    """On the evaluation replica (beside training) it leaves training's episodes the other half."""
+    from asyncrl.rollout.worker import RolloutWorker
+    from asyncrl.tasks.countdown import iter_countdown
+
+    SpyWorkflow.in_flight = SpyWorkflow.peak = SpyWorkflow.total = 0
+    cfg = load_config("examples/countdown/async.yaml", [f"model.path={policy_dir}", "eval.samples_per_task=4",
+                                                         "workflow.name=test_orchestrator:SpyWorkflow",
+                                                         "rollout.max_concurrent_episodes=8"])
+    tasks = [task for task, _ in zip(iter_countdown(seed=5), range(8))]
+
+    async def scenario():
+        worker = RolloutWorker(cfg, seed=0, num_threads=1, eval_replica=True)
+        try:
+            await worker.start()
+            return await worker.evaluate(tasks, version=0)
+        finally:
+            await worker.shutdown()
+
+    result = asyncio.run(scenario())
+    assert len(result.episodes) == SpyWorkflow.total == 32
+    assert SpyWorkflow.peak == 4  # half of 8: reached, never exceeded
+
+
 # --------------------------------------------------- evaluation beside training
 def overlaps(events, a, b):
     return any(x["start"] < y["end"] and y["start"] < x["end"] for x in events if x["kind"] == a

@@ -185,3 +185,37 @@ def test_the_window_fraction_is_logged_each_step(tmp_path, policy_dir):
         filtered, accepted = row["rollout/groups_filtered_total"], row["rollout/groups_accepted_total"]
         assert row["rollout/filtered_fraction_window"] == filtered / (filtered + accepted)
     assert any(row["rollout/groups_filtered_total"] for row in steps)
+
+
+def test_a_starved_stop_shows_what_the_model_answered_and_writes_it(tmp_path):
+    """Every reward 0: no group is ever trained, so samples.jsonl stays empty; the stop's
+    message quotes the answers and their rewards, and filtered_samples.jsonl holds them."""
+    from asyncrl.types import AttemptError, Trajectory
+
+    dog = Watchdog(WatchdogConfig(starvation_window=4, starvation_warn_fraction=0.5, starvation_stop_fraction=0.7),
+                   output_dir=tmp_path)
+    for g in range(6):
+        group = [Episode(f"task{g}", [Trajectory([1], [7, 7, 3], [1] * 3, [0.0] * 3, [0] * 3)], reward=0.0,
+                         metadata={"response": f"{g}+{s}=9"})
+                 for s in range(3)]
+        group.append(Episode(f"task{g}", status="error",
+                             errors=[AttemptError(1, "ValueError: no number\nmore", "Traceback ...")]))
+        for episode in group:
+            dog.episode(episode, "train")
+        dog.group("filtered", group)
+    try:
+        asyncio.run(dog.watch(interval_s=0))
+    except Exception as exc:  # the stop
+        message = str(exc)
+    assert "the learner is starved: 4 of the last 4 groups were filtered" in message
+    assert f"what the model answered in the last groups not trained (all 6 in {tmp_path / 'filtered_samples.jsonl'})" \
+        in message
+    assert "  task task5 (filtered):\n    reward 0, stop: '5+0=9'\n" in message
+    assert "    failed: ValueError: no number, error: (0 tokens, no text kept)" in message
+    assert "task task2" not in message  # the last three groups are quoted
+    rows = [json.loads(line) for line in (tmp_path / "filtered_samples.jsonl").read_text().splitlines()]
+    assert [r["task_id"] for r in rows] == [f"task{g}" for g in range(6)]
+    assert rows[0]["outcome"] == "filtered"
+    assert [(s["answer"], s["reward"], s["status"]) for s in rows[0]["samples"]] == [
+        ("0+0=9", 0.0, "ok"), ("0+1=9", 0.0, "ok"), ("0+2=9", 0.0, "ok"), (None, 0.0, "error")]
+    assert rows[0]["samples"][0]["response_tokens"] == 3 and rows[0]["samples"][3]["error"] == "ValueError: no number"

@@ -35,6 +35,20 @@ class Sequence:
 
 
 @dataclass(frozen=True)
+class QueueState:
+    """What the engine's queue holds, as an episode's deadline error quotes it."""
+
+    waiting: int  # for a row of the running batch
+    running: int
+    oldest_wait_s: float  # of the waiting ones
+    paused: bool  # between a weight sync's pause and its resume
+
+    def __str__(self) -> str:
+        return (f"{self.waiting} requests waiting for a row (the oldest for {self.oldest_wait_s:.1f} s), "
+                f"{self.running} running" + (", paused for a weight sync" if self.paused else ""))
+
+
+@dataclass(frozen=True)
 class ScheduledStep:
     """What one step runs: a prefill of ``sequences`` (newcomers) or a decode of them (every
     running row). Either way each of them samples one token, in this order."""

@@ -31,7 +31,7 @@ from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
 from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError, TokenSink
 from asyncrl.engine.sampling import RowParams, sample_tokens
-from asyncrl.engine.scheduler import ScheduledStep, Scheduler, Sequence
+from asyncrl.engine.scheduler import QueueState, ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
 from asyncrl.policy import weights_dtype
 from asyncrl.threads import settle_threadsafe
@@ -47,6 +47,7 @@ class _Request(Sequence):
     future: asyncio.Future[Completion] = field(kw_only=True)
     loop: asyncio.AbstractEventLoop = field(kw_only=True)
     on_tokens: TokenSink | None = field(default=None, kw_only=True)
+    sent: float = field(default_factory=time.monotonic, kw_only=True)  # for queue_state's oldest wait
 
 
 @dataclass
@@ -114,6 +115,17 @@ class TorchEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._live)
+
+    def queue_state(self) -> QueueState:
+        """How many requests wait for a row and run, and the oldest wait: for an episode's
+        deadline error (``asyncrl/rollout/deadline.py``). Read from the caller's thread
+        without stopping the engine, so a snapshot, not a consistent cut."""
+        scheduler = self._scheduler
+        try:
+            oldest = time.monotonic() - scheduler.waiting[0].sent  # type: ignore[attr-defined]
+        except IndexError:  # none waits (or the last was admitted meanwhile)
+            oldest = 0.0
+        return QueueState(len(scheduler.waiting), len(scheduler.running), oldest, scheduler.paused)
 
     # ----------------------------------------------------------------- async verbs
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
@@ -297,10 +309,14 @@ class TorchEngine:
         version = self._version  # <- every token is stamped with the weights that sampled it
         self.stats.tokens += len(token_ids)
         finished = self._scheduler.postprocess(step.sequences, token_ids, logprob_values, version)
+        sinks: dict[asyncio.AbstractEventLoop, list[tuple[TokenSink, list[int]]]] = {}
         for req, token in zip(step.sequences, token_ids):
-            if req.on_tokens is not None:  # posted before the settle below: the loop runs them in order
-                with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
-                    req.loop.call_soon_threadsafe(req.on_tokens, [token])
+            if req.on_tokens is not None:
+                sinks.setdefault(req.loop, []).append((req.on_tokens, [token]))
+        for loop, calls in sinks.items():  # one wake-up per loop and step, not per request (every episode has a
+            # sink: its deadline's); posted before the settle below, so the loop runs them first
+            with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
+                loop.call_soon_threadsafe(_deliver, loop, calls)
         for req in finished:
             self._settle(req)
         self._evict_finished()
@@ -378,6 +394,16 @@ class TorchEngine:
         keep = self._scheduler.remove_finished()
         if self._kv is not None:
             self._kv = self._kv.keep_rows(keep)
+
+
+def _deliver(loop: asyncio.AbstractEventLoop, calls: list[tuple[TokenSink, list[int]]]) -> None:
+    """One step's tokens to their sinks, on the callers' loop; a sink that raises is
+    reported as a callback's would be, and the others still get theirs."""
+    for sink, ids in calls:
+        try:
+            sink(ids)
+        except Exception as exc:
+            loop.call_exception_handler({"message": "an on_tokens sink raised", "exception": exc})
 
 
 def _closed_error(reason: BaseException) -> BaseException:

@@ -105,7 +105,7 @@ class RolloutLoop:
         # with a teacher every token teaches (its distillation term), so equal rewards filter nothing
         same = bool((rewards == rewards[0, 0]).all()) if ok else True
         if not ok or (self.cfg.algorithm.filter_zero_variance and same and self.teacher is None):
-            self.watchdog.group("filtered" if ok else "all_error")
+            self.watchdog.group("filtered" if ok else "all_error", episodes)
             await self.buffer.reject(start_order)
         elif self.teacher is not None and not await self._distill(ok, task):
             await self.buffer.reject(start_order)

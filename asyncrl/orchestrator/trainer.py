@@ -75,7 +75,7 @@ class Trainer:
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
         self.max_staleness = cfg.effective_max_staleness
-        self.watchdog = Watchdog(cfg.watchdog)
+        self.watchdog = Watchdog(cfg.watchdog, output_dir=self.output_dir)
         self._stop = StopControl()
         self.last_checkpoint: Path | None = checkpoint
         self._saved_step: int | None = None

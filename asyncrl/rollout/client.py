@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.rollout import chat_format
 from asyncrl.engine.protocol import RolloutEngine, TokenSink
+from asyncrl.rollout.deadline import EngineWait, EpisodeDeadline
 from asyncrl.rollout.journal import Journal
 from asyncrl.types import NO_VERSION, Completion, FinishReason, SamplingParams, Step, Trajectory
 
@@ -130,6 +131,20 @@ def _append_environment(trajectory: Trajectory, ids: list[int]) -> None:
     trajectory.versions += [NO_VERSION] * len(ids)
 
 
+def _watched(on_tokens: TokenSink | None, wait: EngineWait | None) -> TokenSink | None:
+    """The sink an engine call gets: the caller's, and the deadline's (a call's first token
+    tells it the call left the queue)."""
+    if wait is None:
+        return on_tokens
+    if on_tokens is None:
+        return wait.on_tokens
+
+    def both(ids: list[int]) -> None:
+        wait.on_tokens(ids)
+        on_tokens(ids)
+    return both
+
+
 def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
     """The ids that end a model turn: the tokenizer's EOS (and the generation config's, when
     a caller adds them); sampling stops there and keeps the stop token in the trajectory."""
@@ -153,6 +168,7 @@ class LLMClient:
         self.trajectories: list[Trajectory] = []
         self.template_rewrites = 0  # chat turns that had to start a new trajectory (see _tokens_after_reply)
         self.journal: Journal | None = None  # records each completion (and replays one after a restart): journal.py
+        self.deadline: EpisodeDeadline | None = None  # the episode's clock, stopped while a call is queued: deadline.py
         self._conversation: _Conversation | None = None
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
@@ -271,7 +287,6 @@ class LLMClient:
         num_resumes = segment.num_resumes if segment is not None else 0
         if on_tokens is not None and ids:  # replayed: they are the reply's first tokens
             on_tokens(list(ids))
-        streams = on_tokens is not None and takes_sink(self.engine)
         if segment is not None and segment.finish_reason is not None:
             return Completion(ids, logprobs, versions, segment.finish_reason), num_resumes
         # cut off by a checkpoint: it goes on as after that checkpoint's abort (counted then)
@@ -280,14 +295,19 @@ class LLMClient:
             remaining = dataclasses.replace(sampling, max_tokens=sampling.max_tokens - len(ids))
             if journal is not None:
                 journal.calls_sent += 1
+            wait = self._engine_wait(len(prompt_ids) + len(ids))
+            sink = _watched(on_tokens, wait)
+            streams = sink is not None and takes_sink(self.engine)
             try:
                 if streams:
-                    part = await self.engine.generate(prompt_ids + ids, remaining, on_tokens=on_tokens)
+                    part = await self.engine.generate(prompt_ids + ids, remaining, on_tokens=sink)
                 else:
                     part = await self.engine.generate(prompt_ids + ids, remaining)
             finally:
                 if journal is not None:
                     journal.calls_returned += 1
+                if wait is not None:
+                    wait.close()
             if on_tokens is not None and not streams and part.token_ids:
                 on_tokens(list(part.token_ids))
             ids += part.token_ids
@@ -306,6 +326,16 @@ class LLMClient:
         if segment is not None:
             segment.finish_reason, segment.num_resumes = finish, num_resumes
         return Completion(ids, logprobs, versions, finish), num_resumes
+
+    def _engine_wait(self, context_tokens: int) -> EngineWait | None:
+        """The episode's deadline told of one engine call: its clock stops until the call's
+        first token (the wait in the engine's queue), unless the engine does no work at all."""
+        if self.deadline is None:
+            return None
+        stats = getattr(self.engine, "stats", None)
+        busy = (lambda: stats.busy_s) if hasattr(stats, "busy_s") else None
+        queue = getattr(self.engine, "queue_state", None)  # the built-in engine's; vLLM keeps its queue to itself
+        return self.deadline.engine_call(context_tokens, progress=busy, queue=queue)
 
     def _render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         key = _prompt_key(messages, tools)

@@ -252,7 +252,9 @@ class RolloutWorker:
     async def evaluate(self, tasks: list[Task], version: int, weights: Mapping[str, torch.Tensor] | None = None,
                        on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
         """Score ``tasks`` on ``version``: on the evaluation replica, loading ``weights``
-        first when given, else on the rollout engine (which must serve ``version``)."""
+        first when given, else on the rollout engine (which must serve ``version``). Beside
+        training (on the replica) it holds at most half of the episode slots, so training's
+        episodes always find the other half rather than waiting out a slow evaluation."""
         engine = await self.ready_engine()
         async with self._eval_lock:
             if self.eval_engine is not None:
@@ -261,9 +263,10 @@ class RolloutWorker:
                     await engine.update_weights(weights, version)
             if engine.version != version:
                 raise RuntimeError(f"asked to evaluate version {version}, but the engine serves {engine.version}")
+            slots = self.cfg.rollout.max_concurrent_episodes
             return await evaluate(lambda task, i: self._episode(task, engine, self.eval_sampling, "eval", 0, i),
                                   tasks, indexed=True, samples_per_task=self.cfg.eval.samples_per_task,
-                                  max_concurrent=self.cfg.rollout.max_concurrent_episodes,
+                                  max_concurrent=max(1, slots // 2) if self.eval_engine is not None else slots,
                                   success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
 
     async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> list[int]:

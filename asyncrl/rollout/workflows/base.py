@@ -5,11 +5,15 @@ a workflow (or the reward function inside it) that raises or runs past its timeo
 retried up to a limit, then returned as an episode with status ``error`` that keeps the
 exception and traceback. Only cancellation and a dead engine propagate: those are the
 run's failures, not the workflow's.
+
+The timeout counts the attempt's time without progress, not its waits for engine calls
+that move — queued at a working engine, or receiving tokens (``asyncrl/rollout/deadline.py``):
+under load a healthy episode waits there behind hundreds of others, and only a stuck one
+should time out.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import time
 import traceback
@@ -19,6 +23,7 @@ from typing import Protocol
 
 from asyncrl.rollout.client import LLMClient
 from asyncrl.engine.protocol import EngineClosedError
+from asyncrl.rollout.deadline import EpisodeDeadline
 from asyncrl.rollout.journal import Journal
 from asyncrl.tasks.base import RewardFn, Task
 from asyncrl.types import AttemptError, Episode
@@ -52,7 +57,8 @@ async def run_episode(
     workflow's own failure. ``seed(attempt)`` (attempts count from 1): the sampling seed
     of that attempt's client, so each attempt samples anew and every one reproducibly.
     ``journal(attempt)``: where that attempt's client records what it generates (and what
-    it replays after a restart: ``asyncrl/rollout/journal.py``)."""
+    it replays after a restart: ``asyncrl/rollout/journal.py``). ``timeout_s``: each
+    attempt's deadline (``EpisodeDeadline``), handed to its client as ``llm.deadline``."""
     error, errors = "", []
     for attempt in range(1, max_retries + 2):
         start = time.perf_counter()
@@ -61,17 +67,19 @@ async def run_episode(
             llm.sampling = dataclasses.replace(llm.sampling, seed=seed(attempt))
         if journal is not None:
             llm.journal = journal(attempt)
+        llm.deadline = EpisodeDeadline(timeout_s)
         try:
-            async with asyncio.timeout(timeout_s):
+            async with llm.deadline:
                 episode = await workflow.run(task, llm)
         except EngineClosedError:
             raise
         except Exception as exc:  # TimeoutError included; kept, counted, retried
-            kind = "timed out" if isinstance(exc, TimeoutError) else "raised"
+            timed_out = isinstance(exc, TimeoutError)
+            kind = "timed out" if timed_out else "raised"
             trace = "".join(traceback.format_exception(exc))
             error = f"workflow {type(workflow).__name__} {kind} on task {task.id} (attempt {attempt}):\n{trace}"
             errors.append(AttemptError(attempt, f"{type(exc).__name__}: {exc}" if str(exc) else
-                                       f"{type(exc).__name__} ({kind})", trace))
+                                       f"{type(exc).__name__} ({kind})", trace, timed_out=timed_out))
             continue
         if not isinstance(episode, Episode):
             error = f"workflow {type(workflow).__name__}.run returned {type(episode).__name__}, not Episode"
