@@ -37,7 +37,6 @@ it only sees a model whose trainable parameters are fewer.
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,40 +46,18 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
-from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, first_nonfinite, nonfinite_parameters
+from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, nonfinite_parameters
 from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
 from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
+from asyncrl.learner.core import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (lr_lambda: its old home)
 from asyncrl.learner.distributed import Sharding
 from asyncrl.engine.protocol import FullWeights, WeightUpdate
 from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
 from asyncrl.learner.lora import add_adapters
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
-
-
-def lr_lambda(optim: OptimConfig, total_steps: int):
-    """The LR factor of batch ``step`` (for ``LambdaLR``): warm-up (step + 1) / warmup_steps,
-    so the first batch already trains; then 1 (``constant``), or a ``cosine`` or ``linear``
-    decay to 0.1 at ``total_steps``, held there after it.
-
-    Not ``transformers.get_scheduler`` (checked against 5.23), which has none of the three
-    exactly: its warm-ups are step / warmup_steps (the first batch trains at LR 0) except
-    ``cosine_with_min_lr_schedule_with_warmup_lr_rate``, whose decay runs one step ahead;
-    ``cosine_with_min_lr`` rises again past ``total_steps``; ``linear`` decays to 0, and
-    the polynomial and WSD schedules that floor at 10 % warm up differently too."""
-
-    def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
-            return 1.0
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, total_steps - optim.warmup_steps))
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if optim.schedule == "cosine" else 1 - progress
-        return 0.1 + 0.9 * decay
-
-    return factor
 
 
 def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
@@ -178,11 +155,8 @@ class Learner:
         self.autocast = autocast_dtype(autocast, self.device)
         self.version = version
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
-        # with LoRA the adapters only: the frozen base has no gradients and no optimizer state
-        trained = ([p for p in self.model.parameters() if p.requires_grad] if lora is not None
-                   else self.model.parameters())
-        self.optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(optim, total_steps))
+        # the training core's (core.py): with LoRA the adapters only, the frozen base has no optimizer state
+        self.optimizer, self.scheduler = make_optimizer(self.model, optim, total_steps)
         self.pad_id = tokenizer.pad_token_id or 0
         self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
         # the batch's engine–learner mismatch sums by lag (algorithms/mismatch.py), added while
@@ -424,21 +398,14 @@ class Learner:
                     into[key] = into.get(key, 0.0) + value.detach() * w
 
     def _clip_and_step(self, losses: list[torch.Tensor]) -> float:
-        """Clip the accumulated gradients, check them and the ``losses`` for non-finite
-        values, take the optimizer step. Returns the gradient norm (before clipping)."""
-        # the gradients are the whole mini-batch's on every rank (or their shards): a global norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.optim.grad_clip)
-        # before the step, so the weights stay the last good ones: a NaN loss on any rank makes
-        # the global gradient norm NaN on every rank, so the ranks stop together
-        full_norm = getattr(grad_norm, "full_tensor", None)  # sharded: a DTensor holding the global norm
-        bad = first_nonfinite({"actor/loss": torch.stack(losses).sum(),
-                               "actor/grad_norm": full_norm() if full_norm is not None else grad_norm})
-        if bad is not None:
-            raise NonFiniteError(f"non-finite {bad} at step {self.version + 1}; the optimizer step was not taken. "
-                                 "Check the rewards and advantages of this batch (samples.jsonl) and the learning "
-                                 "rate")
-        self.optimizer.step()
-        return Sharding.norm_value(grad_norm)
+        """The training core's step (``core.clip_and_step``): clip, refuse a non-finite loss or
+        gradient norm before the weights move, step. Returns the gradient norm (before
+        clipping); the gradients are the whole mini-batch's on every rank, so the norm is
+        global and a NaN on any rank stops every rank."""
+        return clip_and_step(self.model, self.optimizer, self.optim.grad_clip,
+                             {"actor/loss": torch.stack(losses).sum()}, step=self.version + 1,
+                             grad_norm_name="actor/grad_norm", hint="Check the rewards and advantages of this batch "
+                             "(samples.jsonl) and the learning rate")
 
     # --------------------------------------------------------- weights, state
     def _local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
