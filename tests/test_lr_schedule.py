@@ -38,3 +38,20 @@ def test_no_warmup_starts_at_full_lr_and_warmup_as_long_as_the_run_divides_by_no
     assert lr_lambda(OptimConfig(schedule="cosine"), total_steps=4)(0) == 1.0
     factor = lr_lambda(OptimConfig(schedule="linear", warmup_steps=1), total_steps=1)
     assert [factor(0), factor(1), factor(2)] == pytest.approx([1.0, 1.0, 0.1])  # progress 0/max(1, 0), then 1
+
+
+def test_the_tiny_warm_ups_schedule_is_the_same_function_decaying_from_step_0_to_0():
+    """The tiny warm-ups (``asyncrl/tiny/sft.py``) take the one schedule with ``decay_start=0``
+    and ``floor=0``: warm-up (step + 1)/2, then cosine over p = step/6 from step 0 to 0,
+    as the shipped tiny policies were built (their own loop had it)."""
+    from asyncrl.learner.core import make_optimizer
+
+    factor = lr_lambda(OptimConfig(warmup_steps=2, schedule="cosine"), total_steps=6, floor=0.0, decay_start=0)
+    cos = [0.5 * (1 + math.cos(math.pi * step / 6)) for step in (2, 3, 4, 5)]  # 0.75, 0.5, 0.25, 0.066987
+    assert [factor(s) for s in range(8)] == pytest.approx([0.5, 1.0, *cos, 0.0, 0.0], rel=1e-12)
+    frozen, trained = torch.nn.Parameter(torch.zeros(2), requires_grad=False), torch.nn.Parameter(torch.zeros(3))
+    model = torch.nn.Module()
+    model.frozen, model.trained = frozen, trained
+    optimizer, scheduler = make_optimizer(model, OptimConfig(lr=1e-2, warmup_steps=2), total_steps=6)
+    assert optimizer.param_groups[0]["params"] == [trained]  # only what trains (LoRA: the adapters)
+    assert scheduler.get_last_lr() == pytest.approx([0.5e-2])

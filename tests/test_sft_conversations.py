@@ -306,3 +306,68 @@ def test_a_stop_saves_the_model_and_a_failure_says_where_the_last_one_is(tmp_pat
     err = capsys.readouterr().err
     assert f"failed at step 3; last saved model: {tmp_path}/fail/checkpoints/step_2" in err
     assert [p.name for p in (tmp_path / "fail/checkpoints").iterdir()] == ["step_2"]
+
+
+@pytest.mark.slow
+def test_sft_with_lora_writes_a_peft_adapter_checkpoint(tmp_path, monkeypatch):
+    """``model.lora.rank=4`` is honoured: only adapters train, and both a checkpoint and the
+    final save are PEFT adapter directories (no full weights) holding trained adapters."""
+    from peft import PeftModel
+
+    from asyncrl.policy import peft_reads_deprecated
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "lora"
+    assert main(["sft", str(EXAMPLE), f"output_dir={out}", "total_steps=2", "batch_size=4", "save_every=1",
+                 "eval_every=0", "optim.lr=1e-2", "model.lora.rank=4"]) == 0
+    for saved in (out / "checkpoints/step_1", out):
+        assert json.loads((saved / "adapter_config.json").read_text())["r"] == 4
+        assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()
+    with peft_reads_deprecated():
+        tuned = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(TINY), out)
+    lora_b = [p for name, p in tuned.named_parameters() if "lora_B" in name]
+    assert lora_b and max(float(p.abs().max()) for p in lora_b) > 0  # B starts at 0: the adapters trained
+    base = dict(AutoModelForCausalLM.from_pretrained(TINY).named_parameters())
+    for name, p in tuned.get_base_model().named_parameters():  # the base stays as loaded
+        if "lora_" not in name:
+            assert torch.equal(p, base[name.replace(".base_layer", "")]), name
+
+
+@pytest.mark.slow
+def test_a_kill_mid_save_leaves_the_last_complete_step_and_resume_takes_the_same_steps(tmp_path, monkeypatch):
+    """A fault between a checkpoint's write and its rename (what a kill mid-save leaves):
+    ``step_2.tmp`` is there, ``step_2`` is not, ``step_1`` is whole; ``resume=true`` goes on
+    from step 1 and ends on the uninterrupted run's weights and losses."""
+    import os
+
+    monkeypatch.chdir(REPO)
+    args = ["sft", str(EXAMPLE), "total_steps=4", "batch_size=4", "save_every=1", "keep_last=4", "eval_every=0",
+            "optim.lr=1e-3", "optim.schedule=cosine"]
+    assert main([*args, f"output_dir={tmp_path / 'whole'}"]) == 0
+    real_replace = os.replace
+
+    def killed_before_step_2_lands(src, dst):
+        if Path(dst).name == "step_2":
+            raise RuntimeError("killed mid-save")
+        return real_replace(src, dst)
+
+    cut = tmp_path / "cut"
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "replace", killed_before_step_2_lands)
+        assert main([*args, f"output_dir={cut}"]) == 1
+    checkpoints = cut / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2.tmp"]
+    with pytest.raises(ConfigError, match="resume=true"):
+        SFTRun(load_sft_config(EXAMPLE, [f"output_dir={cut}"])).run()
+    assert main([*args, f"output_dir={cut}", "resume=true"]) == 0
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_1", "step_2", "step_3"]
+    rows = {run: [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]
+            for run in ("whole", "cut")}
+    assert [r["step"] for r in rows["cut"]] == [r["step"] for r in rows["whole"]] == [0, 1, 2, 3, 4]
+    for key in ("loss", "eval_loss"):
+        logged = {run: [r[key] for r in rows[run] if key in r] for run in rows}
+        assert logged["cut"] and logged["cut"] == pytest.approx(logged["whole"], rel=1e-5)
+    whole, resumed = (dict(AutoModelForCausalLM.from_pretrained(tmp_path / run).named_parameters())
+                      for run in ("whole", "cut"))
+    for name, p in whole.items():
+        torch.testing.assert_close(resumed[name], p, atol=1e-6, rtol=1e-5)

@@ -74,6 +74,18 @@ def probe(tokenizer: PreTrainedTokenizerBase) -> TemplateSupport:
         return _probed[key]
 
 
+def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None,
+                *, generation_prompt: bool) -> str:
+    """The one chat renderer: the chat template's text for ``messages`` after :func:`prepare`
+    has written out what the template would drop (the probe is cached per template, so
+    this costs a dict lookup). The rollout client (``LLMClient.render``) and SFT
+    (``asyncrl/sft/render.py``) both render through it, so SFT trains on the text the
+    client samples from. ``generation_prompt``: end with the opening of the model's next
+    turn, as a prompt does. Raises ``ValueError`` when the tokenizer has no chat template."""
+    messages, tools = prepare(messages, tools, probe(tokenizer))
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+
+
 def _render(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None = None,
             *, generation_prompt: bool = False) -> str | None:
     """The template's text, or None when it raises: a template is arbitrary Jinja, and an

@@ -225,16 +225,13 @@ class LLMClient:
 
     def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
                generation_prompt: bool) -> str:
-        """The text ``chat`` tokenizes for ``messages``: the chat template's, after
-        :func:`chat_format.prepare` has written out what the template would drop (the probe
-        is cached per template, so this costs a dict lookup). ``generation_prompt``: end with
-        the opening of the model's next turn, as a prompt does."""
+        """The text ``chat`` tokenizes for ``messages``: :func:`chat_format.render_chat`, the
+        one renderer (SFT's too). ``generation_prompt``: end with the opening of the model's
+        next turn, as a prompt does."""
         if self.tokenizer.chat_template is None:
             raise ValueError(f"tokenizer {self.tokenizer.name_or_path!r} has no chat template; "
                              "chat workflows need one (use generate() for plain prompts)")
-        messages, tools = chat_format.prepare(messages, tools, chat_format.probe(self.tokenizer))
-        return self.tokenizer.apply_chat_template(
-            messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+        return chat_format.render_chat(self.tokenizer, messages, tools, generation_prompt=generation_prompt)
 
     # -------------------------------------------------------------------------
     async def _extend(self, trajectory: Trajectory, sampling: SamplingParams, messages: list[Message] | None,

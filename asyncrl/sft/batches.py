@@ -10,25 +10,11 @@ accumulates the same gradient as one forward over the whole step, up to float ro
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
-
+from asyncrl.learner import core
 from asyncrl.learner.learner import micro_batch_bounds
 from asyncrl.seeding import derive_seed
 from asyncrl.sft.render import Example
-
-IGNORE = -100  # a label no token has: cross_entropy skips it
-
-
-@dataclass(frozen=True)
-class Batch:
-    """Rows padded on the right to the longest. (B, T) each."""
-
-    input_ids: torch.Tensor
-    attention_mask: torch.Tensor
-    labels: torch.Tensor  # the id where the model is trained to write it, IGNORE elsewhere
 
 
 def step_order(num_examples: int, batch_size: int, *, epochs: int, seed: int) -> list[list[int]]:
@@ -52,26 +38,11 @@ def micro_batches(examples: list[Example], *, max_rows: int, max_tokens: int | N
     return [ordered[start:stop] for start, stop in bounds]
 
 
-def collate(examples: list[Example], pad_id: int) -> Batch:
-    width = max(len(e.ids) for e in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(examples), width), dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE, dtype=torch.long)
-    for row, e in enumerate(examples):
-        n = len(e.ids)
-        ids[row, :n] = torch.tensor(e.ids)
-        attention[row, :n] = 1
-        labels[row, :n] = torch.where(torch.tensor(e.mask, dtype=torch.bool), torch.tensor(e.ids), IGNORE)
-    return Batch(ids, attention, labels)
-
-
-def summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Σ -log p(label) over the labelled positions, each predicted from the one before it.
-    logits (B, T, V), labels (B, T) -> a scalar, float32 whatever the logits' dtype."""
-    predicted = logits[:, :-1].float()  # (B, T-1, V): position t predicts token t + 1
-    target = labels[:, 1:]  # (B, T-1)
-    return F.cross_entropy(predicted.reshape(-1, predicted.shape[-1]), target.reshape(-1),
-                           ignore_index=IGNORE, reduction="sum")
+def collate(examples: list[Example], pad_id: int) -> core.Batch:
+    """The training core's supervised batch (``core.collate``): labels the ids where the mask
+    is 1, ``core.IGNORE`` elsewhere."""
+    return core.collate([(e.ids, [i if m else core.IGNORE for i, m in zip(e.ids, e.mask)]) for e in examples],
+                        pad_id)
 
 
 def trained_tokens(examples: list[Example]) -> int:

@@ -83,6 +83,10 @@ class SFTConfig(Section):
     final model, in ``output_dir``)."""
     keep_last: int = Field(2, ge=1)
     """Checkpoints kept on disk; older ones are deleted after each save."""
+    resume: bool = False
+    """Continue the run in ``output_dir`` from its newest complete ``checkpoints/step_N``
+    (weights or LoRA adapters, AdamW state, schedule, RNG), with the same settings: the
+    steps after it are the ones the uninterrupted run would have taken."""
 
     @model_validator(mode="after")
     def _consistent(self) -> SFTConfig:

@@ -4,8 +4,8 @@ The promise: for every assistant turn, the ids with mask 1 are exactly the ids t
 rollout client records as the model's tokens for that turn when the model writes it, and
 the ids around them are the ids the client records as context. Three things keep it:
 
-- the text is rendered by :func:`render_chat`, the client's ``LLMClient.render``: the chat
-  template after :func:`chat_format.prepare` has spelled out, in the hermes
+- the text is rendered by ``chat_format.render_chat``, the one renderer the client's
+  ``LLMClient.render`` calls too: the chat template after ``chat_format.prepare`` has spelled out, in the hermes
   ``<tool_call>`` format the gateway's parser reads back, whatever the template drops
   (tools, tool calls, tool results). SFT thus teaches the very format the parser reads;
 - a turn is located by rendering prefixes, as the client continues a conversation: the
@@ -59,16 +59,8 @@ class Example:
         return sum(self.mask)
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[Message], tools: list[dict[str, Any]] | None,
-                *, generation_prompt: bool) -> str:
-    """The text the rollout client renders for ``messages`` (``LLMClient.render``): the
-    chat template after :func:`chat_format.prepare`. ``tests/test_sft_conversations.py``
-    holds the two equal."""
-    if tokenizer.chat_template is None:
-        raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; SFT on conversations "
-                            "renders them with it (model.path must name an instruct/chat model)")
-    messages, tools = chat_format.prepare(messages, tools, chat_format.probe(tokenizer))
-    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=generation_prompt)
+render_chat = chat_format.render_chat
+"""The one chat renderer, the rollout client's (``LLMClient.render`` calls it too)."""
 
 
 def turn_pieces(render: Render, messages: list[Message], end_of_turn: str) -> list[tuple[str, bool]]:
@@ -118,6 +110,9 @@ def tokenize_pieces(pieces: list[tuple[str, bool]], encode: Callable[[str], list
 def build_example(tokenizer: PreTrainedTokenizerBase, conversation: Conversation, max_length: int) -> Example:
     """The conversation's ids and mask, cut at ``max_length``; raises :class:`TemplateError`
     naming the conversation's ``file:line`` and the template."""
+    if tokenizer.chat_template is None:
+        raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no chat template; SFT on conversations "
+                            "renders them with it (model.path must name an instruct/chat model)")
     if tokenizer.eos_token is None:
         raise TemplateError(f"tokenizer {tokenizer.name_or_path!r} has no eos_token: the rollout client stops "
                             "sampling there, so SFT needs it to end each assistant turn")

@@ -6,15 +6,24 @@ Order of work, so a mistake costs seconds: the data is read and checked, the tok
 renders and masks every conversation (each error named ``file:line``), and only then
 are the weights loaded. Weights and AdamW state stay float32; ``model.dtype: bfloat16``
 runs forward and backward under autocast, so no update is lost to bfloat16's 8-bit
-mantissa. Nothing is lost on a stop: a first Ctrl-C or SIGTERM finishes the step and
-saves the model in ``checkpoints/step_N``; a failure says where the last saved model is.
+mantissa. With ``model.lora`` only LoRA adapters train and every save is a PEFT adapter
+directory (``learner/lora.py``).
+
+The optimizer step is the training core's (``asyncrl/learner/core.py``: the one LR
+schedule, AdamW over what trains, the share-weighted backward, clip and finite check), and
+a checkpoint is the learner's (``asyncrl/learner/checkpoint_io.py``: written under
+``step_N.tmp`` and renamed, so a kill mid-save leaves no half-written ``step_N``).
+Nothing is lost on a stop: a first Ctrl-C or SIGTERM finishes the step and saves
+``checkpoints/step_N``; a failure says where the last saved model is; ``resume=true``
+continues from the last complete checkpoint, its weights, AdamW state, schedule and RNG,
+on the same order of conversations: the steps an uninterrupted run would have taken.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
-import math
+import re
 import shutil
 import signal
 import sys
@@ -27,14 +36,14 @@ import torch
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.algorithms.finite import NonFiniteError
-from asyncrl.config import ConfigError, OptimConfig
-from asyncrl.learner.learner import lr_lambda
+from asyncrl.config import ConfigError
+from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
+from asyncrl.learner.core import TrainState, accumulate, clip_and_step, summed_loss
 from asyncrl.orchestrator.announce import template_notes
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.rollout.gateway.tool_calls import AUTO, resolve_format
 from asyncrl.seeding import derive_seed
-from asyncrl.sft.batches import collate, micro_batches, step_order, summed_loss, trained_tokens
+from asyncrl.sft.batches import collate, micro_batches, step_order, trained_tokens
 from asyncrl.sft.config import SFTConfig, save_sft_config
 from asyncrl.sft.data import Conversation, load_conversations
 from asyncrl.sft.render import Example, build_examples
@@ -60,9 +69,10 @@ class SFTRun:
         """Train; returns the saved model's directory (``output_dir``, or the checkpoint a
         stop wrote)."""
         cfg = self.cfg
-        if (self.out / METRICS_FILE).exists():
+        resume_from = self._resume_point()
+        if resume_from is None and (self.out / METRICS_FILE).exists():
             raise ConfigError(f"output_dir {str(self.out)!r} holds an earlier run ({METRICS_FILE}); "
-                              "choose another output_dir, or remove that one")
+                              "choose another output_dir, remove that one, or continue it with resume=true")
         train_data, eval_data = self._conversations()
         tokenizer = check_policy(cfg.model)
         tqdm.write("\n".join(f"asyncrl sft: {note}" for note in format_notes(tokenizer)), file=sys.stderr)
@@ -70,34 +80,58 @@ class SFTRun:
         order = self._step_order(len(train))
         torch.manual_seed(derive_seed(cfg.seed, "sft-torch"))
         model, _ = load_policy(cfg.model.model_copy(update={"dtype": "float32"}))  # master weights: see the docstring
-        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                      weight_decay=cfg.optim.weight_decay)
-        schedule = OptimConfig(warmup_steps=cfg.optim.warmup_steps, schedule=cfg.optim.schedule)  # train's schedule
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(schedule, len(order)))
+        state = TrainState.build(model, tokenizer, cfg.optim, len(order), lora=cfg.model.lora,
+                                 seed=derive_seed(cfg.seed, "lora"))
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.out.mkdir(parents=True, exist_ok=True)
-        save_sft_config(cfg, self.out / "config.yaml")
-        with _metrics(self.out / METRICS_FILE) as log, self._signals():
-            if held_out:
-                log({"step": 0, "eval_loss": self._eval_loss(model, held_out, pad_id)})
-            bar = tqdm(order, desc="asyncrl sft", unit="step", file=sys.stderr, dynamic_ncols=True)
-            for self.step, indices in enumerate(bar, 1):
+        if resume_from is not None:
+            restore_checkpoint(state, resume_from)
+            self.step = state.version
+            self.last_saved = resume_from
+            _keep_rows(self.out / METRICS_FILE, through=self.step)
+            tqdm.write(f"asyncrl sft: resuming from {resume_from} (step {self.step} of {len(order)})", file=sys.stderr)
+        else:
+            save_sft_config(cfg, self.out / "config.yaml")
+        with _metrics(self.out / METRICS_FILE, append=resume_from is not None) as log, self._signals():
+            if held_out and resume_from is None:
+                log({"step": 0, "eval_loss": self._eval_loss(state.model, held_out, pad_id)})
+            done = self.step
+            bar = tqdm(order[done:], desc="asyncrl sft", unit="step", file=sys.stderr, dynamic_ncols=True,
+                       initial=done, total=len(order))
+            for self.step, indices in enumerate(bar, done + 1):
                 began, last = time.monotonic(), self.step == len(order)
-                loss, tokens, grad_norm = self._train_step(model, optimizer, [train[i] for i in indices], pad_id)
-                row = {"step": self.step, "loss": loss, "tokens": tokens, "lr": scheduler.get_last_lr()[0],
+                loss, tokens, grad_norm = self._train_step(state.model, state.optimizer, [train[i] for i in indices],
+                                                           pad_id)
+                row = {"step": self.step, "loss": loss, "tokens": tokens, "lr": state.scheduler.get_last_lr()[0],
                        "grad_norm": grad_norm, "time/step": round(time.monotonic() - began, 3)}
-                scheduler.step()
+                state.scheduler.step()
+                state.version = self.step
                 if held_out and (last or (cfg.eval_every and self.step % cfg.eval_every == 0)):
-                    row["eval_loss"] = self._eval_loss(model, held_out, pad_id)
+                    row["eval_loss"] = self._eval_loss(state.model, held_out, pad_id)
                 log(row)
                 bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", "eval_loss") if k in row}, refresh=False)
                 if self._stop.is_set() and not last:
                     self.interrupted = True
-                    return self._save(model, tokenizer, self.out / CHECKPOINTS_DIR / f"step_{self.step}")
+                    return self._checkpoint(state)
                 if cfg.save_every and self.step % cfg.save_every == 0 and not last:
-                    self._checkpoint(model, tokenizer)
+                    self._checkpoint(state)
             bar.close()
-        return self._save(model, tokenizer, self.out)
+        return self._save(state, self.out)
+
+    def _resume_point(self) -> Path | None:
+        """With ``resume=true``, the newest complete ``checkpoints/step_N`` (a ``step_N.tmp``
+        a kill left mid-save is not one); None without ``resume`` or before any save."""
+        if not self.cfg.resume:
+            return None
+        root = self.out / CHECKPOINTS_DIR
+        steps = sorted((int(m.group(1)), p) for p in root.glob("step_*")
+                       if (m := re.fullmatch(r"step_(\d+)", p.name)) and (p / "trainer_state.pt").is_file())
+        if not steps:
+            tqdm.write(f"asyncrl sft: resume=true, but {root} holds no complete checkpoint: starting at step 0",
+                       file=sys.stderr)
+            (self.out / METRICS_FILE).unlink(missing_ok=True)
+            return None
+        return steps[-1][1]
 
     def _step_order(self, num_train: int) -> list[list[int]]:
         """Each step's train examples: ``epochs`` seeded passes, or as many passes as reach
@@ -147,25 +181,18 @@ class SFTRun:
     # -- a step ---------------------------------------------------------------
     def _train_step(self, model: PreTrainedModel, optimizer: torch.optim.Optimizer, examples: list[Example],
                     pad_id: int) -> tuple[float, int, float]:
-        """One optimizer step on ``examples``: (mean loss per assistant token, tokens, grad norm)."""
+        """One optimizer step on ``examples`` through the training core: (mean loss per
+        assistant token, tokens, grad norm)."""
         model.train()
         total = trained_tokens(examples)
-        loss_sum = torch.zeros(())
-        for part in micro_batches(examples, max_rows=self.cfg.optim.micro_batch_size,
-                                  max_tokens=self.cfg.optim.micro_batch_tokens):
-            loss = self._summed_loss(model, part, pad_id)
-            (loss / total).backward()
-            loss_sum += loss.detach().cpu()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), self.cfg.optim.grad_clip)
-        mean, norm = (loss_sum / total).item(), grad_norm.item()  # the step's one device sync
-        if not (math.isfinite(mean) and math.isfinite(norm)):
-            optimizer.zero_grad(set_to_none=True)
-            raise NonFiniteError(f"non-finite {'gradient norm' if math.isfinite(mean) else 'loss'} at step {self.step} "
-                                 f"on {', '.join(e.source for e in examples[:4])}; the weights were not updated "
-                                 "(a lower optim.lr, or model.dtype=float32, may help)")
-        optimizer.step()
+        parts = micro_batches(examples, max_rows=self.cfg.optim.micro_batch_size,
+                              max_tokens=self.cfg.optim.micro_batch_tokens)
+        loss_sum = accumulate(parts, lambda part: self._summed_loss(model, part, pad_id), total)
+        sources = ", ".join(e.source for e in examples[:4])
+        norm = clip_and_step(model, optimizer, self.cfg.optim.grad_clip, {"loss": loss_sum / total}, step=self.step,
+                             hint=f"Conversations {sources}; a lower optim.lr, or model.dtype=float32, may help")
         optimizer.zero_grad(set_to_none=True)
-        return mean, total, norm
+        return (loss_sum / total).item(), total, norm  # the step's one device sync (with the norm)
 
     def _summed_loss(self, model: PreTrainedModel, examples: list[Example], pad_id: int) -> torch.Tensor:
         batch = collate(examples, pad_id)
@@ -184,21 +211,26 @@ class SFTRun:
         return round(float(total) / trained_tokens(examples), 6)
 
     # -- saving ---------------------------------------------------------------
-    def _save(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, path: Path) -> Path:
-        """A Hugging Face directory (``AutoModelForCausalLM.from_pretrained`` loads it, and
-        ``model.path`` of ``asyncrl train`` takes it)."""
+    def _save(self, state: TrainState, path: Path) -> Path:
+        """The final model in ``output_dir``: a Hugging Face directory (``model.path`` of
+        ``asyncrl train`` takes it), or with ``model.lora`` a PEFT adapter directory."""
         path.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+        state.module.save_pretrained(path)
+        state.tokenizer.save_pretrained(path)
         self.last_saved = path
         return path
 
-    def _checkpoint(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    def _checkpoint(self, state: TrainState) -> Path:
+        """``checkpoints/step_N`` through the learner's checkpoint I/O (``.tmp`` then renamed:
+        complete or absent), the older ones past ``keep_last`` deleted after it."""
         root = self.out / CHECKPOINTS_DIR
-        self._save(model, tokenizer, root / f"step_{self.step}")
-        saved = sorted(root.glob("step_*"), key=lambda p: int(p.name.removeprefix("step_")))
+        root.mkdir(parents=True, exist_ok=True)
+        self.last_saved = write_checkpoint(state, root / f"step_{self.step}")
+        saved = sorted((p for p in root.glob("step_*") if re.fullmatch(r"step_\d+", p.name)),
+                       key=lambda p: int(p.name.removeprefix("step_")))
         for old in saved[: -self.cfg.keep_last]:
             shutil.rmtree(old)
+        return self.last_saved
 
     @contextlib.contextmanager
     def _signals(self) -> Iterator[None]:
@@ -224,11 +256,11 @@ class SFTRun:
 
 
 @contextlib.contextmanager
-def _metrics(path: Path) -> Iterator[Callable[[dict[str, float | int]], None]]:
+def _metrics(path: Path, *, append: bool = False) -> Iterator[Callable[[dict[str, float | int]], None]]:
     """``metrics.jsonl``: one JSON row a line, flushed as written (a crash loses no row),
-    each with ``time/elapsed`` since the file was opened."""
+    each with ``time/elapsed`` since the file was opened; ``append``: after a resume."""
     start = time.monotonic()
-    with path.open("w") as f:
+    with path.open("a" if append else "w") as f:
         def log(row: dict[str, float | int]) -> None:
             f.write(json.dumps({**row, "time/elapsed": round(time.monotonic() - start, 3)}) + "\n")
             f.flush()
@@ -245,6 +277,15 @@ def format_notes(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     except ConfigError as exc:  # the template's own format, which no built-in parser reads
         return [*template_notes(tokenizer, templated=True, tool_format=None), f"tool calls: {exc}"]
     return template_notes(tokenizer, templated=True, tool_format=tool_format)
+
+
+def _keep_rows(path: Path, *, through: int) -> None:
+    """``metrics.jsonl`` cut back to the rows of steps ``through`` and before: the steps a
+    resumed run takes again are logged again, once."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= through]
+    path.write_text("".join(row + "\n" for row in rows))
 
 
 def _sources(conversations: list[Conversation]) -> str:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
+from types import SimpleNamespace
 import random
 import shlex
 import sys
@@ -31,8 +31,9 @@ from itertools import permutations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
+
+from asyncrl.learner import core
 
 from asyncrl.tasks import Task, load_tasks
 from asyncrl.tasks.countdown import _expressions, solve_countdown
@@ -40,7 +41,7 @@ from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
 from asyncrl.tiny.scoring import greedy_accuracy, mean_reward
 from asyncrl.tiny.tokenizer import build_char_tokenizer, chat_prompt_ids
 
-IGNORE_INDEX = -100
+IGNORE_INDEX = core.IGNORE  # the training core's: one constant for every supervised loop
 NUM_THREADS = 2
 # Defaults chosen (see base_policy.json of the shipped model) so a run on a 2-core CPU
 # stops with greedy validation accuracy in the 25-45 % band; the step count is the
@@ -103,34 +104,20 @@ def sft_examples(tokenizer: Any, tasks: Sequence[Task], *, label_noise: float = 
 def collate(
     examples: Sequence[tuple[list[int], list[int]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-pad to the longest row: (input_ids, attention_mask, labels)."""
-    width = max(len(ids) for ids, _ in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.long)
-    for i, (row, lab) in enumerate(examples):
-        ids[i, : len(row)] = torch.tensor(row)
-        labels[i, : len(lab)] = torch.tensor(lab)
-        mask[i, : len(row)] = 1
-    return ids, mask, labels
+    """Right-pad to the longest row: (input_ids, attention_mask, labels), the training
+    core's collate (``asyncrl.learner.core.collate``)."""
+    batch = core.collate(examples, pad_id)
+    return batch.input_ids, batch.attention_mask, batch.labels
 
 
 def batch_loss(model: Any, ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the labelled (answer) positions."""
-    logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1].float()
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    """Mean next-token cross-entropy over the labelled (answer) positions: the core's
+    summed loss over their count."""
+    logits = model(input_ids=ids, attention_mask=mask).logits
+    return core.summed_loss(logits, labels) / (labels[:, 1:] != IGNORE_INDEX).sum().clamp(min=1)
 
 
 # ----------------------------------------------------------------------------- training
-
-
-def _lr_factor(progress: float, step: int, warmup_steps: int) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine from 1 to 0 over ``progress``."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
 def supervised_warmup(
@@ -138,7 +125,7 @@ def supervised_warmup(
     tokenizer: Any,
     tasks: Sequence[Task],
     *,
-    steps: int | None = None,
+    steps: int,
     time_budget_s: float | None = None,
     batch_size: int = 64,
     lr: float = 3e-3,
@@ -152,13 +139,13 @@ def supervised_warmup(
     """Fine-tune ``model`` in place on ``tasks``' solutions, noisy as ``sft_examples`` says.
 
     Stops at ``steps`` or ``time_budget_s``, whichever comes first. The cosine horizon
-    is ``steps`` when given (so a run is reproducible: data order comes from ``seed``),
-    otherwise the time budget, so a time-only run still decays its learning rate.
+    is ``steps`` (so a run is reproducible: data order comes from ``seed``); the time
+    budget only caps it.
     ``eval_fn(model)`` runs every ``log_every`` steps (e.g. a quick greedy accuracy).
     Returns ``{"steps", "final_loss", "initial_loss", "wall_time_s", "stopped_by", "log"}``.
     """
-    if steps is None and time_budget_s is None:
-        raise ValueError("supervised_warmup needs `steps` or `time_budget_s` (or both)")
+    if steps is None:
+        raise ValueError("supervised_warmup needs `steps` (the learning rate's horizon); time_budget_s only caps it")
     if not tasks:
         raise ValueError("supervised_warmup needs at least one task")
     examples = sft_examples(tokenizer, tasks, label_noise=label_noise, copies=copies, seed=seed)
@@ -172,7 +159,7 @@ def train_examples(
     examples: Sequence[tuple[list[int], list[int]]],
     pad_id: int,
     *,
-    steps: int | None,
+    steps: int,
     time_budget_s: float | None,
     batch_size: int,
     lr: float,
@@ -183,16 +170,19 @@ def train_examples(
     desc: str = "sft",
     length_buckets: bool = False,
 ) -> dict[str, Any]:
-    """The supervised loop over ready (ids, labels) examples: AdamW, warm-up then cosine,
-    seeded epochs, gradient clip 1.0; shared by the Countdown and the search warm-ups.
+    """The supervised loop over ready (ids, labels) examples, its steps the training core's
+    (``asyncrl.learner.core``: AdamW, the one LR schedule — warm-up, then cosine from step 0
+    to 0 at ``steps`` — gradient clip 1.0 and the finite check); seeded epochs. Shared by the
+    Countdown, addition and search warm-ups.
 
     ``length_buckets``: batch examples of similar length (sorted within windows of 32
     batches of a shuffled epoch, the batches then shuffled), so a batch pads little; for
     traces whose lengths vary 3x this halves the cost of a step."""
     rng = random.Random(seed)
     order: list[int] = []
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
-    warmup_steps = max(1, warmup_steps)
+    schedule = SimpleNamespace(lr=lr, betas=(0.9, 0.95), weight_decay=0.01, warmup_steps=max(1, warmup_steps),
+                               schedule="cosine")
+    optimizer, scheduler = core.make_optimizer(model, schedule, steps, floor=0.0, decay_start=0)
     was_training = model.training
     model.train()
 
@@ -203,14 +193,10 @@ def train_examples(
     start = time.perf_counter()
     bar = tqdm(total=steps, desc=desc, unit="step", dynamic_ncols=True, mininterval=1.0)
     try:
-        while steps is None or step < steps:
-            elapsed = time.perf_counter() - start
-            if time_budget_s is not None and elapsed >= time_budget_s:
+        while step < steps:
+            if time_budget_s is not None and time.perf_counter() - start >= time_budget_s:
                 stopped_by = "time"
                 break
-            progress = step / steps if steps is not None else elapsed / time_budget_s  # type: ignore[operator]
-            for group in optimizer.param_groups:
-                group["lr"] = lr * _lr_factor(progress, step, warmup_steps)
             if len(order) < batch_size:  # reshuffle per epoch; a seeded RNG fixes the order
                 epoch = list(range(len(examples)))
                 rng.shuffle(epoch)
@@ -221,10 +207,11 @@ def train_examples(
             del order[:batch_size]
 
             loss = batch_loss(model, *collate(batch, pad_id))
-            optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
+            core.clip_and_step(model, optimizer, 1.0, {"loss": loss}, step=step + 1,
+                               hint="lower the warm-up's learning rate")
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
             step += 1
 
             final_loss = loss.item()
