@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import copy
 
+import pytest
 import torch
-
-from asyncrl.rollout.client import LLMClient
-from asyncrl.engine import TorchEngine
-from asyncrl.types import NO_VERSION, SamplingParams
 from conftest import SpyEngine, reference_logprobs
+from tolerances import assert_same_logprobs
+
+from asyncrl.engine import TorchEngine
+from asyncrl.rollout.client import LLMClient
+from asyncrl.types import NO_VERSION, SamplingParams
 
 SAMPLING = SamplingParams(max_tokens=12, temperature=1.0)
 
@@ -33,6 +35,7 @@ def run_chat(model, tokenizer, turns):
     return asyncio.run(main())
 
 
+@pytest.mark.equivalence
 def test_multi_turn_masks_and_exact_ids(tiny_policy):
     model, tokenizer = tiny_policy
     llm, spy, seen, _ = run_chat(model, tokenizer, turns=3)
@@ -68,7 +71,8 @@ def test_multi_turn_masks_and_exact_ids(tiny_policy):
     # token's behavior logprob (environment tokens are masked out).
     ref = reference_logprobs(model, traj.prompt_ids, traj.response_ids)
     mask = torch.tensor(traj.loss_mask, dtype=torch.bool)
-    torch.testing.assert_close(torch.tensor(traj.logprobs)[mask], ref[mask], atol=1e-4, rtol=1e-4)
+    positions = len(traj.prompt_ids) + len(traj.response_ids)
+    assert_same_logprobs(torch.tensor(traj.logprobs)[mask], ref[mask], model, positions)
 
 
 def test_steps_keep_their_own_messages(tiny_policy):
@@ -100,6 +104,7 @@ def test_chat_that_does_not_extend_opens_new_trajectory(tiny_policy):
     assert all(t.loss_mask and set(t.loss_mask) == {1} for t in llm.trajectories)
 
 
+@pytest.mark.equivalence
 def test_abort_resume_is_stitched_token_for_token(tiny_policy):
     model, tokenizer = tiny_policy
     old_model = copy.deepcopy(model)
@@ -135,8 +140,8 @@ def test_abort_resume_is_stitched_token_for_token(tiny_policy):
     assert traj.resumed and traj.num_resumes == 1 and traj.finish_reason == "length"
     # Before the update the old weights sampled, after it the new ones (with a fresh prefill).
     ids, lps = traj.response_ids, torch.tensor(traj.logprobs)
-    torch.testing.assert_close(lps[:k], reference_logprobs(old_model, p0, ids)[:k], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lps[k:], reference_logprobs(model, p0, ids)[k:], atol=1e-4, rtol=1e-4)
+    assert_same_logprobs(lps[:k], reference_logprobs(old_model, p0, ids)[:k], old_model, len(p0) + len(ids))
+    assert_same_logprobs(lps[k:], reference_logprobs(model, p0, ids)[k:], model, len(p0) + len(ids))
 
 
 def test_a_groups_prompt_is_rendered_once_and_again_when_the_template_changes(tiny_policy, monkeypatch):

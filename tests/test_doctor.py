@@ -204,3 +204,59 @@ def test_the_mismatch_by_lag_by_hand():
     assert m[f"mismatch/max_abs_lag{MAX_LAG}"] == pytest.approx(0.05, rel=1e-4)
     assert m[f"mismatch/beyond_fraction_lag{MAX_LAG}"] == 0  # 0.05 is within the 0.1 bound
     assert "mismatch/k3_lag2" not in m  # a lag no token had is left out
+
+
+def _parse_errors(monkeypatch, counted: int) -> None:
+    """This process's rollout workers report ``counted`` tool calls their gateway could not
+    parse (a process counts from 0: what a resumed run's new process reports)."""
+    from asyncrl.rollout.worker import RolloutWorker
+
+    real = RolloutWorker.gateway_counts
+
+    async def gateway_counts(self):
+        return {**await real(self), "tool_parse_errors": counted}
+
+    monkeypatch.setattr(RolloutWorker, "gateway_counts", gateway_counts)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_continues_its_counters_and_the_doctor_reads_its_current_total_steps(tmp_path, monkeypatch):
+    """Two parse errors before a resume that raises total_steps from 2 to 4: every row
+    after the resume still counts them (the new process's gateway starts from 0), and the
+    doctor reads 4 steps of 4, the parse errors in one step of four."""
+    out = tmp_path / "resumed"
+    _parse_errors(monkeypatch, 2)
+    _train(out, "total_steps=2")
+    _parse_errors(monkeypatch, 0)
+    _train(out, "total_steps=4", "resume=true")
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["rollout/tool_parse_errors_total"]) for r in rows if r["step"] >= 1] == [
+        (1, 2), (2, 2), (3, 2), (4, 2)]
+    lines, _ = diagnose(load_run(out))
+    assert any(line.strip().startswith("steps trained: 4 of 4;") for line in lines), lines
+    parse = next(line for line in lines if "tool-call parse failures" in line)
+    assert parse.startswith(WARN) and "2 tool calls in the step" in parse and "1 of 4 steps" in parse, parse
+    assert "first at step 1" in parse
+    assert next(line for line in lines if "run finished" in line).startswith(OK)
+
+
+def test_a_counter_that_restarted_in_a_resumed_process_and_a_raised_total_steps(tmp_path):
+    """A run resumed before counters were kept across a resume: its parse-error counter
+    fell from 2 to 0 in the new process, which counted nothing. The drop is a restart, not
+    failures; and total_steps is the one the resume set (config_changes.jsonl)."""
+    (tmp_path / "config.yaml").write_text("mode: async\nmax_staleness: 1\ntotal_steps: 2\n")
+    (tmp_path / "config_changes.jsonl").write_text(json.dumps(
+        {"resumed_from_step": 2, "time": "2026-11-26T12:00:00+00:00",
+         "changed": {"total_steps": {"old": 2, "new": 4}}}) + "\n")
+    counted = [1, 2, 0, 0]  # one parse error in each of steps 1 and 2; the resumed process restarts at 0
+    rows = [{"step": 0}, *({"step": s, "rollout/tool_parse_errors_total": n} for s, n in enumerate(counted, 1))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning):  # no samples.jsonl / timeline.jsonl: a run killed early, said
+        run = load_run(tmp_path)
+    assert run.config["total_steps"] == 4
+    lines, _ = diagnose(run)
+    assert any(line.strip().startswith("steps trained: 4 of 4;") for line in lines), lines
+    found = {f.name: f for f in findings(run)}
+    parse = found["tool-call parse failures"]
+    assert (parse.status, parse.step) == (WARN, 1) and parse.evidence.endswith("; 2 of 4 steps"), parse
+    assert found["run finished"].status == OK

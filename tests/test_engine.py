@@ -6,10 +6,11 @@ import asyncio
 
 import pytest
 import torch
+from conftest import make_model, reference_logprobs
+from tolerances import assert_same_logprobs
 
 from asyncrl.engine import EngineClosedError, TorchEngine
 from asyncrl.types import SamplingParams
-from conftest import make_model, reference_logprobs
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]  # ragged: exercises left padding
 
@@ -19,6 +20,7 @@ async def wait_for_tokens(engine: TorchEngine, n: int) -> None:
         await asyncio.sleep(0.001)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_logprobs_equal_model_log_softmax(model, temperature):
     async def main():
@@ -32,7 +34,7 @@ def test_logprobs_equal_model_log_softmax(model, temperature):
     for prompt, completion in zip(PROMPTS, asyncio.run(main())):
         assert len(completion.token_ids) == 30 and completion.finish_reason == "length"
         ref = reference_logprobs(model, prompt, completion.token_ids, temperature)
-        torch.testing.assert_close(torch.tensor(completion.logprobs), ref, atol=1e-4, rtol=1e-4)
+        assert_same_logprobs(completion.logprobs, ref, model, len(prompt) + len(completion.token_ids))
 
 
 def test_greedy_matches_argmax(model):

@@ -15,9 +15,10 @@ import pytest
 import torch
 from conftest import reference_logprobs
 from openai import AsyncOpenAI
+from tolerances import assert_same_logprobs
 
-from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.engine import TorchEngine
+from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.rollout.gateway import Gateway, hermes
 from asyncrl.tiny import chat_prompt_ids
 from asyncrl.types import Completion, SamplingParams
@@ -69,6 +70,7 @@ def sdk(base_url: str) -> AsyncOpenAI:
     return AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
 
 
+@pytest.mark.equivalence
 def test_plain_chat_streaming_and_logprobs(tiny_policy):
     model, tokenizer = tiny_policy
     messages = [{"role": "user", "content": "3 5 7 -> 22"}]
@@ -97,8 +99,7 @@ def test_plain_chat_streaming_and_logprobs(tiny_policy):
     assert plain.usage.prompt_tokens == len(prompt)
     sampled = tokenizer.encode("".join(t.token for t in choice.logprobs.content), add_special_tokens=False)
     expected = reference_logprobs(model, prompt, sampled)  # greedy: log-softmax of the raw logits
-    torch.testing.assert_close(torch.tensor([t.logprob for t in choice.logprobs.content]), expected,
-                               atol=1e-4, rtol=1e-4)
+    assert_same_logprobs([t.logprob for t in choice.logprobs.content], expected, model, len(prompt) + len(sampled))
     assert [m.id for m in models.data] == ["tiny"]
 
 
@@ -117,6 +118,7 @@ async def tool_episode(gateway, llm, during_second_turn=None):
         return first, await second
 
 
+@pytest.mark.equivalence
 def test_a_tool_round_trip_is_recorded_token_exact(tiny_policy):
     model, tokenizer = tiny_policy
 
@@ -148,10 +150,11 @@ def test_a_tool_round_trip_is_recorded_token_exact(tiny_policy):
     lps = torch.tensor(trajectory.logprobs)
     reference = reference_logprobs(model, prompt, ids)
     model_tokens = torch.tensor(mask, dtype=torch.bool)
-    torch.testing.assert_close(lps[model_tokens], reference[model_tokens], atol=1e-4, rtol=1e-4)
+    assert_same_logprobs(lps[model_tokens], reference[model_tokens], model, len(prompt) + len(ids))
     assert set(lps[~model_tokens].tolist()) == {0.0}
 
 
+@pytest.mark.equivalence
 def test_an_abort_inside_the_second_turn_stays_inside_the_gateway(tiny_policy):
     model, tokenizer = tiny_policy
     old = copy.deepcopy(model)
@@ -185,10 +188,9 @@ def test_an_abort_inside_the_second_turn_stays_inside_the_gateway(tiny_policy):
     ids, lps = trajectory.response_ids, torch.tensor(trajectory.logprobs)
     prompt = trajectory.prompt_ids
     start = len(ids) - 120
-    torch.testing.assert_close(lps[start:start + k], reference_logprobs(old, prompt, ids)[start:start + k],
-                               atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lps[start + k:], reference_logprobs(model, prompt, ids)[start + k:],
-                               atol=1e-4, rtol=1e-4)
+    positions = len(prompt) + len(ids)
+    assert_same_logprobs(lps[start:start + k], reference_logprobs(old, prompt, ids)[start:start + k], old, positions)
+    assert_same_logprobs(lps[start + k:], reference_logprobs(model, prompt, ids)[start + k:], model, positions)
 
 
 def test_64_concurrent_sessions_keep_their_own_calls(tiny_policy):

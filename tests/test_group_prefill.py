@@ -8,14 +8,17 @@ import asyncio
 
 import pytest
 import torch
+from conftest import make_model, reference_logprobs
+from tolerances import assert_within, chain_terms, logprob_atol
 
 from asyncrl.engine import TorchEngine
 from asyncrl.types import Completion, SamplingParams
-from conftest import make_model, reference_logprobs
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15]]  # two groups, ragged: exercises left padding
 N = 4
-ATOL = 1e-5  # fork vs own prefill, per-token logprobs (measured: ≤ 1e-6 on the 2-core CPU)
+CHAIN = chain_terms(make_model().config, tokens=max(map(len, PROMPTS)) + 60)  # the longest request here
+"""A fork's logprobs against an own prefill's (or a reference forward's): the same sums in
+other batches, within ``logprob_atol`` of this chain (tests/tolerances.py)."""
 
 
 def group_requests(max_tokens: int = 24, seeded: bool = True, **extra) -> list[tuple[list[int], SamplingParams]]:
@@ -47,7 +50,8 @@ def run(model, requests, *, group_prefill: bool, seed: int = 0) -> tuple[list[Co
 def assert_same(got: Completion, want: Completion) -> None:
     assert got.token_ids == want.token_ids
     assert got.finish_reason == want.finish_reason
-    torch.testing.assert_close(torch.tensor(got.logprobs), torch.tensor(want.logprobs), atol=ATOL, rtol=0)
+    want_logprobs = torch.tensor(want.logprobs)
+    assert_within(torch.tensor(got.logprobs), want_logprobs, logprob_atol(want_logprobs, CHAIN), "logprobs")
 
 
 async def wait_for_tokens(engine: TorchEngine, n: int) -> None:
@@ -55,6 +59,7 @@ async def wait_for_tokens(engine: TorchEngine, n: int) -> None:
         await asyncio.sleep(0.001)
 
 
+@pytest.mark.equivalence
 @pytest.mark.parametrize("seeded", [True, False], ids=["own-seeds", "engine-generator"])
 def test_forks_sample_what_separate_prefills_sample(model, seeded):
     requests = group_requests(seeded=seeded, top_k=40)
@@ -69,10 +74,11 @@ def test_forks_sample_what_separate_prefills_sample(model, seeded):
         samples = forked[g * N:(g + 1) * N]
         assert len({tuple(c.token_ids) for c in samples}) == N
         for c in samples:  # ... and reports the model's own logprobs
-            torch.testing.assert_close(torch.tensor(c.logprobs), reference_logprobs(model, prompt, c.token_ids),
-                                       atol=1e-4, rtol=1e-4)
+            reference = reference_logprobs(model, prompt, c.token_ids)
+            assert_within(torch.tensor(c.logprobs), reference, logprob_atol(reference, CHAIN), "logprobs")
 
 
+@pytest.mark.equivalence
 def test_a_fork_finishing_early_leaves_the_others_as_they_were(model):
     free = run(model, group_requests(), group_prefill=False)[0]
     requests = group_requests()
@@ -89,6 +95,7 @@ def test_a_fork_finishing_early_leaves_the_others_as_they_were(model):
         assert_same(forked[i], free[i])
 
 
+@pytest.mark.equivalence
 def test_a_cancelled_fork_leaves_the_others_as_they_were(model):
     requests = group_requests(max_tokens=60)
     reference = run(model, requests, group_prefill=False)[0]
@@ -110,6 +117,7 @@ def test_a_cancelled_fork_leaves_the_others_as_they_were(model):
             assert_same(got, want)
 
 
+@pytest.mark.equivalence
 def test_aborted_forks_resume_to_the_uninterrupted_samples(model):
     requests = group_requests(max_tokens=40)
     reference = run(model, requests, group_prefill=False)[0]
@@ -131,10 +139,12 @@ def test_aborted_forks_resume_to_the_uninterrupted_samples(model):
     assert {c.finish_reason for c in partial} == {"abort"}
     for a, b, want in zip(partial, rest, reference, strict=True):
         assert a.token_ids + b.token_ids == want.token_ids
-        torch.testing.assert_close(torch.tensor(a.logprobs + b.logprobs), torch.tensor(want.logprobs),
-                                   atol=ATOL, rtol=0)
+        want_logprobs = torch.tensor(want.logprobs)
+        assert_within(torch.tensor(a.logprobs + b.logprobs), want_logprobs, logprob_atol(want_logprobs, CHAIN),
+                      "logprobs")
 
 
+@pytest.mark.equivalence
 def test_one_prefill_per_group_and_later_requests_reuse_it(model):
     group = [(PROMPTS[0], SamplingParams(max_tokens=16, seed=i)) for i in range(8)]
     late = (PROMPTS[0], SamplingParams(max_tokens=16, seed=8))  # a sample of the group admitted later
@@ -174,6 +184,7 @@ def test_prefix_cache_is_bounded():
     assert (stats.prefill_rows, stats.prefill_reused) == (3, 0)
 
 
+@pytest.mark.equivalence
 def test_a_weight_update_invalidates_cached_prefills(model):
     torch.manual_seed(1)
     new_weights = {k: v + 0.05 * torch.randn_like(v) for k, v in model.named_parameters()}
@@ -199,6 +210,7 @@ def test_a_weight_update_invalidates_cached_prefills(model):
     assert abs(stale[0].item() - got.logprobs[0]) > 1e-3  # the old prefill would have been told apart
 
 
+@pytest.mark.equivalence
 def test_a_weight_update_mid_decode_then_a_new_fork_uses_the_new_weights(model):
     new_weights = {k: v.clone() * 1.02 for k, v in model.named_parameters()}
     updated = make_model()
@@ -224,6 +236,7 @@ def test_a_weight_update_mid_decode_then_a_new_fork_uses_the_new_weights(model):
         assert len(c.token_ids) == 200 and c.versions[0] == 0 and c.versions[-1] == 1
 
 
+@pytest.mark.equivalence
 def test_a_training_run_samples_the_same_with_and_without_group_prefill(tmp_path, monkeypatch):
     """Through the whole trainer (``rollout.group_prefill``): every group's samples share a
     prompt, and each sample is seeded on its own, so the fork changes nothing they write."""

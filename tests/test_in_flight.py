@@ -147,6 +147,7 @@ def test_kill_9_then_resume_continues_the_episodes_in_flight(tmp_path, policy_di
     assert max(s["trained_version"] - s["behavior_version_min"] for s in samples) <= 3
 
 
+@pytest.mark.equivalence
 def test_a_resumed_sync_run_replays_its_episodes_and_equals_the_uninterrupted_one(tmp_path, policy_dir):
     """Stopped at step 2 and resumed with the groups of step 3 under way: whatever the
     checkpoint found under way is replayed, and every group it found finished is turned

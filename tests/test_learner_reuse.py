@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import reference_logprobs
 from test_sharded_learner import assert_same_metrics, assert_same_weights, batch, config, one_rank, started
+from tolerances import assert_same_adam_step, chain_terms
 
 from asyncrl.algorithms import aggregate, policy_loss
 from asyncrl.cli import main
@@ -45,6 +46,7 @@ def logprobs(model, b):
     return torch.log_softmax(logits, -1).gather(-1, b.input_ids[:, 1:, None]).squeeze(-1)
 
 
+@pytest.mark.equivalence
 def test_one_epoch_of_one_mini_batch_is_the_plain_decoupled_ppo_step(char_tokenizer):
     """The default is the step as it was before reuse: one forward for π_prox, one for
     the loss, one clipped AdamW step — here written out by hand. (The learner takes π_prox
@@ -68,8 +70,8 @@ def test_one_epoch_of_one_mini_batch_is_the_plain_decoupled_ppo_step(char_tokeni
     loss.backward()
     torch.nn.utils.clip_grad_norm_(by_hand.parameters(), 1.0)
     optimizer.step()
-    for (name, a), (_, h) in zip(trained.named_parameters(), by_hand.named_parameters()):
-        torch.testing.assert_close(a, h, atol=1e-7, rtol=0, msg=name)
+    # the same gradients and step within rounding and what AdamW makes of it (tests/tolerances.py)
+    assert_same_adam_step(trained, by_hand, 1e-2, chain_terms(base.config, b.input_ids.numel()))
     assert metrics["actor/ratio_mean"] == 1.0 and metrics["actor/clip_fraction"] == 0.0  # r = 1: the clip is idle
     assert metrics["actor/optimizer_steps"] == 1.0
     assert metrics["actor/loss"] == pytest.approx(float(loss.detach()), abs=1e-7)
@@ -123,6 +125,7 @@ def test_a_second_epoch_measures_the_ratio_against_the_batch_start_and_clips(cha
     assert max(float((p - q).abs().max()) for p, q in zip(one.state_dict().values(), two.state_dict().values())) > 1e-3
 
 
+@pytest.mark.equivalence
 @pytest.mark.slow
 def test_two_ranks_reuse_samples_as_one_rank_does(policy_dir):
     """Mini-batches are cut from the whole batch by a seed every rank derives alike; each

@@ -74,6 +74,7 @@ def same_run(a, b, metric_keys=METRIC_KEYS):
     return max(float((weights_a[k] - weights_b[k]).abs().max()) for k in weights_a)
 
 
+@pytest.mark.equivalence
 @pytest.mark.slow
 def test_async_with_eta_0_trains_on_the_sync_samples_and_a_run_repeats_itself(tmp_path, policy_dir):
     sync = run(tmp_path, policy_dir, "sync", "mode=sync", "partial_rollout=off")
@@ -186,6 +187,7 @@ def test_the_trainer_seeds_each_episode_by_its_coordinates(tmp_path, policy_dir)
     assert [asyncio.run(resample(s)) for s in firsts] == [s["response"] for s in firsts]
 
 
+@pytest.mark.equivalence
 def test_a_resumed_sync_run_trains_on_the_uninterrupted_runs_samples(tmp_path, policy_dir):
     """Stopped at step 2 and resumed: the same samples, step for step, in the same groups
     and order; weights within float noise. The groups of step 3 were generated or in

@@ -105,9 +105,15 @@ StepCheck = Callable[[Row, Row | None, Limits], Judgement]
 
 
 def _delta(row: Row, prev: Row | None, key: str) -> float | None:
-    """A cumulative counter's increase over the step (its value at the first row)."""
+    """A cumulative counter's increase over the step (its value at the first row). A
+    counter below the row before it started again from 0 in a new process (a resume that
+    did not carry it over, as runs before the checkpoint kept the gateway's counts): its
+    value is what the new process counted, never a negative increase."""
     now = _num(row, key)
-    return None if now is None else now - (_num(prev, key) or 0.0)
+    if now is None:
+        return None
+    before = _num(prev, key) or 0.0
+    return now if now < before else now - before
 
 
 # ---------------------------------------------------------------- step checks

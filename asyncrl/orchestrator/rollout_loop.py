@@ -160,8 +160,9 @@ class RolloutLoop:
         Of those, only the ones that had generated a token continue from the checkpoint:
         the others were queued, and start afresh as if never begun. The note counts the
         first kind as the rollout workers do, so that once their groups have finished
-        ``rollout/replayed_episodes_total`` and ``rollout/replayed_tokens_total`` equal its
-        figures (a user's agent that diverges is counted there too)."""
+        ``rollout/replayed_episodes_total`` and ``rollout/replayed_tokens_total`` have grown
+        by its figures (they count since the run began, across resumes; a user's agent that
+        diverges is counted there too)."""
         journals = [j for samples in self.replays.values() for j in samples.values()]
         tokens = [sum(len(s["token_ids"]) for s in j["segments"]) for j in journals]
         begun = sum(1 for n in tokens if n)

@@ -25,6 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncrl.config import Config, changed_settings, run_settings
+from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.announce import banner, finished_note, run_tool_format, save_run_config
 from asyncrl.orchestrator.checkpoint import (
     IN_FLIGHT_FILE,
@@ -54,6 +55,12 @@ from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.tasks.base import TaskSplits
 from asyncrl.types import Episode
 from asyncrl.weight_sync.delivery import DeliveryCheck, WeightsNotDelivered
+
+
+def last_row(path: Path) -> dict[str, Any] | None:
+    """The last row of a log, None when it has none."""
+    rows = read_jsonl(path) if path.is_file() else []
+    return rows[-1] if rows else None
 
 
 class Trainer:
@@ -89,6 +96,9 @@ class Trainer:
         in_flight = read_in_flight(checkpoint) if checkpoint else []
         self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state, in_flight)
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
+        # what the checkpoint counted: the rollout workers' and the log's counts start at 0 in
+        # this process and continue from it (_continued); the watchdog's are its own
+        self._counted_before = dict(state.counters) if state else {}
         self.watchdog.counts.update(state.counters if state else {})
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
         self._tool_format = run_tool_format(cfg, self.tokenizer)  # samples' tool_calls, read as the gateway reads
@@ -144,9 +154,12 @@ class Trainer:
                           f"written after it: {removed}", file=sys.stderr)
                     print(f"asyncrl: {self.rollouts.replay_note()}", file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
+                self.log.errors_unlogged = self._counted_before.get("errors_unlogged", 0)
                 # each invariant's first break said once, live (asyncrl doctor checks the whole run)
                 self.invariants = InvariantWatch(Limits.from_config(self.cfg.model_dump(), self.max_staleness),
                                                  say=lambda line: tqdm.write(line, file=sys.stderr))  # above the bar
+                if state is not None:  # a counter's increase over the first step resumed is from the checkpoint's row
+                    self.invariants.prev = last_row(self.output_dir / "metrics.jsonl")
                 self.start_time = _clock() - (state.elapsed_s if state else 0.0)
                 self._saved_at = time.monotonic()  # the model load and the runtime's start do not count
                 try:
@@ -236,7 +249,13 @@ class Trainer:
         fraction, counters, rewards, buffer = (self.watchdog.starvation.fraction, self._counters(),
                                                self.rollouts.take_finished_rewards(), self.rollouts.buffer)
         held = {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped}
-        return RolloutSide(fraction, {**counters, **await self.rollout.gateway_counts()}, rewards, held)
+        return RolloutSide(fraction, self._continued(counters, await self.rollout.gateway_counts()), rewards, held)
+
+    def _continued(self, counters: dict[str, int], gateway: dict[str, int]) -> dict[str, int]:
+        """``counters`` (:meth:`_counters`) and the rollout workers' ``gateway`` counts, each
+        of those added to what the checkpoint held: every ``rollout/*_total`` continues
+        across a resume (a process counts from 0)."""
+        return {**counters, **{k: self._counted_before.get(k, 0) + v for k, v in gateway.items()}}
 
     async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained,
                    side: RolloutSide) -> dict[str, Any]:
@@ -304,7 +323,9 @@ class Trainer:
         start = _clock()
         await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
         journals = await self.rollout.in_flight()  # the episodes under way, continued after a restart
-        state = RunState(step=step, elapsed_s=self._now(), counters=self._counters(), interim=interim,
+        gateway = await self.rollout.gateway_counts()
+        state = RunState(step=step, elapsed_s=self._now(), counters=self._continued(self._counters(), gateway),
+                         interim=interim,
                          **self.rollouts.snapshot())
         in_flight = self.rollouts.journals_to_keep(journals, state.reissue)
         ckpt_dir = self.output_dir / "checkpoints"
@@ -317,7 +338,8 @@ class Trainer:
 
     def _counters(self) -> dict[str, int]:
         """Since the run began (across resumes)."""
-        return {**self.watchdog.counts, "worker_restarts": self._restarts_before + self.rollout.restarts}
+        return {**self.watchdog.counts, "worker_restarts": self._restarts_before + self.rollout.restarts,
+                "errors_unlogged": self.log.errors_unlogged}
 
     def _seen(self, episode: Episode, phase: str) -> None:
         self.watchdog.episode(episode, phase)

@@ -17,6 +17,7 @@ from typing import Any
 
 import yaml
 
+from asyncrl.config import CONFIG_CHANGES_FILE
 from asyncrl.jsonl import iter_jsonl
 from asyncrl.modes import effective_max_staleness
 
@@ -45,6 +46,8 @@ class Run:
 
     run_dir: Path
     config: dict[str, Any]
+    """The settings the run trains with now: ``config.yaml`` with ``config_changes.jsonl``
+    applied (``config_text`` is ``config.yaml`` as written)."""
     metrics: list[Row]
     samples: list[Row] = field(default_factory=list)
     timeline: list[Row] = field(default_factory=list)
@@ -101,6 +104,27 @@ def _read_config(path: Path) -> tuple[dict[str, Any], str]:
     return config, text
 
 
+def _current(config: dict[str, Any], changes: Path) -> dict[str, Any]:
+    """``config.yaml`` (the settings the run started with) with each resume's changes from
+    ``config_changes.jsonl`` applied in order (dotted keys): the settings it trains with
+    now, e.g. a ``total_steps`` raised on resume."""
+    if not changes.is_file():
+        return config
+    for line_no, row in iter_jsonl(changes):
+        changed = row.get("changed") if isinstance(row, dict) else None
+        if not isinstance(changed, dict):
+            raise ValueError(f"{changes}, line {line_no} lacks a 'changed' mapping")  # noqa: TRY004
+        for key, change in changed.items():
+            *parents, last = str(key).split(".")
+            node = config
+            for part in parents:
+                if not isinstance(node.get(part), dict):
+                    node[part] = {}
+                node = node[part]
+            node[last] = change["new"] if isinstance(change, dict) and "new" in change else change
+    return config
+
+
 def load_run(run_dir: str | Path) -> Run:
     """Parse a run directory; FileNotFoundError / ValueError name the missing or bad file."""
     run_dir = Path(run_dir)
@@ -113,6 +137,7 @@ def load_run(run_dir: str | Path) -> Run:
         if not (run_dir / name).is_file():
             raise FileNotFoundError(f"{run_dir} has no {name}: {hint}")
     config, config_text = _read_config(run_dir / "config.yaml")
+    config = _current(config, run_dir / CONFIG_CHANGES_FILE)
 
     metrics_path = run_dir / "metrics.jsonl"
     metrics = _read_rows(metrics_path, required=("step",))
