@@ -34,14 +34,14 @@ def run_one_episode(engine, tokenizer, task, max_tokens):
     """``task``'s episode under the openai_agent workflow with the adapter's agent, on a
     real gateway over ``engine`` (closed after)."""
     from asyncrl.rollout.client import LLMClient
-    from asyncrl.rollout.gateway import Gateway, hermes
+    from asyncrl.rollout.gateway import Gateway, get_format
     from asyncrl.rollout.workflows import run_episode
     from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
     from asyncrl.tasks.verifiers_env import run
     from asyncrl.types import SamplingParams
 
     async def main_():
-        gateway = Gateway(tokenizer, hermes, model_name="tiny")
+        gateway = Gateway(tokenizer, get_format("hermes"), model_name="tiny")
         await gateway.start()
         try:
             return await run_episode(OpenAIAgentWorkflow(run, gateway), task,

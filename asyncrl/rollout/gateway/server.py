@@ -50,7 +50,7 @@ from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.rollout.gateway.access import check_exposure, middlewares
 from asyncrl.rollout.gateway.session import CallPlan, CallResult, Session
-from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
+from asyncrl.rollout.gateway.tool_calls import ToolFormat
 from asyncrl.json_api import Refused, error_body, error_response, listen, read_json, validate
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
@@ -62,13 +62,13 @@ which a stuck synchronous agent can fill; two, beside the engine's, on a small m
 
 
 class Gateway:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolFormat | ToolParser, *, model_name: str,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolFormat, *, model_name: str,
                  engine: RolloutEngine | None = None, sampling: SamplingParams | None = None,
                  settings: GatewayConfig | None = None) -> None:
-        """``parser``: the tool format. A ``ToolFormat`` with an opening lets ``tool_choice``
-        force a call and a stream send content up to where a call begins; a plain parser
-        function only parses replies (a forced call is refused, and a stream read for
-        calls holds its content for the end). ``engine``/``sampling``: what plain ``/v1``
+        """``parser``: the tool format (``tool_calls.get_format``/``resolve_format``). One
+        with an opening lets ``tool_choice`` force a call and a stream send content up to
+        where a call begins; a user's parser only parses replies (a forced call is refused,
+        and a stream read for calls holds its content for the end). ``engine``/``sampling``: what plain ``/v1``
         requests use (``asyncrl serve``); a session uses its own episode's client.
         ``settings``: the reply cap, the body limit and the key (``gateway.*``); its host
         and port are ``start``'s to use."""
