@@ -73,6 +73,7 @@ TAUGHT_IMPORTS = {  # every path docs/, README.md or examples/ ever taught (git 
     "asyncrl.client": "asyncrl.rollout.client",
     "asyncrl.workflows": "asyncrl.rollout.workflows",
     "asyncrl.gateway": "asyncrl.rollout.gateway",
+    "asyncrl.tasks.verifiers_env": "asyncrl.rollout.workflows.verifiers_agent",  # workflow.agent: ...:run
 }
 TAUGHT_NAMES = [  # (module, names) as the examples imported them
     ("asyncrl.client", ["Message", "Response"]),
@@ -87,6 +88,8 @@ TAUGHT_NAMES = [  # (module, names) as the examples imported them
     ("asyncrl.plugins", ["load_named"]),
     ("asyncrl.policy", ["resolve_model_path"]),
     ("asyncrl.rollout.gateway.tool_calls", ["hermes"]),
+    ("asyncrl.tasks.verifiers_env", ["run", "load_verifiers_splits", "prompt_messages", "score_reply",
+                                     "verifiers_tasks"]),
 ]
 
 
@@ -172,10 +175,11 @@ def test_a_moved_import_path_still_imports_warning_with_the_new_one(old):
     warned = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-c", f"import {old}"],
                             capture_output=True, text=True)
     assert warned.returncode != 0 and "DeprecationWarning" in warned.stderr and new in warned.stderr
-    same = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c",
-                           f"import {old}, {new}, sys; assert sys.modules[{old!r}] is {new}"],
-                          capture_output=True, text=True)
-    assert same.returncode == 0, same.stderr
+    if old != "asyncrl.tasks.verifiers_env":  # a module split in two: its names, below, not one module
+        same = subprocess.run([sys.executable, "-W", "ignore::DeprecationWarning", "-c",
+                               f"import {old}, {new}, sys; assert sys.modules[{old!r}] is {new}"],
+                              capture_output=True, text=True)
+        assert same.returncode == 0, same.stderr
 
 
 def test_every_taught_name_imports():

@@ -90,6 +90,7 @@ FLOORS = {
     "asyncrl.rollout.workflows": 2, "asyncrl.rollout.gateway": 2, "asyncrl.rollout.worker": 2,
     # deprecated aliases of paths that moved under asyncrl.rollout, each on the floor of what it aliases
     "asyncrl.client": 1, "asyncrl.workflows": 2, "asyncrl.gateway": 2,
+    "asyncrl.tasks.verifiers_env": 2,  # its tasks stayed in tasks/, its agent moved to rollout/workflows/
     # 3 where the parts run
     "asyncrl.runtime": 3,
     # 4 runs: the gate, the loops, the entry points of train, eval, serve and sft

@@ -18,7 +18,7 @@ from test_examples import SMALL, in_repo  # noqa: F401 (a fixture: the examples'
 
 from asyncrl.cli import main
 from asyncrl.tasks import load_tasks
-from asyncrl.tasks.verifiers_env import prompt_messages, score_reply, verifiers_tasks
+from asyncrl.tasks.verifiers_tasks import prompt_messages, score_reply, verifiers_tasks
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 CONFIG = "examples/verifiers_env/train.yaml"
@@ -37,7 +37,7 @@ def run_one_episode(engine, tokenizer, task, max_tokens):
     from asyncrl.rollout.gateway import Gateway, get_format
     from asyncrl.rollout.workflows import run_episode
     from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
-    from asyncrl.tasks.verifiers_env import run
+    from asyncrl.rollout.workflows.verifiers_agent import run
     from asyncrl.types import SamplingParams
 
     async def main_():
@@ -68,7 +68,7 @@ def test_a_missing_package_environment_or_agent_exits_2_naming_it(tmp_path, monk
     assert main([*args, "task.options.environment=no-such-taskset"]) == 2
     assert "no-such-taskset" in capsys.readouterr().err
     assert main([*args, "workflow.name=single_turn", "workflow.agent=null"]) == 2  # the rubric scores, not a reward_fn
-    assert "workflow.agent=asyncrl.tasks.verifiers_env:run" in capsys.readouterr().err
+    assert "workflow.agent=asyncrl.rollout.workflows.verifiers_agent:run" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if never installed
     assert main(args) == 2
     assert '".[verifiers]"' in capsys.readouterr().err
