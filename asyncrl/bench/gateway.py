@@ -18,7 +18,7 @@ Every call is greedy and ignores end-of-sequence, so each generates exactly
 ``max_tokens`` tokens on every path, whatever the batch it lands in: the engine does the
 same work, and the bench checks the token counts agree. The engine thread gets
 ``engine_threads`` torch threads; on a 2-core CPU one leaves the other core to the event
-loop (two made every path ~10x slower there, the threads contending with the loop).
+loop (two contend with the loop: docs/design.md, "Measurements behind choices in the code").
 """
 
 from __future__ import annotations

@@ -4,18 +4,16 @@
 ``/sessions/<id>/v1/...`` serves one episode's agent and records every call into that
 episode's trajectories (``session.py``). aiohttp rather than an ASGI stack: it runs in
 the worker's own event loop beside the engine and the agents, with no second thread or
-process between an agent and its session — and measured: a trivial JSON endpoint served
-4,907 req/s on aiohttp against 1,386 on FastAPI + uvicorn in the same event loop as its
-client (64 in flight, median of 3 interleaved runs, this 2-core machine).
+process between an agent and its session — and faster there by measurement
+(docs/design.md, "Agents through the gateway").
 
 One request never stalls the others: the loop serves every session, the engine's
 replies and ``/health``, so a prompt is judged before it is tokenized (``prompt_size``):
 one whose characters or message count certainly cannot fit the context is refused at
 once, and a large one that may fit is tokenized on the gateway's two threads rather than
 the loop. What stays on the loop is bounded by the body limit — parsing the JSON, which
-holds the GIL: 0.09 s for 8 MiB of tiny messages, up to about 1 s for 8 MiB of nothing
-but nested empty arrays — and by the context: validating and tokenizing a prompt that
-fits.
+holds the GIL (what a full body costs: docs/design.md, "Measurements behind choices in
+the code") — and by the context: validating and tokenizing a prompt that fits.
 
 Errors never take the server down: each comes back in OpenAI's error shape — 404 for an
 unknown session or route, 405 for a wrong method, 400 for a body that is not JSON (nested
