@@ -40,10 +40,6 @@ def _validation_seed(seed: int) -> int:
     return derived if derived != seed else derived + 1
 
 
-def _take(stream: Iterator[Task], n: int) -> list[Task]:
-    return [next(stream) for _ in range(n)]
-
-
 def is_validation_prompt(prompt: str) -> bool:
     """A fixed 1/8 of the prompt space is validation-only, chosen by a stable hash.
 
