@@ -128,3 +128,22 @@ def test_a_multi_turn_episode_answers_tool_calls_from_the_toolset_token_exact(ti
     assert 0 in trajectory.loss_mask and trajectory.loss_mask[-1] == 1  # the tool's tokens are not trained on
     tool = [m for m in trajectory.steps[-1].messages if m["role"] == "tool"]
     assert [m["content"] for m in tool] == [str(a + b)]  # calc_add answered in-process
+
+
+def test_a_tasks_toolsets_are_a_tool_box_as_mcp_servers_tools_are():
+    """The one tool-box contract (asyncrl/tools/toolbox.py): the calculator taskset's tools
+    listed as OpenAI tools and answered in-process; the model's mistakes answered, not raised."""
+    from asyncrl.rollout.workflows.verifiers_agent import TasksetTools
+    from asyncrl.tools.toolbox import ToolBox
+
+    vf_task = verifiers_tasks("examples/verifiers_env/calculator_taskset.py", {})[0]
+    tools = TasksetTools(vf_task)
+    assert isinstance(tools, ToolBox) and [t["function"]["name"] for t in tools.openai_tools] == ["calc_add"]
+
+    async def calls():
+        await tools.setup()
+        return [await tools.call({"function": {"name": name, "arguments": arguments}}) for name, arguments in
+                [("calc_add", '{"a": 2, "b": 3}'), ("calc_mul", "{}"), ("calc_add", '{"a": "x"}')]]
+
+    answer, unknown, invalid = asyncio.run(calls())
+    assert answer == "5" and unknown.startswith("error: no tool 'calc_mul'") and invalid.startswith("error: ")
