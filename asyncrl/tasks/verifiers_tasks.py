@@ -74,7 +74,8 @@ def verifiers_tasks(environment: str, config: Mapping[str, Any]) -> list[Any]:
         cls = _taskset_class(environment)
         config_type = concrete_type(cls, vf.TasksetConfig, origin=vf.Taskset) or vf.TasksetConfig
         try:
-            taskset = cls(config_type.model_validate({**config, "id": "" if environment.endswith(".py") else environment}))
+            taskset_id = "" if environment.endswith(".py") else environment
+            taskset = cls(config_type.model_validate({**config, "id": taskset_id}))
             if not taskset.bounded:
                 raise ValueError("it is infinite; bound it in its own config")
             _loaded[key] = list(taskset)
