@@ -1,5 +1,5 @@
-"""``asyncrl train|eval|serve|sft|bench|report|doctor|plan|models``: thin dispatch; exit 2 for usage/config
-errors, 1 for failures."""
+"""``asyncrl train|eval|serve|sft|bench|report|doctor|plan|models``: thin dispatch through one table,
+``COMMANDS`` (a subcommand's parser and what it runs); exit 2 for usage/config errors, 1 for failures."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import asyncio
 import json
 import sys
 import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 from asyncrl.config import ConfigError, load_config
 from asyncrl.model_convert import add_models_command, run_models_command
@@ -20,40 +23,55 @@ from asyncrl.threads import stuck_report
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asyncrl", description="Asynchronous RL post-training for LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_ in (("train", "RL training (sync, one_step_off, async)"),
-                        ("eval", "score a policy on a task's validation split"),
-                        ("serve", "OpenAI-compatible gateway over model.path at gateway.host:gateway.port")):
+    for name, command in COMMANDS.items():
+        command.declare(sub, name)
+    return parser
+
+
+def _config_command(help_: str) -> Callable[[Any, str], None]:
+    """``train``, ``eval``, ``serve``: a config file, its overrides, ``--keys``."""
+    def declare(sub: Any, name: str) -> None:
         cmd = sub.add_parser(name, help=help_, epilog=KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("config", help="YAML config file (e.g. examples/countdown/async.yaml)")
         cmd.add_argument("overrides", nargs="*", metavar="key=value",
                          help="optional overrides of the file's keys, dotted (e.g. optim.lr=1e-4 total_steps=100)")
         cmd.add_argument("--keys", action=_ListKeys, help="list every config key with its default, and exit")
-    sft = sub.add_parser("sft", help="cold-start SFT of model.path on OpenAI-format conversations (JSONL)",
+    return declare
+
+
+def _declare_sft(sub: Any, name: str) -> None:
+    sft = sub.add_parser(name, help="cold-start SFT of model.path on OpenAI-format conversations (JSONL)",
                          epilog=SFT_KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     sft.add_argument("config", help="YAML config file (e.g. examples/sft/conversations.yaml)")
     sft.add_argument("overrides", nargs="*", metavar="key=value",
                      help="optional overrides of the file's keys, dotted (e.g. optim.lr=2e-5 data.max_length=1024)")
     sft.add_argument("--keys", action=_ListKeys, schema="sft", help="list every config key with its default, and exit")
-    bench = sub.add_parser("bench", help="benchmarks; writes bench.json under --out")
+
+
+def _declare_bench(sub: Any, name: str) -> None:
+    bench = sub.add_parser(name, help="benchmarks; writes bench.json under --out")
     bench.add_argument("suite", choices=["engine", "modes", "gateway", "learner", "sync", "trl", "staleness",
                                           "retokenize", "precision"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
-    report = sub.add_parser("report", help="write report.html (+ PNG figures) into a train run directory")
-    report.add_argument("run_dir", help="output directory of an asyncrl train run")
-    doctor = sub.add_parser("doctor", help="check every invariant of a train run (also one crashed or running): "
-                                            "OK / WARN / FAIL per line; exit 0 all OK, 1 a WARN, 2 a FAIL")
-    doctor.add_argument("run_dir", help="output directory of an asyncrl train run")
-    plan = sub.add_parser("plan", help="the scheduler on a simulated clock: samples/s, speed-up over sync, "
-                                        "idle fractions, staleness, a sweep over η and the rollout/learner split")
+
+
+def _run_dir_command(help_: str) -> Callable[[Any, str], None]:
+    """``report``, ``doctor``: a train run's directory."""
+    def declare(sub: Any, name: str) -> None:
+        sub.add_parser(name, help=help_).add_argument("run_dir", help="output directory of an asyncrl train run")
+    return declare
+
+
+def _declare_plan(sub: Any, name: str) -> None:
+    plan = sub.add_parser(name, help="the scheduler on a simulated clock: samples/s, speed-up over sync, "
+                                     "idle fractions, staleness, a sweep over η and the rollout/learner split")
     plan.add_argument("config", help="YAML config file of the run to plan (e.g. examples/countdown/async.yaml)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="optional overrides of the file's keys")
     plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", help="fit the costs to a finished asyncrl train run")
     plan.add_argument("--cluster", metavar="TABLE", help="a cluster table (YAML; keys in docs/planner.md)")
     plan.add_argument("--out", default=None, help="output directory (default plan/<timestamp>)")
     plan.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the config and its sync baseline")
-    add_models_command(sub)
-    return parser
 
 
 KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/config.py;
@@ -126,87 +144,129 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+def _train(args: argparse.Namespace, failed_run: list[str]) -> None:
+    cfg = load_config(args.config, args.overrides)  # before torch loads: a typo fails in a blink
+    splits = check_inputs(cfg, "train")  # so do data, reward and agent mistakes
+    _quiet_transformers()
+    from asyncrl.orchestrator.trainer import Trainer
+
+    trainer = Trainer(cfg, splits=splits)
+    try:
+        checkpoint = trainer.run()
+    except BaseException:
+        failed_run.append(f"asyncrl train: the run failed; last good checkpoint: "
+                          f"{trainer.last_checkpoint or 'none yet'}")
+        raise
+    if trainer.finished:  # a resume with nothing to train: the trainer said why
+        print(f"already finished; final checkpoint: {checkpoint}")
+    else:
+        print(_ending(trainer), file=sys.stderr)
+        print(f"done; final checkpoint: {checkpoint}")
+
+
+def _eval(args: argparse.Namespace, failed_run: list[str]) -> None:
+    cfg = load_config(args.config, args.overrides)
+    splits = check_inputs(cfg, "eval")
+    _quiet_transformers()
+    from asyncrl.orchestrator.eval_command import run_eval
+
+    result = run_eval(cfg, splits)
+    print(json.dumps(result.summary(), indent=2))
+
+
+def _serve(args: argparse.Namespace, failed_run: list[str]) -> None:
+    cfg = load_config(args.config, args.overrides)
+    _quiet_transformers()
+    from asyncrl.orchestrator.serve import serve
+
+    serve(cfg)
+
+
+def _sft(args: argparse.Namespace, failed_run: list[str]) -> int | None:
+    cfg = load_sft_config(args.config, args.overrides)
+    _quiet_transformers()
+    from asyncrl.sft.trainer import SFTRun
+
+    run = SFTRun(cfg)
+    try:
+        saved = run.run()
+    except ConfigError:
+        raise  # bad settings or data, found before any step: the message says what to fix
+    except BaseException:
+        failed_run.append(f"asyncrl sft: the run failed at step {run.step}; last saved model: "
+                          f"{run.last_saved or 'none yet'}")
+        raise
+    if run.interrupted:
+        print(f"asyncrl sft: interrupted at step {run.step}; model saved in {saved}", file=sys.stderr)
+        return 130
+    print(f"done; model saved in {saved} (model.path for asyncrl train/serve)")
+    return None
+
+
+def _bench(args: argparse.Namespace, failed_run: list[str]) -> None:
+    _quiet_transformers()
+    from asyncrl.bench import run_bench
+
+    run_bench(args.suite, args.overrides, args.out)
+
+
+def _plan(args: argparse.Namespace, failed_run: list[str]) -> None:
+    from asyncrl.plan.planner import run_plan_command
+
+    run_plan_command(args.config, args.overrides, args.from_run, args.cluster, args.out, args.sweep)
+
+
+def _report_or_doctor(args: argparse.Namespace, failed_run: list[str]) -> int | None:
+    from asyncrl.report import load_run, write_report
+    from asyncrl.report.doctor import diagnose
+
+    try:
+        run = load_run(args.run_dir)
+    except (FileNotFoundError, ValueError) as exc:  # not a usable run dir: a usage error
+        raise ConfigError(str(exc)) from None
+    lines, status = diagnose(run)
+    if args.command == "doctor":
+        print("\n".join(lines))
+        return status
+    try:
+        print(write_report(run))
+    except ImportError as exc:  # a missing extra is a usage error: one line, how to install it
+        print(f"asyncrl report: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines[1:]), file=sys.stderr)  # the doctor's lines, also on the page
+    return None
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: ``declare(subparsers, name)`` adds its parser, ``run(args, failed_run)``
+    runs it and returns the exit status (None: 0; ``failed_run``: lines said after a failure)."""
+
+    declare: Callable[[Any, str], None]
+    run: Callable[[argparse.Namespace, list[str]], int | None]
+
+
+COMMANDS: dict[str, Command] = {
+    "train": Command(_config_command("RL training (sync, one_step_off, async)"), _train),
+    "eval": Command(_config_command("score a policy on a task's validation split"), _eval),
+    "serve": Command(_config_command("OpenAI-compatible gateway over model.path at gateway.host:gateway.port"),
+                     _serve),
+    "sft": Command(_declare_sft, _sft),
+    "bench": Command(_declare_bench, _bench),
+    "report": Command(_run_dir_command("write report.html (+ PNG figures) into a train run directory"),
+                      _report_or_doctor),
+    "doctor": Command(_run_dir_command("check every invariant of a train run (also one crashed or running): "
+                                       "OK / WARN / FAIL per line; exit 0 all OK, 1 a WARN, 2 a FAIL"),
+                      _report_or_doctor),
+    "plan": Command(_declare_plan, _plan),
+    "models": Command(lambda sub, name: add_models_command(sub), lambda args, failed_run: run_models_command(args)),
+}
+"""Every subcommand, in the order ``asyncrl --help`` lists them."""
+
+
 def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
     try:
-        if args.command == "train":
-            cfg = load_config(args.config, args.overrides)  # before torch loads: a typo fails in a blink
-            splits = check_inputs(cfg, "train")  # so do data, reward and agent mistakes
-            _quiet_transformers()
-            from asyncrl.orchestrator.trainer import Trainer
-
-            trainer = Trainer(cfg, splits=splits)
-            try:
-                checkpoint = trainer.run()
-            except BaseException:
-                failed_run.append(f"asyncrl train: the run failed; last good checkpoint: "
-                                  f"{trainer.last_checkpoint or 'none yet'}")
-                raise
-            if trainer.finished:  # a resume with nothing to train: the trainer said why
-                print(f"already finished; final checkpoint: {checkpoint}")
-            else:
-                print(_ending(trainer), file=sys.stderr)
-                print(f"done; final checkpoint: {checkpoint}")
-        elif args.command == "eval":
-            cfg = load_config(args.config, args.overrides)
-            splits = check_inputs(cfg, "eval")
-            _quiet_transformers()
-            from asyncrl.orchestrator.eval_command import run_eval
-
-            result = run_eval(cfg, splits)
-            print(json.dumps(result.summary(), indent=2))
-        elif args.command == "serve":
-            cfg = load_config(args.config, args.overrides)
-            _quiet_transformers()
-            from asyncrl.orchestrator.serve import serve
-
-            serve(cfg)
-        elif args.command == "sft":
-            cfg = load_sft_config(args.config, args.overrides)
-            _quiet_transformers()
-            from asyncrl.sft.trainer import SFTRun
-
-            run = SFTRun(cfg)
-            try:
-                saved = run.run()
-            except ConfigError:
-                raise  # bad settings or data, found before any step: the message says what to fix
-            except BaseException:
-                failed_run.append(f"asyncrl sft: the run failed at step {run.step}; last saved model: "
-                                  f"{run.last_saved or 'none yet'}")
-                raise
-            if run.interrupted:
-                print(f"asyncrl sft: interrupted at step {run.step}; model saved in {saved}", file=sys.stderr)
-                return 130
-            print(f"done; model saved in {saved} (model.path for asyncrl train/serve)")
-        elif args.command == "bench":
-            _quiet_transformers()
-            from asyncrl.bench import run_bench
-
-            run_bench(args.suite, args.overrides, args.out)
-        elif args.command == "plan":
-            from asyncrl.plan.planner import run_plan_command
-
-            run_plan_command(args.config, args.overrides, args.from_run, args.cluster, args.out, args.sweep)
-        elif args.command == "models":
-            return run_models_command(args)
-        elif args.command in ("report", "doctor"):
-            from asyncrl.report import load_run, write_report
-            from asyncrl.report.doctor import diagnose
-
-            try:
-                run = load_run(args.run_dir)
-            except (FileNotFoundError, ValueError) as exc:  # not a usable run dir: a usage error
-                raise ConfigError(str(exc)) from None
-            lines, status = diagnose(run)
-            if args.command == "doctor":
-                print("\n".join(lines))
-                return status
-            try:
-                print(write_report(run))
-            except ImportError as exc:  # a missing extra is a usage error: one line, how to install it
-                print(f"asyncrl report: {exc}", file=sys.stderr)
-                return 2
-            print("\n".join(lines[1:]), file=sys.stderr)  # the doctor's lines, also on the page
+        return COMMANDS[args.command].run(args, failed_run) or 0
     except ConfigError as exc:
         print(f"asyncrl: error: {exc}", file=sys.stderr)
         return 2
@@ -226,7 +286,6 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
         traceback.print_exc()
         print(f"asyncrl {args.command}: failed (see the traceback above)", file=sys.stderr)
         return 1
-    return 0
 
 
 def _says_it_all(exc: Exception) -> bool:

@@ -109,7 +109,7 @@ class TaskConfig(Section):
     is the train file), or ``hf``: a local dataset read through ``datasets`` (``path``: a
     ``save_to_disk`` directory or a parquet, arrow or jsonl file; TRL's and verl's schemas;
     docs/usage.md#coming-from-trl--verl), or ``verifiers``: a `verifiers` taskset named by
-    ``options.environment``, run with ``workflow.agent: asyncrl.tasks.verifiers_env:run``
+    ``options.environment``, run with ``workflow.agent: asyncrl.rollout.workflows.verifiers_agent:run``
     (docs/usage.md#verifiers-environments)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of a generated task's generator (e.g. ``num_numbers`` for countdown,

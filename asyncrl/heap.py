@@ -4,13 +4,12 @@ glibc's malloc keeps what a process frees, for reuse. A torch process that frees
 of ever-changing sizes on several threads at once (the engine's KV cache grows by one
 position a decode step, the learner's activations come and go, each thread allocates from
 its own arena) fragments those arenas until the kept memory is rarely reused: resident
-memory only climbs. Measured on the search-agent example (12 steps, 0.8M parameters):
-7.6 GB resident at the end while live tensors held ~0.2 GB; trimming as below holds the
-same run at 0.7–1.1 GB. glibc's own knob, a fixed ``M_MMAP_THRESHOLD``, returns memory at
-every free instead, but then each larger tensor is a fresh mapping whose pages fault in
-again: the engine, which reallocates its KV cache every decode step, decoded 2.4× slower.
-Trimming now and then costs under a millisecond when there is nothing to give back and
-~20 ms for gigabytes.
+memory only climbs, to many times what live tensors hold; trimming as below keeps it near
+them. glibc's own knob, a fixed ``M_MMAP_THRESHOLD``, returns memory at every free
+instead, but then each larger tensor is a fresh mapping whose pages fault in again, and
+the engine reallocates its KV cache every decode step. Trimming now and then is cheap when
+there is nothing to give back. The figures: docs/design.md, "Measurements behind choices
+in the code".
 """
 
 from __future__ import annotations

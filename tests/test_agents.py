@@ -59,7 +59,7 @@ def test_an_agent_that_raises_or_hangs_is_an_error_episode_and_its_session_close
 
     from asyncrl.rollout.client import LLMClient
     from asyncrl.engine import TorchEngine
-    from asyncrl.rollout.gateway import Gateway, hermes
+    from asyncrl.rollout.gateway import Gateway, get_format
     from asyncrl.tasks.base import Task
     from asyncrl.types import SamplingParams
     from asyncrl.rollout.workflows import run_episode
@@ -78,7 +78,7 @@ def test_an_agent_that_raises_or_hangs_is_an_error_episode_and_its_session_close
 
     async def main():
         engine = TorchEngine(model, max_batch_size=4)
-        gateway = Gateway(tokenizer, hermes, model_name="tiny")
+        gateway = Gateway(tokenizer, get_format("hermes"), model_name="tiny")
         await gateway.start()
         try:
             results = []

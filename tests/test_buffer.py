@@ -17,7 +17,7 @@ def ready(task_id: str, version: int, order: int) -> ReadyGroup:
 def test_oldest_started_first_and_stale_dropped_with_quota_released():
     async def main():
         gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=2))
-        buffer = GroupBuffer(gate, max_staleness=1)
+        buffer = GroupBuffer(gate)
         for _ in range(4):
             await gate.acquire()
         await gate.set_version(2)

@@ -19,7 +19,7 @@ from tolerances import assert_same_logprobs
 
 from asyncrl.engine import TorchEngine
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, get_format, hermes
 from asyncrl.tiny import chat_prompt_ids
 from asyncrl.types import Completion, SamplingParams
 
@@ -57,7 +57,7 @@ class ScriptedFirstReply:
 async def serving(model, tokenizer, max_tokens=16):
     engine = TorchEngine(model, max_batch_size=64)
     sampling = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop_token_ids(tokenizer))
-    gateway = Gateway(tokenizer, hermes, model_name="tiny", engine=engine, sampling=sampling)
+    gateway = Gateway(tokenizer, get_format("hermes"), model_name="tiny", engine=engine, sampling=sampling)
     await gateway.start()
     try:
         yield gateway, engine, sampling

@@ -19,7 +19,7 @@ from asyncrl.cli import main as cli_main
 from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.config import ConfigError, GatewayConfig, load_config
 from asyncrl.engine import TorchEngine
-from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, get_format
 from asyncrl.rollout.gateway.access import check_exposure, is_loopback
 from asyncrl.types import SamplingParams
 
@@ -44,7 +44,8 @@ async def serving(tokenizer, settings: GatewayConfig | None = None, model=None):
     """A gateway on a free loopback port; with ``model``, plain ``/v1`` requests are served."""
     engine = None if model is None else TorchEngine(model, max_batch_size=4)
     sampling = SamplingParams(max_tokens=4, stop_token_ids=stop_token_ids(tokenizer)) if model is not None else None
-    gateway = Gateway(tokenizer, hermes, model_name="tiny", engine=engine, sampling=sampling, settings=settings)
+    gateway = Gateway(tokenizer, get_format("hermes"), model_name="tiny", engine=engine, sampling=sampling,
+                      settings=settings)
     try:
         await gateway.start()
         async with aiohttp.ClientSession() as http:
@@ -194,7 +195,7 @@ def test_is_loopback(host, loopback):
 
 def test_a_gateway_beyond_loopback_needs_a_key_or_an_explicit_opt_out():
     async def start(settings):
-        gateway = Gateway(UntouchedTokenizer(), hermes, model_name="tiny", settings=settings)
+        gateway = Gateway(UntouchedTokenizer(), get_format("hermes"), model_name="tiny", settings=settings)
         try:
             await gateway.start("0.0.0.0", 0)
         finally:

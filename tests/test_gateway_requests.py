@@ -155,7 +155,7 @@ FORCED_CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</to
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_a_forced_call_writes_its_opening_as_environment_tokens_and_goes_on_token_exact(tiny_policy, choice):
     model, tokenizer = tiny_policy
-    opening = tool_choice.opening(HERMES, None if choice == "required" else "add")
+    opening = HERMES.opening(None if choice == "required" else "add")
     assert FORCED_CALL.startswith(opening) and (choice == "required" or '"add"' in opening)
     continuation = FORCED_CALL[len(opening):]  # what the model writes after the opening
 
@@ -227,7 +227,8 @@ def plain_parser(text: str) -> ParsedReply:  # a parser that is a plain function
      "names function 'mul', which is not in tools (they are: 'add')"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {}}}, HERMES, '{"type": "function"'),
     ({"tools": TOOLS, "tool_choice": "always"}, HERMES, "'always'"),
-    ({"tools": TOOLS, "tool_choice": "required"}, plain_parser, "(plain_parser) has no fixed opening"),
+    ({"tools": TOOLS, "tool_choice": "required"}, ToolFormat("plain_parser", plain_parser),
+     "(plain_parser) has no fixed opening"),
     ({"tools": TOOLS, "tool_choice": "required"}, ToolFormat("mine:parse", plain_parser),  # a user's, as loaded
      "(mine:parse) has no fixed opening"),
 ])
@@ -463,7 +464,7 @@ def test_a_stream_holds_tool_calls_for_the_end_and_says_reasoning_apart(tiny_pol
 
 def test_a_forced_call_streams_as_it_answers_unstreamed_and_records_the_same(tiny_policy):
     model, tokenizer = tiny_policy
-    opening = tool_choice.opening(HERMES, "add")
+    opening = HERMES.opening("add")
 
     async def run(stream: bool):
         async with serving(model, tokenizer, max_tokens=24) as (gateway, engine, sampling):

@@ -28,7 +28,7 @@ from transformers import AutoTokenizer
 from asyncrl.rollout.client import stop_token_ids
 from asyncrl.config import GatewayConfig
 from asyncrl.engine import PromptTooLongError
-from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, get_format
 from asyncrl.rollout.gateway.prompt_size import refuse_unfit, text_chars
 from asyncrl.json_api import Refused
 from asyncrl.types import Completion, SamplingParams
@@ -247,7 +247,7 @@ class Spied:
 @contextlib.asynccontextmanager
 async def serving(tokenizer, context: int):
     engine = LongContext(context, tokenizer.eos_token_id)
-    gateway = Gateway(tokenizer, hermes, model_name="tiny", engine=engine,
+    gateway = Gateway(tokenizer, get_format("hermes"), model_name="tiny", engine=engine,
                       sampling=SamplingParams(max_tokens=4, stop_token_ids=stop_token_ids(tokenizer)),
                       settings=GatewayConfig(max_body_bytes=2**25))
     try:

@@ -79,6 +79,7 @@ FLOORS = {
     "asyncrl.types": 0, "asyncrl.modes": 0, "asyncrl.config": 0, "asyncrl.config_doc": 0, "asyncrl.seeding": 0,
     "asyncrl.jsonl": 0, "asyncrl.json_api": 0, "asyncrl.heap": 0, "asyncrl.threads": 0, "asyncrl.plugins": 0,
     "asyncrl.model_store": 0,  # the known models and their cache; the conversion is model_convert (floor 1)
+    "asyncrl.moved": 0,  # how a moved public import path stays an alias (the shims below use it)
     "asyncrl.rollout": 0,  # the rollout side's package: its own __init__ (a docstring), and per module below
     "asyncrl.rollout.chat_format": 0, "asyncrl.rollout.journal": 0, "asyncrl.rollout.deadline": 0,
     # 1 parts: one job each
@@ -88,6 +89,9 @@ FLOORS = {
     "asyncrl.frozen": 1,  # frozen models by URL: the judge, the teacher
     # 2 episodes over the client, and the rollout worker that runs them on an engine
     "asyncrl.rollout.workflows": 2, "asyncrl.rollout.gateway": 2, "asyncrl.rollout.worker": 2,
+    # deprecated aliases of paths that moved under asyncrl.rollout, each on the floor of what it aliases
+    "asyncrl.client": 1, "asyncrl.workflows": 2, "asyncrl.gateway": 2,
+    "asyncrl.tasks.verifiers_env": 2,  # its tasks stayed in tasks/, its agent moved to rollout/workflows/
     # 3 where the parts run
     "asyncrl.runtime": 3,
     # 4 runs: the gate, the loops, the entry points of train, eval, serve and sft

@@ -93,6 +93,43 @@ def test_one_server_keeps_its_tool_names_and_an_sdk_tool_call_works():
     asyncio.run(go())
 
 
+class ScriptedModel:
+    """An ``AsyncOpenAI`` stand-in whose replies are ``replies`` in turn; records what it was sent."""
+
+    def __init__(self, *replies: dict) -> None:
+        from openai.types.chat import ChatCompletionMessage
+
+        self.replies = [ChatCompletionMessage.model_validate({"role": "assistant", **r}) for r in replies]
+        self.sent: list[dict] = []
+        self.chat = self.completions = self
+
+    async def create(self, **request):
+        from types import SimpleNamespace
+
+        self.sent.append(request)
+        return SimpleNamespace(choices=[SimpleNamespace(message=self.replies[len(self.sent) - 1])])
+
+
+def test_the_agent_loop_of_the_tool_box_contract_runs_over_mcp_tools():
+    """MCPTools is a ToolBox (asyncrl/tools/toolbox.py): the loop the verifiers agent runs over a
+    taskset's tools offers the MCP servers' tools and answers the model's calls through them."""
+    from asyncrl.rollout.workflows.verifiers_agent import converse
+    from asyncrl.tools.toolbox import ToolBox
+
+    model = ScriptedModel({"content": None, "tool_calls": [call("add", a=1, b=2)]}, {"content": "3"})
+
+    async def go():
+        async with MCPTools([stdio("only")], timeout_s=20) as tools:
+            assert isinstance(tools, ToolBox)
+            return await converse(model, [{"role": "user", "content": "1+2?"}], tools, max_turns=4)
+
+    conversation = asyncio.run(go())
+    assert [m["role"] for m in conversation] == ["user", "assistant", "tool", "assistant"]
+    assert conversation[2] == {"role": "tool", "tool_call_id": "c1", "content": "3"}
+    assert conversation[-1]["content"] == "3" and len(model.sent) == 2
+    assert [t["function"]["name"] for t in model.sent[0]["tools"]] == ["echo", "add", "boom", "hang", "die"]
+
+
 async def _fails(tool: str, **options) -> tuple[MCPToolError, float]:
     started = time.monotonic()
     with pytest.raises(MCPToolError) as caught:

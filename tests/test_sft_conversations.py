@@ -19,7 +19,7 @@ from asyncrl.cli import main
 from asyncrl.config import ConfigError
 from asyncrl.model_store import cached_model
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, get_format
 from asyncrl.sft.batches import micro_batches, step_order
 from asyncrl.sft.config import load_sft_config
 from asyncrl.sft.data import DataError, load_conversations
@@ -144,7 +144,7 @@ def test_sft_trains_on_the_ids_the_gateway_records_and_the_parser_reads_back(mod
         return llm, engine, replies
 
     async def replay_all(examples):
-        gateway = Gateway(tokenizer, hermes, model_name="policy")
+        gateway = Gateway(tokenizer, get_format("hermes"), model_name="policy")
         await gateway.start()
         try:
             return [await replay(gateway, c, e) for c, e in zip(conversations, examples)]

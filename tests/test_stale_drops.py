@@ -49,7 +49,7 @@ def test_the_learner_waits_for_a_group_whose_last_fresh_step_it_is():
     the young one and later drops an old one."""
     async def schedule(stale_groups):
         gate = AsyncStalenessGate(StalenessGate(max_staleness=2, groups_per_step=1))
-        buffer = GroupBuffer(gate, max_staleness=2, stale_groups=stale_groups)
+        buffer = GroupBuffer(gate, stale_groups=stale_groups)
         await start(gate, buffer, 0, 1, 2, 3)
         await buffer.put(ready(3, 0))
         assert [g.start_order for g in await buffer.take(1, trained_version=0)] == [3]
@@ -82,7 +82,7 @@ def test_the_learner_waits_for_a_group_whose_last_fresh_step_it_is():
 def test_filtering_the_group_waited_for_ends_the_wait():
     async def main_():
         gate = AsyncStalenessGate(StalenessGate(max_staleness=1, groups_per_step=1))
-        buffer = GroupBuffer(gate, max_staleness=1)
+        buffer = GroupBuffer(gate)
         await start(gate, buffer, 0, 1, 2)
         await buffer.put(ready(2, 0))
         await buffer.take(1, trained_version=0)
@@ -106,7 +106,7 @@ async def simulate(stale_groups: str, eta: int, per_step: int, seed: int, steps:
     checked by ``trainable`` (which raises on one older than η)."""
     rng = random.Random(seed)
     gate = AsyncStalenessGate(StalenessGate(eta, per_step))
-    buffer = GroupBuffer(gate, eta, stale_groups=stale_groups)
+    buffer = GroupBuffer(gate, stale_groups=stale_groups)
     running: dict[int, list[int]] = {}  # order -> [finish tick, first-token tick, first-token version]
     version, order, tick, trained, waited_ticks = 0, 0, 0, 0, 0
     batch: list[ReadyGroup] = []

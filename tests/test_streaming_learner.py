@@ -173,9 +173,9 @@ def streaming_trainer(batch_size):
     async def engine_work():
         return {"busy_s": 0.0}
 
-    steps = TrainSteps(GroupBuffer(gate, max_staleness=1), RecordingLearner(),
+    steps = TrainSteps(GroupBuffer(gate), RecordingLearner(),
                        SimpleNamespace(engine_work=engine_work),  # read around each learner call
-                       batch_size=batch_size, max_staleness=1, pad_token_id=0, stop=stop,
+                       batch_size=batch_size, pad_token_id=0, stop=stop,
                        watchdog=Watchdog(cfg.watchdog), on_train=lambda *a: None,
                        now=lambda: time.perf_counter() - t0)
     steps.stop = stop.request

@@ -25,10 +25,9 @@ from asyncrl.rollout.chat_format import prepare, probe
 from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.rollout.gateway import Gateway
 from asyncrl.rollout.gateway.tool_calls import (
-    PARSERS,
+    FORMATS,
     check_format_name,
     get_format,
-    get_parser,
     hermes,
     llama3_json,
     mistral,
@@ -135,11 +134,11 @@ def test_pythonic_reads_literals_and_never_evaluates():
     assert_broken(pythonic, "[f(a={1, 2})]", "not a JSON value")
 
 
-@pytest.mark.parametrize("name", list(PARSERS))
+@pytest.mark.parametrize("name", list(FORMATS))
 def test_no_parser_raises_on_any_text(name):
     """Fragments of every format, shuffled and cut: every parse returns a reply, and a
     reply with an error holds the whole text as content."""
-    parse = PARSERS[name]
+    parse = FORMATS[name]
     pieces = ["<tool_call>", "</tool_call>", "<function=f>", "<parameter=x>", "</parameter>", "</function>",
               "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<|python_tag|>", "<|python_start|>", '{"name": "f"',
               '"parameters": {', '"arguments": ', "[f(", "a=1", ")]", "}", "{", "]", "[", ";", "\n", " ", "é",
@@ -329,7 +328,7 @@ def test_auto_refuses_a_template_whose_calls_no_format_reads(smollm2):
 def test_names_are_checked_before_any_model_loads():
     assert GatewayConfig().tool_parser == "auto"
     check_format_name("auto")
-    for name in PARSERS:
+    for name in FORMATS:
         check_format_name(name)
     with pytest.raises(ConfigError, match="valid: auto, hermes, llama3_json, mistral, qwen3_xml, pythonic"):
         check_format_name("llama3")
@@ -337,7 +336,7 @@ def test_names_are_checked_before_any_model_loads():
         check_format_name("no_such_module_q7x:parse")
     user = get_format("test_tool_parsers:calls_of")  # a user's parser: it parses, but has no opening
     assert user.opening(None) is None and user.opening("f") is None
-    assert get_parser("llama3_json")('{"name": "f", "parameters": {}}').tool_calls
+    assert get_format("llama3_json")('{"name": "f", "parameters": {}}').tool_calls
 
 
 def test_the_first_failure_per_format_is_warned_once(caplog):

@@ -18,7 +18,7 @@ from test_examples import SMALL, in_repo  # noqa: F401 (a fixture: the examples'
 
 from asyncrl.cli import main
 from asyncrl.tasks import load_tasks
-from asyncrl.tasks.verifiers_env import prompt_messages, score_reply, verifiers_tasks
+from asyncrl.tasks.verifiers_tasks import prompt_messages, score_reply, verifiers_tasks
 
 pytestmark = pytest.mark.usefixtures("in_repo")
 CONFIG = "examples/verifiers_env/train.yaml"
@@ -34,14 +34,14 @@ def run_one_episode(engine, tokenizer, task, max_tokens):
     """``task``'s episode under the openai_agent workflow with the adapter's agent, on a
     real gateway over ``engine`` (closed after)."""
     from asyncrl.rollout.client import LLMClient
-    from asyncrl.rollout.gateway import Gateway, hermes
+    from asyncrl.rollout.gateway import Gateway, get_format
     from asyncrl.rollout.workflows import run_episode
     from asyncrl.rollout.workflows.openai_agent import OpenAIAgentWorkflow
-    from asyncrl.tasks.verifiers_env import run
+    from asyncrl.rollout.workflows.verifiers_agent import run
     from asyncrl.types import SamplingParams
 
     async def main_():
-        gateway = Gateway(tokenizer, hermes, model_name="tiny")
+        gateway = Gateway(tokenizer, get_format("hermes"), model_name="tiny")
         await gateway.start()
         try:
             return await run_episode(OpenAIAgentWorkflow(run, gateway), task,
@@ -68,7 +68,7 @@ def test_a_missing_package_environment_or_agent_exits_2_naming_it(tmp_path, monk
     assert main([*args, "task.options.environment=no-such-taskset"]) == 2
     assert "no-such-taskset" in capsys.readouterr().err
     assert main([*args, "workflow.name=single_turn", "workflow.agent=null"]) == 2  # the rubric scores, not a reward_fn
-    assert "workflow.agent=asyncrl.tasks.verifiers_env:run" in capsys.readouterr().err
+    assert "workflow.agent=asyncrl.rollout.workflows.verifiers_agent:run" in capsys.readouterr().err
     monkeypatch.setitem(sys.modules, "verifiers.v1", None)  # as if never installed
     assert main(args) == 2
     assert '".[verifiers]"' in capsys.readouterr().err
@@ -128,3 +128,22 @@ def test_a_multi_turn_episode_answers_tool_calls_from_the_toolset_token_exact(ti
     assert 0 in trajectory.loss_mask and trajectory.loss_mask[-1] == 1  # the tool's tokens are not trained on
     tool = [m for m in trajectory.steps[-1].messages if m["role"] == "tool"]
     assert [m["content"] for m in tool] == [str(a + b)]  # calc_add answered in-process
+
+
+def test_a_tasks_toolsets_are_a_tool_box_as_mcp_servers_tools_are():
+    """The one tool-box contract (asyncrl/tools/toolbox.py): the calculator taskset's tools
+    listed as OpenAI tools and answered in-process; the model's mistakes answered, not raised."""
+    from asyncrl.rollout.workflows.verifiers_agent import TasksetTools
+    from asyncrl.tools.toolbox import ToolBox
+
+    vf_task = verifiers_tasks("examples/verifiers_env/calculator_taskset.py", {})[0]
+    tools = TasksetTools(vf_task)
+    assert isinstance(tools, ToolBox) and [t["function"]["name"] for t in tools.openai_tools] == ["calc_add"]
+
+    async def calls():
+        await tools.setup()
+        return [await tools.call({"function": {"name": name, "arguments": arguments}}) for name, arguments in
+                [("calc_add", '{"a": 2, "b": 3}'), ("calc_mul", "{}"), ("calc_add", '{"a": "x"}')]]
+
+    answer, unknown, invalid = asyncio.run(calls())
+    assert answer == "5" and unknown.startswith("error: no tool 'calc_mul'") and invalid.startswith("error: ")

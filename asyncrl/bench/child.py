@@ -8,8 +8,8 @@ what a user runs.
 The peak is the child's own ``VmHWM`` (Linux), read by the child as it ends, of the
 address space ``exec`` gave it. Not ``ru_maxrss`` from ``wait4``: Python starts a child
 with ``vfork``, so the child's ``exec`` leaves the parent's high-water mark in the
-child's ``ru_maxrss`` — a test process that had loaded a 135M-parameter model made a
-0.9 GB run read 4.4 GB. Elsewhere (no ``/proc``) ``ru_maxrss`` it is, with that caveat.
+child's ``ru_maxrss``, so a parent that had loaded a model makes a small run read large
+(docs/history.md). Elsewhere (no ``/proc``) ``ru_maxrss`` it is, with that caveat.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Every call is greedy and ignores end-of-sequence, so each generates exactly
 ``max_tokens`` tokens on every path, whatever the batch it lands in: the engine does the
 same work, and the bench checks the token counts agree. The engine thread gets
 ``engine_threads`` torch threads; on a 2-core CPU one leaves the other core to the event
-loop (two made every path ~10x slower there, the threads contending with the loop).
+loop (two contend with the loop: docs/design.md, "Measurements behind choices in the code").
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from asyncrl.bench.progress import phase
 from asyncrl.rollout.client import LLMClient, Message
 from asyncrl.config import ModelConfig, Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
-from asyncrl.rollout.gateway import Gateway, hermes
+from asyncrl.rollout.gateway import Gateway, get_format
 from asyncrl.policy import load_policy
 from asyncrl.tasks import load_tasks
 from asyncrl.types import SamplingParams
@@ -159,7 +159,7 @@ async def _measure(s: GatewayBenchSettings, model: Any, tokenizer: PreTrainedTok
     # no stop tokens: every call runs to max_tokens, so all paths do identical engine work
     sampling = SamplingParams(max_tokens=s.max_tokens, temperature=0)
     engine = TorchEngine(model, max_batch_size=s.max_batch_size, seed=s.seed, num_threads=s.engine_threads)
-    gateway = Gateway(tokenizer, hermes, model_name=s.model_path, engine=engine, sampling=sampling)
+    gateway = Gateway(tokenizer, get_format("hermes"), model_name=s.model_path, engine=engine, sampling=sampling)
     sdk: AsyncOpenAI | None = None
     try:
         base_url = await gateway.start()

@@ -8,7 +8,7 @@ response length, ε_low/ε_high, no KL (β = 0), group-normalised advantages, to
 loss aggregation, no zero-variance filtering, no activation checkpointing (TRL 1.x's
 ``GRPOConfig`` turns gradient checkpointing on by default; asyncrl's learner keeps its
 activations, so the bench turns TRL's off: recomputing them would slow TRL's backward
-pass for a memory saving neither side needs here; before 2026-11-25 TRL ran with it on).
+pass for a memory saving neither side needs here; docs/results.md says since when).
 Not matched, and why: TRL generates with
 ``model.generate`` in the training process (asyncrl uses its own engine — that is what
 is being compared); TRL computes the old-policy logprobs itself while asyncrl uses the

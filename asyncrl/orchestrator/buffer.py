@@ -89,12 +89,12 @@ STALE_GROUPS = ("wait", "drop")
 
 
 class GroupBuffer:
-    def __init__(self, gate: AsyncStalenessGate, max_staleness: int, stale_groups: str = "wait") -> None:
-        """``stale_groups``: ``wait`` or ``drop`` (the module's docstring)."""
+    def __init__(self, gate: AsyncStalenessGate, stale_groups: str = "wait") -> None:
+        """``stale_groups``: ``wait`` or ``drop`` (the module's docstring). η and B are the
+        gate's (``max_staleness``, ``gate.groups_per_step``), asked, never copied."""
         if stale_groups not in STALE_GROUPS:
             raise ValueError(f"stale_groups must be one of {STALE_GROUPS}, got {stale_groups!r}")
         self.gate = gate
-        self.max_staleness = max_staleness
         self.stale_groups = stale_groups
         self.stale_dropped = 0
         self.counts: dict[str, int] = dict.fromkeys(BUFFER_COUNTS, 0)
@@ -106,6 +106,11 @@ class GroupBuffer:
 
     def __len__(self) -> int:
         return len(self._ready)
+
+    @property
+    def max_staleness(self) -> int:
+        """η, the gate's."""
+        return self.gate.max_staleness
 
     def running(self, start_order: int, version: int) -> None:
         """A group starts generating, and none of its tokens will be older than ``version``
@@ -169,7 +174,7 @@ class GroupBuffer:
         is still fresh: for each deadline D, those due by D fit in the slots left to the
         steps up to D (this step's after this take, B a step after it). A deadline that no
         choice can meet (more groups due than slots, however chosen) is no reason to wait."""
-        eta, per_step, t = self.max_staleness, self.gate.gate.groups_per_step, trained_version
+        eta, per_step, t = self.max_staleness, self.gate.groups_per_step, trained_version
         version, before = self._taken
         left_now = max(0, per_step - (before if version == t else 0) - n)  # this step's slots after this take
         taken = [g.oldest_version + eta for g in self._ready[:n]]

@@ -55,13 +55,13 @@ class RolloutLoop:
         self.teacher_failures_in_a_row = 0
         if state is None:
             self.gate = AsyncStalenessGate(StalenessGate(eta, cfg.batch_size, version))
-            self.buffer = GroupBuffer(self.gate, eta)
+            self.buffer = GroupBuffer(self.gate)
             self.stream = TaskStream(tasks, cfg.seed)
         else:  # consumed and saved groups hold quota; re-issued tasks take it again when they start
             groups = state.ready_groups()
             accepted = state.step * cfg.batch_size + len(groups)
             self.gate = AsyncStalenessGate(StalenessGate.resumed(eta, cfg.batch_size, version, accepted))
-            self.buffer = GroupBuffer(self.gate, eta)
+            self.buffer = GroupBuffer(self.gate)
             self.buffer.restore(groups)
             self.buffer.stale_dropped = state.stale_dropped
             self.started = state.started

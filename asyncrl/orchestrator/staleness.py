@@ -226,6 +226,15 @@ class AsyncStalenessGate:
         """The version the gate admits for: the last one the engines were given."""
         return self.gate.version
 
+    @property
+    def max_staleness(self) -> int:
+        """η: held by the gate alone; the buffer and the learner's check ask it here."""
+        return self.gate.max_staleness
+
+    @property
+    def groups_per_step(self) -> int:
+        return self.gate.groups_per_step
+
     async def acquire(self) -> None:
         """Wait until a group may start, then count it as started (running)."""
         async with self._cond:

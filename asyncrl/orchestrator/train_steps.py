@@ -25,7 +25,7 @@ T = TypeVar("T")
 
 class TrainSteps:
     def __init__(self, buffer: GroupBuffer, learner: LearnerHandle, rollout: RolloutHandle, *, batch_size: int,
-                 max_staleness: int, pad_token_id: int, stop: StopControl, watchdog: Watchdog,
+                 pad_token_id: int, stop: StopControl, watchdog: Watchdog,
                  on_train: Callable[[float, float, int], None], now: Callable[[], float],
                  engine_exact: bool = True, distill_coef: float = 0.0) -> None:
         """``on_train(start, end, step)``: each learner call's span, for the timeline.
@@ -36,7 +36,7 @@ class TrainSteps:
         the engine–learner mismatch on the tokens of the trained version. ``distill_coef``:
         on-policy distillation's weight (``teacher.coef``; 0 = off)."""
         self.buffer, self.learner, self.rollout = buffer, learner, rollout
-        self.batch_size, self.max_staleness, self.pad_token_id = batch_size, max_staleness, pad_token_id
+        self.batch_size, self.pad_token_id = batch_size, pad_token_id
         self._stop, self._watchdog, self._on_train, self._now = stop, watchdog, on_train, now
         self.engine_exact, self.distill_coef = engine_exact, distill_coef
 
@@ -78,7 +78,7 @@ class TrainSteps:
         """``groups``, each checked fresh enough to train ``version`` on (``trainable``) and
         added to ``trained``, packed; and whether ``version`` sampled every token of them
         (then π_prox = μ, and the learner skips its recompute)."""
-        trajectories, advantages = trainable(groups, version, self.max_staleness)
+        trajectories, advantages = trainable(groups, version, self.buffer.max_staleness)
         trained.groups += groups
         trained.trajectories += trajectories
         on_policy = self.engine_exact and all(t.behavior_version_max == version for t in trajectories)

@@ -81,7 +81,6 @@ class Trainer:
             checked = preflight(cfg, "train" if runtime is start else "plan", splits)
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
-        self.max_staleness = cfg.effective_max_staleness
         self.watchdog = Watchdog(cfg.watchdog, output_dir=self.output_dir)
         self._stop = StopControl()
         self.last_checkpoint: Path | None = checkpoint
@@ -92,7 +91,6 @@ class Trainer:
         self.save_seconds: dict[int, float] = {}  # each checkpoint save's wall time, by step (off a benchmark's clock)
         self.resumed_from = state
         self.step = state.step if state else 0  # optimizer steps taken; each made one version
-        self._served_version = self.version  # what the rollout engines hold
         in_flight = read_in_flight(checkpoint) if checkpoint else []
         self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state, in_flight)
         self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
@@ -143,7 +141,7 @@ class Trainer:
                 self.delivery = DeliveryCheck.for_config(self.learner, self.rollout, self.tokenizer, self.cfg)
                 self.train_steps = TrainSteps(
                     self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
-                    max_staleness=self.max_staleness, pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
+                    pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
                     watchdog=self.watchdog, now=self._now,
                     engine_exact=engine_computes_as_learner(self.cfg),
                     distill_coef=self.cfg.teacher.coef if self.cfg.teacher.url else 0.0,
@@ -155,9 +153,9 @@ class Trainer:
                     print(f"asyncrl: {self.rollouts.replay_note()}", file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
                 self.log.errors_unlogged = self._counted_before.get("errors_unlogged", 0)
-                # each invariant's first break said once, live (asyncrl doctor checks the whole run)
-                self.invariants = InvariantWatch(Limits.from_config(self.cfg.model_dump(), self.max_staleness),
-                                                 say=lambda line: tqdm.write(line, file=sys.stderr))  # above the bar
+                # each invariant's first break said once, live, above the bar (asyncrl doctor checks the whole run)
+                limits = Limits.from_config(self.cfg.model_dump(), self.rollouts.gate.max_staleness)
+                self.invariants = InvariantWatch(limits, say=lambda line: tqdm.write(line, file=sys.stderr))
                 if state is not None:  # a counter's increase over the first step resumed is from the checkpoint's row
                     self.invariants.prev = last_row(self.output_dir / "metrics.jsonl")
                 self.start_time = _clock() - (state.elapsed_s if state else 0.0)
@@ -287,8 +285,7 @@ class Trainer:
         snapshot, if the method made one, for an evaluation of this version."""
         t_sync = self._now()
         weights = await self.weight_sync.sync(self.version, self.cfg.effective_partial_rollout)
-        await self.rollouts.gate.set_version(self.version)
-        self._served_version = self.version
+        await self.rollouts.gate.set_version(self.version)  # the version the engines serve: the gate's
         self.log.event("sync", t_sync, self._now(), version=self.version, method=self.weight_sync.method)
         await self._hook("on_policy_updated", actor)
         return weights
@@ -361,7 +358,7 @@ class Trainer:
     async def _evaluation(self, step: int, weights: Weights | None = None) -> asyncio.Future[dict[str, Any]]:
         """The ``eval/*`` keys of ``step``'s version, as a future (``evaluations.py``: beside
         training, or now on the engines, which serve the last synced version)."""
-        return await self.evaluations.of(step, self.version, self._served_version, weights)
+        return await self.evaluations.of(step, self.version, self.rollouts.gate.version, weights)
 
 
 def engine_computes_as_learner(cfg: Config) -> bool:

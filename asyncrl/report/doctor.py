@@ -14,8 +14,6 @@ also 2, with ``asyncrl: error:``).
 
 from __future__ import annotations
 
-from typing import Any
-
 from asyncrl.orchestrator.invariants import Finding, check_run, worst
 from asyncrl.report.run import Run, finite
 from asyncrl.report.summary import (
@@ -86,8 +84,3 @@ def diagnose(run: Run) -> tuple[list[str], int]:
              *(f"  {line}" for line in health(run)),
              f"verdict: {VERDICTS[status]} (exit {status})"]
     return lines, status
-
-
-def doctor_summary(run: Run) -> dict[str, Any]:
-    """``{invariant: line}`` for ``asyncrl report``'s page."""
-    return {f.name: f.line() for f in findings(run)}

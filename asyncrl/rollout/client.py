@@ -67,8 +67,8 @@ class _Conversation:
 class _PromptCache:
     """The ids of recently rendered prompts, per tokenizer. The n samples of a GRPO group
     open with the same messages, and rendering them (the chat template is Jinja) and
-    tokenizing took ~30 % of the event loop's time holding the GIL in a 4 × 8 Countdown
-    run (py-spy, 2026-11-24) — time the engine's thread waited for the GIL. Keyed by the
+    tokenizing holds the GIL on the event loop — time the engine's thread waits for
+    (the profile: docs/history.md, "A group's prompt rendered once"). Keyed by the
     messages' exact JSON (those that are not JSON are rendered every time) and cleared
     when the tokenizer's template changes; shared by the gateway's threads, hence the lock."""
 

@@ -1,11 +1,13 @@
 """Task registry: turn a config's ``task`` name into train/validation splits, and a
-reward spec string (``module:function``) into a callable."""
+reward spec string (``module:function``) into a callable. ``TASK_SOURCES`` is the one
+table: a task name, how its splits load, and its built-in reward (or why it has none)."""
 
 from __future__ import annotations
 
 import random
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,39 +19,16 @@ from asyncrl.tasks.hf import load_hf_splits
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 from asyncrl.tasks.longtail import iter_longtail, longtail_reward
 from asyncrl.tasks.multihop import iter_multihop, multihop_corpus, multihop_reward
-from asyncrl.tasks.verifiers_env import load_verifiers_splits
+from asyncrl.tasks.verifiers_tasks import load_verifiers_splits
 
 __all__ = [
     "is_validation_prompt",
     "Task", "TaskSplits", "RewardFn", "TaskDataError", "load_tasks", "resolve_reward_fn",
     "default_reward_fn", "generate_countdown", "countdown_reward", "generate_arithmetic",
     "arithmetic_reward", "load_jsonl_tasks", "TASK_NAMES", "REWARD_FUNCTIONS",
-    "REWARD_SPECS", "multihop_corpus", "multihop_reward",
+    "REWARD_SPECS", "multihop_corpus", "multihop_reward", "TASK_SOURCES", "TaskQuery", "TaskSource",
 ]
 
-# Generated tasks: name -> endless deterministic stream factory ``(seed, **options)``.
-_GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
-    "countdown": iter_countdown,
-    "arithmetic": iter_arithmetic,
-    "longtail": iter_longtail,
-    # The corpus depends on the options (corpus_seed, num_people), never on the seed, so
-    # train and validation ask about one corpus: multihop_corpus(**options).
-    "multihop": iter_multihop,
-}
-TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl", "hf", "verifiers")
-_USER_DATA = ("jsonl", "hf")  # the user's own rows, scored by the user's own reward
-REWARD_FUNCTIONS: dict[str, RewardFn] = {
-    "countdown": countdown_reward,
-    "arithmetic": arithmetic_reward,
-    "longtail": longtail_reward,
-    "multihop": multihop_reward,
-}
-REWARD_SPECS: dict[str, str] = {
-    "countdown": "asyncrl.tasks.countdown:countdown_reward",
-    "arithmetic": "asyncrl.tasks.arithmetic:arithmetic_reward",
-    "longtail": "asyncrl.tasks.longtail:longtail_reward",
-    "multihop": "asyncrl.tasks.multihop:multihop_reward",
-}
 # Cap on candidates drawn per wanted task, so a tiny task space (arithmetic has 100
 # prompts) fails loudly instead of looping forever.
 _DRAWS_PER_VALIDATION_TASK = 200
@@ -59,10 +38,6 @@ def _validation_seed(seed: int) -> int:
     """A seed derived from, and never equal to, the train seed."""
     derived = random.Random(f"asyncrl-validation-{seed}").getrandbits(31)
     return derived if derived != seed else derived + 1
-
-
-def _take(stream: Iterator[Task], n: int) -> list[Task]:
-    return [next(stream) for _ in range(n)]
 
 
 def is_validation_prompt(prompt: str) -> bool:
@@ -78,9 +53,9 @@ def is_validation_prompt(prompt: str) -> bool:
 
 
 def _generated_splits(
-    name: str, seed: int, num_train: int, num_validation: int, options: Mapping[str, Any]
+    name: str, make: Callable[..., Iterator[Task]], seed: int, num_train: int, num_validation: int,
+    options: Mapping[str, Any]
 ) -> TaskSplits:
-    make = _GENERATORS[name]
     try:
         train_stream = make(seed, **options)
     except TypeError as exc:  # unknown option name: a config typo, so say which
@@ -157,42 +132,103 @@ def load_tasks(
     caps the train rows taken from the front, and ``num_train <= 0`` means all rows.
     ``hf``: a local dataset through ``datasets`` (``asyncrl/tasks/hf.py``), its train
     ``split`` and held-out ``validation_split`` (names or slices).
-    ``verifiers``: a `verifiers` taskset (``options.environment``, ``asyncrl/tasks/verifiers_env.py``),
-    its last ``num_validation`` tasks held out; its rubric scores through the agent there.
+    ``verifiers``: a `verifiers` taskset (``options.environment``, ``asyncrl/tasks/verifiers_tasks.py``),
+    its last ``num_validation`` tasks held out; its rubric scores through its agent
+    (``asyncrl/rollout/workflows/verifiers_agent.py``).
     """
     if num_train < 0 or num_validation < 0:
         raise ValueError(f"num_train and num_validation must be >= 0, got {num_train}, {num_validation}")
-    if name == "jsonl":
-        if options:
-            raise ValueError(f"task 'jsonl' takes no generator options, got {dict(options)}")
-        return _jsonl_splits(path, validation_path, num_train, num_validation)
-    if name == "hf":
-        return load_hf_splits(path, split=split, validation_split=validation_split, validation_path=validation_path,
-                              num_train=num_train, num_validation=num_validation, options=options or {})
-    if name == "verifiers":
-        if path is not None or validation_path is not None:
-            raise ValueError("task 'verifiers' reads its taskset: name it in options.environment, not `path`")
-        return load_verifiers_splits(options or {}, num_train=num_train, num_validation=num_validation)
-    if split != "train" or validation_split is not None:
-        raise ValueError(f"task {name!r}: `split`/`validation_split` only apply to 'hf'")
-    if name not in _GENERATORS:
+    if name not in TASK_SOURCES:
         raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
-    if path is not None or validation_path is not None:
-        raise ValueError(f"task {name!r} is generated; `path`/`validation_path` only apply to 'jsonl' and 'hf'")
-    return _generated_splits(name, seed, num_train, num_validation, options or {})
+    query = TaskQuery(path, seed, num_train, num_validation, validation_path, options or {}, split, validation_split)
+    return TASK_SOURCES[name].load(name, query)
+
+
+@dataclass(frozen=True)
+class TaskQuery:
+    """What ``load_tasks`` was asked, for a source's loader (each refuses what it does not take)."""
+
+    path: str | Path | None
+    seed: int
+    num_train: int
+    num_validation: int
+    validation_path: str | Path | None
+    options: Mapping[str, Any]
+    split: str
+    validation_split: str | None
+
+    def refuse_hf_splits(self, name: str) -> None:
+        if self.split != "train" or self.validation_split is not None:
+            raise ValueError(f"task {name!r}: `split`/`validation_split` only apply to 'hf'")
+
+
+@dataclass(frozen=True)
+class TaskSource:
+    """A task name's row: ``load(name, query)`` its splits; ``reward`` its built-in reward,
+    or None, ``no_reward`` then saying what scores it instead."""
+
+    load: Callable[[str, TaskQuery], TaskSplits]
+    reward: RewardFn | None = None
+    no_reward: str = ""
+
+
+def _generated(generator: Callable[..., Iterator[Task]]) -> Callable[[str, TaskQuery], TaskSplits]:
+    """A generated task's loader over its endless deterministic stream ``generator(seed, **options)``."""
+    def load(name: str, q: TaskQuery) -> TaskSplits:
+        q.refuse_hf_splits(name)
+        if q.path is not None or q.validation_path is not None:
+            raise ValueError(f"task {name!r} is generated; `path`/`validation_path` only apply to 'jsonl' and 'hf'")
+        return _generated_splits(name, generator, q.seed, q.num_train, q.num_validation, q.options)
+    return load
+
+
+def _load_jsonl(name: str, q: TaskQuery) -> TaskSplits:
+    if q.options:
+        raise ValueError(f"task 'jsonl' takes no generator options, got {dict(q.options)}")
+    return _jsonl_splits(q.path, q.validation_path, q.num_train, q.num_validation)
+
+
+def _load_hf(name: str, q: TaskQuery) -> TaskSplits:
+    return load_hf_splits(q.path, split=q.split, validation_split=q.validation_split,
+                          validation_path=q.validation_path, num_train=q.num_train, num_validation=q.num_validation,
+                          options=q.options)
+
+
+def _load_verifiers(name: str, q: TaskQuery) -> TaskSplits:
+    if q.path is not None or q.validation_path is not None:
+        raise ValueError("task 'verifiers' reads its taskset: name it in options.environment, not `path`")
+    return load_verifiers_splits(q.options, num_train=q.num_train, num_validation=q.num_validation)
+
+
+_USER_REWARD = "has no default reward; set a reward spec 'module:function'"
+TASK_SOURCES: dict[str, TaskSource] = {
+    "countdown": TaskSource(_generated(iter_countdown), countdown_reward),
+    "arithmetic": TaskSource(_generated(iter_arithmetic), arithmetic_reward),
+    "longtail": TaskSource(_generated(iter_longtail), longtail_reward),
+    # The corpus depends on the options (corpus_seed, num_people), never on the seed, so
+    # train and validation ask about one corpus: multihop_corpus(**options).
+    "multihop": TaskSource(_generated(iter_multihop), multihop_reward),
+    "jsonl": TaskSource(_load_jsonl, no_reward=_USER_REWARD),  # the user's own rows, scored by the user's reward
+    "hf": TaskSource(_load_hf, no_reward=_USER_REWARD),
+    "verifiers": TaskSource(_load_verifiers, no_reward=(
+        "is scored by its own rubric: set workflow.name=openai_agent and "
+        "workflow.agent=asyncrl.rollout.workflows.verifiers_agent:run, and no task.reward_fn")),
+}
+TASK_NAMES: tuple[str, ...] = tuple(TASK_SOURCES)
+REWARD_FUNCTIONS: dict[str, RewardFn] = {name: s.reward for name, s in TASK_SOURCES.items() if s.reward is not None}
+REWARD_SPECS: dict[str, str] = {name: f"{fn.__module__}:{fn.__name__}" for name, fn in REWARD_FUNCTIONS.items()}
+"""The built-in rewards as a config names them (``task.reward_fn``)."""
 
 
 def default_reward_fn(name: str) -> RewardFn:
     """The built-in reward for a built-in generated task. JSONL and hf tasks have no
     default: only the user knows how to score their data."""
-    if name in REWARD_FUNCTIONS:
-        return REWARD_FUNCTIONS[name]
-    if name == "verifiers":
-        raise ValueError("task 'verifiers' is scored by its own rubric: set workflow.name=openai_agent and "
-                         "workflow.agent=asyncrl.tasks.verifiers_env:run, and no task.reward_fn")
-    if name in _USER_DATA:
-        raise ValueError(f"task {name!r} has no default reward; set a reward spec 'module:function'")
-    raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
+    if name not in TASK_SOURCES:
+        raise ValueError(f"unknown task {name!r}; valid names: {', '.join(TASK_NAMES)}")
+    source = TASK_SOURCES[name]
+    if source.reward is None:
+        raise ValueError(f"task {name!r} {source.no_reward}")
+    return source.reward
 
 
 def resolve_reward_fn(spec: str) -> RewardFn:

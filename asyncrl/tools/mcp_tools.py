@@ -35,13 +35,14 @@ Needs the ``mcp`` SDK (``pip install -e ".[mcp]"``).
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from collections import Counter
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from typing import Any, Literal, Self
+
+from asyncrl.tools.toolbox import call_arguments, call_parts
 
 try:
     import anyio
@@ -107,7 +108,8 @@ class _Route:
 
 
 class MCPTools:
-    """The tools of several MCP servers behind one OpenAI ``tools`` list; see the module docstring."""
+    """The tools of several MCP servers behind one OpenAI ``tools`` list, a ``ToolBox``
+    (``asyncrl/tools/toolbox.py``); see the module docstring."""
 
     def __init__(self, servers: list[MCPServerSpec | dict[str, Any]], *, timeout_s: float = 30.0,
                  tool_errors: Literal["raise", "message"] = "raise", http_client: httpx2.AsyncClient | None = None,
@@ -173,17 +175,12 @@ class MCPTools:
         """Run one of the model's calls (an SDK ``tool_call`` or its dict form) and return the
         text for its ``tool`` message: the result's text parts, one per line (other content
         as its JSON). Raises ``MCPToolError`` as the module docstring says."""
-        function = tool_call["function"] if isinstance(tool_call, dict) else tool_call.function
-        name, arguments = (function["name"], function.get("arguments")) if isinstance(function, dict) \
-            else (function.name, function.arguments)
+        name, arguments = call_parts(tool_call)
         route = self._routes.get(name)
         if route is None:
             return f"unknown tool: {name} (tools: {', '.join(self._routes)})"
-        try:
-            parsed = json.loads(arguments) if isinstance(arguments, str) and arguments.strip() else (arguments or {})
-        except ValueError:
-            parsed = None
-        if not isinstance(parsed, dict):
+        parsed = call_arguments(arguments)
+        if parsed is None:
             return f"{name}: the arguments must be a JSON object, got {arguments!r}"
         if route.server in self._failures:
             raise self._failures[route.server]

@@ -1,6 +1,6 @@
 """A multi-turn `verifiers` taskset in the package's own format (verifiers>=0.4): the
 addition tasks of addition_taskset.py, with a toolset the model may call (`calc_add`)
-before it answers. asyncrl answers the tool calls in-process (asyncrl/tasks/verifiers_env.py)
+before it answers. asyncrl answers the tool calls in-process (asyncrl/rollout/workflows/verifiers_agent.py)
 and scores the final reply with the task's `@vf.reward`.
 """
 

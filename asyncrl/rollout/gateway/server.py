@@ -6,18 +6,16 @@ text completions, the OpenAI Responses API and the Anthropic Messages API, each 
 ``/sessions/<id>/v1/...`` serves one episode's agent and records every call into that
 episode's trajectories (``session.py``). aiohttp rather than an ASGI stack: it runs in
 the worker's own event loop beside the engine and the agents, with no second thread or
-process between an agent and its session — and measured: a trivial JSON endpoint served
-4,907 req/s on aiohttp against 1,386 on FastAPI + uvicorn in the same event loop as its
-client (64 in flight, median of 3 interleaved runs, this 2-core machine).
+process between an agent and its session — and faster there by measurement
+(docs/design.md, "Agents through the gateway").
 
 One request never stalls the others: the loop serves every session, the engine's
 replies and ``/health``, so a prompt is judged before it is tokenized (``prompt_size``):
 one whose characters or message count certainly cannot fit the context is refused at
 once, and a large one that may fit is tokenized on the gateway's two threads rather than
 the loop. What stays on the loop is bounded by the body limit — parsing the JSON, which
-holds the GIL: 0.09 s for 8 MiB of tiny messages, up to about 1 s for 8 MiB of nothing
-but nested empty arrays — and by the context: validating and tokenizing a prompt that
-fits.
+holds the GIL (what a full body costs: docs/design.md, "Measurements behind choices in
+the code") — and by the context: validating and tokenizing a prompt that fits.
 
 Errors never take the server down: each comes back in the dialect's error shape (OpenAI's,
 or Anthropic's on ``/v1/messages``) — 404 for an
@@ -56,7 +54,7 @@ from asyncrl.config import GatewayConfig
 from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
 from asyncrl.rollout.gateway.access import check_exposure, middlewares
 from asyncrl.rollout.gateway.session import CallPlan, Session
-from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
+from asyncrl.rollout.gateway.tool_calls import ToolFormat
 from asyncrl.json_api import Refused, error_response, listen, read_json
 from asyncrl.rollout.gateway.wire import Event, Wire, sse
 from asyncrl.types import AgentDiagnostics, SamplingParams
@@ -69,13 +67,13 @@ which a stuck synchronous agent can fill; two, beside the engine's, on a small m
 
 
 class Gateway:
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolFormat | ToolParser, *, model_name: str,
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, parser: ToolFormat, *, model_name: str,
                  engine: RolloutEngine | None = None, sampling: SamplingParams | None = None,
                  settings: GatewayConfig | None = None) -> None:
-        """``parser``: the tool format. A ``ToolFormat`` with an opening lets ``tool_choice``
-        force a call and a stream send content up to where a call begins; a plain parser
-        function only parses replies (a forced call is refused, and a stream read for
-        calls holds its content for the end). ``engine``/``sampling``: what plain ``/v1``
+        """``parser``: the tool format (``tool_calls.get_format``/``resolve_format``). One
+        with an opening lets ``tool_choice`` force a call and a stream send content up to
+        where a call begins; a user's parser only parses replies (a forced call is refused,
+        and a stream read for calls holds its content for the end). ``engine``/``sampling``: what plain ``/v1``
         requests use (``asyncrl serve``); a session uses its own episode's client.
         ``settings``: the reply cap, the body limit and the key (``gateway.*``); its host
         and port are ``start``'s to use."""

@@ -45,7 +45,7 @@ import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError, TokenSink
 from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
-from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolFormat, ToolParser
+from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolFormat
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
 
 
@@ -95,7 +95,7 @@ class CallPlan:
         return reasoning.END_THINK + "\n\n" + self.choice.opening
 
 
-def read_calls(parser: ToolFormat | ToolParser, answer: str, response: Response,
+def read_calls(parser: ToolFormat, answer: str, response: Response,
                thinking: reasoning.Thinking | None) -> ParsedReply:
     """The reply's tool calls, read from ``answer`` (its text without special tokens, after
     any reasoning). Where that finds none but the reply holds special tokens, it is read
@@ -111,7 +111,7 @@ def read_calls(parser: ToolFormat | ToolParser, answer: str, response: Response,
 
 
 class Session:
-    def __init__(self, session_id: str, client: LLMClient, parser: ToolFormat | ToolParser, *, training: bool,
+    def __init__(self, session_id: str, client: LLMClient, parser: ToolFormat, *, training: bool,
                  tokenize_pool: Executor | None = None) -> None:
         """``tokenize_pool``: where a large prompt is tokenized (the gateway's threads); None:
         on the loop, as the client does."""

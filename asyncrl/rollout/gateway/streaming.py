@@ -32,7 +32,7 @@ from transformers import PreTrainedTokenizerBase
 
 import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.gateway.reasoning import END_THINK, THINK, Thinking
-from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
+from asyncrl.rollout.gateway.tool_calls import ToolFormat
 
 
 class Detokenizer:
@@ -58,12 +58,12 @@ class Detokenizer:
         return self.text
 
 
-def call_marker(parser: ToolFormat | ToolParser) -> str | None:
+def call_marker(parser: ToolFormat) -> str | None:
     """Where a call may begin in a reply, under ``parser``'s tool format: its opening up to
     the first whitespace (``<tool_call>``, ``[TOOL_CALLS]``), or the bracket a bare JSON or
     Python call opens with (``{``, ``[``: content is then held from its first bracket).
     None where the format has no fixed opening."""
-    start = tool_choice.opening(parser, None)
+    start = parser.opening(None)
     if not start or not start.strip():
         return None
     word = start.split(maxsplit=1)[0]
@@ -123,7 +123,7 @@ class ReplyStream:
         return reasoning, content.rstrip()
 
 
-def for_chat(choice: tool_choice.ToolChoice, thinking: Thinking | None, parser: ToolFormat | ToolParser,
+def for_chat(choice: tool_choice.ToolChoice, thinking: Thinking | None, parser: ToolFormat,
              stops: list[str]) -> ReplyStream:
     """The stream of a chat reply. A forced call sends nothing before the end (its text is
     a call, and holds no reasoning: the call opens the reply); a reply read for calls

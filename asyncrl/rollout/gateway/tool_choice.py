@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.json_api import Refused
-from asyncrl.rollout.gateway.tool_calls import ToolFormat, ToolParser
+from asyncrl.rollout.gateway.tool_calls import ToolFormat
 
 
 @dataclass(frozen=True)
@@ -37,15 +37,8 @@ class ToolChoice:
 AUTO = ToolChoice(parse=True)
 
 
-def opening(parser: ToolFormat | ToolParser, function: str | None) -> str | None:
-    """The text a forced call begins with under ``parser``'s tool format (``function``:
-    the name it names, None for any), or None where it has no fixed opening: a
-    ``ToolFormat`` says it (``ToolFormat.opening``), a plain parser function cannot."""
-    return parser.opening(function) if isinstance(parser, ToolFormat) else None
-
-
 def resolve(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | None,
-            parser: ToolFormat | ToolParser) -> ToolChoice:
+            parser: ToolFormat) -> ToolChoice:
     """What ``choice`` asks of the reply, or ``Refused(400)`` naming why it cannot be
     honoured. ``tools`` are validated already (each has a named function)."""
     if choice is None or choice == "auto":
@@ -70,10 +63,10 @@ def resolve(choice: str | dict[str, Any] | None, tools: list[dict[str, Any]] | N
     if name is not None and name not in names:
         raise Refused(400, f"tool_choice names function {name!r}, which is not in tools (they are: "
                            f"{', '.join(map(repr, names))})", "tool_choice")
-    forced = opening(parser, name)
+    forced = parser.opening(name)
     if forced is None:
         raise Refused(400, f"tool_choice {_shown(name)} cannot be honoured: the gateway's tool format "
-                           f"({getattr(parser, 'name', getattr(parser, '__name__', repr(parser)))}) has no fixed "
+                           f"({parser.name}) has no fixed "
                            "opening of a call to write before the model samples the rest. Use tool_choice "
                            '"auto", or a tool format that has one (gateway.tool_parser)', "tool_choice")
     return ToolChoice(parse=True, opening=forced, function=name)

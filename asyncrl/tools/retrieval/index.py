@@ -1,28 +1,17 @@
 """BM25 over a document collection, searched many queries at a time.
 
 The library is ``bm25s`` (eager sparse scores, numpy only), chosen over ``rank-bm25`` by
-measurement on this repository's 2-core CPU (``python -m asyncrl.tools.retrieval.bench
-libraries``: synthetic documents of 15–50 Zipf-distributed words, queries of 2–5 words
-drawn from a document, top-k 5, best of 3; the same tokens fed to both):
-
-| documents | library   | index build | one query  | queries / s |
-|-----------|-----------|-------------|------------|-------------|
-| 2,000     | bm25s     | 33–37 ms    | 0.04 ms    | 23,000      |
-| 2,000     | rank-bm25 | 12–14 ms    | 0.9–1.1 ms | 900–1,100   |
-| 20,000    | bm25s     | 310–330 ms  | 0.18 ms    | 5,700       |
-| 20,000    | rank-bm25 | 115–125 ms  | 33–40 ms   | 25–30       |
-
-rank-bm25 builds faster (it only counts terms; bm25s precomputes every score) but scores
-a query with a Python loop over all documents per query term: at 20k documents one
-search costs 33–40 ms, which 64 concurrent agents would turn into two seconds of queueing.
-bm25s is also the maintained one (rank-bm25's last release is from 2022).
+measurement (``python -m asyncrl.tools.retrieval.bench libraries``; the table is in
+docs/design.md, "Measurements behind choices in the code"). rank-bm25 builds faster (it
+only counts terms; bm25s precomputes every score) but scores a query with a Python loop
+over all documents per query term, which many concurrent agents turn into queueing at
+tens of thousands of documents; bm25s is also the maintained one.
 
 A batch is scored with ``BM25.get_scores_from_ids`` per query and one top-k selection
-(``argpartition``) over the stacked ``(B, num_docs)`` scores: 64 queries over 20k
-documents take 6.1 ms, against 10.0 ms for ``BM25.retrieve``, whose top-k selection is
-slower. Scoring one query at a time costs the same per query (6.2 ms for 64): adding a
-query's ~22k postings is memory-bound, batched or not. What batching buys is in the
-service (``service.py``).
+(``argpartition``) over the stacked ``(B, num_docs)`` scores, faster than
+``BM25.retrieve``, whose top-k selection is slower. Scoring one query at a time costs the
+same per query: adding a query's postings is memory-bound, batched or not. What batching
+buys is in the service (``service.py``).
 Tokens: lowercased ``\\w+`` runs less English stopwords, no stemming. A document's
 ``title`` is indexed with its text (one field, title first), as BEIR-style retrieval does: a
 search for an entity's name then ranks its own page above the pages that merely mention it

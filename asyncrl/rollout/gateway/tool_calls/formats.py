@@ -30,22 +30,22 @@ from asyncrl.rollout.gateway.tool_calls.reply import ParsedReply, ToolParser
 logger = logging.getLogger("asyncrl.rollout.gateway.tool_calls")
 
 AUTO = "auto"
-PARSERS: dict[str, ToolParser] = {"hermes": hermes, "llama3_json": llama3_json, "mistral": mistral,
-                                  "qwen3_xml": qwen3_xml, "pythonic": pythonic}
-"""The built-in parsers; the order is ``auto``'s, though no two read the same call."""
 
 
 @dataclass(frozen=True)
 class ToolFormat:
     """A tool-call format: ``parse`` reads replies (a ToolFormat is itself a parser), and
     :meth:`opening` is the text a forced call (``tool_choice`` required or named) begins
-    with."""
+    with. A built-in format also says where a call's parts are in a template's rendering
+    (``markers``, ``arguments``), so ``auto`` fits its opening to the template's bytes."""
 
     name: str
     parse: ToolParser
     start: str | None = None  # a call's text up to its function's name; None: no fixed opening
     between: str = ""  # after the function's name, up to where its arguments begin
     origin: str = ""  # how the format was chosen, as the start banner says it
+    markers: tuple[str, ...] = ()  # what a call begins with, the most specific first
+    arguments: str = ""  # what the arguments begin with ("": the first argument's name)
 
     def __call__(self, text: str) -> ParsedReply:
         return self.parse(text)
@@ -58,25 +58,35 @@ class ToolFormat:
             return None
         return self.start if function is None else self.start + function + self.between
 
+    def fitted(self, shown: str) -> ToolFormat:
+        """This format with ``start`` and ``between`` as ``shown`` (the probe's call, as a
+        template renders it) writes them: from the marker the call begins with to the
+        function's name, and from the name to where the arguments begin. Unchanged where
+        ``shown`` has not that shape."""
+        name_at = shown.find(chat_format.PROBE_FUNCTION)
+        after = name_at + len(chat_format.PROBE_FUNCTION)
+        argument_at = shown.find(next(iter(chat_format.PROBE_ARGUMENTS)), after)
+        if name_at < 0 or argument_at < 0:
+            return self
+        begins = [at for at in (shown.rfind(marker, 0, name_at) for marker in self.markers) if at >= 0]
+        arguments_at = shown.rfind(self.arguments, after, argument_at)
+        if not begins or arguments_at < 0:
+            return self
+        return replace(self, start=shown[begins[0]:name_at], between=shown[after:arguments_at])
 
-@dataclass(frozen=True)
-class _Layout:
-    """A built-in format's opening as most of its templates write it, and how to find
-    its parts in any template's rendering of a call."""
 
-    start: str
-    between: str
-    markers: tuple[str, ...]  # what a call begins with, the most specific first
-    arguments: str  # what the arguments begin with ("": the first argument's name)
-
-
-_LAYOUTS = {
-    "hermes": _Layout('<tool_call>\n{"name": "', '", "arguments": ', ("<tool_call>",), "{"),
-    "llama3_json": _Layout('{"name": "', '", "parameters": ', ("<|python_tag|>", "{"), "{"),
-    "mistral": _Layout("[TOOL_CALLS]", "[ARGS]", ("[TOOL_CALLS]",), "{"),
-    "qwen3_xml": _Layout("<tool_call>\n<function=", ">\n", ("<tool_call>",), "<parameter="),
-    "pythonic": _Layout("[", "(", ("<|python_start|>", "["), ""),
-}
+FORMATS: dict[str, ToolFormat] = {fmt.name: fmt for fmt in (
+    ToolFormat("hermes", hermes, '<tool_call>\n{"name": "', '", "arguments": ', markers=("<tool_call>",),
+               arguments="{"),
+    ToolFormat("llama3_json", llama3_json, '{"name": "', '", "parameters": ', markers=("<|python_tag|>", "{"),
+               arguments="{"),
+    ToolFormat("mistral", mistral, "[TOOL_CALLS]", "[ARGS]", markers=("[TOOL_CALLS]",), arguments="{"),
+    ToolFormat("qwen3_xml", qwen3_xml, "<tool_call>\n<function=", ">\n", markers=("<tool_call>",),
+               arguments="<parameter="),
+    ToolFormat("pythonic", pythonic, "[", "(", markers=("<|python_start|>", "["), arguments=""),
+)}
+"""The built-in formats, each with its opening as most of its templates write it; the
+order is ``auto``'s, though no two read the same call."""
 
 
 class _WarnOnce:
@@ -101,11 +111,10 @@ def get_format(name: str) -> ToolFormat:
     (no opening). Raises ``ConfigError`` naming the valid names."""
     if name == AUTO:
         raise ValueError("gateway.tool_parser auto is read from the chat template: use resolve_format")
-    if name in PARSERS:
-        layout = _LAYOUTS[name]
-        return ToolFormat(name, _WarnOnce(name, PARSERS[name]), layout.start, layout.between, "gateway.tool_parser")
+    if name in FORMATS:
+        return replace(FORMATS[name], parse=_WarnOnce(name, FORMATS[name].parse), origin="gateway.tool_parser")
     if ":" not in name:
-        raise ConfigError(f"gateway.tool_parser {name!r}: valid: {AUTO}, {', '.join(PARSERS)}, or your parser "
+        raise ConfigError(f"gateway.tool_parser {name!r}: valid: {AUTO}, {', '.join(FORMATS)}, or your parser "
                           "as module:function (text -> ParsedReply)")
     try:
         return ToolFormat(name, _WarnOnce(name, load_named(name, key="gateway.tool_parser")),
@@ -128,10 +137,10 @@ def resolve_format(name: str, tokenizer: PreTrainedTokenizerBase) -> ToolFormat:
     for an unknown name, and for ``auto`` on a template whose calls no built-in reads."""
     support = chat_format.probe(tokenizer) if tokenizer.chat_template is not None else None
     shown = support.call_text if support is not None else None
-    taught = next((n for n, parse in PARSERS.items() if _reads_probe(parse, shown)), None) if shown else None
+    taught = next((n for n, fmt in FORMATS.items() if _reads_probe(fmt.parse, shown)), None) if shown else None
     if name != AUTO:
         fmt = get_format(name)
-        if taught is not None and taught != name and name in PARSERS:
+        if taught is not None and taught != name and name in FORMATS:
             writer = "the chat template" if support.tool_calls else "asyncrl's fallback for this template"
             fmt = replace(fmt, origin=f"gateway.tool_parser; {writer} writes calls as {taught}, which this parser "
                                       "does not read")
@@ -139,37 +148,15 @@ def resolve_format(name: str, tokenizer: PreTrainedTokenizerBase) -> ToolFormat:
         fmt = replace(get_format("hermes"), origin=f"{AUTO}: no chat template rendering to read, hermes")
     elif taught is None:
         raise ConfigError(f"gateway.tool_parser {AUTO}: the chat template renders a tool call as {shown[:160]!r}, "
-                          f"which no built-in format reads ({', '.join(PARSERS)}); write a parser for it and set "
+                          f"which no built-in format reads ({', '.join(FORMATS)}); write a parser for it and set "
                           "gateway.tool_parser to it as module:function")
     else:
         fmt = replace(get_format(taught), origin=f"{AUTO}, from the chat template" if support.tool_calls else
                       f"{AUTO}: the chat template renders no tool calls; asyncrl's fallback writes hermes")
-    fitted = _fitted(_LAYOUTS[fmt.name], shown) if shown and fmt.name == taught else None
-    return replace(fmt, start=fitted[0], between=fitted[1]) if fitted else fmt
+    return fmt.fitted(shown) if shown and fmt.name == taught else fmt
 
 
 def _reads_probe(parse: ToolParser, text: str) -> bool:
     calls = parse(text).tool_calls
     return (len(calls) == 1 and calls[0].name == chat_format.PROBE_FUNCTION
             and json.loads(calls[0].arguments) == chat_format.PROBE_ARGUMENTS)
-
-
-def _fitted(layout: _Layout, shown: str) -> tuple[str, str] | None:
-    """``layout``'s start and between as ``shown`` (the probe's call, as rendered) writes
-    them: from the marker the call begins with to the function's name, and from the name
-    to where the arguments begin. None where ``shown`` has not that shape."""
-    name_at = shown.find(chat_format.PROBE_FUNCTION)
-    after = name_at + len(chat_format.PROBE_FUNCTION)
-    argument_at = shown.find(next(iter(chat_format.PROBE_ARGUMENTS)), after)
-    if name_at < 0 or argument_at < 0:
-        return None
-    begins = [at for at in (shown.rfind(marker, 0, name_at) for marker in layout.markers) if at >= 0]
-    arguments_at = shown.rfind(layout.arguments, after, argument_at)
-    if not begins or arguments_at < 0:
-        return None
-    return shown[begins[0]:name_at], shown[after:arguments_at]
-
-
-def get_parser(name: str) -> ToolParser:
-    """``get_format(name)`` (a format is a parser), for callers that only parse."""
-    return get_format(name)
