@@ -28,7 +28,7 @@ CONFIG_KEYS = [
     "ray.num_rollout_workers", "gateway.host", "gateway.port", "workflow.name", "workflow.agent",
     "rollout.max_concurrent_episodes", "learner.world_size", "learner.strategy", "weight_sync",
     "hooks.on_policy_updated", "hooks.on_epoch_end", "hooks.on_step_end", "gateway.api_key", "gateway.tool_parser",
-    "learner.streaming", "model.lora", "task.sampler", "sync_every",
+    "learner.streaming", "model.lora", "task.sampler", "sync_every", "teacher.url", "teacher.coef", "judge.url",
 ]
 CONFIG_VALUES = [  # key=value as a script writes it (then what it needs beside it): each is accepted
     ["mode=sync", "partial_rollout=off"], ["mode=one_step_off"], ["mode=async"], ["partial_rollout=abort"],
@@ -37,7 +37,7 @@ CONFIG_VALUES = [  # key=value as a script writes it (then what it needs beside 
     ["weight_sync=object_store"], ["workflow.name=openai_agent", "workflow.agent=examples/openai_agent/agent.py:run"],
     ["gateway.tool_parser=auto"], ["model.lora=null"],
 ]
-GATEWAY_ROUTES = ["/v1/chat/completions", "/v1/models", "/health"]
+GATEWAY_ROUTES = ["/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/models", "/health"]
 RUN_FILES = ["config.yaml", "metrics.jsonl", "samples.jsonl", "eval.json", "report.html", "errors.jsonl"]
 METRIC_KEYS = ["step", "version", "reward/mean", "staleness/mean", "staleness/max", "time/step", "time/elapsed",
                "trainer/idle_ratio", "rollout/idle_ratio", "throughput/samples_per_s", "throughput/tokens_per_s"]
@@ -61,11 +61,8 @@ BENCH_KEYS = {  # suite -> keys its bench.json holds (read from the suite's sour
 # into the lists above (so it is asserted from then on).
 PENDING = {
     "commands": ["serve-engine"],
-    "config keys": ["remote.urls", "engine_server.host", "engine_server.port", "teacher.url", "teacher.coef",
-                    "judge.url"],
+    "config keys": ["remote.urls", "engine_server.host", "engine_server.port"],
     "config values": ["engine=remote", "max_staleness=0.5"],
-    "gateway routes": ["/v1/responses", "/v1/messages"],
-    "sandbox": ["asyncrl.tools.sandbox.run_python"],
 }
 
 TAUGHT_IMPORTS = {  # every path docs/, README.md or examples/ ever taught (git log -p), and its home now
@@ -203,3 +200,17 @@ def test_every_taught_name_imports():
     from asyncrl.rollout.workflows.base import WorkflowContext
 
     assert sys.modules["asyncrl.workflows.base"].WorkflowContext is WorkflowContext  # one class, not a copy
+
+
+def test_the_sandbox_keeps_its_promised_signature_and_result():
+    import dataclasses
+    import inspect
+
+    from asyncrl.tools.sandbox import SandboxResult, run_python
+
+    params = inspect.signature(run_python).parameters
+    assert inspect.iscoroutinefunction(run_python)
+    assert list(params)[:1] == ["code"] and all(params[k].kind is params[k].KEYWORD_ONLY
+                                                 for k in ("timeout_s", "memory_mb", "files"))
+    assert params["files"].default is None
+    assert {"exit_code", "stdout", "stderr", "stopped_by"} <= {f.name for f in dataclasses.fields(SandboxResult)}
