@@ -1,4 +1,4 @@
-"""``asyncrl train|eval|serve|sft|bench|report|doctor|plan|models``: thin dispatch; exit 2 for usage/config
+"""``asyncrl train|eval|serve|serve-engine|sft|bench|report|doctor|plan|models``: thin dispatch; exit 2 for usage/config
 errors, 1 for failures."""
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_ in (("train", "RL training (sync, one_step_off, async)"),
                         ("eval", "score a policy on a task's validation split"),
-                        ("serve", "OpenAI-compatible gateway over model.path at gateway.host:gateway.port")):
+                        ("serve", "OpenAI-compatible gateway over model.path at gateway.host:gateway.port"),
+                        ("serve-engine", "the rollout engine over vLLM's HTTP API at "
+                                         "engine_server.host:engine_server.port (for engine=remote)")):
         cmd = sub.add_parser(name, help=help_, epilog=KEYS_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
         cmd.add_argument("config", help="YAML config file (e.g. examples/countdown/async.yaml)")
         cmd.add_argument("overrides", nargs="*", metavar="key=value",
@@ -157,6 +159,12 @@ def _run(args: argparse.Namespace, failed_run: list[str]) -> int:
             from asyncrl.orchestrator.serve import serve
 
             serve(cfg)
+        elif args.command == "serve-engine":
+            cfg = load_config(args.config, args.overrides)
+            _quiet_transformers()
+            from asyncrl.rollout.engine_server import serve_engine
+
+            serve_engine(cfg)
         elif args.command == "sft":
             cfg = load_sft_config(args.config, args.overrides)
             _quiet_transformers()

@@ -87,6 +87,7 @@ FLOORS = {
     "asyncrl.rollout.eval_scoring": 1, "asyncrl.rollout.client": 1, "asyncrl.tools": 1, "asyncrl.weight_sync": 1,
     # 2 episodes over the client, and the rollout worker that runs them on an engine
     "asyncrl.rollout.workflows": 2, "asyncrl.rollout.gateway": 2, "asyncrl.rollout.worker": 2,
+    "asyncrl.rollout.engine_server": 2,  # asyncrl serve-engine: a worker's engine over vLLM's HTTP API
     # 3 where the parts run
     "asyncrl.runtime": 3,
     # 4 runs: the gate, the loops, the entry points of train, eval, serve and sft

@@ -78,7 +78,7 @@ class LearnerWorker:
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
                                temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
                                share_prompts=c.learner.share_prompts, lora=c.model.lora, autocast=c.learner.autocast,
-                               send_every_weight=c.engine == "vllm")
+                               send_every_weight=c.engine != "torch")
 
     def leave(self) -> None:
         """Close what ``apply`` attached, then leave the process group."""
