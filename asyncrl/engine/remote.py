@@ -147,7 +147,9 @@ class RemoteEngine:
 
     async def _start(self) -> None:
         headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
-        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None))
+        # no cap on connections: a pause must never queue behind the streams it is meant to stop
+        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                              connector=aiohttp.TCPConnector(limit=0))
         self._weights_dir.mkdir(parents=True, exist_ok=True)
 
         async def ready(server: Server) -> None:

@@ -284,7 +284,7 @@ def serve_engine(cfg: Config, *, on_ready: Callable[[str], None] | None = None) 
     check_exposure(cfg.engine_server)  # before the model loads
 
     async def main() -> None:
-        worker = RolloutWorker(cfg, seed=cfg.seed)
+        worker = RolloutWorker(cfg, seed=cfg.seed, num_threads=cfg.rollout.num_threads)
         await worker.start()
         engine = await worker.ready_engine()
         server = EngineServer(engine, model_name=cfg.model.path, settings=cfg.engine_server)
