@@ -55,11 +55,13 @@ class LoraConfig(Section):
     ``[q_proj, v_proj]``, or ``all-linear`` (every linear layer but the LM head: the
     attention and MLP projections). Names that match no module exit 2 naming those the
     model has."""
-    sync: Literal["merged", "adapters"] = "merged"
-    """What a weight sync sends: ``merged``, each targeted layer's W + s·B·A (out × in
-    numbers a layer; any engine); ``adapters``, A, B and the scale alone (r × (in + out)),
-    which the built-in engine merges into its own copy of the base, bit for bit the merged
-    weights (``asyncrl/engine/adapters.py``). ``engine: torch`` only."""
+    sync: Literal["auto", "merged", "adapters"] = "auto"
+    """What a weight sync sends: ``adapters``, A, B and the scale alone (r × (in + out)
+    numbers a layer), which the built-in engine merges into its own copy of the base, bit for
+    bit the merged weights (``asyncrl/engine/adapters.py``; ``engine: torch`` only);
+    ``merged``, each targeted layer's W + s·B·A (out × in; any engine); ``auto``, adapters
+    where the engine takes them (``engine: torch`` with ``rollout.dtype`` the weights'),
+    else merged (``asyncrl/learner/export.py`` decides, once)."""
 
 
 class ModelConfig(Section):

@@ -96,10 +96,14 @@ def test_bytes_per_sync_with_lora_are_the_merged_targeted_layers_only():
     full = engine_weight_bytes(SimpleNamespace(learner=make_learner()))
     model = AutoModelForCausalLM.from_pretrained(POLICY)
     assert full == sum(p.numel() * 4 for p in model.parameters())  # float32, every parameter
-    lora = engine_weight_bytes(SimpleNamespace(learner=make_learner("model.lora.rank=4")))
+    lora = engine_weight_bytes(SimpleNamespace(learner=make_learner("model.lora.rank=4", "model.lora.sync=merged")))
     targeted = sum(m.weight.numel() * 4 for name, m in model.named_modules()
                    if type(m).__name__ == "Linear" and not name.endswith("lm_head"))
     assert lora == targeted < full
+    # the default with the built-in engine: the adapters alone, r × (in + out) a layer
+    adapters = engine_weight_bytes(SimpleNamespace(learner=make_learner("model.lora.rank=4")))
+    assert adapters == sum(4 * 4 * sum(m.weight.shape) for name, m in model.named_modules()
+                           if type(m).__name__ == "Linear" and not name.endswith("lm_head")) < targeted
 
 
 def test_the_probe_is_the_runs_tokenizer_on_fixed_texts():

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
-from asyncrl.engine import TorchEngine
+from asyncrl.engine import AdapterUpdate, FullWeights, TorchEngine
 from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.lora import linear_names, merged_targets, merged_weight, peft_reads_deprecated, save_merged
 from asyncrl.types import SamplingParams, Trajectory
@@ -91,7 +91,7 @@ def test_the_kl_reference_is_the_base_with_adapters_off():
 
 
 def test_merged_weights_are_peft_merge_and_only_the_targeted_layers():
-    learner = make_learner()
+    learner = make_learner("model.lora.sync=merged")
     learner.train_step(batch())
     sent = learner.export_weights()
     peft_merged = dict(copy.deepcopy(learner.module).merge_and_unload().named_parameters())
@@ -107,7 +107,7 @@ def test_an_engine_that_reloads_whole_layers_is_sent_every_weight():
     """vLLM takes every weight or none (``send_every_weight``): the base's names exactly,
     the targeted layers merged, the rest the base's own."""
     learner = make_learner()
-    learner.send_every_weight = True
+    learner.update_kind = "merged_every_weight"  # what export.update_kind picks for engine=vllm
     learner.train_step(batch())
     sent, base = learner.engine_weights(), dict(base_model().named_parameters())
     assert set(sent) == set(base)
@@ -129,9 +129,9 @@ def test_adapters_alone_are_merged_by_the_engine_into_the_merged_weights_bit_for
             for _ in range(2):
                 learner.train_step(batch())
                 payload = learner.export_weights()
-                assert payload and all(n.endswith(("::lora_A", "::lora_B", "::lora_scale")) for n in payload)
+                assert isinstance(payload, AdapterUpdate) and payload.layers
                 sent = merged_targets(learner.module)
-                assert sum(t.numel() for t in payload.values()) < sum(t.numel() for t in sent.values()) / 4
+                assert payload.nbytes < FullWeights(sent).nbytes / 4
                 await merged.update_weights(sent, learner.version)
                 await alone.update_weights(payload, learner.version)
                 assert alone.version == learner.version
@@ -185,7 +185,7 @@ def test_merged_weight_is_base_plus_scaled_b_a():
 
 
 def test_the_engine_sent_the_merged_weights_gives_the_learners_logprobs():
-    learner = make_learner()
+    learner = make_learner("model.lora.sync=merged")
     for _ in range(3):
         learner.train_step(batch())
 
@@ -289,7 +289,7 @@ def test_the_switch_and_a_key_of_lora_combine_in_either_order(overrides, tmp_pat
     """``model.lora=true`` turns LoRA on keeping any key already set; a key of it turns it
     on too, after ``true`` or ``null`` (it was 'model.lora is not a section')."""
     assert load_config(None, overrides).model.lora.model_dump() == {
-        "rank": 16, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear", "sync": "merged"}
+        "rank": 16, "alpha": 8.0, "dropout": 0.0, "target_modules": "all-linear", "sync": "auto"}
     (tmp_path / "c.yaml").write_text("model:\n  lora: true\n")  # the file's switch, then an override's key
     assert load_config(tmp_path / "c.yaml", ["model.lora.rank=4"]).model.lora.rank == 4
     assert load_config(None, ["model.lora.rank=4", "model.lora=false"]).model.lora is None

@@ -27,6 +27,7 @@ from conftest import make_model, reference_logprobs
 
 from asyncrl.config import ConfigError, EngineServerConfig, RemoteConfig, load_config
 from asyncrl.engine import EngineClosedError, TorchEngine
+from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
 from asyncrl.engine.remote import ControlError, RemoteEngine
 from asyncrl.json_api import listen
 from asyncrl.rollout.engine_server import EngineServer, check_exposure
@@ -243,13 +244,17 @@ def test_a_control_call_past_its_deadline_names_the_server_the_call_and_the_wait
            "(remote.control_timeout_s))" in err
 
 
-def test_a_server_that_refuses_a_weight_load_is_named():
+def test_a_server_that_refuses_a_weight_load_is_named_and_adapters_alone_are_refused():
     async def main():
         async with Fleet(make_model()) as fleet:
             remote = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls))
             try:
                 with pytest.raises(ControlError, match=re.escape(fleet.urls[0]) + ".*collective_rpc.*not_a_weight"):
                     await remote.update_weights({"not_a_weight": torch.zeros(2)}, 1)
+                adapters = AdapterUpdate({"model.layers.0.mlp.up_proj.weight": LayerAdapter(
+                    torch.zeros(2, 64), torch.zeros(128, 2), 1.0)}, rank=2, alpha=2.0)
+                with pytest.raises(TypeError, match="model.lora.sync=merged"):
+                    await remote.update_weights(adapters, 1)
             finally:
                 await remote.shutdown()
 

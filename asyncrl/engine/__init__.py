@@ -1,9 +1,11 @@
 """Rollout engines: the protocol, the built-in torch engine (vLLM joins later)."""
 
-from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError, RolloutEngine
+from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, FullWeights, LayerAdapter, PauseMode,
+                                     PromptTooLongError, RolloutEngine, WeightUpdate)
 from asyncrl.engine.torch_engine import TorchEngine
 
-__all__ = ["EngineClosedError", "PauseMode", "PromptTooLongError", "RolloutEngine", "TorchEngine", "require_engine"]
+__all__ = ["AdapterUpdate", "EngineClosedError", "FullWeights", "LayerAdapter", "PauseMode", "PromptTooLongError",
+           "RolloutEngine", "TorchEngine", "WeightUpdate", "require_engine"]
 
 
 def require_engine(name: str) -> None:

@@ -1,15 +1,14 @@
-"""LoRA adapters shipped alone (``model.lora.sync: adapters``): the built-in engine merges
-them into its own copy of the targeted layers (``docs/scaling.md``, LoRA).
+"""LoRA adapters shipped alone (an :class:`~asyncrl.engine.protocol.AdapterUpdate`, the
+default with ``model.lora`` where the engine takes them): the built-in engine merges them
+into its own copy of the targeted layers (``docs/scaling.md``, LoRA).
 
-A sync then carries, per targeted layer ``name`` (the base model's parameter name, e.g.
-``model.layers.0.self_attn.q_proj.weight``), three tensors under suffixed names:
-``name::lora_A`` (r × in), ``name::lora_B`` (out × r) and ``name::lora_scale`` (float64:
-the scale alpha / r and 1.0 where the base stores the layer transposed, GPT-2's Conv1D);
-r × (in + out) numbers instead of out × in. The engine keeps the base of each targeted
-layer (a copy taken at its first adapter load, when its weights are still the base:
-loaded from ``model.path``, and an engine in the learner's process starts from the base
-too, ``Learner.policy_copy``) and loads W = W_base + s·B·A computed by
-:func:`merged_weight`.
+A sync then carries, per targeted layer (the base model's parameter name, e.g.
+``model.layers.0.self_attn.q_proj.weight``), A (r × in), B (out × r) and the scale alpha / r
+(and whether the base stores the layer transposed, GPT-2's Conv1D): r × (in + out) numbers
+instead of out × in. The engine keeps the base of each targeted layer (a copy taken at its
+first adapter load, when its weights are still the base: loaded from ``model.path``, and an
+engine in the learner's process starts from the base too, ``Learner.policy_copy``) and loads
+W = W_base + s·B·A computed by :func:`merged_weight`.
 
 Token-exactness: the merge is the very function the learner's merged sync runs
 (``asyncrl.learner.lora.merged_targets`` calls :func:`merged_weight` too), on the same
@@ -26,8 +25,7 @@ from collections.abc import Mapping
 
 import torch
 
-A, B, SCALE = "::lora_A", "::lora_B", "::lora_scale"
-"""The suffixes of a layer's adapter tensors in a sync (after the base parameter's name)."""
+from asyncrl.engine.protocol import AdapterUpdate
 
 
 def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, *,
@@ -39,41 +37,23 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     return (base.float() + scale * (delta.T if transposed else delta)).to(base.dtype)
 
 
-def adapter_entries(name: str, a: torch.Tensor, b: torch.Tensor, scale: float,
-                    transposed: bool) -> dict[str, torch.Tensor]:
-    """The three tensors one targeted layer ``name`` ships as (new tensors)."""
-    return {name + A: a.detach().clone(), name + B: b.detach().clone(),
-            name + SCALE: torch.tensor([scale, 1.0 if transposed else 0.0], dtype=torch.float64)}
-
-
-def has_adapters(weights: Mapping[str, torch.Tensor]) -> bool:
-    return any(name.endswith(SCALE) for name in weights)
-
-
 class AdapterMerger:
     """One engine's base copies of the targeted layers, and the merge of what a sync sends."""
 
     def __init__(self) -> None:
         self.base: dict[str, torch.Tensor] = {}
 
-    def merge(self, weights: Mapping[str, torch.Tensor], params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``weights`` with each layer's adapter tensors replaced by its merged weight under
-        the layer's own name; other names pass through. The base of a layer is copied
-        from ``params`` the first time its adapters come (the engine's weights are the base
-        until then). A layer with part of its tensors missing is a ``KeyError``."""
-        out = {name: t for name, t in weights.items() if not name.endswith((A, B, SCALE))}
-        for key in weights:
-            if not key.endswith(SCALE):
-                continue
-            name = key.removesuffix(SCALE)
-            if name + A not in weights or name + B not in weights:
-                raise KeyError(f"update_weights got {key} without {name + A} and {name + B}")
+    def merge(self, update: AdapterUpdate, params: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Each layer of ``update`` merged, under the layer's own name. The base of a layer
+        is copied from ``params`` the first time its adapters come (the engine's weights are
+        the base until then). A layer the model does not have is a ``KeyError``."""
+        out = {}
+        for name, layer in update.layers.items():
             if name not in params:
                 raise KeyError(f"update_weights got adapters for {name!r}, which the model does not have")
             base = self.base.get(name)
             if base is None:
                 base = self.base[name] = params[name].detach().clone()
-            scale, transposed = weights[key].tolist()
-            out[name] = merged_weight(base, weights[name + A].to(base.device), weights[name + B].to(base.device),
-                                      scale, transposed=bool(transposed))
+            out[name] = merged_weight(base, layer.a.to(base.device), layer.b.to(base.device), layer.scale,
+                                      transposed=layer.transposed)
         return out

@@ -60,7 +60,8 @@ import torch
 from safetensors.torch import save_file
 
 from asyncrl.config import RemoteConfig
-from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError, TokenSink
+from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, PauseMode, PromptTooLongError, TokenSink,
+                                     WeightUpdate, as_update)
 from asyncrl.engine.vllm_engine import VLLMStats
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
@@ -357,11 +358,16 @@ class RemoteEngine:
             self._open.set()
             self._update_busy()
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Write ``weights`` once, then load them on every server while all are paused
-        (paused here, ``keep``, unless the caller paused them), label them ``version``."""
+    async def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int) -> None:
+        """Write the weights once, then load them on every server while all are paused
+        (paused here, ``keep``, unless the caller paused them), label them ``version``.
+        :class:`FullWeights` only: LoRA adapters alone are a ``TypeError``."""
+        update = as_update(update)
+        if isinstance(update, AdapterUpdate):
+            raise TypeError("engine=remote loads whole weights from files, not LoRA adapters: send FullWeights "
+                            "(model.lora.sync=merged, which model.lora.sync=auto picks for engine=remote)")
         path = self._weights_dir / f"weights-v{version}.safetensors"
-        tensors = {name: t.detach().cpu().contiguous() for name, t in weights.items()}
+        tensors = {name: t.detach().cpu().contiguous() for name, t in update.tensors.items()}
         await asyncio.to_thread(_write_atomically, tensors, path)  # before pausing: a shorter stall
         paused_here = not self._paused
         if paused_here:

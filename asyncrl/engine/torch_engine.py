@@ -26,10 +26,11 @@ from typing import Any, TypeVar
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from asyncrl.engine.adapters import AdapterMerger, has_adapters
+from asyncrl.engine.adapters import AdapterMerger
 from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
-from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongError, TokenSink
+from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, PauseMode, PromptTooLongError, TokenSink,
+                                     WeightUpdate, as_update)
 from asyncrl.engine.sampling import RowParams, sample_tokens
 from asyncrl.engine.scheduler import ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
@@ -91,7 +92,7 @@ class TorchEngine:
         self._kv: KVBatch | None = None  # row i is self._scheduler.running[i]
         self._prefixes = PrefixCache(self.prefix_cache_size)
         self._version = version
-        self._adapters = AdapterMerger()  # model.lora.sync=adapters: the targeted layers' base, merged here
+        self._adapters = AdapterMerger()  # an AdapterUpdate's targeted layers: their base, merged here
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self.weight_noise = weight_noise
         self._noise = torch.Generator().manual_seed(seed)  # its own stream: sampling draws the same with or without
@@ -163,12 +164,16 @@ class TorchEngine:
     async def resume(self) -> None:
         await self._call(self._scheduler.resume)
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Also LoRA adapters alone (``asyncrl/engine/adapters.py``): merged into this engine's
-        copy of the base off the engine's thread, then loaded like any weights."""
+    async def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int) -> None:
+        """:class:`FullWeights` are copied in; an :class:`AdapterUpdate` is merged into this
+        engine's copy of the base off the engine's thread (``asyncrl/engine/adapters.py``),
+        then loaded like any weights."""
         params = dict(self.model.named_parameters())
-        if has_adapters(weights):
-            weights = await asyncio.to_thread(self._adapters.merge, weights, params)
+        update = as_update(update)
+        if isinstance(update, AdapterUpdate):
+            weights: Mapping[str, torch.Tensor] = await asyncio.to_thread(self._adapters.merge, update, params)
+        else:
+            weights = update.tensors
         unknown = sorted(set(weights) - set(params))
         if unknown:
             raise KeyError(f"update_weights got names the model does not have: {unknown[:5]}")

@@ -19,7 +19,10 @@ How the contract maps onto vLLM (checked against vLLM 0.32, CPU build):
 * weights: shipped to the workers as a safetensors file (vLLM's RPC path cannot carry
   tensors) and loaded in place by ``reload_weights``. Shipping the loader function needs
   ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (pickled calls over vLLM's local sockets), which
-  ``start`` sets before the engine processes are spawned.
+  ``start`` sets before the engine processes are spawned. :class:`FullWeights` only: an
+  :class:`AdapterUpdate` is a ``TypeError`` (with ``model.lora`` a vLLM run is sent the
+  merged weights, every one of them: ``asyncrl/learner/export.py``). vLLM's own LoRA
+  loading (``enable_lora`` and a ``LoRARequest`` per version) is not wired yet.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from asyncrl.config import VLLMConfig
-from asyncrl.engine.protocol import EngineClosedError, PauseMode, TokenSink
+from asyncrl.engine.protocol import AdapterUpdate, EngineClosedError, PauseMode, TokenSink, WeightUpdate, as_update
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
 if TYPE_CHECKING:
@@ -194,8 +197,8 @@ class VLLMEngine:
         self._paused = False
         self._update_busy()
 
-    async def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load ``weights`` (Hugging Face names, all of them) between two steps; pauses
+    async def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int) -> None:
+        """Load ``update``'s weights (Hugging Face names, all of them) between two steps; pauses
         (keep) by itself unless the caller already paused.
 
         Sequences still in flight go on with the new weights, and unlike ``TorchEngine`` they
@@ -204,6 +207,11 @@ class VLLMEngine:
         which vLLM prefills again (prompt plus tokens so far) on resume.
         """
         llm = self._live()
+        update = as_update(update)
+        if isinstance(update, AdapterUpdate):
+            raise TypeError("VLLMEngine loads whole weights, not LoRA adapters: send FullWeights "
+                            "(model.lora.sync=merged, which model.lora.sync=auto picks for engine=vllm)")
+        weights = update.tensors
         if self._param_names is not None:
             unknown = sorted(set(weights) - self._param_names)
             if unknown:

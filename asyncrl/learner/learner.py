@@ -28,8 +28,9 @@ ranks too, so N ranks take the step one would. ``distributed.py`` says how.
 
 With ``model.lora`` (``lora.py``) the policy is the base wrapped with LoRA adapters: the
 optimizer holds only the adapters, the KL reference is the same model with the adapters
-off (no second copy of the weights), and the engines are sent the targeted layers'
-merged weights. Everything above (micro-batches, sample reuse, streaming) is unchanged:
+off (no second copy of the weights), and the engines are sent the adapters alone, or the
+targeted layers merged where an engine cannot take adapters (``export.py`` chooses once).
+Everything above (micro-batches, sample reuse, streaming) is unchanged:
 it only sees a model whose trainable parameters are fewer.
 """
 
@@ -52,7 +53,9 @@ from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.distributed import Sharding
-from asyncrl.learner.lora import adapter_payload, add_adapters, base_copy, merged_copy, merged_targets
+from asyncrl.engine.protocol import FullWeights, WeightUpdate
+from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
+from asyncrl.learner.lora import add_adapters
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 
@@ -135,16 +138,16 @@ class Learner:
     def __init__(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, algorithm: AlgorithmConfig,
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
                  sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True,
-                 lora: LoraConfig | None = None, send_every_weight: bool = False,
+                 lora: LoraConfig | None = None, update: UpdateKind | None = None,
                  autocast: str | None = None) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
         full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
         from which each batch's mini-batch shuffle derives (with the version, so a resumed
         run shuffles as the uninterrupted one would). ``lora``: train LoRA adapters on
-        ``model`` (wrapped in place) instead of its weights; one rank only.
-        ``send_every_weight``: with LoRA, the engines take every weight at each sync
-        (vLLM reloads whole layers), not only the merged targeted ones. ``autocast``:
+        ``model`` (wrapped in place) instead of its weights; one rank only. ``update``:
+        what the engines are sent (``export.update_kind``; default: what ``lora`` says for
+        the built-in engine). ``autocast``:
         ``learner.autocast`` (:func:`autocast_dtype`)."""
         if lora is not None and sharding is not None:
             raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
@@ -153,7 +156,9 @@ class Learner:
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
         self.lora = lora
-        self.send_every_weight = send_every_weight
+        self.update_kind = update or update_kind(lora)
+        if (self.update_kind == "full") != (lora is None):
+            raise ValueError(f"update={self.update_kind!r} does not fit model.lora={lora}")
         if lora is not None:  # the reference is this model with its adapters off (reference_logprobs)
             # the PeftModel: the adapters' save_pretrained, disable_adapter; A drawn from the run's seed
             self.module = add_adapters(model, lora, derive_seed(seed, "lora"))
@@ -455,38 +460,28 @@ class Learner:
         """The rank that writes files and hands out weights (the only one unsharded)."""
         return self.sharding is None or self.sharding.rank == 0
 
-    def engine_weights(self) -> dict[str, torch.Tensor]:
-        """What the engines load, by the base model's parameter names, without a copy where
-        there is one to read (one rank): the parameters themselves; with LoRA only the
-        targeted layers, merged (``lora.merged_targets``: the rest is the base the engines
-        already hold), or with ``model.lora.sync=adapters`` their A, B and scale alone
-        (``lora.adapter_payload``). Sharded (no LoRA), each parameter's DTensor (global shapes)."""
-        if self.lora is not None and self.lora.sync == "adapters":  # the engine merges them (engine/adapters.py)
-            return adapter_payload(self.module)
-        if self.lora is not None:
-            return merged_targets(self.module, every_weight=self.send_every_weight)
-        return dict(self.module.named_parameters())
+    def engine_weights(self) -> WeightUpdate:
+        """What the engines load (``export.engine_update``: the run's one kind of update),
+        without a copy where there is one to read (one rank, full fine-tuning: the
+        parameters themselves; sharded, each parameter's DTensor, global shapes)."""
+        return engine_update(self.module, self.update_kind)
 
     def policy_copy(self) -> PreTrainedModel:
-        """A plain model computing this policy, for an engine in this process: a deep copy,
-        with LoRA the adapters merged into it (``model.lora.sync=adapters``: the base alone;
-        the engine merges what it is sent)."""
-        if self.lora is not None and self.lora.sync == "adapters":  # the base: the engine merges what it is sent
-            return base_copy(self.module)
-        return merged_copy(self.module) if self.lora is not None else copy.deepcopy(self.model)
+        """A plain model for an engine in this process (``export.engine_start``): the
+        policy, or the base alone when the engines are sent adapters (they merge them)."""
+        return engine_start(self.module, self.update_kind)
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """A snapshot the engines can load while the learner goes on training: parameter
-        name -> tensor (with LoRA the targeted layers merged: :meth:`engine_weights`).
-        Sharded, a collective: rank 0 gets the full (gathered) weights on CPU, the other
-        ranks ``{}``."""
-        if self.lora is not None:
+    def export_weights(self) -> WeightUpdate:
+        """A snapshot the engines can load while the learner goes on training
+        (:meth:`engine_weights`, copied). Sharded, a collective: rank 0 gets the full
+        (gathered) weights on CPU, the other ranks an empty ``FullWeights``."""
+        if self.update_kind != "full":
             return self.engine_weights()  # new tensors already
         if self.sharding is None:
-            return {name: p.detach().clone() for name, p in self.model.named_parameters()}
+            return FullWeights({name: p.detach().clone() for name, p in self.model.named_parameters()})
         full = self.sharding.full_state_dict(self.model)
         # the engines take parameters only (a tied LM head is the embedding, not a second tensor)
-        return {name: full[name] for name, _ in self.module.named_parameters()} if full else {}
+        return FullWeights({name: full[name] for name, _ in self.module.named_parameters()} if full else {})
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any] | None = None,
                         files: dict[str, str] | None = None) -> Path:

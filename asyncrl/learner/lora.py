@@ -6,15 +6,16 @@ The learner trains ΔW = B·A·s (s = alpha / rank) on each targeted linear laye
 so a sync sends each targeted layer's **merged** weight W = W_base + s·B·A under the base
 model's own parameter name, and nothing else: every other weight (embeddings, norms, the
 LM head) is the base's, which the engines loaded from ``model.path`` and LoRA never
-changes. The engine path is then today's, unchanged (a subset of names is a valid
-``update_weights``), in every engine. Merged weights cost out × in per targeted layer
+changes (a :class:`~asyncrl.engine.protocol.FullWeights` of those names: any engine loads
+it). Merged weights cost out × in per targeted layer
 instead of r × (in + out), and are the same function as the learner's adapter forward up
 to float rounding (x·Wᵀ + s·(x·Aᵀ)·Bᵀ versus x·(W + s·B·A)ᵀ: the two round differently,
 so engine and learner logprobs agree within 1e-4 in float32, not bit for bit: the bound
-tests/test_lora.py checks). ``model.lora.sync: adapters`` sends A, B and the scale alone
-(:func:`adapter_payload`) and the built-in engine merges them into its own copy of the
-base with the same :func:`merged_weight`: bit for bit the merged sync's weights
-(``asyncrl/engine/adapters.py`` argues it).
+tests/test_lora.py checks). Where the engine takes them (the default, ``export.py``
+decides) a sync sends A, B and the scale alone instead (:func:`adapter_update`, an
+:class:`~asyncrl.engine.protocol.AdapterUpdate`) and the built-in engine merges them into
+its own copy of the base with the same :func:`merged_weight`: bit for bit the merged
+sync's weights (``asyncrl/engine/adapters.py`` argues it).
 
 ``peft`` is an optional dependency (the ``lora`` extra): it is imported only when
 ``model.lora`` is set, so full fine-tuning never needs it.
@@ -29,7 +30,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from asyncrl.config import ConfigError, LoraConfig, ModelConfig
-from asyncrl.engine.adapters import adapter_entries, merged_weight
+from asyncrl.engine.adapters import merged_weight
+from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
 from asyncrl.policy import adapter_base, merged_adapters, peft_reads_deprecated, resolve_model_path
 
 if TYPE_CHECKING:
@@ -122,18 +124,20 @@ def merged_targets(model: PeftModel, *, every_weight: bool = False) -> dict[str,
     return out
 
 
-def adapter_payload(model: PeftModel) -> dict[str, torch.Tensor]:
-    """Each adapted layer's A, B and scale under its base parameter's name
-    (``asyncrl/engine/adapters.py``: ``model.lora.sync: adapters``, the built-in engine
-    merges them itself). New tensors."""
+def adapter_update(model: PeftModel) -> AdapterUpdate:
+    """Each adapted layer's A, B and scale under its base parameter's name, as the engine
+    contract's :class:`~asyncrl.engine.protocol.AdapterUpdate` (the built-in engine merges
+    them itself: ``asyncrl/engine/adapters.py``). New tensors."""
     from peft.tuners.lora import LoraLayer
 
-    out = {}
+    layers = {}
     for name, layer in model.get_base_model().named_modules():
         if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
-            out.update(adapter_entries(f"{name}.weight", layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight,
-                                       layer.scaling[ADAPTER], layer.fan_in_fan_out))
-    return out
+            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
+            layers[f"{name}.weight"] = LayerAdapter(a.detach().clone(), b.detach().clone(),
+                                                    float(layer.scaling[ADAPTER]), bool(layer.fan_in_fan_out))
+    config = model.peft_config[ADAPTER]
+    return AdapterUpdate(layers, rank=config.r, alpha=float(config.lora_alpha))
 
 
 def base_copy(model: PeftModel) -> PreTrainedModel:

@@ -46,7 +46,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from asyncrl.config import Config, ConfigError, EngineServerConfig
-from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, RolloutEngine
+from asyncrl.engine.protocol import EngineClosedError, FullWeights, PromptTooLongError, RolloutEngine
 from asyncrl.json_api import Refused, error_response, listen, read_body
 from asyncrl.rollout.gateway.access import is_loopback
 from asyncrl.types import Completion, SamplingParams
@@ -221,7 +221,7 @@ class EngineServer:
         except ValueError:
             raise Refused(400, f"new_version must be an integer (asyncrl's policy version), got {body.new_version!r}",
                           "new_version") from None
-        await self.engine.update_weights({}, version)  # no tensor: the label alone
+        await self.engine.update_weights(FullWeights({}), version)  # no tensor: the label alone
         return web.json_response({"success": True, "new_version": body.new_version})
 
     async def _weight_info(self, request: web.Request) -> web.Response:
@@ -238,7 +238,7 @@ class EngineServer:
                           "kwargs.weights_path")
         weights = await asyncio.to_thread(_read_weights, Path(path))
         try:
-            await self.engine.update_weights(weights, self.engine.version)
+            await self.engine.update_weights(FullWeights(weights), self.engine.version)
         except KeyError as exc:
             raise Refused(400, f"{path}: {exc.args[0]}", "kwargs.weights_path") from None
         return web.json_response({"results": [None]})

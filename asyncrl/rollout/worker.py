@@ -34,8 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
-from asyncrl.engine.adapters import has_adapters
-from asyncrl.engine.protocol import TokenSink
+from asyncrl.engine.protocol import AdapterUpdate, FullWeights, TokenSink, WeightUpdate, as_update
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.rollout.gateway import Gateway
 from asyncrl.rollout.gateway.tool_calls import resolve_format
@@ -64,7 +63,7 @@ CHECKPOINT_ABORT_WAIT_S = 5.0
 
 class RolloutWorker:
     def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, weights: Mapping[str, torch.Tensor] | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, weights: WeightUpdate | None = None,
                  version: int = 0, seed: int = 0, num_threads: int | None = None, eval_replica: bool = False) -> None:
         """``model``/``tokenizer`` given: use them (in-process). Otherwise load them from
         ``model.path`` here, in the worker's own process. ``weights``: the latest published,
@@ -133,9 +132,10 @@ class RolloutWorker:
                 await self.engine.update_weights(applied, self._version)
             return
         model = self._model if self._model is not None else load_policy(self.cfg.model)[0]
-        adapters = self._weights is not None and has_adapters(self._weights)
-        if self._weights is not None and not adapters:
-            model.load_state_dict(dict(self._weights), strict=False)  # tied weights appear once in an export
+        update = as_update(self._weights) if self._weights is not None else None
+        adapters = isinstance(update, AdapterUpdate)
+        if isinstance(update, FullWeights):
+            model.load_state_dict(dict(update.tensors), strict=False)  # tied weights appear once in an export
         make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
                                            seed=seed, version=self._version, num_threads=self._num_threads,
                                            weight_noise=self.cfg.rollout.engine_weight_noise,
@@ -144,10 +144,10 @@ class RolloutWorker:
         if self._eval_replica:
             self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
         self.engine = make(model, self._seed)
-        if adapters:  # model.lora.sync=adapters: each engine merges them into its copy of the base
+        if adapters:  # each engine merges them into its own copy of the base (engine/adapters.py)
             for engine in (self.engine, self.eval_engine):
                 if engine is not None:
-                    await engine.update_weights(self._weights, self._version)
+                    await engine.update_weights(update, self._version)
 
     async def ready_engine(self) -> RolloutEngine:
         """The engine once started (raises what stopped it from starting)."""
@@ -254,7 +254,7 @@ class RolloutWorker:
         finally:
             await self.engine.resume()
 
-    async def evaluate(self, tasks: list[Task], version: int, weights: Mapping[str, torch.Tensor] | None = None,
+    async def evaluate(self, tasks: list[Task], version: int, weights: WeightUpdate | None = None,
                        on_episode: Callable[[Episode], None] | None = None) -> EvalResult:
         """Score ``tasks`` on ``version``: on the evaluation replica, loading ``weights``
         first when given, else on the rollout engine (which must serve ``version``)."""
@@ -271,7 +271,7 @@ class RolloutWorker:
                                   max_concurrent=self.cfg.rollout.max_concurrent_episodes,
                                   success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
 
-    async def sync_weights(self, weights: Mapping[str, torch.Tensor], version: int, mode: str) -> list[int]:
+    async def sync_weights(self, weights: WeightUpdate, version: int, mode: str) -> list[int]:
         """Load ``weights`` as ``version``. What happens to generation under way:
         ``continue``: it goes on with the new weights (in-flight update); ``abort``: it
         returns now and the client resumes it with prompt + partial tokens; ``off``: it

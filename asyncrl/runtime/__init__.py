@@ -139,7 +139,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                 await learner.load_checkpoint(checkpoint)
             if isinstance(transport, InProcess):
                 model = worker.learner.policy_copy()  # the engine's own copy of the weights
-                if checkpoint is not None and cfg.model.lora is not None and cfg.model.lora.sync == "adapters":
+                if checkpoint is not None and worker.learner.update_kind == "adapters":
                     weights = await learner.publish()  # that copy is the base: the engine merges the adapters
             elif checkpoint is not None:
                 weights = await learner.publish()

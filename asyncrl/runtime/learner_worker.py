@@ -22,6 +22,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError
+from asyncrl.engine.protocol import WeightUpdate
 from asyncrl.heap import HeapTrimmer
 from asyncrl.learner import Learner, TrainBatch
 from asyncrl.learner.distributed import (
@@ -33,6 +34,7 @@ from asyncrl.learner.distributed import (
     local_bytes,
     rank_device,
 )
+from asyncrl.learner.export import update_kind
 from asyncrl.policy import load_policy
 
 T = TypeVar("T")
@@ -78,7 +80,8 @@ class LearnerWorker:
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
                                temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
                                share_prompts=c.learner.share_prompts, lora=c.model.lora, autocast=c.learner.autocast,
-                               send_every_weight=c.engine != "torch")
+                               update=update_kind(c.model.lora, engine=c.engine,
+                                                  same_dtype=c.engine_dtype == c.model.dtype))
 
     def leave(self) -> None:
         """Close what ``apply`` attached, then leave the process group."""
@@ -111,9 +114,9 @@ class LearnerWorker:
         self._heap.trim()
         return metrics
 
-    def publish(self) -> dict[str, torch.Tensor]:
-        """The full weights (on rank 0; ``{}`` on the others); with LoRA the targeted layers
-        merged (``Learner.engine_weights``)."""
+    def publish(self) -> WeightUpdate:
+        """What the engines load (on rank 0; an empty ``FullWeights`` on the others): the
+        run's one kind of update (``Learner.engine_weights``, ``asyncrl/learner/export.py``)."""
         return self.learner.export_weights()
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:

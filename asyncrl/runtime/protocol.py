@@ -7,7 +7,8 @@ runtime (``LearnerGroup`` in ``transport.py``): each call of :class:`LearnerHand
 learner call is one method on ``LearnerWorker``, its line here and its line in
 ``LearnerGroup``.
 
-Published weights are opaque to the orchestrator: a dict of tensors in-process,
+Published weights are opaque to the orchestrator: a ``WeightUpdate`` in-process
+(``asyncrl/engine/protocol.py``: full weights or LoRA adapters, the learner's choice),
 :class:`StoredWeights` on Ray; it only carries them from ``publish`` to
 ``sync_weights``/``evaluate``. ``apply`` is how a part below the runtime (weight sync)
 installs and drives its own state inside the workers without a method on every handle.
@@ -27,7 +28,8 @@ from asyncrl.tasks.base import Task
 from asyncrl.types import Episode
 
 Weights = Any
-"""What ``LearnerHandle.publish`` returns: a snapshot of the weights at one version."""
+"""What ``LearnerHandle.publish`` returns: a snapshot of the weights at one version (a
+``WeightUpdate``, or on Ray a :class:`StoredWeights` holding one)."""
 
 
 @dataclass(frozen=True)

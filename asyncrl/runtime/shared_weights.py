@@ -24,8 +24,11 @@ import math
 import mmap
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from asyncrl.engine.protocol import WeightUpdate, as_update, flatten_update, unflatten_update
 
 ALIGN = 64
 """Each tensor starts at a multiple of this many bytes, so every dtype views it in place."""
@@ -62,12 +65,14 @@ class Layout:
 
 @dataclass(frozen=True)
 class SharedSnapshot:
-    """What rank 0 replies to ``publish``: which block (a count of the blocks it made) and
-    the layout. ``new``: the block's descriptor follows this reply on the rank's socket."""
+    """What rank 0 replies to ``publish``: which block (a count of the blocks it made), the
+    layout, and the kind of update the tensors make (``engine.protocol.flatten_update``'s
+    header). ``new``: the block's descriptor follows this reply on the rank's socket."""
 
     block: int
     layout: Layout
     new: bool
+    kind: Any = ("full",)
 
 
 class _Mapped:
@@ -96,9 +101,10 @@ class WeightBlock:
         self._layout: Layout | None = None
         self._made = 0
 
-    def write(self, weights: dict[str, torch.Tensor]) -> SharedSnapshot:
-        """Copy ``weights`` in. Raises :class:`BlockUnavailable` when a new block is needed
-        and cannot be made; the caller sends the weights another way."""
+    def write(self, update: WeightUpdate | dict[str, torch.Tensor]) -> SharedSnapshot:
+        """Copy ``update``'s tensors in. Raises :class:`BlockUnavailable` when a new block is
+        needed and cannot be made; the caller sends the weights another way."""
+        kind, weights = flatten_update(as_update(update))
         layout = Layout.of(weights)
         new = layout != self._layout
         if new:
@@ -110,7 +116,7 @@ class WeightBlock:
             flat = self._block.flat()
             for name, view in layout.views(flat).items():
                 view.copy_(weights[name].detach().to("cpu"))
-        return SharedSnapshot(self._made, layout, new)
+        return SharedSnapshot(self._made, layout, new, kind)
 
     def descriptor(self) -> int:
         """The current block's file descriptor, to pass to the driver after a new snapshot."""
@@ -153,7 +159,7 @@ class WeightReader:
         self.close()
         self._block, self._id = _Mapped(fd, snapshot.layout.nbytes), snapshot.block
 
-    def read(self, snapshot: SharedSnapshot) -> dict[str, torch.Tensor]:
+    def read(self, snapshot: SharedSnapshot) -> WeightUpdate:
         if self._block is None or self._id != snapshot.block:
             raise RuntimeError(f"weights published in block {snapshot.block}, whose descriptor never arrived")
         nbytes = snapshot.layout.nbytes
@@ -162,7 +168,7 @@ class WeightReader:
             block = self._block.flat()
             flat.copy_(block)
             del block
-        return snapshot.layout.views(flat)
+        return unflatten_update(snapshot.kind, snapshot.layout.views(flat))
 
     def close(self) -> None:
         if self._block is not None:

@@ -23,7 +23,7 @@ the same sequence whenever the engine holds the learner's weights.
 
 Beside the check, :meth:`DeliveryCheck.after_sync` reports ``weight_sync/bytes``: the bytes
 one engine is sent per sync (``Learner.engine_weights``: every parameter with full
-fine-tuning, the targeted layers merged with LoRA), counted once (the names and shapes
+fine-tuning; with LoRA the adapters, or the targeted layers merged), counted once (the names and shapes
 never change within a run).
 """
 
@@ -124,7 +124,7 @@ def learner_probe(worker: Any, sequences: list[tuple[list[int], list[int]]]) -> 
 
 def engine_weight_bytes(worker: Any) -> int:
     """The bytes of what one engine is sent per sync (``Learner.engine_weights``)."""
-    return sum(t.numel() * t.element_size() for t in worker.learner.engine_weights().values())
+    return worker.learner.engine_weights().nbytes
 
 
 # ------------------------------------------------------------ the trainer's side
@@ -196,8 +196,8 @@ class DeliveryCheck:
                     f"logprobs on the delivery probe differ from the learner's by up to {diff:.3g} (max |Δ|; "
                     f"weight_sync.check_tolerance={self.tolerance:g}). The engine reports version {version} but "
                     "does not compute the policy the learner trained, so it samples from other weights. Check that "
-                    "the engine loads what the learner sends (its update_weights; with model.lora the targeted "
-                    "layers merged under the base model's parameter names); if the difference is rounding "
+                    "the engine loads what the learner sends (its update_weights: FullWeights, or with model.lora "
+                    "an AdapterUpdate it merges onto its base); if the difference is rounding "
                     "(float16, another engine's kernels), raise weight_sync.check_tolerance; "
                     "weight_sync.check_every=0 turns the check off.", probe_max_abs_diff=diff)
             worst = max(worst, diff)

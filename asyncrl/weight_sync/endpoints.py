@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrl.engine.protocol import flatten_update, unflatten_update
 from asyncrl.learner import Learner
 from asyncrl.weight_sync.buckets import fingerprint
 from asyncrl.weight_sync.group import SyncAddress, WeightReceiver, WeightSender, WeightSyncError
@@ -54,12 +55,14 @@ def open_sender(worker: LearnerEnd, receivers: int, bucket_mb: float, timeout_s:
 
 def connect_sender(worker: LearnerEnd) -> None:
     """Rank 0 waits for every receiver, then forms the group. The layout comes from the
-    names, global shapes and dtypes of what the engines load (``Learner.engine_weights``:
-    the parameters, or with LoRA the targeted layers merged; a sharded learner's DTensors
-    report the full tensor's), so no gather is needed to plan it."""
+    names, global shapes and dtypes of what the engines load (``Learner.engine_weights``,
+    flattened: ``engine.protocol.flatten_update``, whose header, the kind of update, the
+    receivers get with the layout; a sharded learner's DTensors report the full tensor's),
+    so no gather is needed to plan it."""
     if worker.rank == 0:
-        _sender(worker).connect((name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
-                                for name, p in worker.learner.engine_weights().items())
+        kind, tensors = flatten_update(worker.learner.engine_weights())
+        _sender(worker).connect(((name, torch.empty(p.shape, dtype=p.dtype, device="meta"))
+                                 for name, p in tensors.items()), kind=kind)
 
 
 def send(worker: LearnerEnd, version: int) -> None:
@@ -68,11 +71,11 @@ def send(worker: LearnerEnd, version: int) -> None:
     sends them; the other ranks return."""
     learner = worker.learner
     if learner.sharding is None:
-        _sender(worker).send(version, learner.engine_weights())
+        _sender(worker).send(version, flatten_update(learner.engine_weights())[1])
         return
     weights = learner.export_weights()
     if learner.is_main:
-        _sender(worker).send(version, weights)
+        _sender(worker).send(version, flatten_update(weights)[1])
 
 
 def close_sender(worker: LearnerEnd) -> None:
@@ -111,8 +114,8 @@ async def receive(worker: RolloutEnd, index: int, version: int, mode: str) -> in
     receiver = worker.attached.get(RECEIVER)
     if receiver is None:
         raise WeightSyncError(f"rollout worker {index} has not joined the weight-sync group")
-    weights = await asyncio.to_thread(receiver.receive, version)
-    return (await worker.sync_weights(weights, version, mode))[0]
+    tensors = await asyncio.to_thread(receiver.receive, version)
+    return (await worker.sync_weights(unflatten_update(receiver.kind or ("full",), tensors), version, mode))[0]
 
 
 async def close_receiver(worker: RolloutEnd, index: int) -> None:

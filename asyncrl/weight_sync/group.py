@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -110,12 +111,14 @@ class WeightSender:
     def receivers(self) -> range:
         return range(1, self.address.world_size)
 
-    def connect(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def connect(self, named: Iterable[tuple[str, torch.Tensor]], kind: Any = None) -> None:
         """Wait for every receiver to join (naming those that do not), publish the bucket
-        layout of ``named`` (what :meth:`send` will send), then build the group."""
+        layout of ``named`` (what :meth:`send` will send) and ``kind`` (JSON: what the
+        tensors are, read back as :attr:`WeightReceiver.kind`), then build the group."""
         self._plan = plan_buckets(named, self.bucket_bytes)
         _wait_keys(self._store, {r: f"join/{r}" for r in self.receivers}, self.timeout_s,
                    "join the weight-sync group")
+        self._store.set("kind", json.dumps(kind))
         self._store.set("layout", json.dumps([b.to_json() for b in self._plan]))
         self._group = _new_group(self._store, 0, self.address.world_size, self.backend, self.timeout_s)
 
@@ -166,6 +169,7 @@ class WeightReceiver:
         self._store: dist.Store | None = None
         self._group: dist.ProcessGroup | None = None
         self._plan: list[Bucket] = []
+        self.kind: Any = None  # what the sender said its tensors are (WeightSender.connect)
 
     def join(self) -> None:
         """Reach the learner's store, say so, read the layout, build the group (blocks until
@@ -179,6 +183,7 @@ class WeightReceiver:
         self._store.set(f"join/{self.rank}", "1")
         _wait_keys(self._store, {0: "layout"}, _PATIENCE * a.timeout_s, "publish the weight-sync layout")
         self._plan = [Bucket.from_json(b) for b in json.loads(self._store.get("layout"))]
+        self.kind = json.loads(self._store.get("kind"))  # set before the layout
         self._group = _new_group(self._store, self.rank, a.world_size, a.backend, a.timeout_s)
 
     def receive(self, version: int) -> dict[str, torch.Tensor]:
