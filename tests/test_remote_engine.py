@@ -312,12 +312,13 @@ def test_a_groups_samples_go_to_one_server_and_other_prompts_to_the_least_loaded
 
 # ------------------------------------------------------- slow: serve-engine processes
 class ServeEngine:
-    """``python -m asyncrl.cli serve-engine CONFIG`` on a free port (or ``port``)."""
+    """``python -m asyncrl.cli serve-engine CONFIG`` on a free port (or ``port``), one engine
+    thread: several share the machine (docs/scaling.md)."""
 
     def __init__(self, config: str, *overrides: str, port: int = 0) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "serve-engine", config,
-                                      f"engine_server.port={port}", *overrides],
+                                      f"engine_server.port={port}", "rollout.num_threads=1", *overrides],
                                      cwd=ROOT, stderr=subprocess.PIPE, text=True, env=env)
         self.lines: list[str] = []
         self.url: str | None = None
@@ -415,4 +416,4 @@ def test_a_server_killed_mid_run_is_named_its_requests_reissued_and_when_back_us
     want = asyncio.run(in_process(_policy("models/countdown-tiny"), requests))
     for g, w in zip(done, want):  # re-issued from what had arrived: the same tokens as without the kill
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
-        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+        assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)  # batched vs alone: float32 sums
