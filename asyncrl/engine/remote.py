@@ -129,7 +129,7 @@ class RemoteEngine:
         self._in_flight = 0
         self._own_dir = settings.weights_dir is None
         self._weights_dir = Path(settings.weights_dir or tempfile.mkdtemp(prefix="asyncrl-weights-"))
-        self._weights_file: Path | None = None  # the latest weights written: what a revived server loads
+        self._weights_file: Path | None = None  # the latest weights' directory: what a revived server loads
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
         self.stats = RemoteStats()
@@ -137,7 +137,8 @@ class RemoteEngine:
     @classmethod
     async def connect(cls, settings: RemoteConfig, *, version: int = 0) -> RemoteEngine:
         """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``,
-        read its model card, and label it ``version``."""
+        read its model card, label it ``version`` and resume it (a trainer that died during
+        a sync leaves its servers paused)."""
         engine = cls(settings, version=version)
         try:
             await engine._start()
@@ -168,6 +169,7 @@ class RemoteEngine:
                     await asyncio.sleep(0.5)
             await self._read_card(server)
             await self._call(server, "POST", "/update_weight_version", {"new_version": str(self._version)})
+            await self._call(server, "POST", "/resume")  # a trainer that died mid-sync may have left it paused
             server.version, server.usable = self._version, True
 
         await asyncio.gather(*[ready(s) for s in self.servers])
@@ -366,7 +368,7 @@ class RemoteEngine:
         if isinstance(update, AdapterUpdate):
             raise TypeError("engine=remote loads whole weights from files, not LoRA adapters: send FullWeights "
                             "(model.lora.sync=merged, which model.lora.sync=auto picks for engine=remote)")
-        path = self._weights_dir / f"weights-v{version}.safetensors"
+        path = self._weights_dir / f"v{version}"  # a directory: vLLM's reload_weights loads a checkpoint dir
         tensors = {name: t.detach().cpu().contiguous() for name, t in update.tensors.items()}
         await asyncio.to_thread(_write_atomically, tensors, path)  # before pausing: a shorter stall
         paused_here = not self._paused
@@ -377,7 +379,7 @@ class RemoteEngine:
                 await asyncio.gather(*[self._load(s, path, version) for s in self.servers if s.usable])
                 old, self._weights_file, self._version = self._weights_file, path, version
                 if old is not None and old != path:
-                    old.unlink(missing_ok=True)
+                    shutil.rmtree(old, ignore_errors=True)
                 self._affinity.clear()  # prefix caches were dropped with the old weights
         finally:
             if paused_here:
@@ -501,11 +503,13 @@ class RemoteEngine:
         self.stats.set_busy(self._in_flight > 0 and not self._paused)
 
 
-def _write_atomically(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    """Written beside ``path`` and renamed: a server never reads half a file."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+def _write_atomically(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """``directory/model.safetensors``, written beside it and renamed into place: a server
+    never reads half a file, and a checkpoint-format loader sees one complete file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".model.safetensors.tmp{os.getpid()}"
     save_file(tensors, str(tmp))
-    os.replace(tmp, path)
+    os.replace(tmp, directory / "model.safetensors")
 
 
 def _token_id(token: str) -> int:
