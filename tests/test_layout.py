@@ -92,6 +92,7 @@ FLOORS = {
     # deprecated aliases of paths that moved under asyncrl.rollout, each on the floor of what it aliases
     "asyncrl.client": 1, "asyncrl.workflows": 2, "asyncrl.gateway": 2,
     "asyncrl.tasks.verifiers_env": 2,  # its tasks stayed in tasks/, its agent moved to rollout/workflows/
+    "asyncrl.rollout.engine_server": 2,  # asyncrl serve-engine: a worker's engine over vLLM's HTTP API
     # 3 where the parts run
     "asyncrl.runtime": 3,
     # 4 runs: the gate, the loops, the entry points of train, eval, serve and sft

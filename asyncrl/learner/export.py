@@ -10,7 +10,7 @@ Four kinds, two types (``asyncrl/engine/protocol.py``):
 - ``merged``: each targeted layer's W + s·B·A — :class:`FullWeights` of those names only
   (the rest is the base the engine loaded from ``model.path``);
 - ``merged_every_weight``: the same and the frozen rest too, for an engine that reloads
-  whole models only (vLLM).
+  whole models only (vLLM, and ``engine: remote``, whose servers may be ``vllm serve``).
 
 :func:`update_kind` makes the choice from the config; :func:`engine_update` and
 :func:`engine_start` are the only places that act on it, so "where do adapters reach the
@@ -42,7 +42,7 @@ def update_kind(lora: LoraConfig | None, *, engine: str = "torch", same_dtype: b
         return "full"
     if lora.sync == "adapters" or (lora.sync == "auto" and engine == "torch" and same_dtype):
         return "adapters"
-    return "merged_every_weight" if engine == "vllm" else "merged"
+    return "merged_every_weight" if engine in ("vllm", "remote") else "merged"  # remote: vllm serve reloads whole
 
 
 def engine_update(module: torch.nn.Module, kind: UpdateKind) -> WeightUpdate:

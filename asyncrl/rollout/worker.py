@@ -112,7 +112,11 @@ class RolloutWorker:
             self._ready.set()
 
     async def _build_engines(self) -> None:
-        if self.cfg.engine == "vllm":
+        if self.cfg.engine == "remote":  # servers the user started (asyncrl serve-engine, vllm serve)
+            from asyncrl.engine.remote import RemoteEngine
+
+            self.engine = await RemoteEngine.connect(self.cfg.remote, version=self._version)
+        elif self.cfg.engine == "vllm":
             from asyncrl.engine.vllm_engine import VLLMEngine, engine_args
 
             device = self.cfg.model.device
@@ -121,6 +125,7 @@ class RolloutWorker:
             self.engine = await VLLMEngine.start(path, seed=self._seed, version=self._version,
                                                  max_batch_size=self.cfg.rollout.max_batch_size,
                                                  dtype=self.cfg.engine_dtype, **engine_args(self.cfg.vllm, on_cpu=on_cpu))
+        if self.engine is not None:
             applied = None
             while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
                 applied = self._weights

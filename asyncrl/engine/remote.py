@@ -1,0 +1,534 @@
+"""``engine: remote``: the rollout engine contract kept over HTTP, against a fleet of servers
+the user started (``asyncrl serve-engine``, or ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1``),
+all behind this one client.
+
+Verb by verb (vLLM's HTTP API; ``asyncrl/rollout/engine_server.py`` serves the same):
+
+* ``generate``: ``POST /v1/completions`` with ``prompt`` as token ids, ``stream``,
+  ``logprobs=0``, ``return_tokens_as_token_ids``, ``stop_token_ids``, ``ignore_eos``, the
+  request's ``seed``; ``max_tokens`` capped by the context each server reports
+  (``GET /v1/models``: ``max_model_len``). The logprob contract (log softmax(logits / T)) is
+  vLLM's ``--logprobs-mode processed_logprobs``, so top-k/top-p are refused, as with
+  ``engine: vllm``.
+* ``pause(mode)``: the client stops sending and ``POST /pause?mode=…`` goes to every server;
+  ``resume``: ``POST /resume`` to every server, then the client sends again.
+  ``abort`` hands the partial tokens back (finish reason ``abort``; the caller resumes them).
+  ``keep`` is an abort the client resumes by itself after ``resume`` (prompt + tokens so far,
+  the same seed): a sequence held over a weight update recomputes its KV cache on the new
+  weights, as vLLM's own keep does when the update resets its prefix cache, and every HTTP
+  request then runs on one version. ``wait`` drains on the servers (``mode=wait``).
+* ``update_weights``: the weights are written once as safetensors to ``remote.weights_dir``;
+  each server (all paused: the client pauses them itself if the caller did not) loads them
+  with ``POST /collective_rpc`` ``reload_weights(weights_path=…)``, drops its prefix cache
+  (``POST /reset_prefix_cache``) and takes the new label (``POST /update_weight_version``).
+* versions: a token's version is the weights that sampled it. ``serve-engine`` returns each
+  token's version with the completion (its ``completion.weight_versions``); from a server
+  that returns none (``vllm serve``) a request's tokens carry the version the client set on
+  that server before sending it: versions change only while every server is paused, and a
+  pause ends every request it finds running (abort and keep), or lets it finish (wait).
+
+The fleet: a group's samples share a prompt, and requests with the same prompt go to the
+same server (its prefix cache) while it is up; others to the server with the fewest
+requests in flight. A server that fails (connection lost, ``503``, nothing received for
+``remote.request_timeout_s``) is named on stderr, left out, and its requests are re-issued on
+the others from the tokens received with their logprobs; its ``/health`` is polled and, when
+it answers again, it gets the current weights and version and is used again. With no server
+left, requests raise ``EngineClosedError`` naming each one and why it was lost (the run
+stops, exit 1). Every control call has a deadline (``remote.control_timeout_s``; a weight
+load ``remote.weight_load_timeout_s``) and a failure says which server, which call, and how
+long it waited.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from safetensors.torch import save_file
+
+from asyncrl.config import RemoteConfig
+from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, PauseMode, PromptTooLongError, TokenSink,
+                                     WeightUpdate, as_update)
+from asyncrl.engine.vllm_engine import VLLMStats
+from asyncrl.types import Completion, FinishReason, SamplingParams
+
+TOKEN_PREFIX = "token_id:"
+AFFINITY_SIZE = 4096
+"""Prompts whose server the client remembers (their samples share its prefix cache)."""
+_FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
+
+
+class ServerLost(Exception):
+    """A server stopped answering; ``tokens``/``logprobs``: what the request had received."""
+
+    def __init__(self, reason: str, tokens: list[int] | None = None, logprobs: list[float] | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.tokens, self.logprobs = reason, tokens or [], logprobs or []
+
+
+class ControlError(RuntimeError):
+    """A control call that failed on a server that is up (a refusal, not a lost server)."""
+
+
+@dataclass(eq=False)
+class Server:
+    url: str
+    model: str = ""
+    max_model_len: int = 0
+    version: int | None = None  # the label this client last set there (None: unknown)
+    usable: bool = False
+    lost_reason: str | None = None
+    in_flight: int = 0
+    requests: int = 0
+
+
+class RemoteStats(VLLMStats):
+    """What the trainer reads (``busy_s``: wall time with a request in flight and the client
+    not paused, as for vLLM in-process; the servers' own step times stay with them), and
+    the fleet's counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received = 0  # token ids that came over the wire, those without logprobs (yet) included
+        self.servers_lost = 0
+        self.reissued_requests = 0
+        self.reissued_tokens = 0  # tokens carried over to another server instead of sampled again
+
+
+class RemoteEngine:
+    """``StreamingEngine`` over the servers at ``settings.urls``. Build it with
+    ``await RemoteEngine.connect(settings, version=…)``."""
+
+    def __init__(self, settings: RemoteConfig, *, version: int = 0) -> None:
+        if not settings.urls:
+            raise ValueError("engine=remote needs remote.urls: the base URLs of the servers (http://host:port)")
+        self.settings = settings
+        self.servers = [Server(url.rstrip("/")) for url in settings.urls]
+        self._version = version
+        self._session: aiohttp.ClientSession | None = None
+        self._open = asyncio.Event()  # set: requests may be sent
+        self._open.set()
+        self._pauses = 0  # pauses so far; _modes[k]: the mode of the k-th
+        self._modes: dict[int, PauseMode] = {}
+        self._paused = False
+        self._control = asyncio.Lock()  # pause, resume, update and a revival, one at a time
+        self._affinity: OrderedDict[tuple[int, ...], Server] = OrderedDict()
+        self._in_flight = 0
+        self._own_dir = settings.weights_dir is None
+        self._weights_dir = Path(settings.weights_dir or tempfile.mkdtemp(prefix="asyncrl-weights-"))
+        self._weights_file: Path | None = None  # the latest weights' directory: what a revived server loads
+        self._watch: asyncio.Task[None] | None = None
+        self._closed = False
+        self.stats = RemoteStats()
+
+    @classmethod
+    async def connect(cls, settings: RemoteConfig, *, version: int = 0) -> RemoteEngine:
+        """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``,
+        read its model card, label it ``version`` and resume it (a trainer that died during
+        a sync leaves its servers paused)."""
+        engine = cls(settings, version=version)
+        try:
+            await engine._start()
+        except BaseException:
+            await engine.shutdown()
+            raise
+        return engine
+
+    async def _start(self) -> None:
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        # no cap on connections: a pause must never queue behind the streams it is meant to stop
+        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                              connector=aiohttp.TCPConnector(limit=0))
+        self._weights_dir.mkdir(parents=True, exist_ok=True)
+
+        async def ready(server: Server) -> None:
+            deadline = time.monotonic() + self.settings.control_timeout_s
+            while True:
+                try:
+                    await self._call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
+                    break
+                except ServerLost as exc:
+                    if time.monotonic() > deadline:
+                        raise EngineClosedError(
+                            f"engine server {server.url} did not answer GET /health within "
+                            f"{self.settings.control_timeout_s:g} s (remote.control_timeout_s): {exc.reason}. Start "
+                            "it first (asyncrl serve-engine CONFIG, or vllm serve), then the trainer") from None
+                    await asyncio.sleep(0.5)
+            await self._read_card(server)
+            await self._call(server, "POST", "/update_weight_version", {"new_version": str(self._version)})
+            await self._call(server, "POST", "/resume")  # a trainer that died mid-sync may have left it paused
+            server.version, server.usable = self._version, True
+
+        await asyncio.gather(*[ready(s) for s in self.servers])
+        self._watch = asyncio.create_task(self._watch_lost(), name="asyncrl-remote-health")
+
+    async def _read_card(self, server: Server) -> None:
+        card = (await self._call(server, "GET", "/v1/models"))["data"][0]
+        server.model = card["id"]
+        server.max_model_len = int(card.get("max_model_len") or 0)
+        if server.max_model_len < 1:
+            raise ControlError(f"engine server {server.url}: GET /v1/models gives no max_model_len for {server.model}")
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def num_in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def max_model_len(self) -> int:
+        """The smallest context of the servers: a request must fit wherever it is re-issued."""
+        return min((s.max_model_len for s in self.servers if s.max_model_len), default=0)
+
+    # ----------------------------------------------------------------- generate
+    async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
+                       on_tokens: TokenSink | None = None) -> Completion:
+        """``on_tokens`` gets tokens once their logprobs are in (a server's tokens without
+        them may be sampled again elsewhere): from ``vllm serve`` as they stream, from
+        ``serve-engine`` with each finished request."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must hold at least one token")
+        if sampling.top_k or sampling.top_p < 1:
+            raise ValueError("engine=remote cannot report logprobs before top-k/top-p truncation (vLLM renormalises "
+                             "over the kept tokens); use top_k=0, top_p=1")
+        context = self.max_model_len
+        if len(prompt_ids) >= context:
+            raise PromptTooLongError(len(prompt_ids), context)
+        budget = min(sampling.max_tokens, context - len(prompt_ids))
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        key = tuple(prompt_ids)
+        self._in_flight += 1
+        self._update_busy()
+        try:
+            while True:
+                await self._open.wait()
+                server = self._pick(key)
+                started_in = self._pauses  # a pause after this one is what aborts this request
+                sent_version = server.version if server.version is not None else self._version
+                try:
+                    new, new_logprobs, new_versions, finish = await self._complete(
+                        server, prompt_ids + tokens, sampling, budget - len(tokens))
+                    asked = self._modes.get(started_in + 1)  # the pause that ended it, if one did
+                    if finish == "abort" and asked is None:  # no pause of ours: the server is going down
+                        raise ServerLost("it aborted a request no pause asked to abort (shutting down?)",
+                                         new, new_logprobs)
+                except ServerLost as lost:
+                    self._lose(server, lost.reason)
+                    tokens += lost.tokens
+                    logprobs += lost.logprobs
+                    versions += [sent_version] * len(lost.tokens)
+                    self.stats.reissued_requests += 1
+                    self.stats.reissued_tokens += len(tokens)
+                    if on_tokens is not None and lost.tokens:
+                        on_tokens(list(lost.tokens))
+                    if len(tokens) >= budget:
+                        return Completion(tokens, logprobs, versions, "length")
+                    continue
+                tokens += new
+                logprobs += new_logprobs
+                versions += new_versions if new_versions is not None else [sent_version] * len(new)
+                self.stats.tokens += len(new)
+                if on_tokens is not None and new:
+                    on_tokens(list(new))
+                if finish == "abort" and asked == "keep" and len(tokens) < budget:
+                    continue  # held: sent again once the client resumes
+                return Completion(tokens, logprobs, versions, finish)
+        finally:
+            self._in_flight -= 1
+            self._update_busy()
+
+    def _pick(self, key: tuple[int, ...]) -> Server:
+        usable = [s for s in self.servers if s.usable]
+        if not usable:
+            raise EngineClosedError("no engine server is left: " + "; ".join(
+                f"{s.url} ({s.lost_reason or 'not connected'})" for s in self.servers)
+                + ". Restart them (asyncrl serve-engine CONFIG, or vllm serve) and resume the run")
+        server = self._affinity.get(key)
+        if server is None or not server.usable:
+            server = min(usable, key=lambda s: s.in_flight)
+            self._affinity[key] = server
+            if len(self._affinity) > AFFINITY_SIZE:
+                self._affinity.popitem(last=False)
+        else:
+            self._affinity.move_to_end(key)
+        return server
+
+    async def _complete(self, server: Server, prompt: list[int], sampling: SamplingParams,
+                        max_tokens: int) -> tuple[list[int], list[float], list[int] | None, FinishReason]:
+        """One streamed request. Returns the tokens, their logprobs, their versions where the
+        server gives them, and the finish reason; raises ``ServerLost`` with what arrived."""
+        body: dict[str, Any] = {
+            "model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": sampling.temperature,
+            "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True, "skip_special_tokens": False,
+            "logprobs": 0, "return_tokens_as_token_ids": True, "stream": True, "n": 1}
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        finish: str | None = None
+        record: dict[str, Any] | None = None
+        server.in_flight += 1
+        server.requests += 1
+        session = self._live()
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.settings.control_timeout_s,
+                                        sock_read=self.settings.request_timeout_s)
+        try:
+            async with session.post(f"{server.url}/v1/completions", json=body, timeout=timeout) as response:
+                if response.status != 200:
+                    message = _error_message(await response.text())
+                    if response.status >= 500:
+                        raise ServerLost(f"POST /v1/completions answered {response.status}: {message}")
+                    raise ControlError(f"engine server {server.url}: POST /v1/completions refused "
+                                       f"({response.status}): {message}")
+                async for raw in response.content:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    chunk = json.loads(data)
+                    if "error" in chunk:
+                        raise ServerLost(f"the stream ended in an error: {_error_message(json.dumps(chunk))}")
+                    for choice in chunk.get("choices") or []:
+                        lp = choice.get("logprobs") or {}
+                        new = [_token_id(t) for t in lp.get("tokens") or []]
+                        self.stats.received += len(new)
+                        values = lp.get("token_logprobs")
+                        if values and len(values) == len(new):  # tokens without logprobs may be sampled again
+                            tokens += new
+                            logprobs += [float(v) for v in values]
+                        if choice.get("completion") is not None:
+                            record = choice["completion"]
+                        if choice.get("finish_reason") is not None:
+                            finish = choice["finish_reason"]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+            raise ServerLost(f"POST /v1/completions: {_describe(exc)}", tokens, logprobs) from None
+        except ServerLost as exc:
+            raise ServerLost(exc.reason, tokens, logprobs) from None
+        finally:
+            server.in_flight -= 1
+        if finish is None:
+            raise ServerLost("POST /v1/completions: the stream ended without a finish reason", tokens, logprobs)
+        if finish not in _FINISH:
+            raise ControlError(f"engine server {server.url}: a completion ended with finish reason {finish!r}")
+        versions = None
+        if record is not None:  # serve-engine's own record: its logprobs and the version of each token
+            tokens, logprobs = list(record["token_ids"]), [float(v) for v in record["logprobs"]]
+            versions = [int(v) for v in record["weight_versions"]]
+        if len(logprobs) != len(tokens):
+            raise ControlError(f"engine server {server.url}: {len(logprobs)} logprobs for {len(tokens)} tokens")
+        return tokens, logprobs, versions, _FINISH[finish]
+
+    # ---------------------------------------------------------- control plane
+    async def pause(self, mode: PauseMode = "keep") -> int | None:
+        """Stop sending, then pause every server (``keep`` and ``abort``: ``mode=abort``
+        there; ``wait``: ``mode=wait``, which returns once their requests finished).
+        How many sequences an abort ended is the servers' to know: None."""
+        async with self._control:
+            self._pauses += 1
+            self._modes[self._pauses] = mode
+            self._paused = True
+            self._open.clear()
+            self._update_busy()
+            query = "wait" if mode == "wait" else "abort"
+            timeout = self.settings.request_timeout_s if mode == "wait" else self.settings.control_timeout_s
+            await self._fan_out("POST", f"/pause?mode={query}", timeout=timeout)
+        return None
+
+    async def resume(self) -> None:
+        async with self._control:
+            await self._fan_out("POST", "/resume")
+            self._paused = False
+            self._open.set()
+            self._update_busy()
+
+    async def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int) -> None:
+        """Write the weights once, then load them on every server while all are paused
+        (paused here, ``keep``, unless the caller paused them), label them ``version``.
+        :class:`FullWeights` only: LoRA adapters alone are a ``TypeError``."""
+        update = as_update(update)
+        if isinstance(update, AdapterUpdate):
+            raise TypeError("engine=remote loads whole weights from files, not LoRA adapters: send FullWeights "
+                            "(model.lora.sync=merged, which model.lora.sync=auto picks for engine=remote)")
+        path = self._weights_dir / f"v{version}"  # a directory: vLLM's reload_weights loads a checkpoint dir
+        tensors = {name: t.detach().cpu().contiguous() for name, t in update.tensors.items()}
+        await asyncio.to_thread(_write_atomically, tensors, path)  # before pausing: a shorter stall
+        paused_here = not self._paused
+        if paused_here:
+            await self.pause("keep")
+        try:
+            async with self._control:
+                await asyncio.gather(*[self._load(s, path, version) for s in self.servers if s.usable])
+                old, self._weights_file, self._version = self._weights_file, path, version
+                if old is not None and old != path:
+                    shutil.rmtree(old, ignore_errors=True)
+                self._affinity.clear()  # prefix caches were dropped with the old weights
+        finally:
+            if paused_here:
+                await self.resume()
+
+    async def _load(self, server: Server, path: Path, version: int) -> None:
+        """``reload_weights`` from ``path``, the prefix cache dropped, the label set; a server
+        lost on the way is left out (it reloads when it comes back)."""
+        try:
+            await self._call(server, "POST", "/collective_rpc",
+                             {"method": "reload_weights", "kwargs": {"weights_path": str(path)}},
+                             timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s")
+            await self._call(server, "POST", "/reset_prefix_cache", missing_ok=True)
+            await self._call(server, "POST", "/update_weight_version", {"new_version": str(version)})
+            server.version = version
+        except ServerLost as exc:
+            self._lose(server, exc.reason)
+
+    async def _fan_out(self, method: str, path: str, timeout: float | None = None) -> None:
+        async def one(server: Server) -> None:
+            try:
+                await self._call(server, method, path, timeout=timeout)
+            except ServerLost as exc:
+                self._lose(server, exc.reason)
+
+        await asyncio.gather(*[one(s) for s in self.servers if s.usable])
+
+    async def _call(self, server: Server, method: str, path: str, body: dict[str, Any] | None = None, *,
+                    timeout: float | None = None, knob: str = "remote.control_timeout_s",
+                    missing_ok: bool = False) -> Any:
+        """One control call under its deadline; ``ServerLost`` when the server does not
+        answer (in time), ``ControlError`` when it refuses."""
+        limit = self.settings.control_timeout_s if timeout is None else timeout
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(limit):
+                async with self._live().request(method, f"{server.url}{path}", json=body) as response:
+                    text = await response.text()
+        except TimeoutError:
+            raise ServerLost(f"{method} {path} did not answer within {limit:g} s ({knob})") from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise ServerLost(f"{method} {path} after {time.monotonic() - start:.1f} s: {_describe(exc)}") from None
+        if response.status == 404 and missing_ok:
+            return None
+        if response.status >= 500:
+            raise ServerLost(f"{method} {path} answered {response.status}: {_error_message(text)}")
+        if response.status != 200:
+            hint = (" (vllm serve needs VLLM_SERVER_DEV_MODE=1 for its RL routes)" if response.status == 404
+                    else "")
+            raise ControlError(f"engine server {server.url}: {method} {path} refused ({response.status}): "
+                               f"{_error_message(text)}{hint}")
+        return json.loads(text) if text.strip() else None
+
+    def _lose(self, server: Server, reason: str) -> bool:
+        """Leave ``server`` out (said once per loss); True when it was in until now."""
+        if not server.usable:
+            return False
+        server.usable, server.lost_reason = False, reason
+        self.stats.servers_lost += 1
+        left = [s.url for s in self.servers if s.usable]
+        print(f"asyncrl: engine server {server.url} lost ({reason}); its requests go to "
+              + (", ".join(left) if left else "no other: none is left"), file=sys.stderr, flush=True)
+        return True
+
+    async def _watch_lost(self) -> None:
+        """Poll lost servers' ``/health``; one that answers is brought to the current
+        weights and version (and pause state) and used again."""
+        while not self._closed:
+            await asyncio.sleep(self.settings.health_interval_s)
+            for server in [s for s in self.servers if not s.usable]:
+                try:
+                    await self._call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
+                except ServerLost:
+                    continue  # still down
+                try:
+                    async with self._control:
+                        await self._revive(server)
+                except ServerLost:
+                    continue
+                except Exception as exc:  # it answers but cannot be brought back: said, tried again later
+                    print(f"asyncrl: engine server {server.url} answers /health but could not be brought back: "
+                          f"{_describe(exc)}", file=sys.stderr, flush=True)
+
+    async def _revive(self, server: Server) -> None:
+        await self._call(server, "POST", "/pause?mode=abort")
+        await self._read_card(server)
+        info = await self._call(server, "GET", "/weight_info", missing_ok=True)
+        served = info.get("weight_version") if isinstance(info, dict) else None
+        if served != str(self._version):
+            if self._weights_file is not None:
+                await self._call(server, "POST", "/collective_rpc",
+                                 {"method": "reload_weights", "kwargs": {"weights_path": str(self._weights_file)}},
+                                 timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s")
+                await self._call(server, "POST", "/reset_prefix_cache", missing_ok=True)
+            await self._call(server, "POST", "/update_weight_version", {"new_version": str(self._version)})
+        if not self._paused:
+            await self._call(server, "POST", "/resume")
+        server.version, server.usable, server.lost_reason = self._version, True, None
+        print(f"asyncrl: engine server {server.url} is back, on version {self._version}; used again",
+              file=sys.stderr, flush=True)
+
+    async def shutdown(self) -> None:
+        """Closes this client (the servers are the user's: they keep running)."""
+        self._closed = True
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watch
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._own_dir:
+            shutil.rmtree(self._weights_dir, ignore_errors=True)
+
+    def _live(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineClosedError("the remote engine client is shut down")
+        return self._session
+
+    def _update_busy(self) -> None:
+        self.stats.set_busy(self._in_flight > 0 and not self._paused)
+
+
+def _write_atomically(tensors: dict[str, torch.Tensor], directory: Path) -> None:
+    """``directory/model.safetensors``, written beside it and renamed into place: a server
+    never reads half a file, and a checkpoint-format loader sees one complete file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    tmp = directory / f".model.safetensors.tmp{os.getpid()}"
+    save_file(tensors, str(tmp))
+    os.replace(tmp, directory / "model.safetensors")
+
+
+def _token_id(token: str) -> int:
+    if not token.startswith(TOKEN_PREFIX):
+        raise ControlError(f"a completion token {token!r} is not 'token_id:<id>': the server ignored "
+                           "return_tokens_as_token_ids")
+    return int(token[len(TOKEN_PREFIX):])
+
+
+def _error_message(text: str) -> str:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return text.strip()[:300]
+    error = data.get("error", data) if isinstance(data, dict) else data
+    if isinstance(error, dict):
+        return str(error.get("message") or error.get("detail") or error)[:300]
+    return str(error)[:300]
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
