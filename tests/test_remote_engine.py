@@ -417,3 +417,27 @@ def test_a_server_killed_mid_run_is_named_its_requests_reissued_and_when_back_us
     for g, w in zip(done, want):  # re-issued from what had arrived: the same tokens as without the kill
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)  # batched vs alone: float32 sums
+
+
+def test_a_served_engine_scores_tokens_for_a_distillation_teacher():
+    """``prompt_logprobs`` (vLLM's) on serve-engine: the teacher's client reads back the model's own
+    log-softmax of each token after the first, for several sequences in one call."""
+    from asyncrl.frozen.client import FrozenModel
+
+    model = make_model()
+    sequences = [PROMPTS[0] + [3, 4, 5], PROMPTS[1] + [7]]
+
+    async def main():
+        async with Fleet(model) as fleet:
+            teacher = FrozenModel("teacher", fleet.urls[0])
+            try:
+                return await teacher.token_logprobs(sequences)
+            finally:
+                await teacher.close()
+
+    got = asyncio.run(main())
+    for ids, lps in zip(sequences, got):
+        with torch.no_grad():
+            want = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
+        want = want.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+        assert lps == pytest.approx(want.tolist(), abs=1e-5)

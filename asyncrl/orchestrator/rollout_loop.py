@@ -117,6 +117,11 @@ class RolloutLoop:
             await self.buffer.put(ReadyGroup(Group(task.id, ok, advantages), start_order))
         del self.in_flight[start_order]  # only now: a cancelled group is re-issued on resume
 
+    async def close(self) -> None:
+        """The teacher's connections, once the loop has stopped."""
+        if self.teacher is not None:
+            await self.teacher.close()
+
     async def _distill(self, ok: list[Episode], task: Task) -> bool:
         """The teacher's logprobs of the group's sampled tokens (one batched call, here on the
         rollout side while other groups generate). A failed call drops the group and is

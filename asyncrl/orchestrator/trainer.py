@@ -165,6 +165,7 @@ class Trainer:
                     self.wall_s = self._now()
                 finally:
                     self.log.close()
+                    await self.rollouts.close()
         return self.last_checkpoint
 
     async def _loops(self, evaluate_first: bool, first_step: int) -> int:

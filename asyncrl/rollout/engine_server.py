@@ -6,7 +6,8 @@ Routes, each vLLM's verb and shape (``vllm serve`` exposes the control ones with
 ``VLLM_SERVER_DEV_MODE=1``):
 
 - ``GET /health``, ``GET /v1/models`` (with ``max_model_len``, as vLLM's model card has it);
-- ``POST /v1/completions`` with ``prompt`` as token ids, ``stop_token_ids``, ``seed``,
+- ``POST /tokenize``; ``POST /v1/completions`` with ``prompt_logprobs`` (scoring token ids: a
+  distillation teacher's call) or with ``prompt`` as token ids, ``stop_token_ids``, ``seed``,
   ``logprobs`` and ``return_tokens_as_token_ids`` (tokens come back as ``token_id:<id>``),
   streamed (``stream: true``) or not;
 - ``POST /pause?mode=abort|keep|wait``, ``POST /resume``, ``GET /is_paused``;
@@ -47,7 +48,7 @@ from safetensors.torch import load_file
 
 from asyncrl.config import Config, ConfigError, EngineServerConfig
 from asyncrl.engine.protocol import EngineClosedError, FullWeights, PromptTooLongError, RolloutEngine
-from asyncrl.json_api import Refused, error_response, listen, read_body
+from asyncrl.json_api import Refused, error_response, listen, read_body, read_json
 from asyncrl.rollout.gateway.access import is_loopback
 from asyncrl.types import Completion, SamplingParams
 
@@ -61,7 +62,12 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    prompt: list[int] = Field(min_length=1)
+    prompt: list[int] | list[list[int]] = Field(min_length=1)
+    """Token ids; a list of them only to score (``prompt_logprobs``)."""
+    prompt_logprobs: int | None = Field(None, ge=0, le=0)
+    """vLLM's: the logprob of every prompt token after the first (0: the prompt's own token only).
+    Here a scoring request, what a distillation teacher is asked (``asyncrl/frozen/teacher.py``):
+    nothing is generated (``max_tokens`` is not honoured)."""
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
@@ -85,8 +91,9 @@ def check_exposure(settings: EngineServerConfig) -> None:
 class EngineServer:
     """``engine`` behind vLLM's HTTP verbs. Start with :meth:`start`, stop with :meth:`stop`."""
 
-    def __init__(self, engine: RolloutEngine, *, model_name: str, settings: EngineServerConfig) -> None:
-        self.engine, self.model_name, self.settings = engine, model_name, settings
+    def __init__(self, engine: RolloutEngine, *, model_name: str, settings: EngineServerConfig,
+                 tokenizer: Any = None) -> None:
+        self.engine, self.model_name, self.settings, self.tokenizer = engine, model_name, settings, tokenizer
         self.max_model_len = int(getattr(engine, "max_positions", None) or getattr(engine, "_max_model_len", 0))
         self.paused = False
         self._runner: web.AppRunner | None = None
@@ -99,6 +106,7 @@ class EngineServer:
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_post("/pause", self._pause)
         app.router.add_post("/resume", self._resume)
         app.router.add_get("/is_paused", self._is_paused)
@@ -149,6 +157,11 @@ class EngineServer:
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request, CompletionRequest)
+        if body.prompt_logprobs is not None:
+            return web.json_response(await self._score(body.prompt))
+        if not isinstance(body.prompt[0], int):
+            raise Refused(400, "a list of prompts is served only with prompt_logprobs (scoring); send one "
+                               "prompt of token ids per request to generate", "prompt")
         sampling = SamplingParams(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p,
                                   top_k=max(body.top_k, 0), stop_token_ids=tuple(body.stop_token_ids), seed=body.seed)
         if not body.stream:
@@ -173,6 +186,50 @@ class EngineServer:
         finally:
             task.cancel()  # the client hung up: its request leaves the engine
         return response
+
+    async def _score(self, prompt: list[int] | list[list[int]]) -> dict[str, Any]:
+        """vLLM's ``prompt_logprobs`` shape, per sequence: ``None`` then ``{token_id: {"logprob"}}``
+        for each later token, from the served weights at temperature 1 (on the engine's thread,
+        between two decode steps)."""
+        sequences = [prompt] if isinstance(prompt[0], int) else prompt
+        model = getattr(self.engine, "model", None)
+        call = getattr(self.engine, "call_between_steps", None)
+        if model is None or call is None:
+            raise Refused(400, "this engine does not score prompts (prompt_logprobs): serve engine=torch", "prompt")
+        for ids in sequences:
+            if self.max_model_len and len(ids) > self.max_model_len:
+                raise Refused(400, f"a sequence of {len(ids)} tokens is longer than the model's context "
+                                   f"({self.max_model_len})", "prompt")
+
+        def score() -> list[list[float]]:
+            out = []
+            device = next(model.parameters()).device
+            with torch.inference_mode():
+                for ids in sequences:
+                    x = torch.tensor([ids], device=device)
+                    logprobs = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)  # (L-1, V)
+                    out.append(logprobs.gather(-1, x[0, 1:, None])[:, 0].tolist())
+            return out
+
+        scored = await call(score)
+        choices = [{"index": i, "text": "", "finish_reason": "length",
+                    "prompt_logprobs": [None, *({str(t): {"logprob": lp, "rank": None}}
+                                                for t, lp in zip(ids[1:], lps))]}
+                   for i, (ids, lps) in enumerate(zip(sequences, scored))]
+        return {"id": f"cmpl-score-{time.monotonic_ns():x}", "object": "text_completion",
+                "created": int(time.time()), "model": self.model_name, "choices": choices}
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's ``POST /tokenize`` ``{"prompt", "add_special_tokens"}`` → ``{"tokens", "count"}``: what a
+        distillation run asks a teacher to check the two tokenizers agree."""
+        if self.tokenizer is None:
+            raise Refused(404, "this server has no tokenizer to tokenize with")
+        body = await read_json(request)
+        text = body.get("prompt") if isinstance(body, dict) else None
+        if not isinstance(text, str):
+            raise Refused(400, "prompt: expected a string", "prompt")
+        tokens = self.tokenizer.encode(text, add_special_tokens=bool(body.get("add_special_tokens", True)))
+        return web.json_response({"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len})
 
     async def _generate(self, prompt: list[int], sampling: SamplingParams,
                         on_tokens: Callable[[list[int]], None] | None) -> Completion:
@@ -287,7 +344,7 @@ def serve_engine(cfg: Config, *, on_ready: Callable[[str], None] | None = None) 
         worker = RolloutWorker(cfg, seed=cfg.seed, num_threads=cfg.rollout.num_threads)
         await worker.start()
         engine = await worker.ready_engine()
-        server = EngineServer(engine, model_name=cfg.model.path, settings=cfg.engine_server)
+        server = EngineServer(engine, model_name=cfg.model.path, settings=cfg.engine_server, tokenizer=worker.tokenizer)
         stop = asyncio.Event()
         if threading.current_thread() is threading.main_thread():
             loop = asyncio.get_running_loop()
