@@ -132,7 +132,8 @@ def plot_staleness(run: Run, path: Path) -> Path:
     else:
         mark_no_data(ax, "samples")
     if lag is not None:
-        ax.axvline(lag + 0.5, color="black", ls="--", lw=1.2, label=f"bound η = {eta}" if lag == eta else f"bound ceil(η = {eta}) = {lag}")
+        bound = f"bound η = {eta}" if lag == eta else f"bound ceil(η = {eta}) = {lag}"
+        ax.axvline(lag + 0.5, color="black", ls="--", lw=1.2, label=bound)
         ax.axvspan(lag + 0.5, max(ax.get_xlim()[1], lag + 1.1), color="#D62728", alpha=0.12,
                    label="beyond η (must be empty)")
     ax.set_xlabel("staleness (trained version − oldest behavior version)")
