@@ -4,17 +4,22 @@ random interleavings, and the doctor failing a run that breaks the off-policy sh
 
 from __future__ import annotations
 
+import json
 import math
+from collections import defaultdict
 from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.modes import off_policy_groups, staleness_fraction, staleness_lag
 from asyncrl.orchestrator import StalenessGate
 from asyncrl.orchestrator.invariants import FAIL, OK, Limits, staleness_bound
+from asyncrl.report import load_run
+from asyncrl.report.doctor import findings
 
 # (η, B) -> (floor(η·B), ceil(η)), worked out by hand
 BY_HAND = {
@@ -160,3 +165,24 @@ def test_the_doctor_checks_the_off_policy_share_of_a_fractional_eta():
     assert (found.status, found.step) == (FAIL, 2), found
     # an integer η bounds only the age: 5 of 8 groups one version old is fine at η = 1
     assert staleness_bound(_samples({3: 5}), Limits.from_config({"batch_size": 8}, 1)).status == OK
+
+
+@pytest.mark.slow
+def test_half_a_batch_stale_trains_and_keeps_its_share(tmp_path):
+    """``max_staleness=0.5`` on the addition example (B = 8): no sample more than 1 version
+    old, at most 4 groups of a step from the previous version, and the doctor agrees."""
+    out = tmp_path / "eta05"
+    assert main(["train", "examples/addition/async.yaml", f"output_dir={out}", "max_staleness=0.5",
+                 "total_steps=12", "eval_every=0"]) == 0
+    off: dict[int, set] = defaultdict(set)
+    ages = []
+    for line in (out / "samples.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if row["response_tokens"]:
+            ages.append(row["trained_version"] - row["behavior_version_min"])
+            if ages[-1] > 0:
+                off[row["step"]].add(row["group"])
+    assert ages and 0 <= min(ages) and max(ages) <= 1
+    assert all(len(groups) <= 4 for groups in off.values()), {s: len(g) for s, g in off.items()}
+    found = {f.name: f for f in findings(load_run(out))}["staleness ≤ η"]
+    assert found.status == OK and "floor(η·B)=4 of B=8" in found.evidence, found
