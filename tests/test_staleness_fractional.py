@@ -20,6 +20,7 @@ from asyncrl.orchestrator import StalenessGate
 from asyncrl.orchestrator.invariants import FAIL, OK, Limits, staleness_bound
 from asyncrl.report import load_run
 from asyncrl.report.doctor import findings
+from asyncrl.report.summary import summarize
 
 # (η, B) -> (floor(η·B), ceil(η)), worked out by hand
 BY_HAND = {
@@ -165,6 +166,23 @@ def test_the_doctor_checks_the_off_policy_share_of_a_fractional_eta():
     assert (found.status, found.step) == (FAIL, 2), found
     # an integer η bounds only the age: 5 of 8 groups one version old is fine at η = 1
     assert staleness_bound(_samples({3: 5}), Limits.from_config({"batch_size": 8}, 1)).status == OK
+
+
+def test_the_report_reads_a_fractional_eta_as_an_age_of_ceil_eta(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text("mode: async\nmax_staleness: 0.5\nbatch_size: 8\n")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    (run_dir / "timeline.jsonl").write_text("")
+    rows = _samples({2: 4}) + [{"step": 3, "group": 399, "trained_version": 3, "behavior_version_min": 1,
+                                "response_tokens": 3}]
+    (run_dir / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = load_run(run_dir)
+    assert (run.max_staleness, run.max_lag) == (0.5, 1)
+    summary = summarize(run)
+    assert summary["staleness bound η"] == 0.5 and summary["samples beyond η"] == 1  # the one 2 versions old
+    found = {f.name: f for f in findings(run)}["staleness ≤ η"]
+    assert (found.status, found.step) == (FAIL, 3), found
 
 
 @pytest.mark.slow
