@@ -35,12 +35,16 @@ than ``k``: the engines hold at least the gate's version). Consider the moment t
 version moves to ``k``. Every kept group started before then holds quota at that
 moment (it is running, in the buffer or consumed, and is never rejected), and
 ``started`` never exceeds the limit (``on_start`` checks it, and the limit only
-grows), so at most ``(k - 1 + 1) * B + E = k * B + E`` kept groups were ever
-started before version ``k``. The ``k * B`` groups consumed by the steps before
-version ``k``'s are among them (each was started before it was consumed, before
-version ``k`` existed). That leaves at most ``E = floor(η · B)`` for the step that
-trains ``k``: for η in (0, 1), at most ``floor(η · B)`` of a batch's B groups come
-from the previous version, the other ones are on-policy.
+grows; a resume with a smaller η is the exception, until versions catch up), so at
+most the limit at version ``k - 1``, ``k * B + E``, kept groups were ever started
+before version ``k``. The ``k * B`` groups consumed by the steps before version
+``k``'s are among them (each was started before it was consumed, before version
+``k`` existed). That leaves at most ``E = floor(η · B)`` for the step that trains
+``k`` (and the later ones together): for η in (0, 1), at most ``floor(η · B)`` of a
+batch's B groups come from the previous version, the other ones are on-policy. For
+η >= 1, ``E >= B`` and the count says nothing the age does not. "Version" here is the
+gate's, the one the engines were given; it is the learner's whenever weights sync
+every step, the only ``sync_every`` an η below 1 allows.
 
 Why rejection must release quota
 --------------------------------
@@ -53,9 +57,9 @@ running or already accepted into the buffer.
 What the gate does not guarantee
 --------------------------------
 Groups complete out of order: a slow group started at ``v_s`` can land in the
-buffer after many younger groups were consumed, and the argument above (which
-needs start-order consumption) no longer holds for it. The gate bounds the
-*count*; the buffer must assert the *age*: it checks each trajectory's version
+buffer after many younger groups were consumed, and the age argument (which needs
+start-order consumption) no longer holds for it; the count still does. The gate
+bounds the *count*; the buffer must assert the *age*: it checks each trajectory's version
 against the learner's and drops (calling ``on_reject(was_accepted=True)``, which
 releases the quota) any older than ``ceil(η)``.
 
