@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import re
 from datetime import UTC, datetime
 from pathlib import Path
@@ -635,8 +636,11 @@ class ScheduleConfig(Section):
 
     mode: Literal["sync", "one_step_off", "async"] = "async"
     """``sync``: on-policy (η = 0); ``one_step_off``: η = 1, no partial rollout; ``async``: η = max_staleness."""
-    max_staleness: int = Field(2, ge=0)
-    """η for ``async``: no trained token is older than η versions."""
+    max_staleness: int | float = Field(2, ge=0, allow_inf_nan=False)
+    """η for ``async``, a non-negative real: at most ``floor(η · B)`` of a step's B groups
+    started before the version it trains, and no trained token is older than ``ceil(η)``
+    versions. ``0.5``: at most half of each batch comes from the previous version (verl's
+    ``staleness_threshold``); an integer η bounds only the age."""
     partial_rollout: Literal["abort", "continue", "off"] = "abort"
     """At a weight sync, in-flight generation is aborted and resumed with the new weights
     (``abort``), continues with them (``continue``), or finishes on the old ones first (``off``)."""
@@ -663,12 +667,12 @@ class ScheduleConfig(Section):
         if self.sync_every - 1 > self.effective_max_staleness:
             raise ValueError(f"sync_every={self.sync_every} trains on samples {self.sync_every - 1} versions old, "
                              f"beyond the staleness bound {self.effective_max_staleness} of mode {self.mode!r}; "
-                             f"use sync_every <= {self.effective_max_staleness + 1}")
+                             f"use sync_every <= {math.floor(self.effective_max_staleness) + 1}")
         return self
 
     @property
-    def effective_max_staleness(self) -> int:
-        """η the gate enforces in this mode."""
+    def effective_max_staleness(self) -> float:
+        """η the gate enforces in this mode (an int unless configured fractional)."""
         return effective_max_staleness(self.mode, self.max_staleness)
 
     @property

@@ -43,6 +43,7 @@ from asyncrl.bench.progress import phase
 from asyncrl.config import Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner import Learner, pack_batch
+from asyncrl.modes import staleness_lag
 from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.policy import load_policy
 from asyncrl.rollout.worker import RolloutWorker
@@ -64,7 +65,7 @@ class ModesBenchSettings(Section):
     group_size: int = Field(8, ge=1)
     max_tokens: int = Field(160, ge=1)
     lr: float = Field(3e-4, gt=0)
-    stalenesses: list[int] = [1, 2, 4]
+    stalenesses: list[int | float] = [1, 2, 4]
     partial_rollouts: list[str] = ["abort", "continue"]
     streaming: Literal["off", "on", "both"] = "off"
     """``learner.streaming`` in every run (``on``), in none, or each mode both ways (``both``:
@@ -75,7 +76,7 @@ class ModesBenchSettings(Section):
     seed: int = 0
 
 
-def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int, partial: str,
+def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: float, partial: str,
             streaming: bool = False) -> Any:
     common = [
         f"output_dir={out}", f"seed={s.seed}", f"model.path={policy}",
@@ -91,13 +92,13 @@ def _config(s: ModesBenchSettings, policy: Path, out: Path, mode: str, eta: int,
     return load_config(None, [*common, "task.name=longtail", "workflow.use_chat_template=false"])
 
 
-def _summarise(run_dir: Path, eta_bound: int) -> dict[str, Any]:
+def _summarise(run_dir: Path, eta: float) -> dict[str, Any]:
     rows = read_jsonl(run_dir / "metrics.jsonl")[1:]
     samples = read_jsonl(run_dir / "samples.jsonl")
     return {
         **run_figures(run_dir),
         "learner_s": sum(r["time/learner"] for r in rows),  # the learner computing, over the run
-        "staleness_bound": eta_bound, "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
+        "staleness_bound": staleness_lag(eta), "resumed_fraction": sum(s["resumed"] for s in samples) / len(samples),
         "final_reward": statistics.mean(r["reward/mean"] for r in rows[-max(1, len(rows) // 5):]),
         **{key: statistics.mean(r[key] for r in rows) for key in AGENT_PROFILE if key in rows[0]},
         **_stale_drops(rows[-1], samples),

@@ -108,9 +108,14 @@ class GroupBuffer:
         return len(self._ready)
 
     @property
-    def max_staleness(self) -> int:
+    def max_staleness(self) -> int | float:
         """η, the gate's."""
         return self.gate.max_staleness
+
+    @property
+    def max_lag(self) -> int:
+        """The age bound every check uses, ``ceil(η)``: the gate's."""
+        return self.gate.max_lag
 
     def running(self, start_order: int, version: int) -> None:
         """A group starts generating, and none of its tokens will be older than ``version``
@@ -146,7 +151,7 @@ class GroupBuffer:
         async with self._changed:
             waited = False
             while True:
-                stale = [g for g in self._ready if trained_version - g.oldest_version > self.max_staleness]
+                stale = [g for g in self._ready if trained_version - g.oldest_version > self.max_lag]
                 for group in stale:
                     self._ready.remove(group)
                     self.stale_dropped += 1
@@ -174,7 +179,7 @@ class GroupBuffer:
         is still fresh: for each deadline D, those due by D fit in the slots left to the
         steps up to D (this step's after this take, B a step after it). A deadline that no
         choice can meet (more groups due than slots, however chosen) is no reason to wait."""
-        eta, per_step, t = self.max_staleness, self.gate.groups_per_step, trained_version
+        eta, per_step, t = self.max_lag, self.gate.groups_per_step, trained_version
         version, before = self._taken
         left_now = max(0, per_step - (before if version == t else 0) - n)  # this step's slots after this take
         taken = [g.oldest_version + eta for g in self._ready[:n]]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.algorithms.mismatch import MAX_LAG
-from asyncrl.modes import trajectory_staleness
+from asyncrl.modes import off_policy_groups, staleness_fraction, staleness_lag, trajectory_staleness
 from asyncrl.weight_sync.delivery import check_tolerance
 
 Row = dict[str, Any]
@@ -63,24 +63,26 @@ class Limits:
     """The bounds a run set itself, from its ``config.yaml``."""
 
     check_tolerance: float = 1e-4  # weight_sync.check_tolerance
-    max_staleness: int | None = None  # η enforced (None: unknown)
+    max_staleness: float | None = None  # η enforced (None: unknown)
     starvation_warn_fraction: float = 0.9  # watchdog.starvation_warn_fraction
     total_steps: int | None = None
+    batch_size: int | None = None  # B, groups a step trains: the off-policy share of a fractional η
 
     @classmethod
-    def from_config(cls, config: Row, max_staleness: int | None) -> Limits:
+    def from_config(cls, config: Row, max_staleness: float | None) -> Limits:
         def get(section: str, key: str, default: Any) -> Any:
             part = config.get(section)
             value = part.get(key) if isinstance(part, dict) else None
             return default if value is None else value
 
-        total = config.get("total_steps")
+        total, batch = config.get("total_steps"), config.get("batch_size")
         weights = str(get("model", "dtype", "float32"))  # the tolerance the run resolved (delivery.py)
         tolerance = check_tolerance(get("weight_sync", "check_tolerance", None), weights,
                                     str(get("rollout", "dtype", weights)))
         return cls(float(tolerance), max_staleness,
                    float(get("watchdog", "starvation_warn_fraction", 0.9)),
-                   total if isinstance(total, int) and not isinstance(total, bool) else None)
+                   total if isinstance(total, int) and not isinstance(total, bool) else None,
+                   batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else None)
 
 
 @dataclass(frozen=True)
@@ -278,18 +280,35 @@ def _by_lag(rows: Sequence[Row]) -> str:
 
 # ----------------------------------------------------------------- run checks
 def staleness_bound(samples: Sequence[Row], limits: Limits) -> Finding:
-    """Every trained sample at most η versions old (never newer than the trained version)."""
+    """Every trained sample at most ``ceil(η)`` versions old (never newer than the trained
+    version); for a fractional η, also at most ``floor(η · B)`` groups of a step with a
+    sample from an older version (``orchestrator/staleness.py`` proves both)."""
     name, fix = "staleness ≤ η", "a bug in the staleness gate or a resumed run's versions: report it with the run dir"
-    ages = [(int(s["step"]), trajectory_staleness(int(t), int(b))) for s in samples
+    ages = [(int(s["step"]), trajectory_staleness(int(t), int(b)), s.get("group")) for s in samples
             if (t := _num(s, "trained_version")) is not None and (b := _num(s, "behavior_version_min")) is not None
             and s.get("response_tokens", 1)]  # no model token: no version (-1), not a sample of any policy
     if not ages or limits.max_staleness is None:
         return Finding(name, SKIP, None, "no samples with versions, or no max_staleness in config.yaml")
-    eta = limits.max_staleness
-    bad = [(step, age) for step, age in ages if not 0 <= age <= eta]
+    eta, lag = limits.max_staleness, staleness_lag(limits.max_staleness)
+    bound = f"η={eta}" if lag == eta else f"ceil(η={eta})={lag}"
+    bad = [(step, age) for step, age, _ in ages if not 0 <= age <= lag]
     if bad:
-        return Finding(name, FAIL, bad[0][0], f"{len(bad)} samples outside [0, η={eta}], the first {bad[0][1]} old", fix)
-    return Finding(name, OK, None, f"max {max(a for _, a in ages)} ≤ η={eta} over {len(ages)} samples")
+        return Finding(name, FAIL, bad[0][0], f"{len(bad)} samples outside [0, {bound}], the first {bad[0][1]} old",
+                       fix)
+    evidence = f"max {max(a for _, a, _ in ages)} ≤ {bound} over {len(ages)} samples"
+    if staleness_fraction(eta).denominator == 1 or limits.batch_size is None:
+        return Finding(name, OK, None, evidence)
+    most, off = off_policy_groups(eta, limits.batch_size), defaultdict(set)
+    for step, age, group in ages:
+        if age > 0:
+            off[step].add(group)
+    over = sorted((step, len(groups)) for step, groups in off.items() if len(groups) > most)
+    share = f"floor(η·B)={most} of B={limits.batch_size}"
+    if over:
+        return Finding(name, FAIL, over[0][0], f"{len(over)} steps train more off-policy groups than {share}, "
+                       f"the first {over[0][1]}", fix)
+    return Finding(name, OK, None, f"{evidence}; at most {max(map(len, off.values()), default=0)} off-policy groups "
+                   f"a step ≤ {share}")
 
 
 def same_score_groups(samples: Sequence[Row]) -> Finding:
@@ -340,7 +359,7 @@ def run_finished(rows: Sequence[Row], limits: Limits) -> Finding:
     return Finding(name, OK, None, f"{last} steps")
 
 
-def check_run(config: Row, max_staleness: int | None, metrics: Sequence[Row], samples: Sequence[Row],
+def check_run(config: Row, max_staleness: float | None, metrics: Sequence[Row], samples: Sequence[Row],
               errors: Sequence[Row]) -> list[Finding]:
     """Every invariant over a run's rows, in a fixed order."""
     limits = Limits.from_config(config, max_staleness)

@@ -78,7 +78,7 @@ class TrainSteps:
         """``groups``, each checked fresh enough to train ``version`` on (``trainable``) and
         added to ``trained``, packed; and whether ``version`` sampled every token of them
         (then π_prox = μ, and the learner skips its recompute)."""
-        trajectories, advantages = trainable(groups, version, self.buffer.max_staleness)
+        trajectories, advantages = trainable(groups, version, self.buffer.max_lag)
         trained.groups += groups
         trained.trajectories += trajectories
         on_policy = self.engine_exact and all(t.behavior_version_max == version for t in trajectories)

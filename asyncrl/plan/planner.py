@@ -38,7 +38,7 @@ ETAS = (1, 2, 4, 8)
 class Schedule:
     name: str
     mode: str
-    eta: int
+    eta: float
     partial: str
 
     @classmethod

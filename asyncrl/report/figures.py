@@ -117,9 +117,9 @@ def plot_staleness(run: Run, path: Path) -> Path:
     samples the staleness gate should have refused."""
     fig = new_figure(figsize=(6.5, 4.2), layout="constrained")
     ax = fig.subplots()
-    values, eta = staleness_values(run), run.max_staleness
+    values, eta, lag = staleness_values(run), run.max_staleness, run.max_lag  # lag: ceil(η), the age bound
     if values:
-        top = max(max(values), (eta + 1) if eta is not None else 0)  # show the empty bar past η too
+        top = max(max(values), (lag + 1) if lag is not None else 0)  # show the empty bar past η too
         bins = list(range(min(0, min(values)), top + 1))
         counts = [sum(v == b for v in values) for b in bins]
         ax.bar(bins, counts, width=0.8, color="#4C78A8", edgecolor="black", linewidth=0.5,
@@ -131,9 +131,10 @@ def plot_staleness(run: Run, path: Path) -> Path:
         ax.set_xlim(bins[0] - 0.6, bins[-1] + 0.6)
     else:
         mark_no_data(ax, "samples")
-    if eta is not None:
-        ax.axvline(eta + 0.5, color="black", ls="--", lw=1.2, label=f"bound η = {eta}")
-        ax.axvspan(eta + 0.5, max(ax.get_xlim()[1], eta + 1.1), color="#D62728", alpha=0.12,
+    if lag is not None:
+        bound = f"bound η = {eta}" if lag == eta else f"bound ceil(η = {eta}) = {lag}"
+        ax.axvline(lag + 0.5, color="black", ls="--", lw=1.2, label=bound)
+        ax.axvspan(lag + 0.5, max(ax.get_xlim()[1], lag + 1.1), color="#D62728", alpha=0.12,
                    label="beyond η (must be empty)")
     ax.set_xlabel("staleness (trained version − oldest behavior version)")
     ax.set_ylabel("trajectories")

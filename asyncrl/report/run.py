@@ -19,7 +19,7 @@ import yaml
 
 from asyncrl.config import CONFIG_CHANGES_FILE
 from asyncrl.jsonl import iter_jsonl
-from asyncrl.modes import effective_max_staleness
+from asyncrl.modes import effective_max_staleness, staleness_lag
 
 Row = dict[str, Any]
 """One line of a run's JSONL file."""
@@ -60,12 +60,17 @@ class Run:
         return str(self.config.get("mode", "unknown"))
 
     @property
-    def max_staleness(self) -> int | None:
+    def max_staleness(self) -> float | None:
         """η the run enforced; None when the config does not say (no ``max_staleness``)."""
         configured = self.config.get("max_staleness")
-        if isinstance(configured, bool) or not isinstance(configured, int):
+        if isinstance(configured, bool) or not isinstance(configured, (int, float)) or not 0 <= configured < math.inf:
             return None
         return effective_max_staleness(self.mode, configured)
+
+    @property
+    def max_lag(self) -> int | None:
+        """``ceil(η)``: the most versions old a trained sample may be; None when η is unknown."""
+        return None if self.max_staleness is None else staleness_lag(self.max_staleness)
 
     @property
     def train_metrics(self) -> list[Row]:

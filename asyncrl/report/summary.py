@@ -102,7 +102,7 @@ def summarize(run: Run) -> dict[str, Any]:
         "mean rollout idle ratio": _mean(_column(train, "rollout/idle_ratio")),
         "staleness max": max(stale) if stale else None,
         "staleness mean": sum(stale) / len(stale) if stale else None,
-        "samples beyond η": sum(v > eta for v in stale) if stale and eta is not None else None,
+        "samples beyond η": sum(v > run.max_lag for v in stale) if stale and eta is not None else None,
         "fraction resumed": sum(resumed) / len(resumed) if resumed else None,
         "train/generate overlap": overlap_fraction(run),
         # a lower bound past ``logging.max_errors_per_step``: the trainer only counts the rest
