@@ -74,7 +74,7 @@ def _declare_plan(sub: Any, name: str) -> None:
     plan.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the config and its sync baseline")
 
 
-KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/config.py;
+KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/config/;
 `asyncrl train --keys` lists them with their defaults"""
 SFT_KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/sft/config.py;
 `asyncrl sft --keys` lists them with their defaults; the data format is in docs/agents.md"""

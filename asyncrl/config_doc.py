@@ -2,7 +2,7 @@
 :class:`asyncrl.config.Config` with its type, default and meaning.
 
 The meaning of a key is the string literal written after its field in
-``asyncrl/config.py`` (an attribute docstring); pydantic does not keep those, so they are
+``asyncrl/config/`` (an attribute docstring); pydantic does not keep those, so they are
 read from the source with ``ast``. ``python -m asyncrl.config_doc > docs/config.md``
 writes the page; ``tests/test_docs.py`` checks that the page equals what this writes now.
 """
@@ -103,7 +103,7 @@ HEADER = """\
 # Configuration reference
 
 Every key of `asyncrl.config.Config`, with its type, its default and what it does, as
-written beside each field in `asyncrl/config.py` (the one place they are defined). A
+written beside each field in `asyncrl/config/` (the one place they are defined). A
 config is a YAML file (`examples/*/*.yaml`); any key can be overridden on the command
 line as a dotted `key=value`, whose value parses as YAML:
 

@@ -1,7 +1,7 @@
 """The documentation holds together: the README is a front page that leads to every page
 under docs/, every relative link in them reaches a file (and a heading, where it names
 one), and docs/config.md is what ``python -m asyncrl.config_doc`` writes from the schema
-now, so a key added, removed or re-documented in asyncrl/config.py shows up there."""
+now, so a key added, removed or re-documented in asyncrl/config/ shows up there."""
 
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def test_the_front_page_stays_a_front_page():
 
 def test_the_config_reference_is_current():
     page = (DOCS / "config.md").read_text()
-    assert page == config_reference(), f"docs/config.md is out of date with asyncrl/config.py: run {REGENERATE}"
+    assert page == config_reference(), f"docs/config.md is out of date with asyncrl/config/: run {REGENERATE}"
 
 
 def test_the_config_reference_documents_every_key_once():

