@@ -1,0 +1,184 @@
+"""examples/coding_agent: make_data is seeded with held-out functions of families never trained on,
+every task's reference solution passes its tests in the sandbox and its slip does not, the
+reward is 0 for an answer that reaches for the host or loops, and (slow) the Responses-API
+agent trains through the gateway on SmolLM2 with the sandbox's seconds in the step rows."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import random
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("openai")
+
+from real_model import smollm2_path
+
+from asyncrl.tools.sandbox import SandboxUnavailable, bwrap_path, recording_seconds
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples/coding_agent"
+
+
+def _load(name: str):
+    sys.path.insert(0, str(EXAMPLE))  # make_data imports the agent by its file name
+    try:
+        spec = importlib.util.spec_from_file_location(f"coding_{name}", EXAMPLE / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # a dataclass looks its module up there
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+agent = _load("agent")
+make_data = _load("make_data")
+SHARES = {"tested": 0.3, "wrong": 0.2}
+
+
+def _needs_sandbox() -> None:
+    try:
+        bwrap_path()
+    except SandboxUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _score(task: dict, answer: str) -> float:
+    return asyncio.run(agent.score(SimpleNamespace(data=task), answer))
+
+
+# ---- the data -----------------------------------------------------------------------------
+def test_make_data_is_deterministic_by_seed():
+    assert make_data.make_all(0, 20, SHARES) == make_data.make_all(0, 20, SHARES)
+    assert make_data.make_all(0, 20, SHARES) != make_data.make_all(1, 20, SHARES)
+
+
+def test_held_out_functions_are_in_no_training_task_or_trace():
+    train, heldout, traces = make_data.make_all(0, 160, SHARES)
+    held = {t["function"] for t in heldout}
+    assert len(held) == len(heldout) and len(heldout) > 50
+    assert not held & {t["function"] for t in train}
+    asked = " ".join(trace["messages"][1]["content"] for trace in traces)
+    assert not [name for name in held if f"`{name}(" in asked]
+    assert {t["function"] for t in heldout} >= {"smallest", "mod_7", "whisper"}  # other families, not other k
+
+
+def test_the_traces_hold_the_noise_they_say_in_the_agents_own_format():
+    _, _, traces = make_data.make_all(0, 400, SHARES)
+    tested = [t for t in traces if len(t["messages"]) == 5]
+    assert 0.2 < len(tested) / len(traces) < 0.4
+    for t in traces:
+        assert t["messages"][0] == {"role": "system", "content": agent.SYSTEM} and t["tools"] == agent.TOOLS
+    for t in tested:
+        call = t["messages"][2]["tool_calls"][0]["function"]
+        assert call["name"] == "run_python" and "print(" in json.loads(call["arguments"])["code"]
+        assert t["messages"][3]["role"] == "tool"
+
+
+def test_bad_noise_shares_are_refused_naming_them():
+    with pytest.raises(ValueError, match="noise shares"):
+        make_data.make_all(0, 5, {"tested": 0.7, "wrong": 0.5})
+
+
+def test_make_data_writes_the_files_the_configs_name(tmp_path):
+    make_data.main(["--out-dir", str(tmp_path), "--traces", "8"])
+    assert {p.name for p in tmp_path.iterdir()} == {"train.jsonl", "heldout.jsonl", "sft.jsonl"}
+    for name in ("train.jsonl", "heldout.jsonl", "sft.jsonl"):  # the shipped files are what the seed writes
+        assert (tmp_path / name).read_text().splitlines()[:8] == (EXAMPLE / name).read_text().splitlines()[:8]
+
+
+def test_the_answers_code_is_the_last_fenced_block_or_the_lines_that_parse():
+    assert agent.extract_code("def f(x):\n    return x") == "def f(x):\n    return x\n"
+    assert agent.extract_code("def f(x):\n    return x\n```\n\nIn the above code, f returns x.") \
+        == "def f(x):\n    return x\n"
+    assert agent.extract_code("I cannot write that.") == ""
+    assert agent.extract_code("Here:\n```python\ndef f(x):\n    return 1\n```\nand\n```\ndef f(x):\n    return 2\n```") \
+        == "def f(x):\n    return 2\n"
+
+
+# ---- the reward, through the sandbox -------------------------------------------------------
+def test_a_reference_solution_scores_1_and_its_slip_0():
+    _needs_sandbox()
+    train, heldout, _ = make_data.make_all(0, 0, SHARES)
+    r = random.Random(0)
+    for task in r.sample(train, 3) + r.sample(heldout, 3):
+        assert _score(task, task["solution"]) == 1.0, task
+        assert _score(task, f"```python\n{task['solution']}```") == 1.0, task
+        family = next(f for f in make_data.TRAIN_FAMILIES + make_data.HELDOUT_FAMILIES
+                      if f.fill(f.name, k := _k(f, task["function"])) == task["function"])
+        assert _score(task, make_data.solution(family, k, family.wrong)) == 0.0, task
+
+
+def _k(family, name: str) -> int | None:
+    return int(name.rsplit("_", 1)[1]) if family.has_k and name.rsplit("_", 1)[-1].isdigit() else None
+
+
+@pytest.mark.parametrize("answer", [
+    "",
+    "def double(x):\n    return open('/etc/shadow').read()\n",  # the host's file is not in the sandbox
+    "def double(x):\n    while True:\n        pass\n",  # stopped at the wall deadline
+    "import os\nos.system('echo hi > /tmp/escaped')\ndef double(x):\n    return 2 * x + 1\n",
+    "def double(x)\n    return 2 * x\n",  # a syntax error
+])
+def test_a_wrong_or_malicious_answer_scores_0(answer, monkeypatch):
+    _needs_sandbox()
+    monkeypatch.setattr(agent, "TEST_TIMEOUT_S", 2.0)
+    task = {"tests": "from solution import double\nassert double(3) == 6\nassert double(-2) == -4\n"}
+    assert _score(task, answer) == 0.0
+    assert _score(task, "def double(x):\n    return 2 * x\n") == 1.0  # the same tests pass a right answer
+
+
+def test_the_sandbox_seconds_of_an_episode_are_recorded():
+    _needs_sandbox()
+    task = {"tests": "from solution import double\nassert double(3) == 6\n"}
+
+    async def episode() -> list[float]:
+        with recording_seconds() as seconds:
+            await agent.score(SimpleNamespace(data=task), "def double(x):\n    return 2 * x\n")
+            await agent.run_tool("run_python", json.dumps({"code": "print(1)"}))
+        return seconds
+
+    seconds = asyncio.run(episode())
+    assert len(seconds) == 2 and all(s > 0 for s in seconds)
+
+
+def test_a_tool_call_the_agent_cannot_run_is_an_output_for_the_model():
+    assert asyncio.run(agent.run_tool("shell", "{}")) == "unknown tool: shell"
+    assert "needs" in asyncio.run(agent.run_tool("run_python", "not json"))
+    assert "needs" in asyncio.run(agent.run_tool("run_python", json.dumps({"program": "1"})))
+
+
+# ---- end to end -------------------------------------------------------------------------------
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.mark.slow
+def test_the_agent_trains_through_the_responses_api_with_the_sandbox_seconds_in_the_rows(tmp_path):
+    """Two steps of ``async.yaml`` on SmolLM2 (base: no SFT, tiny sizes): the agent's Responses
+    calls run through the gateway, every episode's reward is its tests in the sandbox, and the
+    step rows carry ``sandbox/seconds_mean``. A smoke run: it proves the plumbing, not learning."""
+    _needs_sandbox()
+    smollm2_dir = smollm2_path()  # skips, naming why, where SmolLM2 cannot be fetched
+    from asyncrl.cli import main
+
+    train, heldout, _ = make_data.make_all(0, 0, SHARES)
+    out = tmp_path / "rl"
+    assert main(["train", "examples/coding_agent/async.yaml", f"model.path={smollm2_dir}", f"output_dir={out}",
+                 f"task.path={_write_jsonl(tmp_path / 'train.jsonl', train[:4])}",
+                 f"task.validation_path={_write_jsonl(tmp_path / 'heldout.jsonl', heldout[:2])}",
+                 "total_steps=2", "batch_size=2", "group_size=2", "eval_every=2", "eval.num_tasks=2",
+                 "algorithm.filter_zero_variance=false", "optim.micro_batch_size=4", "workflow.timeout_s=300"]) == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if m["step"] > 0 and "rollout/episodes" in m]
+    assert len(trained) == 2, metrics
+    assert all(m["sandbox/seconds_mean"] > 0 for m in trained), trained
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
