@@ -148,6 +148,15 @@ def test_the_sandbox_seconds_of_an_episode_are_recorded():
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
 
 
+def test_the_step_rows_sandbox_seconds_are_a_mean_over_the_episodes_that_ran_any():
+    from asyncrl.orchestrator.metrics import sandbox_metrics
+    from asyncrl.types import Episode
+
+    ran = [Episode("a", timings={"sandbox_s": 1.0}), Episode("b", timings={"sandbox_s": 0.5, "total_s": 9.0})]
+    assert sandbox_metrics([*ran, Episode("c", timings={"total_s": 2.0})]) == {"sandbox/seconds_mean": 0.75}
+    assert sandbox_metrics([Episode("c")]) == {}
+
+
 def test_a_tool_call_the_agent_cannot_run_is_an_output_for_the_model():
     assert asyncio.run(agent.run_tool("shell", "{}")) == "unknown tool: shell"
     assert "needs" in asyncio.run(agent.run_tool("run_python", "not json"))
