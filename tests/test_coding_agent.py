@@ -148,6 +148,52 @@ def test_the_sandbox_seconds_of_an_episode_are_recorded():
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
 
 
+class _Item(SimpleNamespace):
+    def model_dump(self, exclude_none: bool = False) -> dict:
+        return dict(vars(self))
+
+
+class _ScriptedResponses:
+    """``client.responses`` that replies from a script and keeps every request."""
+
+    def __init__(self, replies: list[list[_Item]]) -> None:
+        self.replies, self.requests = replies, []
+
+    async def create(self, **request):
+        self.requests.append(request)
+        output = self.replies[len(self.requests) - 1]
+        text = "".join(i.text for i in output if i.type == "message")
+        return SimpleNamespace(id=f"resp_{len(self.requests)}", output=output, output_text=text)
+
+
+def test_the_agent_runs_a_call_in_the_sandbox_and_answers_on_previous_response_id():
+    """The Responses loop, the model scripted: a ``function_call`` is run in the sandbox, its
+    output goes back as a ``function_call_output`` on ``previous_response_id`` with the
+    instructions again, and the reply without a call is the answer."""
+    _needs_sandbox()
+    program = "def double(x):\n    return 2 * x\nprint(double(21))\n"
+    responses = _ScriptedResponses([
+        [_Item(type="function_call", call_id="call_0", name="run_python", arguments=json.dumps({"code": program}))],
+        [_Item(type="message", text="def double(x):\n    return 2 * x")],
+    ])
+    answer, items = asyncio.run(agent.converse(SimpleNamespace(responses=responses), "Write double(x).",
+                                               agent.RESPONSES_TOOLS))
+    assert answer == "def double(x):\n    return 2 * x"
+    first, second = responses.requests
+    assert first["input"] == "Write double(x)." and first["tools"] == agent.RESPONSES_TOOLS
+    assert second["previous_response_id"] == "resp_1" and second["instructions"] == agent.SYSTEM
+    assert second["input"] == [{"type": "function_call_output", "call_id": "call_0", "output": "42"}]
+    assert [i["type"] for i in items[1:]] == ["function_call", "function_call_output", "message"]
+
+
+def test_the_agent_stops_after_max_turns_of_calls_with_no_answer():
+    _needs_sandbox()
+    call = _Item(type="function_call", call_id="c", name="run_python", arguments=json.dumps({"code": "print(1)"}))
+    responses = _ScriptedResponses([[call]] * agent.MAX_TURNS)
+    answer, _ = asyncio.run(agent.converse(SimpleNamespace(responses=responses), "Write f.", agent.RESPONSES_TOOLS))
+    assert answer == "" and len(responses.requests) == agent.MAX_TURNS
+
+
 def test_the_step_rows_sandbox_seconds_are_a_mean_over_the_episodes_that_ran_any():
     from asyncrl.orchestrator.metrics import sandbox_metrics
     from asyncrl.types import Episode
