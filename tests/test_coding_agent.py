@@ -81,6 +81,13 @@ def test_the_traces_hold_the_noise_they_say_in_the_agents_own_format():
         assert t["messages"][3]["role"] == "tool"
 
 
+def test_the_shipped_traces_are_conversations_asyncrl_sft_accepts():
+    pytest.importorskip("asyncrl.sft")
+    from asyncrl.sft.data import load_conversations
+
+    assert len(load_conversations([str(EXAMPLE / "sft.jsonl")])) == 160
+
+
 def test_bad_noise_shares_are_refused_naming_them():
     with pytest.raises(ValueError, match="noise shares"):
         make_data.make_all(0, 5, {"tested": 0.7, "wrong": 0.5})
