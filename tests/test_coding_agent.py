@@ -9,6 +9,7 @@ import asyncio
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -244,3 +245,45 @@ def test_the_agent_trains_through_the_responses_api_with_the_sandbox_seconds_in_
     assert all(m["sandbox/seconds_mean"] > 0 for m in trained), trained
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
+
+
+@pytest.mark.slow
+def test_a_tool_call_runs_in_the_sandbox_through_the_gateway_with_its_output_masked(tmp_path, policy_dir):
+    """A random tiny policy cannot write code, so every task asks for the same function:
+    ``asyncrl sft`` on the example's own ``tested`` trace of it makes the policy call
+    ``run_python``, then ``async.yaml`` runs the Responses agent through the gateway: the
+    call's output comes back from the sandbox as an environment segment (mask 0)."""
+    _needs_sandbox()
+    pytest.importorskip("asyncrl.sft")
+    from asyncrl.cli import main
+
+    family = next(f for f in make_data.TRAIN_FAMILIES if f.name == "double")
+    task = make_data.task(family, None, random.Random(0), "t")
+    train = _write_jsonl(tmp_path / "train.jsonl", [{**task, "id": f"t{i}"} for i in range(8)])
+    heldout = _write_jsonl(tmp_path / "heldout.jsonl", [{**task, "id": f"h{i}"} for i in range(2)])
+    traces = _write_jsonl(tmp_path / "sft.jsonl", [make_data.trace(task, family, None, "tested", random.Random(0))] * 4)
+    sft_dir = tmp_path / "sft"
+    assert main(["sft", "examples/coding_agent/sft.yaml", f"model.path={policy_dir}", f"output_dir={sft_dir}",
+                 f"data.train={traces}", "epochs=64", "batch_size=4", "optim.micro_batch_size=4", "optim.lr=0.003",
+                 "optim.warmup_steps=0", "optim.schedule=constant"]) == 0
+    out = tmp_path / "rl"
+    assert main(["train", "examples/coding_agent/async.yaml", f"model.path={sft_dir}", f"output_dir={out}",
+                 f"task.path={train}", f"task.validation_path={heldout}", "total_steps=2", "batch_size=2",
+                 "group_size=2", "eval_every=2", "eval.num_tasks=2", "sampling.temperature=0.3",
+                 "sampling.max_tokens=256",  # one token a character: the call is ~150
+                 "eval.temperature=0.3", "algorithm.filter_zero_variance=false", "workflow.timeout_s=120"]) == 0
+    samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    with_call = [s for s in samples if [seg["role"] for seg in s["response_segments"]][:2] == ["model", "environment"]]
+    assert len(with_call) >= len(samples) // 2, [s["response"] for s in samples]
+    checked = 0
+    for s in with_call:  # the call is the model's (trained); the sandbox's output is the environment's (masked)
+        call, output = (seg["text"] for seg in s["response_segments"][:2])
+        assert '"name": "run_python"' in call
+        printed = re.search(r"print\(double\((-?\d+)\)\)", call)
+        if printed and "return 2 * x" in call:  # the program as traced: its output is what the sandbox printed
+            assert str(2 * int(printed.group(1))) in output and str(2 * int(printed.group(1))) not in call
+            checked += 1
+    assert checked, [s["response"] for s in with_call]
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if m["step"] > 0 and "rollout/episodes" in m]
+    assert all(m["agent/tool_calls_mean"] > 0 and m["sandbox/seconds_mean"] > 0 for m in trained), trained
