@@ -70,6 +70,7 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         **agent_metrics([e for g in groups for e in g.group.episodes]),
         **reward_part_means([e for g in groups for e in g.group.episodes]),
         **frozen_model_metrics([e for g in groups for e in g.group.episodes]),
+        **sandbox_metrics([e for g in groups for e in g.group.episodes]),
         **distill_metrics(trajectories),
         **actor,
     }
@@ -100,6 +101,13 @@ def frozen_model_metrics(episodes: list[Episode]) -> dict[str, float | int]:
         if failures:
             row[f"{role}/failures"] = failures
     return row
+
+
+def sandbox_metrics(episodes: list[Episode]) -> dict[str, float]:
+    """``sandbox/seconds_mean``: the wall seconds of ``asyncrl.tools.sandbox`` runs per episode, over the
+    episodes that ran any (``timings["sandbox_s"]``, the ``openai_agent`` workflow's); no key when none did."""
+    seconds = [e.timings["sandbox_s"] for e in episodes if "sandbox_s" in e.timings]
+    return {"sandbox/seconds_mean": sum(seconds) / len(seconds)} if seconds else {}
 
 
 def reward_part_means(episodes: list[Episode]) -> dict[str, float]:

@@ -32,12 +32,15 @@ read-only mounts are the isolation.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import contextvars
 import os
 import shutil
 import signal
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -63,6 +66,27 @@ if os.getuid() == 0:
     os.setuid({nobody})
 os.execv(sys.executable, [sys.executable, "-E", "-s", "-B", "main.py"])
 """
+
+
+# The wall seconds of every run in the current context (an episode's, see `recording_seconds`); None: not recorded
+_RUN_SECONDS: contextvars.ContextVar[list[float] | None] = contextvars.ContextVar("asyncrl_sandbox_seconds",
+                                                                                  default=None)
+
+
+@contextlib.contextmanager
+def recording_seconds() -> Iterator[list[float]]:
+    """Collect the wall seconds of every `run_python` in this context into the list yielded.
+
+    The `openai_agent` workflow wraps each episode in it, so an agent's sandbox time (its
+    tools and its reward) reaches the step rows as `sandbox/seconds_mean` without the agent
+    returning more than its reward. Tasks the agent starts, and threads it runs on, see the
+    same list (both copy the context, the list is shared)."""
+    seconds: list[float] = []
+    token = _RUN_SECONDS.set(seconds)
+    try:
+        yield seconds
+    finally:
+        _RUN_SECONDS.reset(token)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -204,7 +228,11 @@ async def run_python(code: str, *, timeout_s: float, memory_mb: int, files: dict
                          max_processes=max_processes, max_file_mb=max_file_mb, as_root=as_root)
         launcher = _LAUNCHER.format(limits=limits, nobody=NOBODY)
         argv = [*_bwrap_argv(bwrap, workdir, as_root), sys.executable, "-I", "-S", "-c", launcher]
-        return await _run(argv, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
+        result = await _run(argv, timeout_s=timeout_s, max_output_bytes=max_output_bytes)
+    recorded = _RUN_SECONDS.get()
+    if recorded is not None:
+        recorded.append(result.wall_s)
+    return result
 
 
 async def _run(argv: list[str], *, timeout_s: float, max_output_bytes: int) -> SandboxResult:

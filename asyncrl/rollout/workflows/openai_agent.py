@@ -9,7 +9,9 @@ episode under the usual timeout and retry rules, and its session is closed eithe
 plain function that hangs is abandoned on its thread (``asyncrl/threads.py``), which
 neither keeps its slot nor keeps the process from exiting.
 The episode's ``metadata["agent"]`` holds what the gateway saw of it
-(:class:`~asyncrl.types.AgentDiagnostics`; ``Session.diagnostics`` says how each is told).
+(:class:`~asyncrl.types.AgentDiagnostics`; ``Session.diagnostics`` says how each is told),
+and ``timings["sandbox_s"]`` the wall seconds of the agent's ``asyncrl.tools.sandbox`` runs
+(tools and reward), where it ran any.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from asyncrl.rollout.client import LLMClient
 from asyncrl.rollout.gateway.server import Gateway
 from asyncrl.tasks.base import Task
 from asyncrl.threads import call_in_thread, describe
+from asyncrl.tools.sandbox import recording_seconds
 from asyncrl.types import AgentDiagnostics, Episode
 
 
@@ -39,16 +42,18 @@ class OpenAIAgentWorkflow:
         if self.gateway is None:
             raise RuntimeError("openai_agent needs the rollout worker's gateway, which is not running")
         diagnostics: list[AgentDiagnostics] = []
-        async with self.gateway.session(llm, on_close=diagnostics.append) as base_url:
-            if inspect.iscoroutinefunction(self.agent):
-                reward = await self.agent(task, base_url)
-            else:  # a synchronous agent blocks: off the loop that serves its requests (the episode times it out)
-                reward = await call_in_thread(self.agent, task, base_url, timeout_s=None, what=self.name,
-                                              task_id=task.id)
+        with recording_seconds() as sandbox_s:
+            async with self.gateway.session(llm, on_close=diagnostics.append) as base_url:
+                if inspect.iscoroutinefunction(self.agent):
+                    reward = await self.agent(task, base_url)
+                else:  # a synchronous agent blocks: off the loop that serves its requests (the episode times it out)
+                    reward = await call_in_thread(self.agent, task, base_url, timeout_s=None, what=self.name,
+                                                  task_id=task.id)
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):  # finite: the orchestrator's check
             raise TypeError(f"the agent returned {reward!r} for task {task.id}; expected a float reward")
         for trajectory in llm.trajectories:
             trajectory.reward = float(reward)
         return Episode(task_id=task.id, trajectories=llm.trajectories, reward=float(reward),
+                       timings={"sandbox_s": sum(sandbox_s)} if sandbox_s else {},  # asyncrl.tools.sandbox's runs
                        metadata={"calls": sum(len(t.steps) for t in llm.trajectories),
                                  "agent": diagnostics[0].to_dict()})
