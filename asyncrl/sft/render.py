@@ -54,10 +54,6 @@ class Example:
         if len(self.ids) != len(self.mask):
             raise ValueError(f"{self.source}: {len(self.ids)} ids but {len(self.mask)} mask entries")
 
-    @property
-    def num_trained(self) -> int:
-        return sum(self.mask)
-
 
 render_chat = chat_format.render_chat
 """The one chat renderer, the rollout client's (``LLMClient.render`` calls it too)."""
