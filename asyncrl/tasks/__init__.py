@@ -17,6 +17,7 @@ from asyncrl.tasks.hf import load_hf_splits
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 from asyncrl.tasks.longtail import iter_longtail, longtail_reward
 from asyncrl.tasks.multihop import iter_multihop, multihop_corpus, multihop_reward
+from asyncrl.tasks.research import research_splits
 from asyncrl.tasks.verifiers_env import load_verifiers_splits
 
 __all__ = [
@@ -36,19 +37,21 @@ _GENERATORS: dict[str, Callable[..., Iterator[Task]]] = {
     # train and validation ask about one corpus: multihop_corpus(**options).
     "multihop": iter_multihop,
 }
-TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl", "hf", "verifiers")
+TASK_NAMES: tuple[str, ...] = (*_GENERATORS, "jsonl", "hf", "verifiers", "research")
 _USER_DATA = ("jsonl", "hf")  # the user's own rows, scored by the user's own reward
 REWARD_FUNCTIONS: dict[str, RewardFn] = {
     "countdown": countdown_reward,
     "arithmetic": arithmetic_reward,
     "longtail": longtail_reward,
     "multihop": multihop_reward,
+    "research": multihop_reward,  # the same short-answer match (asyncrl/tasks/research.py)
 }
 REWARD_SPECS: dict[str, str] = {
     "countdown": "asyncrl.tasks.countdown:countdown_reward",
     "arithmetic": "asyncrl.tasks.arithmetic:arithmetic_reward",
     "longtail": "asyncrl.tasks.longtail:longtail_reward",
     "multihop": "asyncrl.tasks.multihop:multihop_reward",
+    "research": "asyncrl.tasks.multihop:multihop_reward",
 }
 # Cap on candidates drawn per wanted task, so a tiny task space (arithmetic has 100
 # prompts) fails loudly instead of looping forever.
@@ -169,6 +172,8 @@ def load_tasks(
     if name == "hf":
         return load_hf_splits(path, split=split, validation_split=validation_split, validation_path=validation_path,
                               num_train=num_train, num_validation=num_validation, options=options or {})
+    if name == "research":  # BrowseComp-Plus-shaped files (asyncrl/tasks/research.py)
+        return TaskSplits(*research_splits(path, validation_path, num_train, num_validation))
     if name == "verifiers":
         if path is not None or validation_path is not None:
             raise ValueError("task 'verifiers' reads its taskset: name it in options.environment, not `path`")
