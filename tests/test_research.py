@@ -69,3 +69,46 @@ def test_a_browsecomp_plus_shaped_file_round_trips_through_the_loader(tmp_path):
     path.write_text(json.dumps({"query_id": "q1", "query": "x", "answer": "y", "evidence_docs": [{"text": "no id"}]}))
     with pytest.raises(TaskDataError, match="line 1: each of 'evidence_docs' must be a document with a 'docid'"):
         load_research(path)
+
+
+def test_the_deepresearch_agent_refines_results_and_notes_a_repeated_search(monkeypatch):
+    """The example's tool, against a real BM25 service over its shipped corpus and a stub refine model."""
+    import asyncio
+    import sys
+    from pathlib import Path
+
+    from aiohttp import web
+    from test_frozen_models import chat_reply, fake_server
+
+    from asyncrl.plugins import load_named
+    from asyncrl.tools.retrieval import BM25Index, RetrievalClient, RetrievalService, load_documents
+
+    example = Path(__file__).parents[1] / "examples" / "deepresearch"
+    agent = sys.modules[load_named(f"{example / 'agent.py'}:run", key="test").__module__]
+    docs = load_documents(example / "data" / "corpus.jsonl")
+    person = next(d for d in docs if " works at " in d.text)
+    asked = []
+
+    async def refine(request: web.Request) -> web.Response:
+        asked.append((await request.json())["messages"][-1]["content"])
+        return chat_reply("condensed")
+
+    async def main():
+        service = RetrievalService(BM25Index(docs))
+        await service.start()
+        try:
+            async with fake_server(refine) as url, RetrievalClient(service.base_url) as client:
+                monkeypatch.setenv("ASYNCRL_REFINE_URL", url)
+                monkeypatch.setenv("ASYNCRL_REFINE_MODEL", "m")
+                guard = agent.DuplicateGuard()
+                query = json.dumps({"query": person.id})
+                first = await agent.search(client, guard, "Q?", query)
+                second = await agent.search(client, guard, "Q?", query)
+                await agent.refiner().model.close()
+                return first, second, guard.duplicates
+        finally:
+            await service.stop()
+
+    first, second, duplicates = asyncio.run(main())
+    assert first == "condensed" and person.text in asked[0] and "Question: Q?" in asked[0]
+    assert second.startswith("duplicate search:") and duplicates == 1 and len(asked) == 1
