@@ -73,6 +73,31 @@ def test_minilm_finds_a_paraphrase_that_bm25_cannot():
     assert hybrid.search("emperor Augustus of Rome", 3)[0]["id"] == "rome"
 
 
+@pytest.mark.slow  # loads a 135M-parameter model
+def test_the_policy_models_pooled_hidden_states_are_an_encoder():
+    from asyncrl.model_store import cached_model
+    from asyncrl.tools.retrieval.dense import pooled_lm_encoder
+
+    path = cached_model("smollm2-135m-instruct")
+    if path is None:
+        pytest.skip("SmolLM2 is not cached: asyncrl models get smollm2-135m-instruct")
+    hybrid = HybridIndex(BM25Index(DOCS), DenseIndex(DOCS, pooled_lm_encoder(str(path))))
+    vectors = hybrid.dense.matrix
+    assert vectors.shape == (len(DOCS), 576) and np.allclose(np.linalg.norm(vectors, axis=1), 1, atol=1e-5)
+    assert hybrid.search("lava from a volcano", 3)[0]["id"] == "volcano"
+
+
+def test_the_mcp_server_serves_the_hybrid_index():
+    pytest.importorskip("mcp")
+    from asyncrl.tools.retrieval.dense import build_index
+    from asyncrl.tools.retrieval.mcp_server import build_server
+
+    server = build_server(build_index(DOCS, "hybrid", trigram_encoder), k=2)
+    result = asyncio.run(server.call_tool("search", {"query": "volcanoes erupting"}))
+    lines = result.content[0].text.splitlines()
+    assert len(lines) == 2 and lines[0] == next(d.text for d in DOCS if d.id == "volcano")
+
+
 def test_a_dead_endpoint_is_skipped_named_and_the_search_retried_on_another(caplog):
     async def main():
         async with serving() as dead:
