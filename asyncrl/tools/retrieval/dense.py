@@ -147,7 +147,7 @@ def pooled_lm_encoder(model_path: str, *, max_tokens: int = 128) -> Encoder:
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModel.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    model = AutoModel.from_pretrained(model_path, dtype=torch.float32).eval()
 
     @torch.no_grad()
     def encode(texts: Sequence[str]) -> np.ndarray:
