@@ -142,7 +142,8 @@ class AgentDiagnostics:
     model's tool calls too broken to parse; ``tool_latency_s`` the time spent outside the
     model between its calls (tools, and the agent's own code around them);
     ``cut_by_turn_limit``: the episode ended because its turn budget ran out while the
-    model still wanted to act.
+    model still wanted to act; ``duplicate_searches``: tool results that were the
+    duplicate-search note (:func:`is_duplicate_search`) instead of results.
     """
 
     turns: int
@@ -151,6 +152,7 @@ class AgentDiagnostics:
     tool_latency_s: float
     model_tokens: int
     cut_by_turn_limit: bool
+    duplicate_searches: int = 0  # a default: records written before it was counted still load
 
     @property
     def tokens_per_turn(self) -> float:
@@ -162,7 +164,7 @@ class AgentDiagnostics:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> AgentDiagnostics:
-        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
 
 
 _TOOL_ERROR = re.compile(r"^\s*(error\b|\w+ failed:|unknown tool\b)", re.IGNORECASE)
@@ -174,6 +176,16 @@ def is_tool_error(content: Any) -> bool:
     (``"Error: timeout"``), ``<word> failed:`` (the retrieval client's ``"search failed:
     …"``) or ``unknown tool``. A result that starts otherwise is a result."""
     return isinstance(content, str) and _TOOL_ERROR.match(content) is not None
+
+
+DUPLICATE_SEARCH = "duplicate search:"  # how the duplicate guard's note starts (asyncrl/tools/retrieval/duplicates.py)
+
+
+def is_duplicate_search(content: Any) -> bool:
+    """Whether a tool result is the duplicate guard's note (a search already made in the
+    episode, answered with the note instead of results): a convention on the text, as
+    :func:`is_tool_error` is, so the gateway counts it without knowing the agent."""
+    return isinstance(content, str) and content.lstrip().lower().startswith(DUPLICATE_SEARCH)
 
 
 EpisodeStatus = Literal["ok", "error"]

@@ -183,6 +183,13 @@ def stale_drops(row: Row, prev: Row | None, limits: Limits) -> Judgement:
     return None
 
 
+def repeated_searches(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    share = _num(row, "agent/duplicate_search_fraction")
+    if share is not None and share > 0.5:
+        return WARN, f"{share:.0%} of the step's episodes repeated a search (the duplicate guard's note)"
+    return None
+
+
 def _generated(row: Row) -> float | None:
     parts = [_num(row, f"rollout/groups_{k}_total") for k in ("accepted", "filtered", "all_error")]
     return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
@@ -223,6 +230,10 @@ STEP_INVARIANTS = (
                   "easier, raise group_size, or task.sampler to skip saturated tasks",
                   ("rollout/filtered_fraction_window",)),
     StepInvariant(SAME_SCORE, same_score_trained, SAME_SCORE_FIX, ("rollout/same_score_fraction",)),
+    StepInvariant("repeated searches", repeated_searches,
+                  "most episodes search again for what they already read: penalise it (the agent's "
+                  "duplicate_penalty), warm the policy up on traces that search once per hop, or cap its turns",
+                  ("agent/duplicate_search_fraction",)),
     StepInvariant("stale drops", stale_drops,
                   "groups outlive η: raise max_staleness, lower sampling.max_tokens, or stale_groups=wait",
                   ("buffer/stale_dropped_total",)),

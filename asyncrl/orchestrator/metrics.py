@@ -137,6 +137,10 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
         "agent/tool_latency_s_mean": sum(r.tool_latency_s for r in records) / n,
         "agent/tokens_per_turn_mean": sum(r.tokens_per_turn for r in records) / n,
         "agent/cut_by_turn_limit_fraction": sum(r.cut_by_turn_limit for r in records) / n,
+        # searches answered with the duplicate guard's note (asyncrl/tools/retrieval/duplicates.py): the step's
+        # total, and the fraction of episodes that repeated a search (asyncrl doctor warns past half)
+        "rollout/duplicate_searches": sum(r.duplicate_searches for r in records),
+        "agent/duplicate_search_fraction": sum(r.duplicate_searches > 0 for r in records) / n,
     }
 
 

@@ -19,6 +19,7 @@ from asyncrl.tasks.hf import load_hf_splits
 from asyncrl.tasks.jsonl import load_jsonl_tasks
 from asyncrl.tasks.longtail import iter_longtail, longtail_reward
 from asyncrl.tasks.multihop import iter_multihop, multihop_corpus, multihop_reward
+from asyncrl.tasks.research import research_splits
 from asyncrl.tasks.verifiers_tasks import load_verifiers_splits
 
 __all__ = [
@@ -194,6 +195,12 @@ def _load_hf(name: str, q: TaskQuery) -> TaskSplits:
                           options=q.options)
 
 
+def _load_research(name: str, q: TaskQuery) -> TaskSplits:
+    """BrowseComp-Plus-shaped files (``asyncrl/tasks/research.py``)."""
+    q.refuse_hf_splits(name)
+    return TaskSplits(*research_splits(q.path, q.validation_path, q.num_train, q.num_validation))
+
+
 def _load_verifiers(name: str, q: TaskQuery) -> TaskSplits:
     if q.path is not None or q.validation_path is not None:
         raise ValueError("task 'verifiers' reads its taskset: name it in options.environment, not `path`")
@@ -210,6 +217,7 @@ TASK_SOURCES: dict[str, TaskSource] = {
     "multihop": TaskSource(_generated(iter_multihop), multihop_reward),
     "jsonl": TaskSource(_load_jsonl, no_reward=_USER_REWARD),  # the user's own rows, scored by the user's reward
     "hf": TaskSource(_load_hf, no_reward=_USER_REWARD),
+    "research": TaskSource(_load_research, multihop_reward),  # the same short-answer match (tasks/research.py)
     "verifiers": TaskSource(_load_verifiers, no_reward=(
         "is scored by its own rubric: set workflow.name=openai_agent and "
         "workflow.agent=asyncrl.rollout.workflows.verifiers_agent:run, and no task.reward_fn")),

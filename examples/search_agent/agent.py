@@ -138,13 +138,18 @@ def format_result(texts: list[str]) -> str:
     return "\n".join(" ".join(text.split())[:MAX_HIT_CHARS] for text in texts) or "no results"
 
 
-async def search(retrieval: RetrievalClient, arguments: str) -> str:
-    """The tool's result as the model reads it; never raises (a failure is text for the model)."""
+def query_of(arguments: str) -> str | None:
+    """The call's non-blank ``query`` argument, or None."""
     try:
         query = json.loads(arguments).get("query")
     except (ValueError, AttributeError):
-        query = None
-    if not isinstance(query, str) or not query.strip():
+        return None
+    return query if isinstance(query, str) and query.strip() else None
+
+
+async def search(retrieval: RetrievalClient, arguments: str) -> str:
+    """The tool's result as the model reads it; never raises (a failure is text for the model)."""
+    if (query := query_of(arguments)) is None:
         return "search needs a query"
     if os.environ.get("ASYNCRL_SEARCH_OFF") == "1":
         return format_result([])

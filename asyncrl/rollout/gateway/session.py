@@ -46,7 +46,7 @@ from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError, TokenSink
 from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolFormat
-from asyncrl.types import AgentDiagnostics, SamplingParams, is_tool_error
+from asyncrl.types import AgentDiagnostics, SamplingParams, is_duplicate_search, is_tool_error
 
 
 def _canonical(message: dict[str, Any]) -> str:
@@ -125,6 +125,7 @@ class Session:
         self.tool_latency_s = 0.0
         self.tool_results: set[tuple[str | None, str]] = set()  # (tool_call_id, content) seen in requests
         self.failed_tool_results = 0
+        self.duplicate_searches = 0
         self.last_reply_called_tools = False
         self._in_flight = 0
         self._replied_at: float | None = None  # when the last reply was handed out, none in flight since
@@ -138,7 +139,7 @@ class Session:
             turns=self.calls, tool_calls=self.tool_calls,
             tool_errors=self.failed_tool_results + self.tool_parse_errors,
             tool_latency_s=self.tool_latency_s, model_tokens=self.model_tokens,
-            cut_by_turn_limit=self.last_reply_called_tools)
+            cut_by_turn_limit=self.last_reply_called_tools, duplicate_searches=self.duplicate_searches)
 
     def _call_starts(self, messages: list[dict[str, Any]]) -> None:
         now = time.monotonic()
@@ -149,6 +150,7 @@ class Session:
             if m["role"] == "tool" and (key := (m.get("tool_call_id"), m["content"])) not in self.tool_results:
                 self.tool_results.add(key)
                 self.failed_tool_results += is_tool_error(m["content"])
+                self.duplicate_searches += is_duplicate_search(m["content"])
 
     def _call_ends(self, response: Response | None, parsed: ParsedReply | None) -> None:
         self._in_flight -= 1

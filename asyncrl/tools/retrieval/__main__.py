@@ -1,5 +1,6 @@
-"""``python -m asyncrl.tools.retrieval --docs FILE.jsonl [--port 8100] [--latency-s 0.05]``:
-the retrieval service in its own process. Prints its URL on stdout once listening;
+"""``python -m asyncrl.tools.retrieval --docs FILE.jsonl [--port 8100] [--latency-s 0.05]
+[--index bm25|dense|hybrid] [--encoder minilm|MODEL_PATH]``: the retrieval service in its own process.
+Prints its URL on stdout once listening;
 Ctrl-C or SIGTERM stops it (exit 0). A bad documents file or a taken port exits 2 with
 one line saying which."""
 
@@ -12,7 +13,8 @@ import sys
 import time
 
 from asyncrl.jsonl import JsonlError
-from asyncrl.tools.retrieval.index import BM25Index, load_documents
+from asyncrl.tools.retrieval.dense import build_index
+from asyncrl.tools.retrieval.index import load_documents
 from asyncrl.tools.retrieval.service import RetrievalService
 
 
@@ -23,14 +25,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="0 (the default): a free one")
     parser.add_argument("--latency-s", type=float, default=0.0, help="added to every request")
     parser.add_argument("--max-batch", type=int, default=64, help="queries scored together at most")
+    parser.add_argument("--index", choices=["bm25", "dense", "hybrid"], default="bm25",
+                        help="dense and hybrid: asyncrl/tools/retrieval/dense.py")
+    parser.add_argument("--encoder", default="minilm",
+                        help="dense, hybrid: 'minilm' (the research extra) or a causal LM's path (pooled hidden states)")
     parser.add_argument("--max-wait-s", type=float, default=0.0, help="how long a batch with room waits for more")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
-        index = BM25Index(load_documents(args.docs))
+        index = build_index(load_documents(args.docs), args.index, args.encoder)
         service = RetrievalService(index, latency_s=args.latency_s, max_batch=args.max_batch,
                                    max_wait_s=args.max_wait_s)
-    except (JsonlError, ValueError, ImportError) as exc:
+    except (JsonlError, ValueError, ImportError, OSError) as exc:  # OSError: an encoder path that is not a model
         print(f"retrieval: {exc}", file=sys.stderr)
         return 2
     print(f"retrieval: indexed {len(index)} documents from {args.docs} in {time.perf_counter() - started:.2f} s",

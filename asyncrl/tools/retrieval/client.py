@@ -11,17 +11,74 @@ query would be refused again; the model should read why). Each attempt has its o
 
 One client per event loop, closed when done (``async with RetrievalClient(url) as c``):
 it keeps an aiohttp session, so the connections are reused across searches.
+
+Several endpoints (``RetrievalClient([url1, url2, ...])``, replicas of one index): each
+attempt goes to the least-loaded endpoint — the fewest searches in flight from this
+process (an :class:`EndpointPool`, shared by every client of the same endpoints) — that
+is not marked dead and has not failed in this search. An endpoint whose attempt fails
+transiently is marked dead for ``dead_s`` (a warning names it and why) and skipped by
+every client until then, so the retry goes to another; when every endpoint has failed,
+the error names each with its reason. One endpoint behaves as before: its retries go to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from typing import Any, Self
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar, Self
 
 import aiohttp
 
 from asyncrl.tools.retrieval.types import Hit
+
+logger = logging.getLogger(__name__)
+
+
+class EndpointPool:
+    """Searches in flight per endpoint and the endpoints marked dead, for one process: every
+    client of the same endpoints shares one (:meth:`shared`), so "least loaded" counts the
+    process's episodes together, not one episode's."""
+
+    _shared: ClassVar[dict[tuple[str, ...], EndpointPool]] = {}
+
+    def __init__(self, urls: Sequence[str], *, dead_s: float = 10.0) -> None:
+        if not urls:
+            raise ValueError("a retrieval client needs at least one endpoint URL")
+        self.urls = tuple(u.rstrip("/") for u in urls)
+        self.dead_s = dead_s
+        self.in_flight = dict.fromkeys(self.urls, 0)
+        self.used = dict.fromkeys(self.urls, 0)
+        self.dead_until = dict.fromkeys(self.urls, 0.0)
+
+    @classmethod
+    def shared(cls, urls: Sequence[str]) -> EndpointPool:
+        key = tuple(u.rstrip("/") for u in urls)
+        if key not in cls._shared:
+            cls._shared[key] = cls(key)
+        return cls._shared[key]
+
+    def pick(self, failed: set[str]) -> str:
+        """The least-loaded live endpoint not in ``failed``; else the least-loaded not in
+        ``failed`` (all marked dead: one may be back); else the least-loaded of all."""
+        now = time.monotonic()
+        for candidates in ([u for u in self.urls if u not in failed and self.dead_until[u] <= now],
+                           [u for u in self.urls if u not in failed], list(self.urls)):
+            if candidates:
+                return min(candidates, key=lambda u: (self.in_flight[u], self.used[u]))
+        raise AssertionError("unreachable: a pool has at least one endpoint")
+
+    def mark_dead(self, url: str, reason: str) -> None:
+        if len(self.urls) > 1:  # with one endpoint there is nothing to skip to
+            if self.dead_until[url] <= time.monotonic():
+                logger.warning("retrieval endpoint %s skipped for %g s: %s", url, self.dead_s, reason)
+            self.dead_until[url] = time.monotonic() + self.dead_s
+
+    def dead(self) -> list[str]:
+        now = time.monotonic()
+        return [u for u in self.urls if self.dead_until[u] > now]
 
 
 class RetrievalError(Exception):
@@ -29,11 +86,16 @@ class RetrievalError(Exception):
 
 
 class RetrievalClient:
-    def __init__(self, base_url: str, *, timeout_s: float = 5.0, retries: int = 2, backoff_s: float = 0.05) -> None:
-        """``retries``: attempts after the first, for failures that may pass."""
+    def __init__(self, base_url: str | Sequence[str], *, timeout_s: float = 5.0, retries: int = 2,
+                 backoff_s: float = 0.05, pool: EndpointPool | None = None) -> None:
+        """``base_url``: one endpoint or several (replicas); ``retries``: attempts after the
+        first, for failures that may pass; ``pool``: the load and dead marks to share
+        (default: the process's one for these endpoints)."""
         if timeout_s <= 0 or retries < 0 or backoff_s < 0:
             raise ValueError(f"timeout_s {timeout_s} must be > 0, retries {retries} and backoff_s {backoff_s} >= 0")
-        self.base_url = base_url.rstrip("/")
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        self.pool = pool or EndpointPool.shared(urls)
+        self.base_url = self.pool.urls[0]
         self.timeout_s, self.retries, self.backoff_s = timeout_s, retries, backoff_s
         self._session: aiohttp.ClientSession | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -52,13 +114,23 @@ class RetrievalClient:
     async def search(self, query: str, k: int = 5) -> list[Hit]:
         """The service's best ``k`` hits for ``query``, best first; raises :class:`RetrievalError`."""
         attempts = 1 + self.retries
+        reasons: dict[str, str] = {}  # endpoint -> its last failure in this search
         for attempt in range(attempts):
-            if attempt:
+            url = self.pool.pick(set(reasons))
+            if attempt and url in reasons:  # retrying where it failed: give it time (a fresh endpoint needs none)
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
+            self.pool.in_flight[url] += 1
+            self.pool.used[url] += 1
             try:
-                return await self._post(query, k)
+                return await self._post(url, query, k)
             except _Transient as exc:
-                reason = str(exc)
+                reasons[url] = str(exc)
+                self.pool.mark_dead(url, str(exc))
+            finally:
+                self.pool.in_flight[url] -= 1
+        reason = "; ".join(reasons.values())
+        if len(self.pool.urls) > 1:
+            reason = f"every endpoint tried failed: {reason}"
         raise RetrievalError(f"{reason} ({attempts} attempt{'s' * (attempts > 1)})")
 
     async def search_tool_message(self, query: str, k: int = 5, *, max_chars: int = 500) -> str:
@@ -71,13 +143,13 @@ class RetrievalClient:
             return f"search failed: {exc}"
         return format_hits(hits, max_chars=max_chars)
 
-    async def _post(self, query: str, k: int) -> list[Hit]:
+    async def _post(self, base_url: str, query: str, k: int) -> list[Hit]:
         loop = asyncio.get_running_loop()
         if self._session is None:
             self._session, self._loop = aiohttp.ClientSession(), loop
         elif self._loop is not loop:  # aiohttp's session cannot move: a clear error, not "Event loop is closed"
             raise RuntimeError("a RetrievalClient belongs to the event loop that first used it: make one per loop")
-        url = f"{self.base_url}/search"
+        url = f"{base_url}/search"
         try:
             async with self._session.post(url, json={"query": query, "k": k},
                                           timeout=aiohttp.ClientTimeout(total=self.timeout_s)) as response:

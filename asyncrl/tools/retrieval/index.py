@@ -67,18 +67,12 @@ def tokenize(text: str) -> list[str]:
     return [w for w in _WORD.findall(text.lower()) if w not in _STOPWORDS]
 
 
-class BM25Index:
-    """An immutable BM25 index (bm25s' defaults: Lucene's variant, ``k1`` 1.5, ``b`` 0.75).
-    Read-only once built, so it may be searched from a worker thread."""
+class SearchIndex:
+    """What the service searches — ``BM25Index`` here, ``DenseIndex`` and ``HybridIndex`` in
+    ``dense.py``: immutable ``documents``, searched a batch of queries at a time
+    (``_search_batch``, given ``1 <= k <= len(self)``)."""
 
-    def __init__(self, documents: Iterable[Document], *, k1: float = 1.5, b: float = 0.75) -> None:
-        if _BM25S_MISSING is not None:
-            raise ImportError('the retrieval index needs bm25s: pip install -e ".[tools]"') from _BM25S_MISSING
-        self.documents: tuple[Document, ...] = tuple(documents)
-        if not self.documents:
-            raise ValueError("a BM25 index needs at least one document")
-        self._bm25 = bm25s.BM25(k1=k1, b=b)
-        self._bm25.index([tokenize(f"{d.title} {d.text}") for d in self.documents], show_progress=False)
+    documents: tuple[Document, ...]
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -90,18 +84,45 @@ class BM25Index:
         """The best ``k`` documents for each query, best first."""
         if k < 1:
             raise ValueError(f"k must be at least 1, got {k}")
+        return self._search_batch(queries, min(k, len(self.documents))) if queries else []
+
+    def _search_batch(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        raise NotImplementedError
+
+    def _hits(self, top: np.ndarray, scores: np.ndarray, *, positive: bool = False) -> list[list[Hit]]:
+        """Hits from per-query document indices and their scores (``positive``: those > 0 only)."""
+        return [[Hit(id=self.documents[i].id, score=float(s), text=self.documents[i].text)
+                 for i, s in zip(row.tolist(), row_scores.tolist(), strict=True) if s > 0 or not positive]
+                for row, row_scores in zip(top, scores, strict=True)]
+
+
+def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per row of ``scores`` (B, n), the indices and scores of the best ``k`` (≤ n), best first,
+    ties by lower index: argpartition then a sort of the k, O(n) where a full sort is not."""
+    top = np.argpartition(-scores, k - 1, axis=1)[:, :k]  # (B, k), unordered
+    top_scores = np.take_along_axis(scores, top, axis=1)
+    order = np.lexsort((top, -top_scores), axis=1)  # by score descending, then by document index
+    return np.take_along_axis(top, order, axis=1), np.take_along_axis(top_scores, order, axis=1)
+
+
+class BM25Index(SearchIndex):
+    """An immutable BM25 index (bm25s' defaults: Lucene's variant, ``k1`` 1.5, ``b`` 0.75).
+    Read-only once built, so it may be searched from a worker thread."""
+
+    def __init__(self, documents: Iterable[Document], *, k1: float = 1.5, b: float = 0.75) -> None:
+        if _BM25S_MISSING is not None:
+            raise ImportError('the retrieval index needs bm25s: pip install -e ".[tools]"') from _BM25S_MISSING
+        self.documents = tuple(documents)
+        if not self.documents:
+            raise ValueError("a BM25 index needs at least one document")
+        self._bm25 = bm25s.BM25(k1=k1, b=b)
+        self._bm25.index([tokenize(f"{d.title} {d.text}") for d in self.documents], show_progress=False)
+
+    def _search_batch(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         chunk = max(1, _MAX_SCORES // len(self.documents))
-        return [hits for start in range(0, len(queries), chunk)
-                for hits in self._score(queries[start:start + chunk], min(k, len(self.documents)))]
+        return [hits for start in range(0, len(queries), chunk) for hits in self._score(queries[start:start + chunk], k)]
 
     def _score(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         scores = np.stack([self._bm25.get_scores_from_ids(self._bm25.get_tokens_ids(tokenize(q)))
                            for q in queries])  # (B, num_docs)
-        # the top k of each row, unordered, then ordered: argpartition is O(num_docs), a full sort is not
-        top = np.argpartition(-scores, k - 1, axis=1)[:, :k]  # (B, k)
-        top_scores = np.take_along_axis(scores, top, axis=1)
-        order = np.lexsort((top, -top_scores), axis=1)  # by score descending, then by document index
-        top, top_scores = np.take_along_axis(top, order, axis=1), np.take_along_axis(top_scores, order, axis=1)
-        return [[Hit(id=self.documents[i].id, score=float(s), text=self.documents[i].text)
-                 for i, s in zip(row.tolist(), row_scores.tolist(), strict=True) if s > 0]
-                for row, row_scores in zip(top, top_scores, strict=True)]
+        return self._hits(*top_k(scores, k), positive=True)

@@ -2,7 +2,7 @@
 search agent's retrieval tool as an MCP server (the official SDK's ``MCPServer``).
 
 One tool, ``search(query)``, described as the plain search agent describes its own: BM25
-over the documents (the same index as ``python -m asyncrl.tools.retrieval``), the best
+(or ``--index dense|hybrid``, ``dense.py``) over the documents (the same index as ``python -m asyncrl.tools.retrieval``), the best
 ``--k`` hits' texts, one per line, whitespace collapsed; no line when nothing matches.
 Over stdio by default (an agent's ``MCPTools`` starts it and stops it); ``--http`` serves
 streamable HTTP (stateless, JSON replies) at ``http://HOST:PORT/mcp`` instead, printing that URL alone on stdout once
@@ -18,12 +18,13 @@ import sys
 import anyio
 
 from asyncrl.jsonl import JsonlError
-from asyncrl.tools.retrieval.index import BM25Index, load_documents
+from asyncrl.tools.retrieval.dense import build_index
+from asyncrl.tools.retrieval.index import SearchIndex, load_documents
 
 DESCRIPTION = "Search the knowledge base; returns the best matching documents."  # the plain agent's words
 
 
-def build_server(index: BM25Index, *, k: int, latency_s: float = 0.0):
+def build_server(index: SearchIndex, *, k: int, latency_s: float = 0.0):
     """The ``MCPServer`` with its one tool; ``latency_s`` is added to each search, as the HTTP service's is."""
     from mcp.server.mcpserver import MCPServer
 
@@ -44,13 +45,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--docs", required=True, help='JSONL, one {"id": str, "text": str} object a line')
     parser.add_argument("--k", type=int, default=3, help="hits per search")
     parser.add_argument("--latency-s", type=float, default=0.0, help="added to every search")
+    parser.add_argument("--index", choices=["bm25", "dense", "hybrid"], default="bm25")
+    parser.add_argument("--encoder", default="minilm", help="dense, hybrid: 'minilm' or a causal LM's path")
     parser.add_argument("--http", action="store_true", help="streamable HTTP instead of stdio")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="--http: 0 (the default) is a free one")
     args = parser.parse_args(argv)
     try:
-        server = build_server(BM25Index(load_documents(args.docs)), k=args.k, latency_s=args.latency_s)
-    except (JsonlError, ValueError, ImportError) as exc:
+        server = build_server(build_index(load_documents(args.docs), args.index, args.encoder), k=args.k,
+                              latency_s=args.latency_s)
+    except (JsonlError, ValueError, ImportError, OSError) as exc:
         print(f"retrieval mcp: {exc}", file=sys.stderr)
         return 2
     if not args.http:

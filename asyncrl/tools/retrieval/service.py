@@ -1,4 +1,4 @@
-"""The retrieval service: BM25 search over HTTP (aiohttp, like the gateway), batched.
+"""The retrieval service: BM25, dense or hybrid search (``dense.py``) over HTTP (aiohttp, like the gateway), batched.
 
 ``POST /search {"query": str, "k": int}`` → ``{"results": [{"id", "score", "text"}, ...]}``
 best first (``k`` defaults to 5, at most :data:`MAX_K`); ``GET /health``. A bad request is
@@ -29,7 +29,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from asyncrl.json_api import Refused, error_response, listen, read_body
-from asyncrl.tools.retrieval.index import BM25Index
+from asyncrl.tools.retrieval.index import SearchIndex
 from asyncrl.tools.retrieval.types import Hit
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class _Pending:
 
 
 class RetrievalService:
-    def __init__(self, index: BM25Index, *, latency_s: float = 0.0, max_batch: int = 64,
+    def __init__(self, index: SearchIndex, *, latency_s: float = 0.0, max_batch: int = 64,
                  max_wait_s: float = 0.0) -> None:
         """``latency_s``: added to every request; ``max_batch``: queries scored together at
         most; ``max_wait_s``: how long a batch with room waits for more queries."""
@@ -78,7 +78,7 @@ class RetrievalService:
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Listen (``port`` 0: a free one); returns the base URL."""
         self._queue = asyncio.Queue()
-        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="bm25")
+        self._scorer = ThreadPoolExecutor(1, thread_name_prefix="retrieval-scorer")
         self._worker = asyncio.create_task(self._batches(), name="retrieval-batches")
         app = web.Application()
         app.router.add_post("/search", self._search)

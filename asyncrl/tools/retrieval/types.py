@@ -16,5 +16,5 @@ class Document:
 
 class Hit(TypedDict):
     id: str
-    score: float  # BM25, > 0: only documents sharing a term with the query are hits
+    score: float  # BM25 (> 0: only documents sharing a term with the query are hits), cosine, or fused rank
     text: str
