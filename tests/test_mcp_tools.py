@@ -237,4 +237,5 @@ def test_a_dying_server_fails_its_episode_and_the_run_goes_on(tmp_path, policy_d
     errors = [json.loads(line) for line in (out / "errors.jsonl").read_text().splitlines()]
     assert errors and all("MCP server 'flaky', tool 'die': the call failed" in e["exception"] for e in errors)
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
-    assert len(samples) == 2 * 2 * 2 and all(s["reward"] == 1.0 for s in samples)  # every episode trained is a retry or a later one
+    # every episode trained is a retry or a later one
+    assert len(samples) == 2 * 2 * 2 and all(s["reward"] == 1.0 for s in samples)

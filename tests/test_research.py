@@ -63,7 +63,8 @@ def test_a_browsecomp_plus_shaped_file_round_trips_through_the_loader(tmp_path):
     assert tasks[0].data == {"answer": "Ada Lovelace", "gold_doc_ids": ["d1", "7"], "answer_doc_ids": ["d1"],
                              "negative_doc_ids": ["d9"]}
     splits = load_tasks("research", path=path, validation_path=path, seed=0, num_train=0, num_validation=1)
-    assert [t.id for t in splits.train] == ["q1"] and default_reward_fn("research")(tasks[0], "Answer: ada lovelace") == 1
+    assert [t.id for t in splits.train] == ["q1"]
+    assert default_reward_fn("research")(tasks[0], "Answer: ada lovelace") == 1
     with pytest.raises(ValueError, match="validation_path"):
         load_tasks("research", path=path, seed=0, num_train=0, num_validation=1)
     path.write_text(json.dumps({"query_id": "q1", "query": "x", "answer": "y", "evidence_docs": [{"text": "no id"}]}))

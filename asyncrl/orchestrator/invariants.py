@@ -124,7 +124,8 @@ def weights_delivered(row: Row, prev: Row | None, limits: Limits) -> Judgement:
     if diff is None and "weight_sync/probe_max_abs_diff" in row:  # logged as null: NaN
         return FAIL, "the probe's max |Δ| is NaN (or an engine sampled the probe at another version)"
     if diff is not None and diff > limits.check_tolerance:
-        return FAIL, f"the engines' probe logprobs are {diff:.3g} from the learner's (tolerance {limits.check_tolerance:g})"
+        return FAIL, (f"the engines' probe logprobs are {diff:.3g} from the learner's "
+                      f"(tolerance {limits.check_tolerance:g})")
     return None
 
 
@@ -179,7 +180,8 @@ def same_score_trained(row: Row, prev: Row | None, limits: Limits) -> Judgement:
 def stale_drops(row: Row, prev: Row | None, limits: Limits) -> Judgement:
     dropped, generated = _num(row, "buffer/stale_dropped_total"), _generated(row)
     if dropped and generated and dropped / generated > STALE_DROP_WARN:
-        return WARN, f"{int(dropped)} of {int(generated)} groups generated so far dropped as stale ({dropped / generated:.0%})"
+        return WARN, (f"{int(dropped)} of {int(generated)} groups generated so far dropped as stale "
+                      f"({dropped / generated:.0%})")
     return None
 
 
@@ -352,7 +354,8 @@ def episode_errors(errors: Sequence[Row], rows: Sequence[Row]) -> Finding:
     common, n = counts.most_common(1)[0] if counts else ("?", 0)
     steps = [int(s) for e in errors if (s := _num(e, "step")) is not None]
     return Finding(name, WARN, min(steps) if steps else None,
-                   f"{len(errors)} attempts logged ({int(total)} episodes failed in all); most frequent: {common} (×{n})",
+                   f"{len(errors)} attempts logged ({int(total)} episodes failed in all); "
+                   f"most frequent: {common} (×{n})",
                    "read its traceback in errors.jsonl; a reward or tool that raises fails only its episode, "
                    "the watchdog stops the run past watchdog.max_error_rate")
 
@@ -361,7 +364,8 @@ def run_finished(rows: Sequence[Row], limits: Limits) -> Finding:
     """Whether the run trained every step it was asked for."""
     name = "run finished"
     if not rows:
-        return Finding(name, FAIL, None, "no optimizer step logged: the run stopped (or is still) before its first step",
+        return Finding(name, FAIL, None,
+                       "no optimizer step logged: the run stopped (or is still) before its first step",
                        "read the run's stderr; a run whose groups are all filtered never trains (see above)")
     last = _step(rows[-1])
     if limits.total_steps is not None and last < limits.total_steps:

@@ -52,7 +52,8 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         "rollout/resumes": sum(t.num_resumes for t in trajectories),  # aborts resumed in what this step trains
         "rollout/response_tokens_mean": tokens / n,
         # chat turns whose template rewrote earlier turns, so they began a new trajectory (asyncrl/rollout/client.py)
-        "rollout/template_rewrites": sum(e.metadata.get("template_rewrites", 0) for g in groups for e in g.group.episodes),
+        "rollout/template_rewrites": sum(e.metadata.get("template_rewrites", 0)
+                                         for g in groups for e in g.group.episodes),
         # trained groups of two or more whose samples all scored the same: advantage 0, nothing learned
         # (none when algorithm.filter_zero_variance drops them; a constant reward makes it 1)
         "rollout/same_score_fraction": sum(len(g.group.episodes) > 1 and len({e.reward for e in g.group.episodes}) == 1

@@ -141,7 +141,8 @@ def multihop_corpus(*, corpus_seed: int = 0, num_people: int = 800, max_hops: in
     return [Document(id=e, title=e, text=fact_text(e, world.container[e])) for kind in world.ids[:-1] for e in kind]
 
 
-def iter_multihop(seed: int, *, corpus_seed: int = 0, num_people: int = 800, max_hops: int = MAX_HOPS) -> Iterator[Task]:
+def iter_multihop(seed: int, *, corpus_seed: int = 0, num_people: int = 800,
+                  max_hops: int = MAX_HOPS) -> Iterator[Task]:
     """Endless deterministic stream of questions over ``multihop_corpus(...)``.
 
     The number of hops is uniform in ``1..max_hops``, the subject's kind uniform among the

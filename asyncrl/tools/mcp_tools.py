@@ -216,7 +216,8 @@ class MCPTools:
                         http = self.http_client
                         if http is None:
                             http = await stack.enter_async_context(httpx2.AsyncClient(timeout=self.timeout_s))
-                        read, write = await stack.enter_async_context(streamable_http_client(spec.url, http_client=http))
+                        client = streamable_http_client(spec.url, http_client=http)
+                        read, write = await stack.enter_async_context(client)
                     session = await stack.enter_async_context(ClientSession(read, write))
                     await session.initialize()
                     tools, cursor = [], None

@@ -28,7 +28,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", choices=["bm25", "dense", "hybrid"], default="bm25",
                         help="dense and hybrid: asyncrl/tools/retrieval/dense.py")
     parser.add_argument("--encoder", default="minilm",
-                        help="dense, hybrid: 'minilm' (the research extra) or a causal LM's path (pooled hidden states)")
+                        help="dense, hybrid: 'minilm' (the research extra) or a causal LM's path "
+                             "(pooled hidden states)")
     parser.add_argument("--max-wait-s", type=float, default=0.0, help="how long a batch with room waits for more")
     args = parser.parse_args(argv)
     started = time.perf_counter()

@@ -120,7 +120,8 @@ class BM25Index(SearchIndex):
 
     def _search_batch(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         chunk = max(1, _MAX_SCORES // len(self.documents))
-        return [hits for start in range(0, len(queries), chunk) for hits in self._score(queries[start:start + chunk], k)]
+        return [hits for start in range(0, len(queries), chunk)
+                for hits in self._score(queries[start:start + chunk], k)]
 
     def _score(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         scores = np.stack([self._bm25.get_scores_from_ids(self._bm25.get_tokens_ids(tokenize(q)))

@@ -2,8 +2,9 @@
 search agent's retrieval tool as an MCP server (the official SDK's ``MCPServer``).
 
 One tool, ``search(query)``, described as the plain search agent describes its own: BM25
-(or ``--index dense|hybrid``, ``dense.py``) over the documents (the same index as ``python -m asyncrl.tools.retrieval``), the best
-``--k`` hits' texts, one per line, whitespace collapsed; no line when nothing matches.
+(or ``--index dense|hybrid``, ``dense.py``) over the documents (the same index as
+``python -m asyncrl.tools.retrieval``), the best ``--k`` hits' texts, one per line,
+whitespace collapsed; no line when nothing matches.
 Over stdio by default (an agent's ``MCPTools`` starts it and stops it); ``--http`` serves
 streamable HTTP (stateless, JSON replies) at ``http://HOST:PORT/mcp`` instead, printing that URL alone on stdout once
 listening (``--port 0``, the default: a free port, so the URL is the only way to know it).
