@@ -68,7 +68,8 @@ def _declare_plan(sub: Any, name: str) -> None:
                                      "idle fractions, staleness, a sweep over η and the rollout/learner split")
     plan.add_argument("config", help="YAML config file of the run to plan (e.g. examples/countdown/async.yaml)")
     plan.add_argument("overrides", nargs="*", metavar="key=value", help="optional overrides of the file's keys")
-    plan.add_argument("--from", dest="from_run", metavar="RUN_DIR", help="fit the costs to a finished asyncrl train run")
+    plan.add_argument("--from", dest="from_run", metavar="RUN_DIR",
+                      help="fit the costs to a finished asyncrl train run")
     plan.add_argument("--cluster", metavar="TABLE", help="a cluster table (YAML; keys in docs/planner.md)")
     plan.add_argument("--out", default=None, help="output directory (default plan/<timestamp>)")
     plan.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the config and its sync baseline")

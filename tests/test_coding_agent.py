@@ -106,7 +106,8 @@ def test_the_answers_code_is_the_last_fenced_block_or_the_lines_that_parse():
     assert agent.extract_code("def f(x):\n    return x\n```\n\nIn the above code, f returns x.") \
         == "def f(x):\n    return x\n"
     assert agent.extract_code("I cannot write that.") == ""
-    assert agent.extract_code("Here:\n```python\ndef f(x):\n    return 1\n```\nand\n```\ndef f(x):\n    return 2\n```") \
+    assert agent.extract_code("Here:\n```python\ndef f(x):\n    return 1\n```\n"
+                              "and\n```\ndef f(x):\n    return 2\n```") \
         == "def f(x):\n    return 2\n"
 
 

@@ -106,7 +106,8 @@ def test_bad_dataset_row_exits_2_naming_the_line(tmp_path, char_tokenizer, capsy
     data = tmp_path / "mine.jsonl"
     data.write_text('{"prompt": "1+1=", "answer": 2}\n{"prompt": 5}\n')
     path = write(tmp_path, {"model": {"path": str(tmp_path / "policy")},
-                            "task": {"name": "jsonl", "path": str(data), "reward_fn": "asyncrl.tasks:arithmetic_reward"}})
+                            "task": {"name": "jsonl", "path": str(data),
+                                     "reward_fn": "asyncrl.tasks:arithmetic_reward"}})
     assert main(["eval", str(path)]) == 2
     err = capsys.readouterr().err
     assert "mine.jsonl" in err and "line 2" in err

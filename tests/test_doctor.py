@@ -85,7 +85,8 @@ def test_a_sync_that_loads_nothing_shows_as_mismatch_at_lag_0(tmp_path, monkeypa
         await self._call(stamp)
 
     monkeypatch.setattr(TorchEngine, "update_weights", version_only)
-    run = _train(tmp_path / "skipped", "weight_sync.check_every=0", "optim.lr=0.003", config="examples/addition/sync.yaml")
+    run = _train(tmp_path / "skipped", "weight_sync.check_every=0", "optim.lr=0.003",
+                 config="examples/addition/sync.yaml")
     found = _by_name(run)["engine-learner mismatch at lag 0"]
     assert found.status in (WARN, FAIL) and found.step == 2, found  # step 1 samples the initial weights: no gap yet
     said = [line for line in capsys.readouterr().err.splitlines() if "mismatch at lag 0 at step" in line]

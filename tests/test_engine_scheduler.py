@@ -15,7 +15,8 @@ def seq(i: int, max_tokens: int = 8, prompt_len: int = 3, **sampling) -> Sequenc
     return Sequence(i, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, **sampling))
 
 
-def queued(n: int, max_batch_size: int = 4, max_positions: int = 1 << 30, **sampling) -> tuple[Scheduler, list[Sequence]]:
+def queued(n: int, max_batch_size: int = 4, max_positions: int = 1 << 30,
+           **sampling) -> tuple[Scheduler, list[Sequence]]:
     s = Scheduler(max_batch_size, max_positions)
     seqs = [seq(i, **sampling) for i in range(n)]
     for x in seqs:

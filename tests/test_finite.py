@@ -75,7 +75,8 @@ def test_reward_checks_name_the_task_and_the_limit():
         check_rewards([1.0, float("nan")], max_abs=1e6, task_id="t7", step=2)
     with pytest.raises(NonFiniteError, match=r"reward -inf for task t7"):
         check_rewards([float("-inf")], max_abs=1e6, task_id="t7", step=2)
-    with pytest.raises(NonFiniteError, match=r"1e\+300 for task t9 \(step 5\) is beyond algorithm.max_abs_reward=1e\+06"):
+    with pytest.raises(NonFiniteError,
+                       match=r"1e\+300 for task t9 \(step 5\) is beyond algorithm.max_abs_reward=1e\+06"):
         check_rewards([0.0, 1e300], max_abs=1e6, task_id="t9", step=5)
 
 

@@ -4,7 +4,8 @@ silence; ``tool_choice`` forcing a call (its opening recorded as environment tok
 next turn still token-exact) or forbidding one; ``<think>`` reasoning handed out as
 ``reasoning_content`` and kept in the trajectory; streams sent token by token (an engine
 that samples its next token only once the agent saw the last shows it without a clock),
-adding up to the reply unstreamed and recording the same trajectory. Each test starts its gateway on a free port and stops it, also when it fails."""
+adding up to the reply unstreamed and recording the same trajectory. Each test starts its gateway on a free port
+and stops it, also when it fails."""
 
 from __future__ import annotations
 
@@ -504,7 +505,8 @@ def test_a_stream_matches_the_reply_unstreamed_on_the_real_engine(tiny_policy):
                         chunks = await chunks_of(client)
                         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
                     else:
-                        text = (await client.chat.completions.create(model="tiny", messages=USER)).choices[0].message.content
+                        text = (await client.chat.completions.create(
+                            model="tiny", messages=USER)).choices[0].message.content
                 results.append((text, llm.trajectories[0]))
             return results
 
@@ -524,7 +526,8 @@ def test_an_engine_that_fails_mid_stream_ends_it_with_an_error_the_sdk_raises(ti
             got = []
             async with gateway.session(llm) as base_url:
                 with pytest.raises(openai.APIError) as caught:
-                    await chunks_of(sdk(base_url), lambda c: got.append(c.choices[0].delta.content if c.choices else None))
+                    await chunks_of(sdk(base_url),
+                                    lambda c: got.append(c.choices[0].delta.content if c.choices else None))
             async with aiohttp.ClientSession() as http, http.get(gateway.base_url + "/health") as r:
                 return caught.value, got, r.status
 

@@ -285,7 +285,7 @@ class Spy:
 
 
 @pytest.mark.slow
-def test_codex_exec_runs_one_episode_through_a_session_recorded_token_exact(smollm2_dir, tmp_path):
+def test_codex_exec_runs_one_episode_through_a_session_recorded_token_exact(smollm2_dir, tmp_path):  # noqa: F811
     """A real harness, unpatched: Codex CLI's ``codex exec`` (the Responses API, streamed)
     pointed at a session on SmolLM2-135M-Instruct. Its default prompt (base instructions,
     sub-agent and goal tools: 9,191 tokens with 0.171.0) overflows SmolLM2's 8,192, which

@@ -283,7 +283,8 @@ def test_a_large_prompt_is_tokenized_off_the_loop():
 
 def test_what_certainly_cannot_fit_is_refused_before_any_tokenizing():
     tokenizer = Spied(AutoTokenizer.from_pretrained(MODEL))
-    call = {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "1" * 2000}}]}
+    call = {"role": "assistant",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "1" * 2000}}]}
     parts = {"role": "user", "content": [{"type": "text", "text": "1" * 1700}, {"type": "image_url", "image_url": {}}]}
     bodies = [({"messages": [{"role": "user", "content": "x" * 10_000_000}]}, "10000000 characters"),
               ({"messages": [{"role": "user", "content": ""}] * 128}, "128 messages"),

@@ -97,7 +97,8 @@ FLOORS = {
     "asyncrl.runtime": 3,
     # 4 runs: the gate, the loops, the entry points of train, eval, serve and sft
     "asyncrl.orchestrator": 4,
-    "asyncrl.sft": 4,  # asyncrl sft: a run of its own (cold-start SFT), over the gateway's rendering and a learner helper
+    # asyncrl sft: a run of its own (cold-start SFT), over the gateway's rendering and a learner helper
+    "asyncrl.sft": 4,
     # 5 top: what drives or reads whole runs
     "asyncrl.cli": 5, "asyncrl.report": 5, "asyncrl.bench": 5, "asyncrl.tiny": 5, "asyncrl.plan": 5,
 }

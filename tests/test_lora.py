@@ -248,7 +248,8 @@ def test_eval_on_a_lora_checkpoint_scores_base_plus_adapters(tmp_path, capsys):
     """``asyncrl eval model.path=<a LoRA checkpoint>``: the base its adapter_config.json
     names, with the adapters merged, scores exactly what the merged model directory does."""
     cfg = load_config("examples/addition/async.yaml", ["model.lora.rank=4", "optim.lr=0.05"])
-    learner = Learner(AutoModelForCausalLM.from_pretrained(cfg.model.path), AutoTokenizer.from_pretrained(cfg.model.path),
+    learner = Learner(AutoModelForCausalLM.from_pretrained(cfg.model.path),
+                      AutoTokenizer.from_pretrained(cfg.model.path),
                       algorithm=cfg.algorithm, optim=cfg.optim, total_steps=10, temperature=1.0, lora=cfg.model.lora)
     for _ in range(3):
         learner.train_step(batch())

@@ -86,7 +86,8 @@ COSTS = Costs(  # a run of a few simulated minutes: 0.25 s per decode step, 10 s
 
 
 def _events(run_dir: Path) -> list[tuple]:
-    return [(e["kind"], e.get("group"), e.get("step"), e.get("version")) for e in read_jsonl(run_dir / "timeline.jsonl")]
+    return [(e["kind"], e.get("group"), e.get("step"), e.get("version"))
+            for e in read_jsonl(run_dir / "timeline.jsonl")]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -148,7 +149,8 @@ def test_the_engine_fit_recovers_decode_and_prefill_costs_timed_apart_or_togethe
     assert together.prefill_s == together.step_s
     for r in rows:
         busy = (together.decode_step(0, 0) * (r["rollout/decode_steps"] + r["rollout/prefills"])
-                + together.per_sequence_s * r["rollout/tokens"] + together.prefill_per_row_s * r["rollout/prefill_rows"])
+                + together.per_sequence_s * r["rollout/tokens"]
+                + together.prefill_per_row_s * r["rollout/prefill_rows"])
         assert busy == pytest.approx(r["rollout/busy_s"], rel=0.05)
 
 
@@ -272,7 +274,8 @@ def _fake_run(run: Path, steps: list[dict], tokens: list[int]) -> None:
         row["time/elapsed"] = (before["time/elapsed"] if before else 0.0) + row["time/step"]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     samples = [{"step": i + 1, "task_id": str(i), "group": i, "response_tokens": n - 10, "prompt_tokens": 10,
-                "trained_version": i, "behavior_version_min": i, "behavior_version_max": i} for i, n in enumerate(tokens)]
+                "trained_version": i, "behavior_version_min": i, "behavior_version_max": i}
+               for i, n in enumerate(tokens)]
     (run / "samples.jsonl").write_text("".join(json.dumps(s) + "\n" for s in samples))
 
 

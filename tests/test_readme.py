@@ -107,4 +107,5 @@ def test_the_order_checker_sees_a_collision_and_a_resume_of_a_finished_run():
         check_in_order([main, f"{main} save_every=50 resume=true"])
     with pytest.raises(AssertionError, match="no command before it leaves that checkpoint"):
         check_in_order([main, f"{main} resume=true total_steps=800 save_every=50",
-                        "asyncrl eval examples/countdown/eval.yaml model.path=runs/countdown-async/checkpoints/step_600"])
+                        "asyncrl eval examples/countdown/eval.yaml "
+                        "model.path=runs/countdown-async/checkpoints/step_600"])

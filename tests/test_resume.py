@@ -138,7 +138,8 @@ def test_an_interim_checkpoint_goes_once_a_later_one_is_written_and_pushes_no_ke
 
 
 def test_rollback_drops_rows_after_the_checkpoint_and_a_torn_line(tmp_path):
-    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5)) + '{"step": 5, "rew')
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in range(5))
+                                            + '{"step": 5, "rew')
     (tmp_path / "samples.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2, 3, 3)))
     (tmp_path / "timeline.jsonl").write_text(json.dumps({"end": 1.0}) + "\n" + json.dumps({"end": 9.0}) + "\n")
     (tmp_path / "errors.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 3)))
@@ -160,7 +161,8 @@ def slow_reward(task, response: str) -> float:
 
 def run_args(policy_dir, out, *extra):
     return [sys.executable, "-m", "asyncrl.cli", "train", "examples/countdown/async.yaml", f"model.path={policy_dir}",
-            f"output_dir={out}", "mode=async", "max_staleness=3", "partial_rollout=abort", "total_steps=10", "save_every=3",
+            f"output_dir={out}", "mode=async", "max_staleness=3", "partial_rollout=abort", "total_steps=10",
+            "save_every=3",
             "keep_last=2", "batch_size=2", "group_size=4", "eval.num_tasks=2", "eval.samples_per_task=1",
             "eval_every=0", "task.num_train=64", "task.num_validation=4", "algorithm.filter_zero_variance=false",
             "task.reward_fn=test_resume:slow_reward", *extra]

@@ -130,7 +130,8 @@ def test_resume_and_the_same_output_dir_spelled_otherwise_are_no_change(tmp_path
     assert changed_settings(saved, same) == {}
     moved = cfg.model_copy(update={"output_dir": "runs/y", "workflow": cfg.workflow.model_copy(
         update={"options": {"turns": 2}})})
-    assert changed_settings(saved, moved) == {"output_dir": ("runs/x", "runs/y"), "workflow.options": ({}, {"turns": 2})}
+    assert changed_settings(saved, moved) == {"output_dir": ("runs/x", "runs/y"),
+                                              "workflow.options": ({}, {"turns": 2})}
 
 
 def test_a_config_written_by_an_older_schema_is_compared_key_by_key(tmp_path):

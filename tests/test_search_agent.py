@@ -27,7 +27,8 @@ _spec = importlib.util.spec_from_file_location("search_agent", REPO / "examples/
 agent = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(agent)
 
-SMALL = ["total_steps=2", "sampling.max_tokens=48", "batch_size=2", "group_size=2", "eval.num_tasks=2", "eval.samples_per_task=1",
+SMALL = ["total_steps=2", "sampling.max_tokens=48", "batch_size=2", "group_size=2", "eval.num_tasks=2",
+         "eval.samples_per_task=1",
          "task.num_train=16", "task.num_validation=4", "algorithm.filter_zero_variance=false",
          "task.options={num_people: 50}"]
 

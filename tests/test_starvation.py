@@ -166,7 +166,8 @@ def run_args(policy_dir, out, *extra):
 
 def test_a_run_whose_every_group_is_filtered_stops_starved(tmp_path, policy_dir, capsys):
     start = time.perf_counter()
-    code = main(run_args(policy_dir, tmp_path / "flat", "total_steps=4", "task.reward_fn=test_starvation:constant_reward",
+    code = main(run_args(policy_dir, tmp_path / "flat", "total_steps=4",
+                         "task.reward_fn=test_starvation:constant_reward",
                          "watchdog.starvation_window=16"))
     elapsed = time.perf_counter() - start
     err = capsys.readouterr().err

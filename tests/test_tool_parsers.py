@@ -192,7 +192,8 @@ TEMPLATES = {
         "{%- set users = messages | selectattr('role', 'equalto', 'user') | list %}"
         "{%- for m in messages %}"
         "{%- if m.role == 'user' %}"
-        "{%- if tools and m == users[-1] %}{{ '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{% endif %}"
+        "{%- if tools and m == users[-1] %}"
+        "{{ '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{% endif %}"
         "{{ '[INST] ' + m.content + '[/INST]' }}"
         "{%- elif m.tool_calls %}{{ '[TOOL_CALLS] [' }}{%- for c in m.tool_calls %}"
         "{%- if c.id is not defined or c.id | length != 9 %}{{ raise_exception('ids are 9 characters') }}{% endif %}"
@@ -270,7 +271,8 @@ def test_a_call_round_trips_through_the_template_that_teaches_it(smollm2, key):
     begins the rendered turn byte for byte."""
     tok = taught(smollm2, key)
     several = key != "llama3_json"  # Llama 3.1's template renders one call per turn
-    calls = [openai_call("calculate", ARGUMENTS)] + ([openai_call("lookup", {"q": "東京"}, "z9y8x7w6v")] if several else [])
+    calls = [openai_call("calculate", ARGUMENTS)] + (
+        [openai_call("lookup", {"q": "東京"}, "z9y8x7w6v")] if several else [])
     messages = asking(calls)
     turn = rendered_turn(tok, messages)
     fmt = resolve_format("auto", tok)
@@ -403,7 +405,7 @@ def test_a_tool_episode_in_each_format_through_the_gateway(tiny_policy, key):
     assert trajectory.response_ids[:len(scripted.script)] == scripted.script
 
 
-def test_a_call_whose_marker_is_a_special_token_is_read_from_the_reply_that_keeps_it(smollm2_dir):
+def test_a_call_whose_marker_is_a_special_token_is_read_from_the_reply_that_keeps_it(smollm2_dir):  # noqa: F811
     """Mistral's tokenizers make ``[TOOL_CALLS]`` a special token: decoded without special
     tokens (the reply's text) the marker is gone and the call would come back as prose;
     the session reads it from the reply decoded with them."""

@@ -124,7 +124,8 @@ def test_a_version_that_does_not_advance_is_an_error(policy_dir):
         with pytest.raises(WeightSyncError, match="after the weight sync of version 2: rollout worker 1 serves "
                                                   "version 1"):
             await sync.sync(2, "abort")
-        with pytest.raises(WeightSyncError, match="of version 3: rollout worker 1 serves version 1"):  # object_store too
+        # object_store too
+        with pytest.raises(WeightSyncError, match="of version 3: rollout worker 1 serves version 1"):
             await ObjectStoreSync(sync.learner, sync.rollout).sync(3, "abort")
 
     asyncio.run(in_process(policy_dir, scenario))

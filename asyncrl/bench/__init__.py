@@ -74,8 +74,8 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
             raise ConfigError(f"bench trl needs TRL: pip install -e '.[bench]' ({exc})") from None
         result = run_trl_bench(overrides, out_dir)
     else:
-        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, staleness, "
-                          "retokenize, precision")
+        raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, "
+                          "staleness, retokenize, precision")
     result["machine"] = machine()
     write_result(result, out_dir)
     return result

@@ -9,8 +9,8 @@ num_kv_heads=8``) and the tiny char tokenizer, so nothing is downloaded. ``lora_
 times full fine-tuning (0) and LoRA at each rank r > 0 (``model.lora.rank=r``, every other
 LoRA key its default) on the same batch; LoRA trains on one rank, so only the one-rank
 configuration is timed with it. Each configuration runs as rank processes
-(the ``RankProcesses`` transport, ``asyncrl/runtime/rank_processes.py``), the one-rank baseline too, so every one pays the
-same process boundary; torch threads are split evenly over the ranks (``threads`` in all).
+(the ``RankProcesses`` transport, ``asyncrl/runtime/rank_processes.py``), the one-rank baseline too, so every one pays
+the same process boundary; torch threads are split evenly over the ranks (``threads`` in all).
 
 A step's time is the slowest rank's, from a barrier to the end of the optimizer step
 (median of ``repeats`` after a warm-up step). Memory per rank: the bytes of parameters,
@@ -195,7 +195,8 @@ def run_learner_bench(overrides: list[str]) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
-    head = (f"{'model':22s} {'params':>8s} {'LoRA r':>6s} {'ranks':>5s} {'strategy':>8s} {'step s':>8s} {'speedup':>7s} "
+    head = (f"{'model':22s} {'params':>8s} {'LoRA r':>6s} {'ranks':>5s} {'strategy':>8s} {'step s':>8s} "
+            f"{'speedup':>7s} "
             f"{'params+grads+optim MiB/rank':>27s} {'vs 1 rank':>9s} {'peak RSS MiB/rank':>17s}")
     cuda = any("cuda_max_allocated_per_rank" in r for m in result["models"].values() for r in m["runs"])
     head += f" {'CUDA max alloc MiB/rank':>23s}" if cuda else ""

@@ -138,7 +138,8 @@ def bench_config(path: str, s: PrecisionBenchSettings) -> dict[str, Any]:
                     mismatch(batch.behavior_logprobs, pi, batch.loss_mask))
             # the delivery probe: the learner's plain forward (no autocast) in its float32 weights
             prompts = probe_prompts(tokenizer)
-            learned = learner_probe(SimpleNamespace(learner=learners["off"]), list(zip(prompts, [t for t, _ in probed])))
+            learned = learner_probe(SimpleNamespace(learner=learners["off"]),
+                                    list(zip(prompts, [t for t, _ in probed])))
             combos[f"engine {dtype} / learner fp32"]["probe_max_abs_diff"] = max_abs_diff([lp for _, lp in probed],
                                                                                          learned)
         batch = _batch(samples["float32"][0], pad_id)

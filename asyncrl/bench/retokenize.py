@@ -94,7 +94,8 @@ def conversations(n: int, seed: int) -> list[tuple[str, str, str]]:
     out = []
     for i in range(n):
         kind = KINDS[i % len(KINDS)]
-        numbers = {"a": rng.randint(2, 999), "b": rng.randint(2, 9999), "c": rng.randint(1, 99), "d": rng.randint(1, 28)}
+        numbers = {"a": rng.randint(2, 999), "b": rng.randint(2, 9999), "c": rng.randint(1, 99),
+                   "d": rng.randint(1, 28)}
         pool = {"arithmetic": _ARITHMETIC, "factual": _FACTS, "mixed": _MIXED}[kind]
         out.append((kind, rng.choice(pool).format(**numbers), rng.choice(_FOLLOW_UPS[kind]).format(**numbers)))
     return out

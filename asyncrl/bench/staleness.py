@@ -33,8 +33,8 @@ numbers, so it answers right about a third of the time (held-out reward 0.31 at 
 while the right answer is its single most likely one; RL has the rest to gain by
 concentrating on it, and a synchronous run gains ~0.2 held-out in 300 steps (~15 s
 here). Higher learning rates make it unstable even on-policy (1e-3 rose to 0.42, then
-fell back to 0.31; 3e-3 collapsed to a constant answer), so the default is 5e-4. The warm-up saw every prompt (it plays the pretrained
-model); RL trains on the task's train split and is scored on its validation prompts.
+fell back to 0.31; 3e-3 collapsed to a constant answer), so the default is 5e-4. The warm-up saw every prompt (it
+plays the pretrained model); RL trains on the task's train split and is scored on its validation prompts.
 Responses are two or three tokens, so generation easily outruns the learner and an
 asynchronous run actually consumes trajectories η versions old (``staleness_hist``).
 """
@@ -130,7 +130,8 @@ def run_config(s: StalenessBenchSettings, policy: Path, out: Path, eta: int, obj
         f"batch_size={s.batch_size}", f"group_size={s.group_size}", f"eval_every={s.eval_every}",
         f"eval.num_tasks={s.eval_tasks}", f"eval.samples_per_task={s.eval_samples}", "sampling.max_tokens=4",
         "save_every_minutes=0",
-        f"optim.lr={s.lr}", f"optim.mini_batches={s.mini_batches}", "algorithm.filter_zero_variance=false", "algorithm.advantage=grpo",
+        f"optim.lr={s.lr}", f"optim.mini_batches={s.mini_batches}", "algorithm.filter_zero_variance=false",
+        "algorithm.advantage=grpo",
         f"rollout.num_threads={s.threads}", f"rollout.learner_threads={s.threads}",
         *OBJECTIVE_KEYS[objective],
         *([f"rollout.engine_weight_noise={s.mismatch}", "weight_sync.check_every=0"] if s.mismatch else []),

@@ -1,4 +1,5 @@
-"""Engines beyond the built-in one: vLLM in-process, servers by URL (``engine: remote``), and ``asyncrl serve-engine``."""
+"""Engines beyond the built-in one: vLLM in-process, servers by URL (``engine: remote``), and
+``asyncrl serve-engine``."""
 
 from __future__ import annotations
 

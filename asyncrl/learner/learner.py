@@ -192,7 +192,8 @@ class Learner:
                                     max_tokens=self.optim.micro_batch_tokens)
         parts: list[tuple[int | None, TrainBatch]] = [(start, batch.slice(start, stop)) for start, stop in bounds]
         if self.sharding is not None:
-            parts += [(None, TrainBatch.filler(self.pad_id, self.device))] * (self.sharding.count(len(parts)) - len(parts))
+            parts += ([(None, TrainBatch.filler(self.pad_id, self.device))]
+                      * (self.sharding.count(len(parts)) - len(parts)))
         return parts
 
     @torch.no_grad()

@@ -199,7 +199,8 @@ groups dropped as stale (their mean length against the trained ones' is the bias
 makes), and the takes that waited for a group that would otherwise have gone stale."""
 
 
-def trainable(groups: list[ReadyGroup], trained_version: int, max_staleness: int) -> tuple[list[Trajectory], list[float]]:
+def trainable(groups: list[ReadyGroup], trained_version: int,
+              max_staleness: int) -> tuple[list[Trajectory], list[float]]:
     """The trajectories of ``groups`` with their episodes' advantages, each checked to be
     at most ``max_staleness`` versions old at ``trained_version`` (the learner's side of
     the bound: anything older is a bug upstream, and stops the run). A trajectory with no

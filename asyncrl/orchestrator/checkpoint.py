@@ -14,7 +14,8 @@ what makes a resume one consistent history:
 - counters and the wall time so far, so metrics continue where they stopped.
 
 Rows that ``metrics.jsonl``, ``samples.jsonl``, ``timeline.jsonl``, ``errors.jsonl`` and
-``eval_samples.jsonl`` got after the checkpoint describe work the resumed run redoes; :func:`rollback_logs` removes them.
+``eval_samples.jsonl`` got after the checkpoint describe work the resumed run redoes; :func:`rollback_logs` removes
+them.
 """
 
 from __future__ import annotations

@@ -107,7 +107,8 @@ def check_trainable(cfg: Config) -> None:
         raise ConfigError(f"group_size=1: algorithm.advantage={advantage!r} compares each sample with the others of "
                           "its task's group, so with one sample every advantage is 0 and nothing trains; use "
                           "group_size >= 2")
-    greedy = "sampling.temperature=0" if sampling.temperature == 0 else "sampling.top_k=1" if sampling.top_k == 1 else None
+    greedy = ("sampling.temperature=0" if sampling.temperature == 0
+              else "sampling.top_k=1" if sampling.top_k == 1 else None)
     if greedy and n > 1:
         raise ConfigError(f"{greedy} decodes greedily: the group_size={n} samples of a task are the same text, score "
                           "the same, and every group is filtered, so nothing trains; sample with a temperature > 0 "

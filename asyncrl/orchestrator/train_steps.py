@@ -48,7 +48,8 @@ class TrainSteps:
         if groups is None:
             return None
         trained = Trained(waited_s=self._now() - t0)
-        trained.actor = await self._learn(trained, step, self.learner.train_step(*self._batch(trained, groups, version)))
+        trained.actor = await self._learn(trained, step,
+                                          self.learner.train_step(*self._batch(trained, groups, version)))
         return trained
 
     async def streamed(self, version: int, step: int) -> Trained | None:

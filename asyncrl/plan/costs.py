@@ -149,7 +149,8 @@ class Costs:
             f"{e.per_context_token_s * 1e6:.3g} µs per context token; prefill {e.prefill_s * 1e3:.3g} ms + "
             f"{e.prefill_per_row_s * 1e3:.3g} ms per prompt + {e.prefill_per_token_s * 1e6:.3g} µs per token; "
             f"at most {e.max_batch} sequences",
-            f"learner: {lr.step_s * 1e3:.3g} ms + {lr.per_token_s * 1e6:.3g} µs per token, recompute +{lr.recompute:.0%}"
+            f"learner: {lr.step_s * 1e3:.3g} ms + {lr.per_token_s * 1e6:.3g} µs per token, "
+            f"recompute +{lr.recompute:.0%}"
             f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step, first step +{lr.warmup_s:.3g} s"
             + (f"; sharing the cores, the learner is {1 + lr.contention:.2f}× and a decode step "
                f"{1 + e.contention:.2f}× slower while the other computes" if lr.contention or e.contention else ""),
@@ -304,7 +305,8 @@ def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes:
         decode_coef, prefill_coef = _nonnegative_fit(decode_x, busy - prefill), _nonnegative_fit(prefill_x, prefill)
         notes.append(f"engine: decode seconds fitted to decode steps, tokens and cache positions (R² "
                      f"{_r2(decode_x @ decode_coef, busy - prefill):.2f}), prefill seconds to prefills, prompt "
-                     f"rows and their positions (R² {_r2(prefill_x @ prefill_coef, prefill):.2f}), over {len(rows)} steps")
+                     f"rows and their positions (R² {_r2(prefill_x @ prefill_coef, prefill):.2f}), "
+                     f"over {len(rows)} steps")
         shared_k = min(0.9, float(decode_coef[3]))
         return EngineCosts(step_s=float(decode_coef[0]), per_sequence_s=float(decode_coef[1]),
                            prefill_s=float(prefill_coef[0]), prefill_per_row_s=float(prefill_coef[1]),

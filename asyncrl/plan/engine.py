@@ -148,8 +148,9 @@ class SimulatedEngine:
                 self.cores.set_engine(True)
             if admit:  # prefill: a resumed sequence's partial response is prefilled with its prompt
                 del self.waiting[:len(admit)]
-                rows = [s for s in admit if s.versions] + [next(s for s in admit if s.group == g) for g in dict.fromkeys(
-                    s.group for s in admit if not s.versions and s.group not in self._prefilled)]
+                rows = [s for s in admit if s.versions] + [
+                    next(s for s in admit if s.group == g) for g in dict.fromkeys(
+                        s.group for s in admit if not s.versions and s.group not in self._prefilled)]
                 self._prefilled.update(s.group for s in admit)
                 contexts = [s.context * self.unit for s in rows]
                 cost = self.costs.prefill(contexts)

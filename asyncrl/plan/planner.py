@@ -66,13 +66,15 @@ def simulate(cfg: Config, costs: Costs, out: Path) -> dict[str, Any]:
     unit = unit_for(min(costs.workload.max_response, cfg.sampling.max_tokens))
     out.parent.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    with open(out.with_name(out.name + ".log"), "w") as log, contextlib.redirect_stderr(log):  # banners and bars of many runs
+    # banners and bars of many runs
+    with open(out.with_name(out.name + ".log"), "w") as log, contextlib.redirect_stderr(log):
         trainer = _PlannedTrainer(cfg, runtime=simulated_runtime(costs, unit))
         _, simulated_s = run_virtual(trainer.run_async())
     summary = run_figures(out)
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "time/step" in r]
     t_r, t_t, t_w = (statistics.mean(f(r) for r in rows) for f in (
-        lambda r: r["time/step"] * r["trainer/idle_ratio"], lambda r: r["time/learner"], lambda r: r["time/weight_sync"]))
+        lambda r: r["time/step"] * r["trainer/idle_ratio"], lambda r: r["time/learner"],
+        lambda r: r["time/weight_sync"]))
     # Slime's bound on overlapping this run's phases: (t_R + t_T + t_W) / (max(t_R, t_T) + t_W)
     summary["overlap_bound"] = (t_r + t_t + t_w) / (max(t_r, t_t) + t_w)
     return {**summary, "simulated_s": simulated_s, "real_s": time.perf_counter() - start, "tokens_per_unit": unit}
@@ -127,7 +129,8 @@ def plan(cfg: Config, costs: Costs, out: Path, sweep: bool = True,
                    "batch_size": cfg.batch_size, "group_size": cfg.group_size, "total_steps": cfg.total_steps,
                    "max_tokens": cfg.sampling.max_tokens},
         "costs": costs.describe(), "notes": costs.notes, "source": costs.source,
-        "prediction": {**runs[here.name], "speedup_vs_sync": runs[here.name]["samples_per_s"] / runs["sync"]["samples_per_s"]},
+        "prediction": {**runs[here.name],
+                       "speedup_vs_sync": runs[here.name]["samples_per_s"] / runs["sync"]["samples_per_s"]},
         "sync": runs["sync"],
     }
     if sweep:

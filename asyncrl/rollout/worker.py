@@ -124,7 +124,8 @@ class RolloutWorker:
             path = str(resolve_model_path(self.cfg.model.path))
             self.engine = await VLLMEngine.start(path, seed=self._seed, version=self._version,
                                                  max_batch_size=self.cfg.rollout.max_batch_size,
-                                                 dtype=self.cfg.engine_dtype, **engine_args(self.cfg.vllm, on_cpu=on_cpu))
+                                                 dtype=self.cfg.engine_dtype,
+                                                 **engine_args(self.cfg.vllm, on_cpu=on_cpu))
         if self.engine is not None:
             applied = None
             while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile

@@ -83,10 +83,12 @@ def make_addition_policy(out: str | Path, *, max_operand: int = 19, label_noise:
                                             intermediate_size=2 * hidden_size, max_position_embeddings=32)
         examples = noisy_addition_examples(tokenizer, max_operand=max_operand, label_noise=label_noise, seed=seed)
         history = train_examples(model, examples, tokenizer.pad_token_id, steps=steps, time_budget_s=None,
-                                 batch_size=64, lr=5e-3, warmup_steps=20, seed=seed, log_every=0, desc="addition warm-up")
+                                 batch_size=64, lr=5e-3, warmup_steps=20, seed=seed, log_every=0,
+                                 desc="addition warm-up")
     model.eval()
     options = {"low": 0, "high": max_operand}
-    validation = load_tasks("arithmetic", seed=0, num_train=1, num_validation=NUM_VALIDATION, options=options).validation
+    validation = load_tasks("arithmetic", seed=0, num_train=1, num_validation=NUM_VALIDATION,
+                            options=options).validation
     pairs = [tuple(int(x) for x in t.prompt.rstrip("=").split("+")) for t in validation]
     save_tiny_policy(model, tokenizer, out)
     return {
@@ -111,7 +113,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     torch.set_num_threads(1)  # one thread: the same weights on any machine of this kind
     record = make_addition_policy(args.out, max_operand=args.max_operand, label_noise=args.label_noise,
                                   steps=args.steps, hidden_size=args.hidden_size, seed=args.seed)
-    record["command"] = "python -m asyncrl.tiny.addition_sft " + shlex.join(sys.argv[1:] if argv is None else list(argv))
+    record["command"] = ("python -m asyncrl.tiny.addition_sft "
+                         + shlex.join(sys.argv[1:] if argv is None else list(argv)))
     (Path(args.out) / "base_policy.json").write_text(json.dumps(record, indent=2) + "\n")
     print(json.dumps(record))
     return record

@@ -281,7 +281,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m asyncrl.tiny.search_sft",
                                 description="Make the tiny search-agent base policy from synthetic traces.")
     p.add_argument("--out", required=True)
-    p.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads (1 on a machine shared with other jobs)")
+    p.add_argument("--threads", type=int, default=NUM_THREADS,
+                   help="torch threads (1 on a machine shared with other jobs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init", default=None,
                    help="continue from this policy (a directory an earlier run saved) instead of a fresh model")
@@ -340,8 +341,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     drill_history = None
     if args.drill_steps:  # the copying circuit first: mixed into the traces it had not formed in 1,200 steps
-        drill_history = train_examples(model, drills, tokenizer.pad_token_id, steps=args.drill_steps, time_budget_s=None,
-                                       batch_size=DRILL_BATCH_SIZE, lr=DRILL_LR, warmup_steps=args.warmup_steps,
+        drill_history = train_examples(model, drills, tokenizer.pad_token_id, steps=args.drill_steps,
+                                       time_budget_s=None, batch_size=DRILL_BATCH_SIZE, lr=DRILL_LR,
+                                       warmup_steps=args.warmup_steps,
                                        seed=args.seed, log_every=args.log_every, desc="copy-drills")
     history = train_examples(model, examples, tokenizer.pad_token_id, steps=args.steps,
                              time_budget_s=args.minutes * 60 if args.minutes else None, batch_size=args.batch_size,
@@ -352,7 +354,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     record: dict[str, Any] = {
         "command": command, "seed": args.seed, "task": "multihop", "agent": args.agent,
         "init": None if not args.init else {"path": args.init, "record": init_record},
-        "noise": {"skip": noise.skip, "early": noise.early, "wrong": noise.wrong}, "traces": counts, "params": n_params, "model": model_kwargs, "batch_size": args.batch_size,
+        "noise": {"skip": noise.skip, "early": noise.early, "wrong": noise.wrong}, "traces": counts,
+        "params": n_params, "model": model_kwargs, "batch_size": args.batch_size,
         "lr": args.lr, "warmup_steps": args.warmup_steps, "steps_requested": args.steps,
         "time_cap_s": args.minutes * 60 if args.minutes else None, "steps": history["steps"],
         "stopped_by": history["stopped_by"], "wall_time_s": round(history["wall_time_s"], 1),

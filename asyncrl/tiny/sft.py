@@ -277,7 +277,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--num-validation", type=int, default=DEFAULT_NUM_VALIDATION)
     p.add_argument("--label-noise", type=float, default=DEFAULT_LABEL_NOISE,
                    help="share of targets replaced by a wrong expression over the same numbers")
-    p.add_argument("--copies", type=int, default=DEFAULT_COPIES, help="copies of each prompt, each with its own noise draw")
+    p.add_argument("--copies", type=int, default=DEFAULT_COPIES,
+                   help="copies of each prompt, each with its own noise draw")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=DEFAULT_LR)
     p.add_argument("--warmup-steps", type=int, default=50)
