@@ -154,15 +154,15 @@ def test_smollm2_example_trains_on_the_real_model(in_repo, tmp_path, smollm2_dir
 def test_smollm2_lora_example_ships_only_the_adapters(in_repo, tmp_path, smollm2_dir):  # noqa: F811 (the fixture)
     """examples/smollm2/lora.yaml as shipped, one small step: the sync carries A and B of the
     210 targeted layers (30 decoder layers x q, k, v, o, gate, up, down; r = 16) in float32
-    and each one's (scale, transposed) pair in float64, the delivery check passes, the
-    checkpoint is a PEFT adapter."""
+    (each one's scale and orientation travel as fields of the typed AdapterUpdate, not as
+    tensors), the delivery check passes, the checkpoint is a PEFT adapter."""
     out = tmp_path / "lora"
     train("examples/smollm2/lora.yaml", out, "total_steps=1", "group_size=2", "eval.num_tasks=2",
           "sampling.max_tokens=8")
     # r x (in + out) per decoder layer: hidden 576, k/v 192 (3 of 9 heads), MLP 1536
     per_layer = 16 * ((576 + 576) * 2 + (576 + 192) * 2 + (576 + 1536) * 3)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["weight_sync/bytes"] for r in rows if "weight_sync/bytes" in r] == [30 * per_layer * 4 + 210 * 2 * 8]
+    assert [r["weight_sync/bytes"] for r in rows if "weight_sync/bytes" in r] == [30 * per_layer * 4]
     assert all(r["weight_sync/probe_max_abs_diff"] <= 1e-4 for r in rows if "weight_sync/probe_max_abs_diff" in r)
     final = out / "checkpoints" / "step_1"
     assert (final / "adapter_config.json").is_file() and not (final / "model.safetensors").exists()

@@ -235,7 +235,7 @@ STEP_INVARIANTS = (
     StepInvariant("repeated searches", repeated_searches,
                   "most episodes search again for what they already read: penalise it (the agent's "
                   "duplicate_penalty), warm the policy up on traces that search once per hop, or cap its turns",
-                  ("agent/duplicate_search_fraction",)),
+                  ("rollout/duplicate_searches", "agent/duplicate_search_fraction")),
     StepInvariant("stale drops", stale_drops,
                   "groups outlive η: raise max_staleness, lower sampling.max_tokens, or stale_groups=wait",
                   ("buffer/stale_dropped_total",)),

@@ -127,8 +127,8 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
     """The ``agent/*`` keys: means over the episodes that carry ``metadata["agent"]``
     (multi-turn and agent workflows), none at all when no episode does (single-turn)."""
     records = [AgentDiagnostics.from_dict(e.metadata["agent"]) for e in episodes if "agent" in e.metadata]
-    if not records:
-        return {}
+    if not records:  # none repeated a search: the doctor's check then reads 0, not "not logged"
+        return {"rollout/duplicate_searches": 0}
     n = len(records)
     return {
         "agent/turns_mean": sum(r.turns for r in records) / n,

@@ -33,8 +33,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from agent import SYSTEM, TOOLS  # the agent's own prompt and tools
+
+def _sibling(name: str):
+    """This example's own ``name.py``, by path: another example's ``agent`` module may be loaded
+    already under the plain name (the calculator's, in one test process), and must not be used."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"coding_agent_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_agent = _sibling("agent")
+SYSTEM, TOOLS = _agent.SYSTEM, _agent.TOOLS  # the agent's own prompt and tools
 
 KINDS = ("clean", "tested", "wrong")
 REQUESTS = ("Write a Python function `{sig}` that {does}.", "Define `{sig}` in Python: it {does}.")
