@@ -62,7 +62,8 @@ SITE = textwrap.dedent('''
             wrap(TorchEngine, "update_weights")
         elif point == "mid-checkpoint-write":  # step_N.tmp half written
             import torch
-            wrap(torch, "save", lambda obj, f, *a, **k: str(f).endswith("trainer_state.pt"))
+            # step_4's own write, named by its path: a count of saves would also count any other one
+            wrap(torch, "save", lambda obj, f, *a, **k: str(f).endswith("step_4.tmp/trainer_state.pt"))
         elif point == "before-checkpoint-rename":  # step_N.tmp complete, not renamed into place
             wrap(os, "replace", lambda src, dst, *a, **k: str(src).endswith(".tmp"))
         elif point == "mid-evaluation":
@@ -85,7 +86,7 @@ AGENT = ["examples/openai_agent/train.yaml", "model.path=models/countdown-tiny"]
 POINTS = {  # point -> (config, n-th hit to die on: after the step-2 checkpoint)
     "mid-step": (COUNTDOWN, 4),
     "mid-weight-sync": (COUNTDOWN, 4),
-    "mid-checkpoint-write": (COUNTDOWN, 2),
+    "mid-checkpoint-write": (COUNTDOWN, 1),
     "before-checkpoint-rename": (COUNTDOWN, 2),
     "mid-evaluation": (COUNTDOWN, 5),
     "agent-episode-in-flight": (AGENT, 55),  # a run makes 80 chat calls; step_2 is saved after the 44th
