@@ -115,7 +115,7 @@ def test_a_slow_judge_meets_its_deadline_and_a_4xx_is_not_retried():
     async def main():
         async with fake_server(handler) as url:
             slow = FrozenModel("judge", url + "/slow", model="m", timeout_s=0.2, retries=1, backoff_s=0.01)
-            with pytest.raises(FrozenModelError, match="no answer within 0.2 s"):
+            with pytest.raises(FrozenModelError, match=r"failed after 2 tries .*no answer within 0.2 s"):
                 await slow.chat([{"role": "user", "content": "x"}])
             bad = FrozenModel("judge", url + "/bad", model="m", retries=3)
             with pytest.raises(FrozenModelError, match="HTTP 404.*no such model"):
@@ -124,7 +124,9 @@ def test_a_slow_judge_meets_its_deadline_and_a_4xx_is_not_retried():
             await bad.close()
 
     asyncio.run(main())
-    assert calls == {"slow": 2, "bad": 1}
+    # the 4xx was asked once; the slow route's tries are counted by the error above (a try that times
+    # out before the loaded server's handler starts never reaches its counter)
+    assert calls["bad"] == 1 and calls["slow"] >= 1
 
 
 def test_an_unreadable_grade_fails_the_episode_naming_the_judge():
