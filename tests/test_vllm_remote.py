@@ -1,0 +1,250 @@
+"""``engine: remote`` against real ``vllm serve`` processes: the client of
+``asyncrl/engine/remote.py`` held to the same contract it keeps with ``asyncrl serve-engine``.
+
+Needs vLLM (skipped without it; the CI lane ``.ci/vllm`` installs its CPU build in an
+environment of its own). Two servers start once for the module, on free loopback ports, and
+are stopped in the fixture's ``finally``; the last test kills one. The model is a tiny
+Qwen2 with an *untied* LM head: vLLM's CPU build keeps a packed copy of a tied head that a
+reload over HTTP does not refresh (docs/vllm.md).
+
+vLLM samples from its own generator, so tokens are not compared with the built-in engine's;
+logprobs are compared with the Hugging Face model's own log-softmax on the tokens vLLM sampled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+from conftest import reference_logprobs
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from asyncrl.config import RemoteConfig
+from asyncrl.engine.remote import RemoteEngine
+from asyncrl.types import SamplingParams
+
+START_LIMIT_S = 600.0  # two CPU servers loading at once on a loaded 2-core machine
+CALL_LIMIT_S = 300.0
+MAX_MODEL_LEN = 256
+
+
+def make_model(seed: int = 0) -> Qwen2ForCausalLM:
+    """head_dim 32 (vLLM's CPU attention wants >= 32), untied LM head (see the module's note)."""
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=1024,
+                         tie_word_embeddings=False)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class VllmServer:
+    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of the CPU wheel looks
+    up a distribution named ``vllm`` and exits) with the flags docs/vllm.md asks for."""
+
+    def __init__(self, model_dir: Path, log: Path) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        self.log = log
+        self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
+             "--max-model-len", str(MAX_MODEL_LEN), "--skip-tokenizer-init", "--enforce-eager",
+             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--max-num-seqs", "16"],
+            stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def wait_ready(self, deadline: float) -> None:
+        import urllib.request
+
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"vllm serve on {self.url} exited ({self.proc.returncode}):\n{self.tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
+                    if response.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(1)
+        raise AssertionError(f"vllm serve on {self.url} did not answer /health within {START_LIMIT_S:g} s:\n"
+                             f"{self.tail()}")
+
+    def tail(self) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        self._log_file.close()
+
+
+class Fleet:
+    def __init__(self, model: Qwen2ForCausalLM, model_dir: Path, servers: list[VllmServer], tmp: Path) -> None:
+        self.model, self.model_dir, self.servers, self.tmp = model, model_dir, servers, tmp
+        self.loop = asyncio.new_event_loop()
+        self.engine = self.run(RemoteEngine.connect(
+            RemoteConfig(urls=[s.url for s in servers], weights_dir=str(tmp / "weights"), health_interval_s=0.5,
+                         control_timeout_s=120)))
+
+    def run(self, coro):
+        return self.loop.run_until_complete(asyncio.wait_for(coro, CALL_LIMIT_S))
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vllm-remote")
+    model = make_model()
+    model.save_pretrained(tmp / "model")
+    servers: list[VllmServer] = []
+    f: Fleet | None = None
+    try:
+        for i in range(2):
+            servers.append(VllmServer(tmp / "model", tmp / f"server{i}.log"))
+        deadline = time.monotonic() + START_LIMIT_S
+        for server in servers:
+            server.wait_ready(deadline)
+        f = Fleet(model, tmp / "model", servers, tmp)
+        yield f
+    finally:
+        if f is not None:
+            f.run(f.engine.shutdown())
+            f.loop.close()
+        for server in servers:
+            server.stop()
+
+
+async def gather(*coros):
+    return await asyncio.gather(*coros)
+
+
+def assert_model_logprobs(model, prompt: list[int], completion, temperature: float) -> None:
+    want = reference_logprobs(model, prompt, completion.token_ids, temperature)
+    torch.testing.assert_close(torch.tensor(completion.logprobs), want, atol=2e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_logprobs_are_the_models_own_log_softmax_on_every_server(fleet, temperature):
+    prompts = [[5 + i, 6, 7] for i in range(8)]
+    done = fleet.run(gather(*[
+        fleet.engine.generate(p, SamplingParams(max_tokens=12, temperature=temperature, seed=i))
+        for i, p in enumerate(prompts)]))
+    assert all(s.requests > 0 for s in fleet.engine.servers), "least-loaded spreads distinct prompts over both"
+    for prompt, completion in zip(prompts, done):
+        assert len(completion.token_ids) == 12 and completion.finish_reason == "length"
+        assert completion.versions == [fleet.engine.version] * 12
+        assert_model_logprobs(fleet.model, prompt, completion, temperature)
+
+
+def test_max_tokens_is_capped_by_the_servers_context(fleet):
+    assert fleet.engine.max_model_len == MAX_MODEL_LEN
+    prompt = [3] * (MAX_MODEL_LEN - 4)
+    done = fleet.run(fleet.engine.generate(prompt, SamplingParams(max_tokens=50, temperature=1.0, seed=0)))
+    assert len(done.token_ids) == 4 and done.finish_reason == "length"
+
+
+def test_pause_abort_returns_partial_tokens_and_resume_serves_again(fleet):
+    engine = fleet.engine
+
+    async def main():
+        start = engine.stats.received  # counts from the module's first request
+        task = asyncio.create_task(engine.generate([9, 10, 11], SamplingParams(max_tokens=200, temperature=1.0,
+                                                                                 seed=3)))
+        deadline = time.monotonic() + CALL_LIMIT_S
+        while engine.stats.received < start + 3:
+            assert time.monotonic() < deadline, "no token streamed from vllm serve"
+            await asyncio.sleep(0.01)
+        await engine.pause("abort")
+        partial = await task
+        await engine.resume()
+        after = await engine.generate([9, 10, 11], SamplingParams(max_tokens=5, temperature=1.0, seed=4))
+        return partial, after
+
+    partial, after = fleet.run(main())
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 200
+    assert partial.versions == [engine.version] * len(partial.token_ids)
+    assert_model_logprobs(fleet.model, [9, 10, 11], partial, 1.0)
+    assert len(after.token_ids) == 5
+
+
+def test_a_file_weight_update_reaches_every_server_with_its_version(fleet):
+    engine = fleet.engine
+    new = make_model(seed=7)
+    weights = {k: v.detach() for k, v in new.state_dict().items()}
+    old_version = engine.version
+
+    async def main():
+        await engine.pause("abort")
+        await engine.update_weights(weights, old_version + 1)
+        await engine.resume()
+        return await asyncio.gather(*[
+            engine.generate([20 + i, 21], SamplingParams(max_tokens=8, temperature=1.0, seed=i)) for i in range(6)])
+
+    done = fleet.run(main())
+    assert engine.version == old_version + 1
+    assert all(s.version == old_version + 1 for s in engine.servers)
+    for i, completion in enumerate(done):
+        assert completion.versions == [old_version + 1] * 8
+        assert_model_logprobs(new, [20 + i, 21], completion, 1.0)  # the new weights' log-softmax, not the old
+    served = fleet.run(_weight_info(engine))
+    assert served == [str(old_version + 1)] * 2
+    fleet.model = new
+
+
+async def _weight_info(engine: RemoteEngine) -> list[str]:
+    return [(await engine._call(s, "GET", "/weight_info"))["weight_version"] for s in engine.servers]
+
+
+def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(fleet, capsys):
+    """Runs last in the module: it kills the second server."""
+    engine = fleet.engine
+    victim = fleet.servers[1]
+
+    async def main():
+        start = engine.stats.received
+        tasks = [asyncio.create_task(engine.generate([30 + i, 31, 32], SamplingParams(max_tokens=150, temperature=1.0,
+                                                                                       seed=i)))
+                 for i in range(8)]
+        deadline = time.monotonic() + CALL_LIMIT_S
+        while not (engine.servers[1].in_flight > 0 and engine.stats.received > start + 8):
+            assert time.monotonic() < deadline, "no tokens streamed before the kill"
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(victim.kill)
+        return await asyncio.gather(*tasks)
+
+    before = engine.stats.reissued_requests
+    done = fleet.run(main())
+    assert engine.stats.servers_lost >= 1 and engine.stats.reissued_requests > before
+    assert not engine.servers[1].usable and engine.servers[0].usable
+    for i, completion in enumerate(done):  # carried over from what had arrived, finished on the survivor
+        assert len(completion.token_ids) == 150 and completion.finish_reason == "length"
+        assert_model_logprobs(fleet.model, [30 + i, 31, 32], completion, 1.0)
+    assert f"engine server {victim.url} lost" in capsys.readouterr().err
+
