@@ -388,9 +388,9 @@ def servers_lost(rows: Sequence[Row]) -> Finding | None:
     at_end = f"; {int(up)} up at step {_step(fleet[-1])}" if up is not None else ""
     if not lost:
         return Finding(name, OK, None, f"none lost in {len(fleet)} steps{at_end}")
-    return Finding(name, WARN, first, f"{int(lost)} server loss{'es' if lost != 1 else ''} ({'; '.join(names) or 'unnamed'}), "
-                   f"{int(reissued)} requests "
-                   f"re-issued on the others carrying {int(tokens)} tokens already received{at_end}",
+    losses = f"{int(lost)} server loss{'es' if lost != 1 else ''} ({'; '.join(names) or 'unnamed'})"
+    return Finding(name, WARN, first, f"{losses}, {int(reissued)} requests re-issued on the others carrying "
+                   f"{int(tokens)} tokens already received{at_end}",
                    "read the lost servers' logs (killed, out of memory, a slow answer past "
                    "remote.request_timeout_s); the run goes on without them and uses a server again once its "
                    "/health answers")
