@@ -345,9 +345,28 @@ def read_cluster(path: Path) -> tuple[Costs, dict[str, Any]]:
     settings it fixes for the run (``batch_size``, ``group_size``, ``max_staleness``, …)."""
     table = yaml.safe_load(Path(path).read_text())
     try:
-        return cluster_costs(table), dict(table.get("run", {}))
+        return cluster_costs(with_servers(table)), {**servers_run(table), **table.get("run", {})}
     except KeyError as exc:
         raise ValueError(f"{path}: the cluster table has no {exc.args[0]!r}") from None
+
+
+def with_servers(table: dict[str, Any]) -> dict[str, Any]:
+    """A table whose ``servers:`` lists a fleet (``engine: remote``) and gives no
+    ``rollout_devices``: one engine of ``devices_per_engine`` devices per server."""
+    urls = (table.get("servers") or {}).get("urls")
+    if urls and "rollout_devices" not in table:
+        return {**table, "rollout_devices": len(urls) * table.get("devices_per_engine", 1)}
+    return table
+
+
+def servers_run(table: dict[str, Any]) -> dict[str, Any]:
+    """The run settings a table's ``servers:`` fixes: ``engine: remote`` at its ``urls``,
+    ``remote.weights_dir`` from its ``weights_dir``."""
+    servers = table.get("servers") or {}
+    if not servers.get("urls"):
+        return {}
+    return {"engine": "remote", "remote.urls": list(servers["urls"]),
+            **({"remote.weights_dir": servers["weights_dir"]} if servers.get("weights_dir") else {})}
 
 
 def cluster_costs(table: dict[str, Any]) -> Costs:
