@@ -448,3 +448,12 @@ def test_the_plan_of_a_cluster_tables_fleet_predicts_it_against_one_server(tmp_p
     printed = capsys.readouterr().out
     assert "on 2 servers against" in printed and "not modelled" in printed
     assert "remote.weights_dir=/shared/asyncrl" in fleet["trainer_command"]
+
+
+def test_a_run_on_remote_servers_cannot_be_fitted_and_says_what_to_plan_from(tmp_path):
+    """Its rows have no engine steps or prefills (the servers keep them)."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "time/step": 1.0, "rollout/busy_s": 0.5}) + "\n")
+    (tmp_path / "samples.jsonl").write_text("")
+    (tmp_path / "config.yaml").write_text("engine: remote\n")
+    with pytest.raises(ValueError, match="engine=remote.*engine=torch"):
+        fit_run(tmp_path)

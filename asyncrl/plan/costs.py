@@ -204,6 +204,10 @@ def fit_run(run_dir: Path) -> Costs:
     samples = read_jsonl(run_dir / "samples.jsonl")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     missing = [k for k in ("rollout/prefill_rows", "time/weight_sync") if k not in rows[0]]
+    if missing and cfg.get("engine") in ("remote", "vllm"):  # the engine's steps are not the client's to count
+        raise ValueError(f"{run_dir} ran with engine={cfg['engine']}, whose engine steps and prefills the run does "
+                         "not see: plan from a run with engine=torch on the servers' model (each server is then "
+                         "simulated as that engine), or give --cluster TABLE")
     if missing:
         raise ValueError(f"{run_dir}/metrics.jsonl has no {', '.join(missing)}: it was written by an older "
                          "asyncrl; train again to plan from it")
