@@ -73,6 +73,11 @@ def _declare_plan(sub: Any, name: str) -> None:
     plan.add_argument("--cluster", metavar="TABLE", help="a cluster table (YAML; keys in docs/planner.md)")
     plan.add_argument("--out", default=None, help="output directory (default plan/<timestamp>)")
     plan.add_argument("--no-sweep", dest="sweep", action="store_false", help="only the config and its sync baseline")
+    plan.add_argument("--server", choices=("asyncrl", "vllm"), default=None,
+                      help="engine=remote: the servers' commands for asyncrl serve-engine (default) or vllm serve")
+    plan.add_argument("--probe", action="store_true",
+                      help="engine=remote: ask each server's /health and /v1/models now, naming any that does not "
+                           "answer")
 
 
 KEYS_EPILOG = """every key, its type, default and meaning is documented once, in asyncrl/config/;
@@ -219,10 +224,12 @@ def _bench(args: argparse.Namespace, failed_run: list[str]) -> None:
     run_bench(args.suite, args.overrides, args.out)
 
 
-def _plan(args: argparse.Namespace, failed_run: list[str]) -> None:
+def _plan(args: argparse.Namespace, failed_run: list[str]) -> int | None:
     from asyncrl.plan.planner import run_plan_command
 
-    run_plan_command(args.config, args.overrides, args.from_run, args.cluster, args.out, args.sweep)
+    result = run_plan_command(args.config, args.overrides, args.from_run, args.cluster, args.out, args.sweep,
+                              args.probe, args.server)
+    return 1 if result.get("fleet", {}).get("problems") else None  # a fleet that would not run as planned
 
 
 def _report_or_doctor(args: argparse.Namespace, failed_run: list[str]) -> int | None:

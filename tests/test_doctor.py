@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.cli import main
 from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.orchestrator.invariants import FAIL, OK, SKIP, WARN, InvariantWatch, Limits
+from asyncrl.orchestrator.invariants import FAIL, OK, SKIP, WARN, InvariantWatch, Limits, check_run
 from asyncrl.report import load_run
 from asyncrl.report.doctor import diagnose, findings
 
@@ -261,3 +261,25 @@ def test_a_counter_that_restarted_in_a_resumed_process_and_a_raised_total_steps(
     parse = found["tool-call parse failures"]
     assert (parse.status, parse.step) == (WARN, 1) and parse.evidence.endswith("; 2 of 4 steps"), parse
     assert found["run finished"].status == OK
+
+
+def test_engine_servers_lost_is_a_warning_naming_them_and_what_was_reissued():
+    """``remote/*`` rows (``engine: remote``) by hand: a loss at step 2, one more at step 4 in a
+    process resumed at step 4 (its counts from 0 again); a run without them has no such line."""
+    def row(step, up, lost, requests, tokens, names):
+        return {"step": step, "remote/servers_up": up, "remote/servers_lost_total": lost,
+                "remote/reissued_requests_total": requests, "remote/reissued_tokens_total": tokens,
+                "remote/lost_servers": names}
+
+    a, b = "http://h1:8100", "http://h2:8100"
+    rows = [row(1, 3, 0, 0, 0, ""), row(2, 2, 1, 2, 17, a), row(3, 2, 1, 2, 17, a),
+            row(4, 2, 1, 1, 5, b)]
+    by_name = {f.name: f for f in check_run({}, 1, rows, [], [])}
+    found = by_name["engine servers lost"]
+    assert (found.status, found.step) == (WARN, 2), found
+    assert found.evidence == (f"2 server losses ({a}; {b}), 3 requests re-issued on the others carrying 22 tokens "
+                              "already received; 2 up at step 4")
+    assert found.fix and "FAIL" not in found.line()
+    healthy = [row(s, 2, 0, 0, 0, "") for s in (1, 2)]
+    assert {f.name: f for f in check_run({}, 1, healthy, [], [])}["engine servers lost"].status == OK
+    assert "engine servers lost" not in {f.name for f in check_run({}, 1, [{"step": 1}], [], [])}

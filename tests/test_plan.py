@@ -322,3 +322,138 @@ def test_a_plan_deals_a_runs_groups_rather_than_drawing_them():
     dealt = Workload(groups=groups).deal(seed=3)
     first, second = [next(dealt) for _ in groups], [next(dealt) for _ in groups]
     assert sorted(first) == sorted(second) == sorted(groups) and first != list(groups)
+
+
+# ------------------------------------------------------------------ engine=remote: the fleet
+FLEET_TABLE = {
+    "name": "two test servers", "learner_devices": 1, "model_params_b": 1,
+    "engine": {"decode_step_s": 0.02, "per_sequence_s": 0.0002, "max_batch": 64},
+    "learner": {"tokens_per_s_per_device": 4000}, "weight_sync": {"fixed_s": 0.5, "per_engine_s": 0.2},
+    "workload": {"prompt_tokens": 100, "response_tokens": {"mean": 300, "sigma": 0.8, "max": 1000}},
+    "servers": {"urls": ["http://gpu1:8100", "http://gpu2:8100"], "kind": "vllm", "weights_dir": "/shared/asyncrl"},
+    "run": {"batch_size": 4, "group_size": 4, "total_steps": 8, "sampling.max_tokens": 1000},
+}
+
+
+def _command(out: str, starts: str) -> list[str]:
+    import shlex
+
+    line = next(line.strip() for line in out.splitlines() if line.strip().startswith(starts))
+    return shlex.split(line)
+
+
+def test_a_fleet_of_vllm_servers_is_described_with_each_servers_flags_and_no_key(capsys):
+    urls = "remote.urls=[http://gpu1:8100,http://gpu2:8101]"
+    assert main(["plan", EXAMPLE, "engine=remote", urls, "remote.weights_dir=/shared/w", "remote.api_key=topsecret",
+                 "model.lora=true", "--server", "vllm"]) == 0
+    out = capsys.readouterr().out
+    assert "topsecret" not in out and "export ASYNCRL_REMOTE_KEY=" in out
+    servers = [line.strip() for line in out.splitlines() if line.strip().startswith(("gpu1: ", "gpu2: "))]
+    assert [s.split(":", 1)[0] for s in servers] == ["gpu1", "gpu2"]
+    for server, port in zip(servers, ("8100", "8101")):
+        assert server.split(": ", 1)[1].startswith("VLLM_SERVER_DEV_MODE=1 vllm serve models/countdown-tiny ")
+        for flag in ("--logprobs-mode processed_logprobs", "--generation-config vllm", "--enable-lora",
+                     "--max-lora-rank 16", f"--port {port}", '--api-key "$ASYNCRL_REMOTE_KEY"'):
+            assert flag in server, (flag, server)
+    assert out.index("gpu2: ") < out.index("asyncrl train ")  # the servers first, then the trainer
+    assert "/shared/w" in out and "no throughput prediction" in out and "problem:" not in out
+
+
+def test_a_loopback_fleet_of_serve_engines_needs_no_key_and_the_trainers_command_reads_back(capsys):
+    urls = "remote.urls=[http://127.0.0.1:8100,http://127.0.0.1:8101]"
+    assert main(["plan", EXAMPLE, "engine=remote", urls, "batch_size=4"]) == 0
+    out = capsys.readouterr().out
+    assert "ASYNCRL_REMOTE_KEY" not in out
+    train = _command(out, "asyncrl train")
+    cfg = load_config(train[2], train[3:])
+    assert (cfg.engine, cfg.remote.urls, cfg.batch_size) == ("remote", ["http://127.0.0.1:8100",
+                                                                         "http://127.0.0.1:8101"], 4)
+    serve = _command(out, "127.0.0.1: asyncrl serve-engine")[1:]
+    served = load_config(serve[2], serve[3:])  # what serve-engine would run: its own engine on that port
+    assert (served.engine, served.engine_server.host, served.engine_server.port) == ("torch", "127.0.0.1", 8100)
+    # servers on other machines without a shared weights directory: said, and the exit status is 1
+    assert main(["plan", EXAMPLE, "engine=remote", "remote.urls=[http://gpu1:8100]"]) == 1
+    assert "problem: remote.weights_dir is unset" in capsys.readouterr().out
+    assert main(["plan", EXAMPLE, "--probe"]) == 2  # not engine=remote: nothing to probe
+    assert "engine=remote" in capsys.readouterr().err
+
+
+def test_probe_names_the_servers_that_do_not_answer_and_what_the_others_serve():
+    import socket
+
+    from aiohttp import web
+    from conftest import make_model
+
+    from asyncrl.config import EngineServerConfig
+    from asyncrl.engine import TorchEngine
+    from asyncrl.json_api import listen
+    from asyncrl.plan.fleet import probe
+    from asyncrl.rollout.engine_server import EngineServer
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+
+    async def main():
+        release = asyncio.Event()
+
+        async def hang(request):
+            await release.wait()
+            return web.Response()
+
+        app = web.Application()
+        app.router.add_get("/health", hang)
+        runner, hung = await listen(app, "127.0.0.1", 0)
+        server = EngineServer(TorchEngine(make_model(max_positions=32), seed=0), model_name="tiny",
+                              settings=EngineServerConfig(port=0))
+        await server.start()
+        try:
+            return hung, server.base_url, await probe([server.base_url, dead, hung], None, timeout_s=0.5)
+        finally:
+            release.set()
+            await server.stop()
+            await server.engine.shutdown()
+            await runner.cleanup()
+
+    hung, up, (live, refused, silent) = asyncio.run(main())
+    assert live == "up: serves 'tiny', max_model_len 32"
+    assert refused.startswith("unreachable: GET /health after ") and "Connect" in refused
+    assert silent == "unreachable: GET /health did not answer within 0.5 s"
+
+
+def test_a_cluster_tables_servers_are_the_runs_engines(tmp_path):
+    from asyncrl.plan.costs import with_servers
+
+    table = tmp_path / "fleet.yaml"
+    table.write_text(json.dumps(FLEET_TABLE))
+    costs, run = read_cluster(table)
+    assert costs.engines == 2 and costs.table["rollout_devices"] == 2  # one engine per server
+    assert run == {"engine": "remote", "remote.urls": FLEET_TABLE["servers"]["urls"],
+                   "remote.weights_dir": "/shared/asyncrl", **FLEET_TABLE["run"]}
+    assert with_servers({**FLEET_TABLE, "rollout_devices": 6})["rollout_devices"] == 6  # given: kept
+
+
+@pytest.mark.slow
+def test_the_plan_of_a_cluster_tables_fleet_predicts_it_against_one_server(tmp_path, capsys):
+    table = tmp_path / "fleet.yaml"
+    table.write_text(json.dumps(FLEET_TABLE))
+    out = tmp_path / "plan"
+    assert main(["plan", EXAMPLE, "--cluster", str(table), "--out", str(out), "--no-sweep"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    fleet = plan["fleet"]
+    assert fleet["kind"] == "vllm" and [s["url"] for s in fleet["servers"]] == FLEET_TABLE["servers"]["urls"]
+    assert fleet["scaling"]["servers"] == 2
+    assert fleet["scaling"]["samples_per_s"] == plan["prediction"]["samples_per_s"]
+    assert fleet["scaling"]["one_server_samples_per_s"] < fleet["scaling"]["samples_per_s"]
+    printed = capsys.readouterr().out
+    assert "on 2 servers against" in printed and "not modelled" in printed
+    assert "remote.weights_dir=/shared/asyncrl" in fleet["trainer_command"]
+
+
+def test_a_run_on_remote_servers_cannot_be_fitted_and_says_what_to_plan_from(tmp_path):
+    """Its rows have no engine steps or prefills (the servers keep them)."""
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "time/step": 1.0, "rollout/busy_s": 0.5}) + "\n")
+    (tmp_path / "samples.jsonl").write_text("")
+    (tmp_path / "config.yaml").write_text("engine: remote\n")
+    with pytest.raises(ValueError, match="engine=remote.*engine=torch"):
+        fit_run(tmp_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import os
 import re
 import signal
@@ -310,6 +311,54 @@ def test_a_groups_samples_go_to_one_server_and_other_prompts_to_the_least_loaded
     assert min(after) >= 1  # the idle one took some of the other prompts
 
 
+def test_a_lost_servers_requests_are_reissued_from_the_tokens_received_and_counted_for_the_step_row(capsys):
+    """A server that streams three tokens with their logprobs (as ``vllm serve`` does) and then
+    ends the stream with no finish reason: it is named and left out, the request goes on on
+    the other server from those three tokens, and the fleet's counts say so."""
+    model = make_model()
+    carried = [(21, -0.5), (22, -0.25), (23, -1.0)]
+
+    async def dies_mid_stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for token, logprob in carried:
+            chunk = {"choices": [{"index": 0, "logprobs": {"tokens": [f"token_id:{token}"],
+                                                           "token_logprobs": [logprob]}}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await response.write_eof()  # no finish reason, no [DONE]: the server went away
+        return response
+
+    async def down(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="down")
+
+    async def main():
+        async with Fleet(model, n=2) as fleet:
+            app = web.Application()
+            app.router.add_post("/v1/completions", dies_mid_stream)
+            app.router.add_get("/health", down)  # never back: the health watch leaves it out
+            runner, url = await listen(app, "127.0.0.1", 0)
+            remote = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls, health_interval_s=0.05))
+            try:
+                assert remote.fleet() == {"servers_up": 2, "servers_lost_total": 0, "reissued_requests_total": 0,
+                                          "reissued_tokens_total": 0, "lost_servers": ""}
+                remote.servers[0].url = url  # the first pick (both idle): it dies three tokens in
+                done = await remote.generate([5, 6, 7], seeded(10, seed=3))
+                return done, remote.fleet(), url
+            finally:
+                await remote.shutdown()
+                await runner.cleanup()
+
+    done, fleet, url = asyncio.run(main())
+    assert fleet == {"servers_up": 1, "servers_lost_total": 1, "reissued_requests_total": 1,
+                     "reissued_tokens_total": 3, "lost_servers": url}
+    assert done.token_ids[:3] == [t for t, _ in carried] and done.logprobs[:3] == [lp for _, lp in carried]
+    assert len(done.token_ids) == 10 and done.versions == [0] * 10
+    want = asyncio.run(in_process(model, [([5, 6, 7, 21, 22, 23], seeded(7, seed=3))]))[0]
+    assert done.token_ids[3:] == want.token_ids  # the rest sampled on the other server, from there
+    assert f"engine server {url} lost (POST /v1/completions: the stream ended without a finish reason)" \
+        in capsys.readouterr().err
+
+
 # ------------------------------------------------------- slow: serve-engine processes
 class ServeEngine:
     """``python -m asyncrl.cli serve-engine CONFIG`` on a free port (or ``port``), one engine
@@ -417,6 +466,68 @@ def test_a_server_killed_mid_run_is_named_its_requests_reissued_and_when_back_us
     for g, w in zip(done, want):  # re-issued from what had arrived: the same tokens as without the kill
         assert g.token_ids == w.token_ids and g.finish_reason == w.finish_reason
         assert g.logprobs == pytest.approx(w.logprobs, abs=1e-3)  # batched vs alone: float32 sums
+
+
+class ThreadFleet:
+    """In-process servers on an event loop of their own (a thread), for a training run in
+    this process to reach: ``stop(i)`` stops server i from the trainer's loop."""
+
+    def __init__(self, model: torch.nn.Module, n: int) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.fleet = Fleet(model, n)
+        asyncio.run_coroutine_threadsafe(self.fleet.__aenter__(), self.loop).result(120)
+
+    async def stop(self, i: int) -> None:
+        await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.fleet.servers[i].stop(), self.loop))
+
+    def close(self) -> None:
+        try:
+            asyncio.run_coroutine_threadsafe(self.fleet.__aexit__(None, None, None), self.loop).result(120)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+
+
+STOPPED_AFTER_STEP_1: list[ThreadFleet] = []
+
+
+async def stop_the_first_server_after_step_1(event) -> None:
+    """``hooks.on_step_end``: server 0 of the run's fleet goes away after step 1."""
+    if event.step == 1 and STOPPED_AFTER_STEP_1:
+        await STOPPED_AFTER_STEP_1.pop().stop(0)
+
+
+@pytest.mark.slow
+def test_a_training_run_on_a_fleet_logs_it_in_each_step_row_and_the_doctor_names_the_lost_server(tmp_path, capsys):
+    from asyncrl.cli import main
+    from asyncrl.jsonl import read_jsonl
+    from asyncrl.report import load_run
+    from asyncrl.report.doctor import findings
+
+    fleet = ThreadFleet(_policy("models/addition-tiny"), 2)
+    try:
+        STOPPED_AFTER_STEP_1.append(fleet)
+        urls = fleet.fleet.urls
+        code = main(["train", "examples/addition/async.yaml", f"output_dir={tmp_path}", "total_steps=4",
+                     "eval_every=0", "engine=remote", f"remote.urls=[{','.join(urls)}]", "remote.health_interval_s=0.2",
+                     "hooks.on_step_end=test_remote_engine:stop_the_first_server_after_step_1"])
+    finally:
+        STOPPED_AFTER_STEP_1.clear()
+        fleet.close()
+    assert code == 0
+    rows = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("step", 0) >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    first, last = rows[0], rows[-1]
+    assert (first["remote/servers_up"], first["remote/servers_lost_total"]) == (2, 0)
+    assert (last["remote/servers_up"], last["remote/servers_lost_total"]) == (1, 1)
+    assert last["remote/lost_servers"] == urls[0]
+    assert last["remote/reissued_tokens_total"] >= 0 and last["remote/reissued_requests_total"] >= 0
+    assert all(r["remote/weight_load_s"] > 0 for r in rows)  # every step of this run syncs
+    found = {f.name: f for f in findings(load_run(tmp_path))}["engine servers lost"]
+    assert found.status == "WARN" and found.step in (2, 3, 4) and urls[0] in found.evidence, found
+    assert f"engine server {urls[0]} lost" in capsys.readouterr().err
 
 
 def test_a_served_engine_scores_tokens_for_a_distillation_teacher():

@@ -170,6 +170,15 @@ class RemoteEngine:
         """The smallest context of the servers: a request must fit wherever it is re-issued."""
         return min((s.max_model_len for s in self.servers if s.max_model_len), default=0)
 
+    def fleet(self) -> dict[str, float | str]:
+        """The fleet as this client sees it now, for a step's row (``remote/*``): servers up,
+        losses so far and the servers lost (``lost_servers``: each URL, with ``×n`` when lost
+        more than once), requests re-issued on another server and the tokens they carried."""
+        return {"servers_up": sum(s.usable for s in self.servers), "servers_lost_total": self.stats.servers_lost,
+                "reissued_requests_total": self.stats.reissued_requests,
+                "reissued_tokens_total": self.stats.reissued_tokens,
+                "lost_servers": ", ".join(url + (f" ×{n}" if n > 1 else "") for url, n in self.stats.lost.items())}
+
     # ----------------------------------------------------------------- generate
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,
                        on_tokens: TokenSink | None = None) -> Completion:
@@ -209,12 +218,12 @@ class RemoteEngine:
                     tokens += lost.tokens
                     logprobs += lost.logprobs
                     versions += [sent_version] * len(lost.tokens)
-                    self.stats.reissued_requests += 1
-                    self.stats.reissued_tokens += len(tokens)
                     if on_tokens is not None and lost.tokens:
                         on_tokens(list(lost.tokens))
                     if len(tokens) >= budget:
                         return Completion(tokens, logprobs, versions, "length")
+                    self.stats.reissued_requests += 1  # sent again, carrying every token received so far
+                    self.stats.reissued_tokens += len(tokens)
                     continue
                 tokens += new
                 logprobs += new_logprobs
@@ -414,6 +423,7 @@ class RemoteEngine:
             return False
         server.usable, server.lost_reason = False, reason
         self.stats.servers_lost += 1
+        self.stats.lost[server.url] = self.stats.lost.get(server.url, 0) + 1
         left = [s.url for s in self.servers if s.usable]
         print(f"asyncrl: engine server {server.url} lost ({reason}); its requests go to "
               + (", ".join(left) if left else "no other: none is left"), file=sys.stderr, flush=True)

@@ -52,7 +52,8 @@ class RemoteStats(VLLMStats):
         super().__init__()
         self.received = 0  # token ids that came over the wire, those without logprobs (yet) included
         self.servers_lost = 0
-        self.reissued_requests = 0
+        self.lost: dict[str, int] = {}  # each server lost so far (its URL) and how many times
+        self.reissued_requests = 0  # requests sent again to another server after theirs was lost
         self.reissued_tokens = 0  # tokens carried over to another server instead of sampled again
 
 

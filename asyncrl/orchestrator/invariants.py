@@ -360,6 +360,42 @@ def episode_errors(errors: Sequence[Row], rows: Sequence[Row]) -> Finding:
                    "the watchdog stops the run past watchdog.max_error_rate")
 
 
+def servers_lost(rows: Sequence[Row]) -> Finding | None:
+    """``engine: remote``'s servers lost during the run (``remote/*``, ``RolloutHandle.engine_fleet``):
+    the run went on without them, re-issuing their requests from the tokens received, so a
+    loss is a ``WARN`` naming each server and what was re-issued; None for other engines."""
+    name = "engine servers lost"
+    fleet = [r for r in rows if "remote/servers_lost_total" in r]
+    if not fleet:
+        return None
+    keys = ("remote/servers_lost_total", "remote/reissued_requests_total", "remote/reissued_tokens_total")
+    lost = reissued = tokens = 0.0
+    first, names, prev = None, [], None
+    for row in fleet:
+        now = [_num(row, k) or 0.0 for k in keys]
+        before = [_num(prev, k) or 0.0 for k in keys]
+        if any(n < b for n, b in zip(now, before)):  # a resumed process: its counts start from 0 again
+            before = [0.0] * len(keys)
+        step_lost = now[0] - before[0]
+        lost, reissued, tokens = lost + step_lost, reissued + now[1] - before[1], tokens + now[2] - before[2]
+        if step_lost and first is None:
+            first = _step(row)
+        said = row.get("remote/lost_servers")
+        if isinstance(said, str) and said and said not in names:
+            names.append(said)
+        prev = row
+    up = _num(fleet[-1], "remote/servers_up")
+    at_end = f"; {int(up)} up at step {_step(fleet[-1])}" if up is not None else ""
+    if not lost:
+        return Finding(name, OK, None, f"none lost in {len(fleet)} steps{at_end}")
+    losses = f"{int(lost)} server loss{'es' if lost != 1 else ''} ({'; '.join(names) or 'unnamed'})"
+    return Finding(name, WARN, first, f"{losses}, {int(reissued)} requests re-issued on the others carrying "
+                   f"{int(tokens)} tokens already received{at_end}",
+                   "read the lost servers' logs (killed, out of memory, a slow answer past "
+                   "remote.request_timeout_s); the run goes on without them and uses a server again once its "
+                   "/health answers")
+
+
 def run_finished(rows: Sequence[Row], limits: Limits) -> Finding:
     """Whether the run trained every step it was asked for."""
     name = "run finished"
@@ -382,7 +418,8 @@ def check_run(config: Row, max_staleness: float | None, metrics: Sequence[Row], 
     findings = [step_finding(inv, rows, limits) for inv in STEP_INVARIANTS]
     findings = [same_score_groups(samples) if f.name == SAME_SCORE and f.status == SKIP else f for f in findings]
     findings[2:2] = [staleness_bound(samples, limits)]
-    return [*findings, episode_errors(errors, rows), run_finished(rows, limits)]
+    fleet = servers_lost(rows)  # engine=remote only
+    return [*findings, *([fleet] if fleet else []), episode_errors(errors, rows), run_finished(rows, limits)]
 
 
 def worst(findings: Sequence[Finding]) -> int:

@@ -111,6 +111,7 @@ class StepMeter:
         row["time/learner_overlap"] = trained.overlap_s
         # what the engines did meanwhile, summed over them: what `asyncrl plan --from` fits their costs to
         row.update({f"rollout/{key}": value for key, value in work.items()})
+        row.update({f"remote/{key}": value for key, value in (await self.rollout.engine_fleet()).items()})
         row["trainer/learner_idle_ratio"] = max(0.0, 1 - trained.learner_s / times.wall_s)
         return row
 

@@ -204,6 +204,10 @@ def fit_run(run_dir: Path) -> Costs:
     samples = read_jsonl(run_dir / "samples.jsonl")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     missing = [k for k in ("rollout/prefill_rows", "time/weight_sync") if k not in rows[0]]
+    if missing and cfg.get("engine") in ("remote", "vllm"):  # the engine's steps are not the client's to count
+        raise ValueError(f"{run_dir} ran with engine={cfg['engine']}, whose engine steps and prefills the run does "
+                         "not see: plan from a run with engine=torch on the servers' model (each server is then "
+                         "simulated as that engine), or give --cluster TABLE")
     if missing:
         raise ValueError(f"{run_dir}/metrics.jsonl has no {', '.join(missing)}: it was written by an older "
                          "asyncrl; train again to plan from it")
@@ -345,9 +349,28 @@ def read_cluster(path: Path) -> tuple[Costs, dict[str, Any]]:
     settings it fixes for the run (``batch_size``, ``group_size``, ``max_staleness``, …)."""
     table = yaml.safe_load(Path(path).read_text())
     try:
-        return cluster_costs(table), dict(table.get("run", {}))
+        return cluster_costs(with_servers(table)), {**servers_run(table), **table.get("run", {})}
     except KeyError as exc:
         raise ValueError(f"{path}: the cluster table has no {exc.args[0]!r}") from None
+
+
+def with_servers(table: dict[str, Any]) -> dict[str, Any]:
+    """A table whose ``servers:`` lists a fleet (``engine: remote``) and gives no
+    ``rollout_devices``: one engine of ``devices_per_engine`` devices per server."""
+    urls = (table.get("servers") or {}).get("urls")
+    if urls and "rollout_devices" not in table:
+        return {**table, "rollout_devices": len(urls) * table.get("devices_per_engine", 1)}
+    return table
+
+
+def servers_run(table: dict[str, Any]) -> dict[str, Any]:
+    """The run settings a table's ``servers:`` fixes: ``engine: remote`` at its ``urls``,
+    ``remote.weights_dir`` from its ``weights_dir``."""
+    servers = table.get("servers") or {}
+    if not servers.get("urls"):
+        return {}
+    return {"engine": "remote", "remote.urls": list(servers["urls"]),
+            **({"remote.weights_dir": servers["weights_dir"]} if servers.get("weights_dir") else {})}
 
 
 def cluster_costs(table: dict[str, Any]) -> Costs:

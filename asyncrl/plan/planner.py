@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import yaml
 from tqdm import tqdm
 
 from asyncrl.config import Config, ConfigError, load_config
@@ -27,6 +28,7 @@ from asyncrl.orchestrator.metrics import run_figures
 from asyncrl.orchestrator.trainer import Trainer
 from asyncrl.plan.costs import Costs, cluster_costs, fit_run, read_cluster
 from asyncrl.plan.engine import unit_for
+from asyncrl.plan.fleet import SERVER_KINDS, ServerKind, describe_fleet, print_fleet, probed
 from asyncrl.plan.simulated import simulated_runtime
 from asyncrl.plan.virtual_clock import run_virtual
 
@@ -210,23 +212,51 @@ def _duration(seconds: float) -> str:
 
 
 def run_plan_command(config: str | None, overrides: list[str], from_run: str | None, cluster: str | None,
-                     out: str | None, sweep: bool = True) -> dict[str, Any]:
+                     out: str | None, sweep: bool = True, probe: bool = False,
+                     server: ServerKind | None = None) -> dict[str, Any]:
     """``asyncrl plan``: the costs from ``--from RUN_DIR`` or ``--cluster TABLE`` (whose
-    ``run:`` settings sit between the config file and the command line's overrides),
-    the plan printed and written to ``OUT/plan.json`` (with ``plan.png``)."""
-    if (from_run is None) == (cluster is None):
-        raise ConfigError("asyncrl plan needs the costs from exactly one of --from RUN_DIR (a finished asyncrl "
-                          "train run) or --cluster TABLE (a cluster table, docs/planner.md)")
+    ``run:`` and ``servers:`` settings sit between the config file and the command line's
+    overrides), the plan printed and written to ``OUT/plan.json`` (with ``plan.png``). With
+    ``engine: remote`` the fleet too (``fleet.py``; ``probe``: each server asked now), each
+    server simulated as one engine; with neither costs option, the fleet alone."""
+    if from_run is not None and cluster is not None:
+        raise ConfigError("asyncrl plan takes the costs from one of --from RUN_DIR or --cluster TABLE, not both")
     settings: list[str] = []
+    costs: Costs | None = None
     try:
         if from_run is not None:
             costs = fit_run(Path(from_run))
-        else:
+        elif cluster is not None:
             costs, run = read_cluster(Path(cluster))
-            settings = [f"{key}={json.dumps(value)}" for key, value in run.items()]
+            settings = [f"{key}={_plain(value)}" for key, value in run.items()]
     except (FileNotFoundError, ValueError) as exc:
         raise ConfigError(str(exc)) from None
     cfg = load_config(config, [*settings, *overrides])
+    fleet = None
+    if cfg.engine == "remote":
+        kind = server or ((costs.table or {}).get("servers") or {}).get("kind") if costs is not None else server
+        if (kind or "asyncrl") not in SERVER_KINDS:
+            raise ConfigError(f"the cluster table's servers.kind is {kind!r}: one of {', '.join(SERVER_KINDS)}")
+        try:
+            fleet = describe_fleet(cfg, config, [*settings, *overrides], kind or "asyncrl")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if probe:
+            fleet = probed(fleet, cfg.remote.api_key)
+        if costs is not None:
+            costs = per_server(costs, len(cfg.remote.urls))
+    elif probe or server is not None:
+        raise ConfigError("--probe and --server describe engine=remote's servers: give engine=remote "
+                          "\"remote.urls=[http://h1:8100,...]\" (or a cluster table's servers:)")
+    if costs is None:
+        if fleet is None:
+            raise ConfigError("asyncrl plan needs the costs from one of --from RUN_DIR (a finished asyncrl train run) "
+                              "or --cluster TABLE (a cluster table, docs/planner.md); with engine=remote and neither, "
+                              "it describes the fleet alone")
+        print_fleet(fleet)
+        print("no throughput prediction: give --from RUN_DIR (each server costing what that run's engine did) or "
+              "--cluster TABLE")
+        return {"fleet": fleet.to_json()}
     target = Path(out or f"plan/{time.strftime('%Y%m%d-%H%M%S')}")
     if target.exists() and any(target.iterdir()):
         if not (target / PLAN_FILE).is_file():
@@ -237,10 +267,54 @@ def run_plan_command(config: str | None, overrides: list[str], from_run: str | N
     steps = len(splits(costs)) * len(sweep_schedules(cfg)) if sweep else 0
     with tqdm(total=steps + 2, desc="plan", unit="run", file=sys.stderr) as bar:
         result = plan(cfg, costs, target, sweep=sweep, progress=lambda: bar.update())
+    if fleet is not None:
+        result["fleet"] = {**fleet.to_json(), "scaling": fleet_scaling(cfg, costs, result, target)}
     (target / PLAN_FILE).write_text(json.dumps(result, indent=2))
     print_plan(result)
+    if fleet is not None:
+        print_fleet(fleet)
+        print(result["fleet"]["scaling"]["said"])
     print(f"plan: {target / PLAN_FILE}")
     return result
 
 
 PLAN_FILE = "plan.json"
+
+
+def _plain(value: Any) -> str:
+    """``value`` as an override's YAML, written as a user would where that reads back the same
+    (``engine=remote``, ``remote.urls=[http://h1:8100,http://h2:8100]``), else as JSON."""
+    if isinstance(value, str):
+        candidate = value
+    elif isinstance(value, list) and all(isinstance(v, str) for v in value):
+        candidate = "[" + ",".join(value) + "]"
+    else:
+        return json.dumps(value)
+    try:
+        return candidate if yaml.safe_load(candidate) == value else json.dumps(value)
+    except yaml.YAMLError:
+        return json.dumps(value)
+
+
+def per_server(costs: Costs, servers: int) -> Costs:
+    """``costs`` with one engine per server of the fleet, said in its notes where the costs
+    gave another number."""
+    if costs.engines == servers:
+        return costs
+    note = (f"engines: {servers}, one per server in remote.urls (the costs gave {costs.engines}); each server "
+            "simulated as one engine of these costs")
+    return replace(costs, engines=servers, notes=[*costs.notes, note])
+
+
+def fleet_scaling(cfg: Config, costs: Costs, result: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The configuration's samples/s on the whole fleet against one of its servers alone,
+    both simulated: what the planner's model says adding servers buys."""
+    n = costs.engines
+    many = result["prediction"]["samples_per_s"]
+    one = many if n == 1 else simulate(cfg, replace(costs, engines=1), out / "runs" / "one_server")["samples_per_s"]
+    said = (f"throughput: {many:.3g} samples/s on {n} server{'s' if n != 1 else ''}"
+            + (f" against {one:.3g} on one ({many / one:.2f}× for {n}×)" if n > 1 else "")
+            + ": each server simulated as one engine of the costs above (its decode steps, prefills and weight "
+              "load), the learner and the schedule as in a run; the network between the trainer and the servers "
+              "and the prefix cache a group shares on its server are not modelled")
+    return {"servers": n, "samples_per_s": many, "one_server_samples_per_s": one, "said": said}

@@ -92,6 +92,9 @@ class SimulatedRollout:
                 "prefill_reused": sum(x.prefill_reused for x in e), "tokens": sum(x.tokens for x in e),
                 "prefill_s": sum(x.prefill_s for x in e), "drain_s": sum(x.drain_s for x in e) / len(e)}
 
+    async def engine_fleet(self) -> dict[str, float | str]:
+        return {}  # simulated engines: no servers to lose
+
     async def gateway_counts(self) -> dict[str, int]:
         return {}
 

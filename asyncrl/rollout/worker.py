@@ -91,6 +91,7 @@ class RolloutWorker:
         self.journals: dict[EpisodeKey, Journal] = {}  # training episodes under way: what a checkpoint keeps
         self.replay_counts = dict.fromkeys(REPLAY_COUNTS, 0)
         self.drain_s = 0.0  # weight syncs' waits for running sequences to finish (partial_rollout=off)
+        self.load_s: float | None = None  # the last weight sync's load on the engine (None: none yet)
         self.episode_times = dict.fromkeys(EPISODE_TIMES, 0.0)
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight receiver); closed by shutdown
 
@@ -173,6 +174,19 @@ class RolloutWorker:
         stats = self.engine.stats
         return {"busy_s": stats.busy_s, "drain_s": self.drain_s, **self.episode_times,
                 **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items() if hasattr(stats, field)}}
+
+    async def engine_fleet(self) -> dict[str, float | str]:
+        """``RolloutHandle.engine_fleet``: with ``engine: remote``, the servers as the client
+        sees them (``RemoteEngine.fleet``) and ``weight_load_s``, the seconds the last weight
+        sync's load took across them (the weights written once, every server's load); else {}."""
+        if self.cfg.engine != "remote" or not self._ready.is_set():
+            return {}
+        from asyncrl.engine.remote import RemoteEngine  # imported already: it is this worker's engine
+
+        if not isinstance(self.engine, RemoteEngine):
+            return {}
+        fleet = self.engine.fleet()
+        return fleet if self.load_s is None else {**fleet, "weight_load_s": self.load_s}
 
     async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,
                        draw: int, sample: int, replay: dict[str, Any] | None = None,
@@ -284,14 +298,15 @@ class RolloutWorker:
             self._weights, self._version = weights, version
             return [version]
         engine = await self.ready_engine()
-        if mode == "continue":
-            await engine.update_weights(weights, version)
-        else:
+        if mode != "continue":
             start = time.perf_counter()
             await engine.pause("abort" if mode == "abort" else "wait")
             if mode != "abort":  # the wait, apart from the load: a plan simulates the two apart
                 self.drain_s += time.perf_counter() - start
-            await engine.update_weights(weights, version)
+        start = time.perf_counter()
+        await engine.update_weights(weights, version)
+        self.load_s = time.perf_counter() - start
+        if mode != "continue":
             await engine.resume()
         return [engine.version]
 

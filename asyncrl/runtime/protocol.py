@@ -137,6 +137,15 @@ class RolloutHandle(Protocol):
         models to."""
         ...
 
+    async def engine_fleet(self) -> dict[str, float | str]:
+        """With ``engine: remote``, the servers as the client sees them now, each step's
+        ``remote/*`` keys: ``servers_up``, ``servers_lost_total``, ``lost_servers`` (their
+        URLs), ``reissued_requests_total`` and ``reissued_tokens_total`` (requests sent again
+        to another server after theirs was lost, and the tokens received that they carried),
+        ``weight_load_s`` (the last weight sync's load across the servers, once there was
+        one); totals since this process started. {} for engines the run starts itself."""
+        ...
+
     async def gateway_counts(self) -> dict[str, int]:
         """What the workers' gateways counted (``tool_parse_errors``, ``sampling_overrides``)
         and ``user_threads_abandoned`` (blocking user calls given up on), summed over the

@@ -124,6 +124,10 @@ class RolloutGroup:
         total = {key: sum(w[key] for w in work) for key in (work[0] if work else {}) if all(key in w for w in work)}
         return {**total, **{key: total[key] / max(1, len(work)) for key in ("busy_s", "drain_s") if key in total}}
 
+    async def engine_fleet(self) -> dict[str, float | str]:
+        """The one worker's (``engine: remote`` runs one client: the config refuses more)."""
+        return next((fleet for fleet in await self._every("engine_fleet") if fleet), {})
+
     async def gateway_counts(self) -> dict[str, int]:
         """Summed over the live workers (a replaced worker's counts start again from 0)."""
         total: dict[str, int] = {}
