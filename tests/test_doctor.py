@@ -283,3 +283,108 @@ def test_engine_servers_lost_is_a_warning_naming_them_and_what_was_reissued():
     healthy = [row(s, 2, 0, 0, 0, "") for s in (1, 2)]
     assert {f.name: f for f in check_run({}, 1, healthy, [], [])}["engine servers lost"].status == OK
     assert "engine servers lost" not in {f.name for f in check_run({}, 1, [{"step": 1}], [], [])}
+
+
+# ---------------------------------------------- teachers and judges, on synthetic run directories
+def _run_dir(path: Path, config: dict, rows: list[dict], errors: list[dict] = ()) -> Path:
+    """A run directory holding only what the doctor's teacher and judge checks read."""
+    import yaml
+
+    path.mkdir(parents=True)
+    base = {"total_steps": max([r["step"] for r in rows] + [1]), "mode": "async", "max_staleness": 1}
+    (path / "config.yaml").write_text(yaml.safe_dump({**base, **config}))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if errors:
+        (path / "errors.jsonl").write_text("".join(json.dumps(e) + "\n" for e in errors))
+    for empty in ("samples.jsonl", "timeline.jsonl"):
+        (path / empty).write_text("")
+    return path
+
+
+TEACHER = {"teacher": {"url": "http://127.0.0.1:8011", "check_tolerance": 0.5}}
+
+
+def test_a_teacher_whose_scores_are_not_its_sampling_fails_naming_it_and_the_figure(tmp_path, capsys):
+    def teacher_finding(name, config, rows):
+        return _by_name(_run_dir(tmp_path / name, config, rows))["teacher's scores match its sampling"]
+
+    healthy = teacher_finding("ok", TEACHER, [{"step": 0}, {"step": 1, "teacher/logprob_check_max_abs_diff": 9.5e-7,
+                                                             "teacher/logprob_check_tokens": 32}, {"step": 2}])
+    assert healthy.status == OK and "http://127.0.0.1:8011" in healthy.evidence and "9.5e-07" in healthy.evidence
+    # a resumed run checks again: the second process's teacher scores one position off
+    rows = [{"step": 1, "teacher/logprob_check_max_abs_diff": 1e-6, "teacher/logprob_check_tokens": 32}, {"step": 2},
+            {"step": 3, "teacher/logprob_check_max_abs_diff": 19.1, "teacher/logprob_check_tokens": 32}]
+    broken = teacher_finding("off", TEACHER, rows)
+    assert (broken.status, broken.step) == (FAIL, 3)
+    assert broken.evidence.startswith("the teacher at http://127.0.0.1:8011: its logprobs of 32 tokens it sampled ")
+    assert "differ by up to 19.1 (teacher.check_tolerance 0.5); 1 of 2 checks" in broken.evidence
+    assert "--generation-config vllm" in broken.fix and "--logprobs-mode processed_logprobs" in broken.fix
+    tight = teacher_finding("tight", {"teacher": {**TEACHER["teacher"], "check_tolerance": 1e-7}}, rows[:1])
+    assert tight.status == FAIL  # the run's own tolerance, from its config.yaml
+    nan = teacher_finding("nan", TEACHER, [{"step": 1, "teacher/logprob_check_max_abs_diff": None}])
+    assert nan.status == FAIL
+    assert teacher_finding("none", {}, [{"step": 1}]).status == OK  # no teacher: nothing to check, said OK
+    assert teacher_finding("old", TEACHER, [{"step": 1}]).status == SKIP  # a teacher, the figure not logged
+    assert main(["doctor", str(tmp_path / "off")]) == 2
+    out = capsys.readouterr().out
+    assert "FAIL  teacher's scores match its sampling: the teacher at http://127.0.0.1:8011" in out
+    assert "(first at step 3); fix: serve the teacher" in out
+
+
+JUDGE = {"task": {"reward_fn": ["judge", "asyncrl.tasks.arithmetic:arithmetic_reward"]},
+         "judge": {"url": "http://127.0.0.1:8012"}}
+JUDGE_DOWN = ("FrozenModelError: the judge at http://127.0.0.1:8012: POST http://127.0.0.1:8012/v1/chat/completions "
+              "failed after 3 tries and 1.5 s (ClientConnectorError: Cannot connect)")
+
+
+def test_a_judge_that_fails_most_calls_fails_naming_it_the_counts_and_its_last_error(tmp_path, capsys):
+    def judge_finding(name, config, rows, errors=()):
+        return _by_name(_run_dir(tmp_path / name, config, rows, errors))["judge calls that failed"]
+
+    def counted(step, calls, failures):
+        return {"step": step, "rollout/judge_calls_total": calls, "rollout/judge_failures_total": failures}
+
+    healthy = judge_finding("ok", JUDGE, [counted(1, 40, 2), counted(2, 80, 3)])
+    assert healthy.status == OK and healthy.evidence == "the judge at http://127.0.0.1:8012 failed 3 of 80 calls (4%)"
+    # over the run, from the last row's counters: 50 % is not most; 41 of 80 is
+    assert judge_finding("half", JUDGE, [counted(1, 20, 18), counted(2, 80, 40)]).status == OK
+    errors = [{"step": 1, "exception": JUDGE_DOWN}, {"step": 2, "exception": "ValueError: a reward's own"},
+              {"step": 2, "exception": JUDGE_DOWN.replace("3 tries", "2 tries")}]
+    broken = judge_finding("most", JUDGE, [counted(1, 20, 2), counted(2, 80, 41)], errors)
+    assert (broken.status, broken.step) == (FAIL, 1)
+    assert broken.evidence.startswith("the judge at http://127.0.0.1:8012 failed 41 of 80 calls (51%); the last "
+                                      "error: FrozenModelError: the judge at http://127.0.0.1:8012: POST")
+    assert "failed after 2 tries" in broken.evidence and "judge.timeout_s" in broken.fix
+    # the judge down from the start: no step ever trained, its failures are in errors.jsonl alone
+    down = judge_finding("down", JUDGE, [{"step": 0}], errors)
+    assert down.status == FAIL and "failed 2 of 2 calls (100%)" in down.evidence
+    # failures logged after the last row count on top of its counters
+    late = judge_finding("late", JUDGE, [counted(1, 3, 1)], errors)
+    assert "failed 2 of 4 calls (50%)" in late.evidence and late.status == OK
+    assert judge_finding("none", {}, [{"step": 1}]).status == OK  # no judge in task.reward_fn
+    alone = judge_finding("alone", {**JUDGE, "task": {"reward_fn": "judge"}}, [{"step": 1}])
+    assert alone.status == SKIP  # a judge, but nothing counted (a run logged before the counters)
+    assert main(["doctor", str(tmp_path / "down")]) == 2
+    assert "FAIL  judge calls that failed: the judge at http://127.0.0.1:8012 failed 2 of 2" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_a_distilling_run_records_its_teachers_check_and_one_scored_off_by_one_fails(tmp_path, capsys):
+    """Real runs with a teacher served by serve-engine's server: an honest one (OK) and one whose
+    scores are placed one position off (said live before the first step; the doctor FAILs)."""
+    from test_frozen_models import OffByOne, TeacherOnThread
+
+    small = ["total_steps=2", "batch_size=2", "group_size=4", "save_every_minutes=0"]
+    with TeacherOnThread() as honest:
+        run = _train(tmp_path / "honest", f"teacher.url={honest.url}", *small)
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in rows if r["step"] == 1)
+    assert first["teacher/logprob_check_max_abs_diff"] <= 1e-4 and first["teacher/logprob_check_tokens"] > 0
+    assert not any("teacher/logprob_check_max_abs_diff" in r for r in rows if r["step"] > 1)  # once per process
+    assert _by_name(run)["teacher's scores match its sampling"].status == OK
+    capsys.readouterr()
+    with TeacherOnThread(OffByOne.wrap) as shifted:
+        run = _train(tmp_path / "shifted", f"teacher.url={shifted.url}", *small)
+    assert f"asyncrl: FAIL teacher's scores match its sampling: the teacher at {shifted.url}" in capsys.readouterr().err
+    assert main(["doctor", str(run)]) == 2
+    assert f"FAIL  teacher's scores match its sampling: the teacher at {shifted.url}" in capsys.readouterr().out

@@ -281,3 +281,138 @@ def test_pack_batch_carries_the_distillation_term_on_model_tokens_only():
         pack_batch([Trajectory(prompt_ids=[1], response_ids=[2], loss_mask=[1], logprobs=[0.0], versions=[0])],
                    [0.0], pad_id=0, distill_coef=1.0)
     assert torch.equal(pack_batch([a], [1.0], 0, 0.0).advantages, torch.tensor([1.0]))
+
+
+# ------------------------------------------- the teacher's scores against its own sampling
+ADDITION_POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
+
+
+class OffByOne:
+    """A scoring route with a bug a server can have: each token's score is its successor's (the
+    logprobs placed one position off). Its sampling is the engine's own."""
+
+    @staticmethod
+    def wrap(server):
+        score = server._score
+
+        async def shifted(prompt):
+            reply = await score(prompt)
+            for choice in reply["choices"]:
+                rows = choice["prompt_logprobs"]
+                values = [next(iter(r.values())) for r in rows[1:]]
+                values = values[1:] + values[:1]
+                choice["prompt_logprobs"] = [None, *({t: v} for t, v in zip((next(iter(r)) for r in rows[1:]),
+                                                                                values))]
+            return reply
+
+        server._score = shifted
+        return server
+
+
+class TeacherOnThread:
+    """``asyncrl serve-engine``'s server (``EngineServer`` over a ``TorchEngine``) on the shipped
+    addition policy, on a free loopback port, in a thread and loop of its own (the code under
+    test may block its caller's thread); ``perturb`` edits the server before it starts."""
+
+    def __init__(self, perturb=None) -> None:
+        import threading
+
+        self.perturb, self.ready, self.url = perturb, threading.Event(), None
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+
+    def _serve(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from asyncrl.config import EngineServerConfig
+        from asyncrl.engine.torch_engine import TorchEngine
+        from asyncrl.rollout.engine_server import EngineServer
+
+        self.loop = asyncio.new_event_loop()
+        model = AutoModelForCausalLM.from_pretrained(ADDITION_POLICY, torch_dtype=torch.float32).eval()
+        self.server = EngineServer(TorchEngine(model, seed=0), model_name="addition-teacher",
+                                   settings=EngineServerConfig(port=0),
+                                   tokenizer=AutoTokenizer.from_pretrained(ADDITION_POLICY))
+        if self.perturb is not None:
+            self.perturb(self.server)
+        self.url = self.loop.run_until_complete(self.server.start())
+        self.ready.set()
+        self.loop.run_forever()
+
+    def __enter__(self) -> TeacherOnThread:
+        self.thread.start()
+        assert self.ready.wait(120), "the teacher server did not start"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        async def stop():
+            await self.server.stop()
+            await self.server.engine.shutdown()
+
+        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(60)
+
+
+def _teacher_check(url: str):
+    from transformers import AutoTokenizer
+
+    from asyncrl.frozen.teacher import check_logprobs, probe_prompts
+
+    async def main():
+        teacher = FrozenModel("teacher", url)
+        try:
+            return await check_logprobs(teacher, probe_prompts(AutoTokenizer.from_pretrained(ADDITION_POLICY)))
+        finally:
+            await teacher.close()
+
+    return asyncio.run(main())
+
+
+def test_a_served_teachers_scores_match_its_sampling_and_scores_one_position_off_do_not():
+    from asyncrl.frozen.teacher import CHECK_TOKENS, PROBE_TEXTS
+
+    with TeacherOnThread() as honest:
+        found = _teacher_check(honest.url)
+    # one forward pass batched two ways, in float32 (measured here: ~1e-6)
+    assert found.tokens == CHECK_TOKENS * len(PROBE_TEXTS) and 0 <= found.max_abs_diff <= 1e-4
+    with TeacherOnThread(OffByOne.wrap) as shifted:
+        found = _teacher_check(shifted.url)
+    assert found.max_abs_diff > 0.5  # beyond the default teacher.check_tolerance
+
+
+def test_a_teacher_that_answers_without_its_sampled_logprobs_is_named():
+    from asyncrl.frozen.teacher import sample_with_logprobs
+
+    async def main():
+        async with fake_server(replying("")) as url:  # a chat reply: no logprobs at all
+            teacher = FrozenModel("teacher", url, model="m")
+            try:
+                with pytest.raises(FrozenModelError, match=r"teacher at .* without its sampled tokens' logprobs"):
+                    await sample_with_logprobs(teacher, [1, 2], seed=0)
+            finally:
+                await teacher.close()
+
+    asyncio.run(main())
+
+
+def test_preflight_says_a_teacher_whose_scores_are_not_its_sampling_and_returns_the_figure(capsys):
+    from transformers import AutoTokenizer
+
+    from asyncrl.config import load_config
+    from asyncrl.orchestrator.preflight import check_teacher
+
+    tokenizer = AutoTokenizer.from_pretrained(ADDITION_POLICY)
+    config = str(ADDITION_POLICY.parents[1] / "examples/addition/async.yaml")
+    with TeacherOnThread() as honest:
+        found = check_teacher(load_config(config, [f"teacher.url={honest.url}"]), tokenizer)
+    assert found.max_abs_diff <= 1e-4 and "FAIL" not in capsys.readouterr().err
+    assert found.row() == {"teacher/logprob_check_max_abs_diff": found.max_abs_diff,
+                           "teacher/logprob_check_tokens": found.tokens}
+    with TeacherOnThread(OffByOne.wrap) as shifted:
+        found = check_teacher(load_config(config, [f"teacher.url={shifted.url}"]), tokenizer)
+    err = capsys.readouterr().err
+    assert found.max_abs_diff > 0.5
+    assert f"asyncrl: FAIL teacher's scores match its sampling: the teacher at {shifted.url}:" in err
+    assert f"differ by up to {found.max_abs_diff:.3g} (teacher.check_tolerance 0.5)" in err
+    assert "--generation-config vllm" in err

@@ -15,6 +15,8 @@ from aiohttp import web
 from asyncrl.cli import main
 from asyncrl.config import ConfigError, load_config
 from asyncrl.frozen.judge import JudgeReward
+from asyncrl.report import load_run
+from asyncrl.report.doctor import findings
 from asyncrl.tasks.from_config import build_reward_fn, build_tasks
 from asyncrl.tasks.reward_sum import RewardSum
 
@@ -105,3 +107,101 @@ def test_a_judge_graded_run_trains_and_its_rows_say_what_grading_cost(tmp_path):
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert {s["reward"] for s in samples} <= {0.0, 1.0}
     assert judge.calls >= len(samples)
+    # every call over the run (evaluations' too) counted, for asyncrl doctor
+    assert steps[-1]["rollout/judge_failures_total"] == 0 and steps[-1]["rollout/judge_calls_total"] >= len(samples)
+    said = {f.name: f for f in findings(load_run(out))}["judge calls that failed"]
+    assert said.status == "OK" and said.evidence.startswith(f"the judge at {judge.url} failed 0 of ")
+
+
+def test_a_judges_calls_and_failures_are_counted_from_each_episodes_attempts():
+    from asyncrl.frozen.judge import uses_judge
+    from asyncrl.orchestrator.metrics import judge_calls
+    from asyncrl.types import AttemptError, Episode
+
+    down = AttemptError(1, "FrozenModelError: the judge at http://j:1: POST http://j:1/v1/chat/completions failed", "")
+    ungraded = AttemptError(2, "JudgeParseError: the judge at http://j:1 for task t: no grade matching", "")
+    other = AttemptError(1, "ValueError: the workflow's own", "")
+    assert judge_calls(Episode("t")) == (1, 0)  # graded once, by a call that answered
+    assert judge_calls(Episode("t", errors=[down, ungraded])) == (3, 2)  # two failed calls, then the one that answered
+    assert judge_calls(Episode("t", status="error", errors=[down, ungraded])) == (2, 2)
+    assert judge_calls(Episode("t", status="error", errors=[other])) == (0, 0)  # the judge was never asked
+    assert uses_judge("judge") and uses_judge(["x:y", "judge"])
+    assert not uses_judge("asyncrl.tasks.arithmetic:arithmetic_reward") and not uses_judge(None)
+
+
+def test_agreement_figures_by_hand():
+    import math
+
+    from asyncrl.frozen.agreement import Agreement
+
+    # 20 both pass, 5 the judge alone, 10 the checker alone, 15 both fail (n = 50):
+    # p_o = 35/50 = 0.7; p_judge = 25/50, p_checker = 30/50, p_e = 0.5·0.6 + 0.5·0.4 = 0.5; κ = 0.2/0.5
+    pairs = [(True, True)] * 20 + [(True, False)] * 5 + [(False, True)] * 10 + [(False, False)] * 15
+    table = Agreement.from_pairs(pairs)
+    assert (table.both_pass, table.judge_only, table.checker_only, table.both_fail, table.n) == (20, 5, 10, 15, 50)
+    assert (table.accuracy, table.chance, table.kappa) == pytest.approx((0.7, 0.5, 0.4))
+    assert Agreement(7, 0, 0, 3).kappa == pytest.approx(1.0)  # perfect
+    assert Agreement(25, 25, 25, 25).kappa == pytest.approx(0.0)  # chance's
+    assert Agreement(0, 10, 10, 0).kappa == pytest.approx(-1.0)  # always the other verdict
+    # a judge that passes everything: agrees on the checker's 3 of 4 passes, and not beyond chance
+    # p_o = 3/4; p_e = 1·3/4 + 0·1/4 = 3/4; κ = 0
+    assert (Agreement(3, 1, 0, 0).accuracy, Agreement(3, 1, 0, 0).kappa) == pytest.approx((0.75, 0.0))
+    assert math.isnan(Agreement(4, 0, 0, 0).kappa)  # both say pass to all: p_e = 1, nothing to measure
+    assert math.isnan(Agreement(0, 0, 0, 0).accuracy)
+    assert "Cohen's kappa: 0.400" in table.lines()[-1]
+
+
+def test_the_agreement_script_on_the_tiny_policy_with_a_judge_that_checks_exactly(tmp_path, capsys):
+    """examples/judge/agreement.py end to end: the shipped addition policy answers, a stub judge
+    that compares the answer to the expected sum grades (with a 503 every third call, retried),
+    and the task's checker scores; the figures are what the verdicts make."""
+    import importlib.util
+
+    from asyncrl.tasks.arithmetic import arithmetic_reward
+
+    spec = importlib.util.spec_from_file_location("agreement", REPO / "examples/judge/agreement.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    config = str(REPO / "examples/judge/addition.yaml")
+    small = [f"output_dir={tmp_path}", "eval.num_tasks=8", "eval.samples_per_task=4", "judge.retries=3",
+             "model.path=" + str(REPO / "models/addition-tiny")]
+    assert script.main([config, *small, "judge.url="]) == 2  # no judge: a usage error
+    with StubJudge() as judge:
+        assert script.main([config, *small, f"judge.url={judge.url}", "judge.model=stub", RUBRIC]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "agreement" / "agreement.json").read_text())
+    verdicts = result["verdicts"]
+    assert result["responses"] == 32 and result["judge_failures"] == 0 and len(verdicts) == result["graded"] == 32
+    rows = (tmp_path / "agreement" / "eval_samples.jsonl").read_text().splitlines()
+    checked = {(s["task_id"], s["sample"]): s["reward"] for s in map(json.loads, rows)}
+    tasks = {t.id: t for t in build_tasks(load_config(config, small)).validation}
+    agree = 0
+    for v in verdicts:
+        assert v["checker"] == checked[(v["task_id"], v["sample"])]  # the task's own checker's score
+        assert v["checker"] == arithmetic_reward(tasks[v["task_id"]], v["response"])
+        digits = "".join(c for c in v["response"].strip().split(" ")[0] if c.isdigit())
+        assert v["judge"] == (1.0 if digits == str(tasks[v["task_id"]].data["answer"]) else 0.0)  # the stub's rule
+        agree += (v["judge"] >= 0.5) == (v["checker"] >= 0.5)
+    assert result["accuracy"] == pytest.approx(agree / 32)
+    assert result["both_pass"] + result["judge_only"] + result["checker_only"] + result["both_fail"] == 32
+    assert 0 < result["both_pass"] + result["checker_only"] < 32  # the policy is right on some answers, not all
+    assert f"agreement (accuracy): {result['accuracy']:.3f}" in out and "Cohen's kappa" in out
+    # the judge gone: every call fails, counted and named, and nothing is graded (exit 1)
+    assert script.main([config, *small, f"judge.url={judge.url}", "judge.model=stub", "judge.retries=0", RUBRIC]) == 1
+    assert f"the judge at {judge.url}: 0 graded, 32 calls failed (0 of them replies with no grade) (the last: the " \
+        f"judge at {judge.url}: POST" in capsys.readouterr().out
+
+
+def test_the_judge_example_grades_with_its_rubric_filled_from_every_task():
+    from asyncrl.frozen.judge import render_prompt
+
+    cfg = load_config(str(REPO / "examples/judge/addition.yaml"))
+    reward = build_reward_fn(cfg)
+    assert isinstance(reward, JudgeReward) and reward.model.url == "http://127.0.0.1:8001"
+    splits = build_tasks(cfg)  # refuses a rubric naming a field some task lacks
+    task = splits.validation[0]
+    assert render_prompt(cfg.judge.prompt, task, "12").splitlines() == [
+        f"Question: {task.prompt}?", f"Correct answer: {task.data['answer']}", "Student's answer: 12",
+        "Is the student's answer exactly the correct answer? Reply with GRADE: 10 if it is, GRADE: 0 if it is not."]
+    served = load_config(str(REPO / "examples/judge/judge_server.yaml"))
+    assert served.gateway.port == 8001 and served.model.path == "smollm2-135m-instruct"

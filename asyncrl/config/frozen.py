@@ -65,3 +65,8 @@ class TeacherConfig(FrozenModelConfig):
     with_reward: bool = True
     """``true``: the task's reward advantage plus the distillation term; ``false``: distillation
     alone (the reward is still computed and logged, but teaches nothing)."""
+    check_tolerance: float = Field(0.5, gt=0)
+    """The largest per-token |Δ| allowed between the logprobs the teacher reports for tokens it
+    samples and its scores of the same tokens (checked before any work; ``asyncrl doctor`` FAILs
+    above it). The two are one forward pass batched differently: float32 keeps within 1e-4 (set
+    that for a float32 teacher), a bf16/fp16 server rounds each logit (~0.1); 0.5 serves both."""

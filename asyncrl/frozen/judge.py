@@ -27,6 +27,11 @@ DEFAULT_PATTERN = r"GRADE:\s*(-?\d+(?:\.\d+)?)"
 JUDGE = "judge"  # the name in ``task.reward_fn`` that means the ``judge:`` section's model
 
 
+def uses_judge(reward_fn: str | list[str] | None) -> bool:
+    """Whether ``task.reward_fn`` names the ``judge:`` section's model."""
+    return JUDGE in ([reward_fn] if isinstance(reward_fn, str) else reward_fn or [])
+
+
 class JudgeParseError(FrozenModelError):
     """The judge answered, but no grade could be read from its reply."""
 

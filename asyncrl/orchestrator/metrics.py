@@ -104,6 +104,16 @@ def frozen_model_metrics(episodes: list[Episode]) -> dict[str, float | int]:
     return row
 
 
+def judge_calls(episode: Episode) -> tuple[int, int]:
+    """``(calls, failures)`` of the judge by URL in ``episode``'s attempts, for a run whose
+    reward names it: each failed attempt whose error names the judge is a failed call (one
+    call of the client, its retries included, or a reply with no grade), and an episode that
+    ended ``ok`` was graded by one call that answered. An attempt that failed before its
+    reward ran (or at the reward's own deadline, whose error names no judge) is neither."""
+    failures = sum("the judge at " in error.exception for error in episode.errors)
+    return failures + (episode.status == "ok"), failures
+
+
 def sandbox_metrics(episodes: list[Episode]) -> dict[str, float]:
     """``sandbox/seconds_mean``: the wall seconds of ``asyncrl.tools.sandbox`` runs per episode, over the
     episodes that ran any (``timings["sandbox_s"]``, the ``openai_agent`` workflow's); no key when none did."""

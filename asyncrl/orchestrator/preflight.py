@@ -8,6 +8,7 @@ torch: ``inputs.py``, which the CLI runs before torch loads and hands the result
 from __future__ import annotations
 
 import asyncio
+import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from dataclasses import dataclass
@@ -22,10 +23,11 @@ from asyncrl.engine import require_engine
 from asyncrl.learner.lora import check_lora
 from asyncrl.orchestrator.hooks import Hooks
 from asyncrl.orchestrator.inputs import check_inputs
+from asyncrl.orchestrator.invariants import TEACHER_FIX, TEACHER_LOGPROBS, teacher_logprob_evidence
 from asyncrl.policy import adapter_base, check_policy, load_policy, resolve_model_path
 from asyncrl.tasks.base import TaskSplits
 from asyncrl.frozen.client import FrozenModelError
-from asyncrl.frozen.teacher import TokenizerMismatch
+from asyncrl.frozen.teacher import LogprobCheck, TokenizerMismatch, check_logprobs, probe_prompts
 from asyncrl.frozen.teacher import check_tokenizer as check_teacher_tokenizer
 from asyncrl.orchestrator.rollout_loop import teacher_of
 from asyncrl.rollout.workflows.registry import build_workflow, check_tokenizer
@@ -39,25 +41,35 @@ class Checked:
     model: PreTrainedModel | None  # None where the workers load their own (Ray, vLLM)
     splits: TaskSplits
     hooks: Hooks
+    teacher_check: LogprobCheck | None = None  # the teacher's sampled logprobs against its scores
 
 
-def check_teacher(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> None:
+def check_teacher(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> LogprobCheck:
     """On-policy distillation's teacher answers and tokenizes as the student does, before any
-    work (exit 2 naming both otherwise). Run on a thread of its own: a caller may hold a loop."""
+    work (exit 2 naming both otherwise); then its sampled logprobs against its scores of the
+    same tokens (:func:`check_logprobs`), said at once when beyond ``teacher.check_tolerance``
+    and returned for the run's first row, where ``asyncrl doctor`` reads it. Run on a thread of
+    its own: a caller may hold a loop."""
     teacher = teacher_of(cfg)
     assert teacher is not None
 
-    async def check() -> None:
+    async def check() -> LogprobCheck:
         try:
             await check_teacher_tokenizer(teacher, tokenizer, repr(cfg.model.path))
+            return await check_logprobs(teacher, probe_prompts(tokenizer))
         finally:
             await teacher.close()
 
     with ThreadPoolExecutor(1) as pool:
         try:
-            pool.submit(asyncio.run, check()).result()
+            found = pool.submit(asyncio.run, check()).result()
         except (TokenizerMismatch, FrozenModelError) as exc:
             raise ConfigError(f"teacher.url: {exc}") from None
+    if not found.max_abs_diff <= cfg.teacher.check_tolerance:  # said now; the run goes on, the doctor FAILs it
+        said = teacher_logprob_evidence(cfg.teacher.url, found.max_abs_diff, found.tokens, cfg.teacher.check_tolerance)
+        print(f"asyncrl: FAIL {TEACHER_LOGPROBS}: {said}; fix: {TEACHER_FIX} (asyncrl doctor RUN_DIR says it too)",
+              file=sys.stderr, flush=True)
+    return found
 
 
 def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: TaskSplits | None = None) -> Checked:
@@ -80,8 +92,7 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: Ta
     needs_model = cfg.runtime == "local" and (command == "train" or (command == "eval" and cfg.engine == "torch"))
     model, tokenizer = load_policy(cfg.model) if needs_model else (None, check_policy(cfg.model))
     check_tokenizer(cfg, tokenizer)
-    if trains and cfg.teacher.url:
-        check_teacher(cfg, tokenizer)
+    teacher_check = check_teacher(cfg, tokenizer) if trains and cfg.teacher.url else None
     if trains:
         check_lora(cfg.model, model)  # peft installed, model.lora.target_modules in the model
     build_workflow(cfg)  # the workers build their own; this refuses a bad one before any work
@@ -95,7 +106,7 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: Ta
             get_policy_loss(cfg.algorithm.policy_loss)  # and that it takes the learner's call
         except (KeyError, TypeError) as exc:
             raise ConfigError(f"algorithm.policy_loss: {exc.args[0]}") from None
-    return Checked(tokenizer, model, splits, hooks)
+    return Checked(tokenizer, model, splits, hooks, teacher_check)
 
 
 def check_trainable(cfg: Config) -> None:

@@ -25,6 +25,7 @@ from typing import Any
 from tqdm import tqdm
 
 from asyncrl.config import Config, changed_settings, run_settings
+from asyncrl.frozen.judge import uses_judge
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.announce import banner, finished_note, run_tool_format, save_run_config
 from asyncrl.orchestrator.checkpoint import (
@@ -42,7 +43,7 @@ from asyncrl.orchestrator.checkpoint import (
 from asyncrl.orchestrator.evaluations import RunEvaluations
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.invariants import InvariantWatch, Limits
-from asyncrl.orchestrator.metrics import eval_sample_row, sample_rows
+from asyncrl.orchestrator.metrics import eval_sample_row, judge_calls, sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.runlog import RunLog
@@ -81,6 +82,9 @@ class Trainer:
             checked = preflight(cfg, "train" if runtime is start else "plan", splits)
         self.tokenizer, self._model, self.splits, self.hooks = (checked.tokenizer, checked.model, checked.splits,
                                                                 checked.hooks)
+        # the teacher's sampled logprobs against its scores (pre-flight): in this process's first row
+        self._teacher_check = checked.teacher_check.row() if checked.teacher_check else {}
+        self._judged_by_url = bool(cfg.judge.url) and uses_judge(cfg.task.reward_fn)
         self.watchdog = Watchdog(cfg.watchdog, output_dir=self.output_dir)
         self._stop = StopControl()
         self.last_checkpoint: Path | None = checkpoint
@@ -258,8 +262,11 @@ class Trainer:
 
     async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained,
                    side: RolloutSide) -> dict[str, Any]:
-        return await meter.row(step, self.version, trained_version, trained, self._now(), side.finished_rewards,
-                               side.counters, side.buffer, side.filtered_window, self.log.errors_unlogged)
+        row = await meter.row(step, self.version, trained_version, trained, self._now(), side.finished_rewards,
+                              side.counters, side.buffer, side.filtered_window, self.log.errors_unlogged)
+        row.update(self._teacher_check)
+        self._teacher_check = {}
+        return row
 
     async def _after_step(self, step: int, row: dict[str, Any]) -> None:
         self.invariants.observe(row)
@@ -341,6 +348,9 @@ class Trainer:
 
     def _seen(self, episode: Episode, phase: str) -> None:
         self.watchdog.episode(episode, phase)
+        if self._judged_by_url:  # rollout/judge_calls_total, rollout/judge_failures_total (asyncrl doctor's)
+            for key, n in zip(("judge_calls", "judge_failures"), judge_calls(episode), strict=True):
+                self.watchdog.counts[key] = self.watchdog.counts.get(key, 0) + n
         self.log.errors(self.step, phase, episode)
 
     def _seen_eval(self, episode: Episode, step: int, version: int) -> None:
