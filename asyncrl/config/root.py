@@ -154,9 +154,9 @@ class Config(Section):
                              f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
                              "state are small), or model.lora=null")
         if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine == "vllm":
-            raise ValueError("model.lora.sync=adapters needs an engine that takes adapters (engine=torch merges "
-                             "them, engine=remote loads them through vLLM's LoRA loading); engine=vllm loads whole "
-                             "weights: use model.lora.sync=merged")
+            raise ValueError("model.lora.sync=adapters needs the built-in engine, which merges them itself, or "
+                             "engine=remote, whose servers load them through vLLM's LoRA loading; engine=vllm loads "
+                             "whole weights: use model.lora.sync=merged")
         if self.engine == "remote" and self.remote.weight_transfer == "nccl":
             import torch
 
