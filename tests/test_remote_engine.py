@@ -283,7 +283,8 @@ def test_adapters_reach_every_server_as_a_peft_directory_and_sample_as_the_in_pr
     """With an ``AdapterUpdate`` the client writes a PEFT adapter directory (only adapter
     tensors, under peft's own names), each server loads it by ``/v1/load_lora_adapter`` and
     unloads the previous one, and requests name it: the samples and logprobs are the
-    in-process engine's with the same adapters, at each version."""
+    in-process engine's with the same adapters, at each version. A trainer that connects
+    later finds the base again (it unloads the adapters a previous one left)."""
     from asyncrl.learner.lora import adapter_update
 
     base, peft_model = lora_pair()
@@ -307,6 +308,12 @@ def test_adapters_reach_every_server_as_a_peft_directory_and_sample_as_the_in_pr
                 after_second = [await remote.generate(p, s) for p, s in requests]
             finally:
                 await remote.shutdown()
+            again = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls))  # a new trainer: the adapters left go
+            try:
+                assert [(s.merged, s.adapters) for s in fleet.servers] == [(None, {}), (None, {})]
+                assert [await again.generate(p, s) for p, s in requests] == plain
+            finally:
+                await again.shutdown()
         return plain, written, tensor_bytes, after_first, after_second
 
     plain, written, tensor_bytes, after_first, after_second = asyncio.run(main())

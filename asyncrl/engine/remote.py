@@ -60,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import sys
 import tempfile
@@ -99,6 +100,8 @@ from asyncrl.engine.remote_wire import (
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
+ADAPTER_PREFIX = "lora-v"
+"""The names this client gives the LoRA adapters it loads (``lora-v<version>``)."""
 AFFINITY_SIZE = 4096
 """Prompts whose server the client remembers (their samples share its prefix cache)."""
 
@@ -139,8 +142,9 @@ class RemoteEngine:
     async def connect(cls, settings: RemoteConfig, *, version: int = 0,
                       broadcast: WeightBroadcast | None = None) -> RemoteEngine:
         """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``,
-        read its model card, label it ``version`` and resume it (a trainer that died during
-        a sync leaves its servers paused)."""
+        read its model card, unload the adapters a previous trainer left (``lora-v<n>``: the
+        trainer sends its own), label it ``version`` and resume it (a trainer that died
+        during a sync leaves its servers paused)."""
         engine = cls(settings, version=version, broadcast=broadcast)
         try:
             await engine._start()
@@ -169,7 +173,9 @@ class RemoteEngine:
                             f"{self.settings.control_timeout_s:g} s (remote.control_timeout_s): {exc.reason}. Start "
                             "it first (asyncrl serve-engine CONFIG, or vllm serve), then the trainer") from None
                     await asyncio.sleep(0.5)
-            await self._read_card(server)
+            for name in sorted(await self._read_card(server)):  # a previous trainer's adapters: the base again
+                if re.fullmatch(rf"{ADAPTER_PREFIX}\d+", name):
+                    await self._call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, missing_ok=True)
             await self._call(server, "POST", "/update_weight_version", {"new_version": str(self._version)})
             await self._call(server, "POST", "/resume")  # a trainer that died mid-sync may have left it paused
             server.version, server.usable = self._version, True
@@ -396,9 +402,9 @@ class RemoteEngine:
         What is written is written before the pause: a shorter stall. A run sends one kind."""
         update = as_update(update)
         if isinstance(update, AdapterUpdate):
-            path = self._weights_dir / f"lora-v{version}"
+            path = self._weights_dir / f"{ADAPTER_PREFIX}{version}"
             await asyncio.to_thread(write_peft_adapter, update, path)
-            deliver = self._adapter_update(f"lora-v{version}", path, version)
+            deliver = self._adapter_update(f"{ADAPTER_PREFIX}{version}", path, version)
         elif self.settings.weight_transfer == "nccl":
             tensors = [(name, t.detach()) for name, t in update.tensors.items()]
             deliver = self._nccl_update(tensors, version)
