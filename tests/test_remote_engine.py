@@ -357,7 +357,9 @@ def test_the_adapter_directory_is_what_peft_saves_and_reads_back_as_the_same_upd
         read_peft_adapter(tmp_path)
 
 
-def test_a_restarted_server_gets_the_current_adapter_again():
+def test_a_restarted_server_gets_the_current_adapter_again(capsys):
+    """A server that restarts between two requests answers the adapter's name with 404: it
+    is counted lost (never served the base instead), revived with the adapter, used again."""
     from asyncrl.learner.lora import adapter_update
 
     base, peft_model = lora_pair()
@@ -371,14 +373,14 @@ def test_a_restarted_server_gets_the_current_adapter_again():
                 await remote.update_weights(update, 1)
                 old = fleet.servers[0]
                 port = int(old.base_url.rsplit(":", 1)[1])
-                await old.stop()  # the server restarts: a fresh engine on the base, no adapter
+                await old.stop()  # the server restarts at once: a fresh engine on the base, no adapter
                 await old.engine.shutdown()
-                await asyncio.gather(*[remote.generate([20 + i, 1], seeded(4, seed=i)) for i in range(6)])
-                assert not remote.servers[0].usable
                 fresh = EngineServer(TorchEngine(copy.deepcopy(base), seed=0), model_name="tiny",
                                      settings=EngineServerConfig(port=port))
                 await fresh.start()
                 fleet.servers[0] = fresh
+                done = await asyncio.gather(*[remote.generate([20 + i, 1], seeded(4, seed=i)) for i in range(6)])
+                assert remote.stats.servers_lost == 1 and all(c.versions == [1] * 4 for c in done)  # 404: lost
                 await until(lambda: remote.servers[0].usable, "the restarted server to be used again")
                 assert fresh.merged is not None and fresh.merged[0] == "lora-v1" and fresh.engine.version == 1
                 return await remote.probe_each(probe, seeded(6, seed=0, temperature=0.0))
@@ -386,6 +388,7 @@ def test_a_restarted_server_gets_the_current_adapter_again():
                 await remote.shutdown()
 
     per_server = asyncio.run(main())
+    assert "does not know adapter lora-v1" in capsys.readouterr().err
     want = asyncio.run(in_process(base, [(p, seeded(6, seed=0, temperature=0.0)) for p in probe], update))
     assert len(per_server) == 2
     for _, done in per_server:

@@ -330,6 +330,8 @@ class RemoteEngine:
                     message = _error_message(await response.text())
                     if response.status >= 500:
                         raise ServerLost(f"POST /v1/completions answered {response.status}: {message}")
+                    if response.status == 404 and server.adapter is not None:  # restarted: it lost the adapter
+                        raise ServerLost(f"POST /v1/completions does not know adapter {server.adapter} ({message})")
                     raise ControlError(f"engine server {server.url}: POST /v1/completions refused "
                                        f"({response.status}): {message}")
                 async for raw in response.content:
