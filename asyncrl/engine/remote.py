@@ -271,22 +271,26 @@ class RemoteEngine:
         """Each usable server's completions of ``prompts`` (one request each, sent to that
         server alone, naming its adapter as rollouts do): the delivery check's probe
         (``asyncrl/weight_sync/delivery.py``), per server. Versions are the ones the
-        server stamps, or the label set there."""
+        server stamps, or the label set there. A server lost meanwhile is left out, as for
+        rollouts (it gets the current weights before it is used again)."""
         await self._open.wait()
 
-        async def one(server: Server) -> tuple[str, list[Completion]]:
+        async def one(server: Server) -> tuple[str, list[Completion]] | None:
             done = []
             for prompt in prompts:
                 sent_version = server.version if server.version is not None else self._version
                 try:
+                    budget = min(sampling.max_tokens, server.max_model_len - len(prompt))
                     tokens, logprobs, versions, finish = await self._complete(server, list(prompt), sampling,
-                                                                              sampling.max_tokens)
+                                                                              max(budget, 1))
                 except ServerLost as exc:
-                    raise ControlError(f"engine server {server.url}: the delivery probe: {exc.reason}") from None
+                    self._lose(server, f"during the delivery probe: {exc.reason}")
+                    return None
                 done.append(Completion(tokens, logprobs, versions or [sent_version] * len(tokens), finish))
             return f"engine server {server.url}", done
 
-        return list(await asyncio.gather(*[one(s) for s in self.servers if s.usable]))
+        probed = await asyncio.gather(*[one(s) for s in self.servers if s.usable])
+        return [p for p in probed if p is not None]
 
     def _pick(self, key: tuple[int, ...]) -> Server:
         usable = [s for s in self.servers if s.usable]
