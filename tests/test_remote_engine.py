@@ -576,7 +576,7 @@ def test_nccl_weight_transfer_speaks_vllms_protocol_to_every_server():
                               "packed_num_buffers": 2}}
         first = one_sync(1)
         assert server_calls == [first[0], ("GET /get_world_size", None), ("POST /init_weight_transfer_engine", init),
-                                *first[1:], *one_sync(2)]
+                                *first[1:], *one_sync(2), ("POST /shutdown_weight_transfer_engine", None)]
 
 
 @pytest.mark.parametrize("failure", ["fail", "hang"])

@@ -29,8 +29,9 @@ Verb by verb (vLLM's HTTP API; ``asyncrl/rollout/engine_server.py`` serves the s
     NCCL group with this trainer (``asyncrl/engine/remote_nccl.py``); per sync
     ``POST /start_weight_update``, ``POST /update_weights`` (names, dtypes, shapes) while the
     trainer broadcasts the tensors, ``POST /finish_weight_update`` with the version,
-    ``POST /reset_prefix_cache``. A server lost on the way breaks the group: the update
-    fails naming it (and one that comes back is not used again: it is outside the group);
+    ``POST /reset_prefix_cache``; at shutdown ``POST /shutdown_weight_transfer_engine``. A
+    server lost on the way breaks the group: the update fails naming it (and one that comes
+    back is not used again: it is outside the group);
   - :class:`AdapterUpdate` (LoRA adapters alone): written once as a PEFT adapter directory
     ``remote.weights_dir/lora-v<version>``; each server ``POST /v1/load_lora_adapter``
     ``{"lora_name": "lora-v<version>", "lora_path": …}``, then
@@ -660,12 +661,21 @@ class RemoteEngine:
               file=sys.stderr, flush=True)
 
     async def shutdown(self) -> None:
-        """Closes this client (the servers are the user's: they keep running)."""
+        """Closes this client (the servers are the user's: they keep running; an NCCL group's
+        servers are told to leave it, ``POST /shutdown_weight_transfer_engine``, so a later
+        trainer can form its own)."""
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
+        if self._nccl_group is not None and self._session is not None:
+            async def leave(server: Server) -> None:
+                with contextlib.suppress(ServerLost, ControlError):
+                    await self._call(server, "POST", "/shutdown_weight_transfer_engine", missing_ok=True)
+
+            await asyncio.gather(*[leave(s) for s in self._nccl_group if s.usable])
+            self._nccl_group = None
         if self._session is not None:
             await self._session.close()
             self._session = None
