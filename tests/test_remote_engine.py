@@ -71,7 +71,7 @@ class Fleet:
 
 
 async def in_process(model: torch.nn.Module, requests: list[tuple[list[int], SamplingParams]],
-                     weights: dict[str, torch.Tensor] | None = None) -> list:
+                     weights: dict[str, torch.Tensor] | AdapterUpdate | None = None) -> list:
     engine = TorchEngine(copy.deepcopy(model), seed=0)
     try:
         if weights is not None:
@@ -245,21 +245,372 @@ def test_a_control_call_past_its_deadline_names_the_server_the_call_and_the_wait
            "(remote.control_timeout_s))" in err
 
 
-def test_a_server_that_refuses_a_weight_load_is_named_and_adapters_alone_are_refused():
+def test_a_server_that_refuses_a_weight_load_or_an_adapter_load_is_named():
     async def main():
         async with Fleet(make_model()) as fleet:
             remote = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls))
             try:
                 with pytest.raises(ControlError, match=re.escape(fleet.urls[0]) + ".*collective_rpc.*not_a_weight"):
                     await remote.update_weights({"not_a_weight": torch.zeros(2)}, 1)
-                adapters = AdapterUpdate({"model.layers.0.mlp.up_proj.weight": LayerAdapter(
+                adapters = AdapterUpdate({"model.layers.9.mlp.up_proj.weight": LayerAdapter(  # a layer it lacks
                     torch.zeros(2, 64), torch.zeros(128, 2), 1.0)}, rank=2, alpha=2.0)
-                with pytest.raises(TypeError, match="model.lora.sync=merged"):
+                with pytest.raises(ControlError, match=re.escape(fleet.urls[0]) + r": POST /v1/load_lora_adapter "
+                                   r"refused \(400\): .*model\.layers\.9\.mlp\.up_proj\.weight"):
                     await remote.update_weights(adapters, 1)
+                assert remote.version == 0 and fleet.servers[0].merged is None
             finally:
                 await remote.shutdown()
 
     asyncio.run(main())
+
+
+# ------------------------------------------------------------------- LoRA adapters alone
+def lora_pair(seed: int = 0):
+    """A base and a peft model on it whose adapters are nonzero (B starts at 0 in peft)."""
+    from asyncrl.config import LoraConfig
+    from asyncrl.learner.lora import add_adapters
+
+    base = make_model()
+    peft_model = add_adapters(make_model(), LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "up_proj"]))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+    return base, peft_model
+
+
+def test_adapters_reach_every_server_as_a_peft_directory_and_sample_as_the_in_process_engine(tmp_path):
+    """With an ``AdapterUpdate`` the client writes a PEFT adapter directory (only adapter
+    tensors, under peft's own names), each server loads it by ``/v1/load_lora_adapter`` and
+    unloads the previous one, and requests name it: the samples and logprobs are the
+    in-process engine's with the same adapters, at each version. A trainer that connects
+    later finds the base again (it unloads the adapters a previous one left)."""
+    from asyncrl.learner.lora import adapter_update
+
+    base, peft_model = lora_pair()
+    first = adapter_update(peft_model)
+    second = adapter_update(lora_pair(seed=1)[1])
+    requests = [(p, seeded(10, seed=i)) for i, p in enumerate(PROMPTS)]
+
+    async def main():
+        async with Fleet(base, n=2) as fleet:
+            remote = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls, weights_dir=str(tmp_path)))
+            try:
+                plain = [await remote.generate(p, s) for p, s in requests]
+                await remote.update_weights(first, 1)
+                assert [s.merged[0] for s in fleet.servers] == ["lora-v1", "lora-v1"]
+                written = sorted(f.name for f in (tmp_path / "lora-v1").iterdir())
+                tensor_bytes = (tmp_path / "lora-v1" / "adapter_model.safetensors").stat().st_size
+                after_first = [await remote.generate(p, s) for p, s in requests]
+                await remote.update_weights(second, 2)
+                assert [sorted(s.adapters) for s in fleet.servers] == [["lora-v2"], ["lora-v2"]]  # v1 unloaded
+                assert not (tmp_path / "lora-v1").exists()
+                after_second = [await remote.generate(p, s) for p, s in requests]
+            finally:
+                await remote.shutdown()
+            again = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls))  # a new trainer: the adapters left go
+            try:
+                assert [(s.merged, s.adapters) for s in fleet.servers] == [(None, {}), (None, {})]
+                assert [await again.generate(p, s) for p, s in requests] == plain
+            finally:
+                await again.shutdown()
+        return plain, written, tensor_bytes, after_first, after_second
+
+    plain, written, tensor_bytes, after_first, after_second = asyncio.run(main())
+    assert written == ["adapter_config.json", "adapter_model.safetensors"]
+    full_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    assert tensor_bytes < first.nbytes + 4096 and first.nbytes < full_bytes / 10
+    assert [c.token_ids for c in plain] != [c.token_ids for c in after_first]
+    for got, want, version in ((after_first, asyncio.run(in_process(base, requests, first)), 1),
+                               (after_second, asyncio.run(in_process(base, requests, second)), 2)):
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for g, w in zip(got, want):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-5)
+            assert g.versions == [version] * len(g.token_ids)
+
+
+def test_the_adapter_directory_is_what_peft_saves_and_reads_back_as_the_same_update(tmp_path):
+    from safetensors.torch import load_file
+
+    from asyncrl.engine.remote_wire import read_peft_adapter, write_peft_adapter
+    from asyncrl.learner.lora import adapter_update
+
+    _, peft_model = lora_pair()
+    update = adapter_update(peft_model)
+    write_peft_adapter(update, tmp_path / "ours")
+    peft_model.save_pretrained(tmp_path / "peft")
+    ours, theirs = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("ours", "peft"))
+    assert sorted(ours) == sorted(theirs)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key])
+    import json
+    ours_cfg, peft_cfg = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft"))
+    for field in ("r", "lora_alpha", "fan_in_fan_out", "peft_type", "bias", "use_rslora"):
+        assert ours_cfg[field] == peft_cfg[field], field
+    assert sorted(ours_cfg["target_modules"]) == sorted(peft_cfg["target_modules"])
+    back = read_peft_adapter(tmp_path / "peft")  # peft's own directory, as a server reads it
+    assert sorted(back.layers) == sorted(update.layers) and (back.rank, back.alpha) == (update.rank, update.alpha)
+    for name, layer in update.layers.items():
+        assert torch.equal(back.layers[name].a, layer.a) and torch.equal(back.layers[name].b, layer.b)
+        assert back.layers[name].scale == layer.scale
+    with pytest.raises(ValueError, match="not a PEFT adapter directory"):
+        read_peft_adapter(tmp_path)
+
+
+def test_a_restarted_server_gets_the_current_adapter_again(capsys):
+    """A server that restarts between two requests answers the adapter's name with 404: it
+    is counted lost (never served the base instead), revived with the adapter, used again."""
+    from asyncrl.learner.lora import adapter_update
+
+    base, peft_model = lora_pair()
+    update = adapter_update(peft_model)
+    probe = [[5, 6, 7], [9, 3]]
+
+    async def main():
+        async with Fleet(base, n=2) as fleet:
+            remote = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls, health_interval_s=0.05))
+            try:
+                await remote.update_weights(update, 1)
+                old = fleet.servers[0]
+                port = int(old.base_url.rsplit(":", 1)[1])
+                await old.stop()  # the server restarts at once: a fresh engine on the base, no adapter
+                await old.engine.shutdown()
+                fresh = EngineServer(TorchEngine(copy.deepcopy(base), seed=0), model_name="tiny",
+                                     settings=EngineServerConfig(port=port))
+                await fresh.start()
+                fleet.servers[0] = fresh
+                done = await asyncio.gather(*[remote.generate([20 + i, 1], seeded(4, seed=i)) for i in range(6)])
+                assert remote.stats.servers_lost == 1 and all(c.versions == [1] * 4 for c in done)  # 404: lost
+                await until(lambda: remote.servers[0].usable, "the restarted server to be used again")
+                assert fresh.merged is not None and fresh.merged[0] == "lora-v1" and fresh.engine.version == 1
+                return await remote.probe_each(probe, seeded(6, seed=0, temperature=0.0))
+            finally:
+                await remote.shutdown()
+
+    per_server = asyncio.run(main())
+    assert "does not know adapter lora-v1" in capsys.readouterr().err
+    want = asyncio.run(in_process(base, [(p, seeded(6, seed=0, temperature=0.0)) for p in probe], update))
+    assert len(per_server) == 2
+    for _, done in per_server:
+        assert [c.token_ids for c in done] == [c.token_ids for c in want]
+        assert all(c.versions == [1] * len(c.token_ids) for c in done)
+
+
+def test_lora_sync_auto_sends_adapters_to_remote_servers_and_merged_still_works():
+    from asyncrl.config import LoraConfig
+    from asyncrl.learner.export import update_kind
+
+    assert update_kind(LoraConfig(), engine="remote") == "adapters"
+    assert update_kind(LoraConfig(), engine="remote", same_dtype=False) == "adapters"  # the servers' own dtype
+    assert update_kind(LoraConfig(sync="merged"), engine="remote") == "merged_every_weight"
+    assert update_kind(LoraConfig(), engine="vllm") == "merged_every_weight"
+    remote = ["engine=remote", "remote.urls=[http://h:1]", "model.lora.rank=4"]
+    load_config(ROOT / "examples/addition/async.yaml", [*remote, "model.lora.sync=adapters"])
+    with pytest.raises(ConfigError, match="engine=vllm loads whole weights"):
+        load_config(ROOT / "examples/addition/async.yaml", ["engine=vllm", "model.lora.rank=4",
+                                                              "model.lora.sync=adapters"])
+
+
+# --------------------------------------------------------------- the delivery check, per server
+class _Handle:
+    """A runtime handle's ``apply`` over one worker (what the delivery check calls)."""
+
+    def __init__(self, worker, rollout: bool) -> None:
+        self.worker, self.rollout = worker, rollout
+
+    async def apply(self, fn, *args):
+        return [await fn(self.worker, 0, *args)] if self.rollout else [fn(self.worker, *args)]
+
+
+class _Tokenizer:
+    def __call__(self, text: str, add_special_tokens: bool = False):
+        return type("Encoded", (), {"input_ids": [1 + ord(c) % 90 for c in text]})()
+
+
+def test_the_delivery_check_probes_each_server_and_names_the_one_that_loaded_a_wrong_file(tmp_path):
+    from safetensors.torch import save_file
+
+    from asyncrl.weight_sync.delivery import FLOAT32_TOLERANCE, DeliveryCheck, WeightsNotDelivered
+
+    model = make_model()
+    new = perturbed(model)
+    learner = copy.deepcopy(model)
+    learner.load_state_dict(new, strict=False)
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    save_file({k: v.contiguous() for k, v in perturbed(model, seed=2).items()}, str(wrong / "model.safetensors"))
+
+    async def main():
+        async with Fleet(model, n=2) as fleet:
+            remote = await RemoteEngine.connect(RemoteConfig(urls=fleet.urls))
+
+            async def ready_engine():
+                return remote
+
+            rollout = type("Worker", (), {"ready_engine": staticmethod(ready_engine)})()
+            learner_worker = type("Worker", (), {"learner": type("L", (), {"model": learner, "device": "cpu"})()})()
+            check = DeliveryCheck(_Handle(learner_worker, False), _Handle(rollout, True), _Tokenizer(), every=1,
+                                  tolerance=FLOAT32_TOLERANCE)
+            try:
+                await remote.update_weights(new, 1)
+                delivered = await check.check(1)
+                await remote._call(remote.servers[1], "POST", "/collective_rpc",  # a wrong file on one server
+                                   {"method": "reload_weights", "kwargs": {"weights_path": str(wrong)}})
+                with pytest.raises(WeightsNotDelivered) as failed:
+                    await check.check(1)
+                return delivered, str(failed.value), fleet.urls
+            finally:
+                await remote.shutdown()
+
+    delivered, message, urls = asyncio.run(main())
+    assert delivered <= FLOAT32_TOLERANCE
+    assert f"after the weight sync of version 1, rollout worker 0's engine server {urls[1]}'s logprobs" in message
+    assert urls[0] not in message
+
+
+# ----------------------------------------------- vLLM's NCCL weight transfer: the HTTP protocol
+class _FakeBroadcast:
+    """Stands in for NCCL: records the trainer's side and meets the servers' receive
+    (``send`` returns once every server's ``/update_weights`` arrived, which in turn wait
+    for it), so the test sees the two run at once."""
+
+    def __init__(self, servers: int) -> None:
+        self.joined: list[tuple[str, int, int]] = []
+        self.sent: list[list[tuple[str, tuple[int, ...]]]] = []
+        self.receiving = threading.Semaphore(0)
+        self.done = threading.Event()
+        self.servers, self.closed = servers, False
+
+    def wire(self):
+        return {"packed": True, "packed_buffer_size_bytes": 1024, "packed_num_buffers": 2}
+
+    def join(self, address, port, world_size):
+        self.joined.append((address, port, world_size))
+
+    def send(self, tensors):
+        for _ in range(self.servers):
+            assert self.receiving.acquire(timeout=30), "a server's /update_weights never came"
+        self.sent.append([(name, tuple(t.shape)) for name, t in tensors])
+        self.done.set()
+
+    def close(self):
+        self.closed = True
+
+
+class _FakeVLLM:
+    """The routes of ``vllm serve`` the NCCL path uses, recording (verb path, body)."""
+
+    def __init__(self, world_size: int, broadcast: _FakeBroadcast, fail: str | None = None,
+                 hang: str | None = None) -> None:
+        self.world_size, self.broadcast, self.fail, self.hang = world_size, broadcast, fail, hang
+        self.calls: list[tuple[str, object]] = []
+        self.runner = self.url = None
+
+    async def start(self):
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        self.runner, self.url = await listen(app, "127.0.0.1", 0)
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json() if request.can_read_body else None
+        path = request.path_qs
+        if path != "/health":
+            self.calls.append((f"{request.method} {path}", body))
+        if request.path == self.fail:
+            return web.json_response({"error": "CUDA error: an illegal memory access"}, status=500)
+        if request.path == self.hang:
+            await asyncio.sleep(3600)
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+        if request.path == "/get_world_size":
+            return web.json_response({"world_size": self.world_size})
+        if request.path == "/update_weights":
+            self.broadcast.receiving.release()
+            assert await asyncio.to_thread(self.broadcast.done.wait, 30), "the broadcast never came"
+        return web.json_response({"message": "ok"})
+
+
+async def _nccl_client(servers: list[_FakeVLLM], broadcast: _FakeBroadcast, **settings) -> RemoteEngine:
+    for server in servers:
+        await server.start()
+    return await RemoteEngine.connect(RemoteConfig(urls=[s.url for s in servers], weight_transfer="nccl", **settings),
+                                      broadcast=broadcast)
+
+
+def test_nccl_weight_transfer_speaks_vllms_protocol_to_every_server():
+    """Checks the HTTP choreography of ``remote.weight_transfer=nccl`` against fake vLLM
+    servers, with the broadcast stubbed (``broadcast=``): the order of the verbs, their
+    bodies, the fan-out to every server, errors named. It does not check NCCL itself (no
+    GPU here): that runs only against real vLLM servers on GPUs."""
+    weights = {"model.embed_tokens.weight": torch.zeros(4, 3), "lm_head.weight": torch.ones(4, 3, dtype=torch.bfloat16)}
+
+    async def main():
+        broadcast = _FakeBroadcast(servers=2)
+        servers = [_FakeVLLM(1, broadcast), _FakeVLLM(2, broadcast)]
+        remote = await _nccl_client(servers, broadcast, nccl_address="10.0.0.7", nccl_port=29555)
+        try:
+            for server in servers:
+                server.calls.clear()
+            await remote.update_weights(weights, 1)
+            broadcast.done.clear()
+            await remote.update_weights(weights, 2)
+            return broadcast, [s.calls for s in servers]
+        finally:
+            await remote.shutdown()
+            for server in servers:
+                await server.runner.cleanup()
+
+    broadcast, calls = asyncio.run(main())
+    assert broadcast.joined == [("10.0.0.7", 29555, 4)]  # 1 trainer + 1 + 2 workers
+    assert broadcast.sent == [[("model.embed_tokens.weight", (4, 3)), ("lm_head.weight", (4, 3))]] * 2
+    assert broadcast.closed
+    info = {"names": ["model.embed_tokens.weight", "lm_head.weight"], "dtype_names": ["float32", "bfloat16"],
+            "shapes": [[4, 3], [4, 3]]}
+    one_sync = lambda v: [("POST /pause?mode=abort", None), ("POST /start_weight_update", None),  # noqa: E731
+                          ("POST /update_weights", {"update_info": info}),
+                          ("POST /finish_weight_update", {"weight_version": str(v)}),
+                          ("POST /reset_prefix_cache", None), ("POST /resume", None)]
+    for offset, server_calls in zip((1, 2), calls):
+        init = {"init_info": {"master_address": "10.0.0.7", "master_port": 29555, "rank_offset": offset,
+                              "world_size": 4, "packed": True, "packed_buffer_size_bytes": 1024,
+                              "packed_num_buffers": 2}}
+        first = one_sync(1)
+        assert server_calls == [first[0], ("GET /get_world_size", None), ("POST /init_weight_transfer_engine", init),
+                                *first[1:], *one_sync(2), ("POST /shutdown_weight_transfer_engine", None)]
+
+
+@pytest.mark.parametrize("failure", ["fail", "hang"])
+def test_an_nccl_update_that_a_server_fails_or_never_answers_names_the_server_and_the_call(failure):
+    async def main():
+        broadcast = _FakeBroadcast(servers=2)
+        route = "/update_weights" if failure == "fail" else "/start_weight_update"
+        servers = [_FakeVLLM(1, broadcast), _FakeVLLM(1, broadcast, **{failure: route})]
+        remote = await _nccl_client(servers, broadcast, nccl_address="127.0.0.1", weight_load_timeout_s=1.0)
+        try:
+            with pytest.raises(ControlError) as failed:
+                await remote.update_weights({"w": torch.zeros(2)}, 1)
+            return str(failed.value), servers[1].url, remote.version
+        finally:
+            broadcast.done.set()  # the stub's waits end
+            await remote.shutdown()
+            for server in servers:
+                await server.runner.cleanup()
+
+    message, url, version = asyncio.run(main())
+    assert version == 0
+    if failure == "fail":
+        assert message.startswith(f"engine server {url}: POST /update_weights refused (500): CUDA error")
+    else:
+        assert message.startswith(f"engine server {url}: POST /start_weight_update did not answer within 1 s "
+                                  "(remote.weight_load_timeout_s), during NCCL weight transfer")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_nccl_weight_transfer_is_refused_without_cuda():
+    with pytest.raises(ConfigError, match=r"remote.weight_transfer=nccl .*CUDA is not available.*vLLM"):
+        load_config(ROOT / "examples/addition/async.yaml", ["engine=remote", "remote.urls=[http://h:1]",
+                                                              "remote.weight_transfer=nccl"])
 
 
 def test_the_key_guards_the_server_and_beyond_loopback_it_is_required():

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     Field,
@@ -47,13 +47,28 @@ class RemoteConfig(Section):
     """Sent as ``Authorization: Bearer <key>`` (the servers' ``engine_server.api_key`` or
     ``vllm serve --api-key``)."""
     weights_dir: str | None = None
-    """A directory the trainer writes each sync's weights to (safetensors) and every server
+    """A directory the trainer writes each sync's weights to (safetensors; with
+    ``model.lora``, the adapters as a PEFT directory ``lora-v<version>``) and every server
     reads them from: local disk for servers on this machine, a shared mount otherwise.
     ``None``: a temporary directory on this machine (servers on this machine only)."""
+    weight_transfer: Literal["files", "nccl"] = "files"
+    """How full weights reach the servers: ``files``, safetensors in ``weights_dir`` that
+    each server reloads (any server, the CPU build, across clusters); ``nccl``, vLLM's native
+    weight transfer (``/init_weight_transfer_engine`` once, then ``/start_weight_update``,
+    ``/update_weights`` while this trainer broadcasts from its GPU, ``/finish_weight_update``):
+    GPUs on both sides, vLLM in the trainer's environment, ``vllm serve
+    --weight-transfer-config '{"backend": "nccl"}'``. LoRA adapters go through
+    ``/v1/load_lora_adapter`` either way."""
+    nccl_address: str | None = None
+    """With ``weight_transfer=nccl``: the address the servers reach this trainer at for the
+    NCCL rendezvous. ``None``: the one this machine reaches the first server from."""
+    nccl_port: int = Field(0, ge=0, le=65535)
+    """With ``weight_transfer=nccl``: the rendezvous port on this trainer (0 = a free one)."""
     control_timeout_s: float = Field(60.0, gt=0)
     """Deadline of each control call (pause, resume, version, health) on each server."""
     weight_load_timeout_s: float = Field(600.0, gt=0)
-    """Deadline of each server's weight load: a large model's load can take minutes."""
+    """Deadline of each server's weight load (a file reload, an adapter load, each call of the
+    NCCL transfer and the trainer's broadcast): a large model's load can take minutes."""
     request_timeout_s: float = Field(600.0, gt=0)
     """A generation request that receives nothing for this long counts its server as lost."""
     health_interval_s: float = Field(2.0, gt=0)

@@ -33,10 +33,11 @@ class LoraConfig(Section):
     sync: Literal["auto", "merged", "adapters"] = "auto"
     """What a weight sync sends: ``adapters``, A, B and the scale alone (r × (in + out)
     numbers a layer), which the built-in engine merges into its own copy of the base, bit for
-    bit the merged weights (``asyncrl/engine/adapters.py``; ``engine: torch`` only);
+    bit the merged weights (``asyncrl/engine/adapters.py``), and ``engine: remote``'s servers
+    load as a PEFT adapter (vLLM's ``/v1/load_lora_adapter``; not ``engine: vllm``);
     ``merged``, each targeted layer's W + s·B·A (out × in; any engine); ``auto``, adapters
-    where the engine takes them (``engine: torch`` with ``rollout.dtype`` the weights'),
-    else merged (``asyncrl/learner/export.py`` decides, once)."""
+    where the engine takes them (``engine: torch`` with ``rollout.dtype`` the weights', and
+    ``engine: remote``), else merged (``asyncrl/learner/export.py`` decides, once)."""
 
 
 class ModelConfig(Section):

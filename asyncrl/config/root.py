@@ -153,10 +153,19 @@ class Config(Section):
             raise ValueError(f"model.lora trains on one learner rank, but learner.world_size is "
                              f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
                              "state are small), or model.lora=null")
-        if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine != "torch":
-            raise ValueError(f"model.lora.sync=adapters needs the built-in engine, which merges them itself; "
-                             f"engine={self.engine} loads whole weights: use model.lora.sync=merged")
-        if (self.model.lora is not None and self.model.lora.sync == "adapters"
+        if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine == "vllm":
+            raise ValueError("model.lora.sync=adapters needs the built-in engine, which merges them itself, or "
+                             "engine=remote, whose servers load them through vLLM's LoRA loading; engine=vllm loads "
+                             "whole weights: use model.lora.sync=merged")
+        if self.engine == "remote" and self.remote.weight_transfer == "nccl":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise ValueError("remote.weight_transfer=nccl broadcasts the weights from this trainer's GPU to the "
+                                 "servers' GPUs through vLLM's NCCL weight transfer, and CUDA is not available here "
+                                 "(it needs GPUs on both sides and vLLM installed beside the trainer); use "
+                                 "remote.weight_transfer=files")
+        if (self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine == "torch"
                 and self.engine_dtype != self.model.dtype):
             raise ValueError(f"model.lora.sync=adapters merges the adapters onto the engine's own base, but "
                              f"rollout.dtype={self.engine_dtype} is not model.dtype={self.model.dtype}: the base "

@@ -17,10 +17,27 @@ Verb by verb (vLLM's HTTP API; ``asyncrl/rollout/engine_server.py`` serves the s
   the same seed): a sequence held over a weight update recomputes its KV cache on the new
   weights, as vLLM's own keep does when the update resets its prefix cache, and every HTTP
   request then runs on one version. ``wait`` drains on the servers (``mode=wait``).
-* ``update_weights``: the weights are written once as safetensors to ``remote.weights_dir``;
-  each server (all paused: the client pauses them itself if the caller did not) loads them
-  with ``POST /collective_rpc`` ``reload_weights(weights_path=…)``, drops its prefix cache
-  (``POST /reset_prefix_cache``) and takes the new label (``POST /update_weight_version``).
+* ``update_weights`` (every server paused: the client pauses them itself if the caller did
+  not), one of three ways:
+
+  - :class:`FullWeights`, ``remote.weight_transfer=files``: written once as safetensors to
+    ``remote.weights_dir``; each server loads them with ``POST /collective_rpc``
+    ``reload_weights(weights_path=…)``, drops its prefix cache (``POST /reset_prefix_cache``)
+    and takes the new label (``POST /update_weight_version``);
+  - :class:`FullWeights`, ``remote.weight_transfer=nccl``: vLLM's native weight transfer.
+    Once, ``POST /init_weight_transfer_engine`` on every server with its rank offset in one
+    NCCL group with this trainer (``asyncrl/engine/remote_nccl.py``); per sync
+    ``POST /start_weight_update``, ``POST /update_weights`` (names, dtypes, shapes) while the
+    trainer broadcasts the tensors, ``POST /finish_weight_update`` with the version,
+    ``POST /reset_prefix_cache``; at shutdown ``POST /shutdown_weight_transfer_engine``. A
+    server lost on the way breaks the group: the update fails naming it (and one that comes
+    back is not used again: it is outside the group);
+  - :class:`AdapterUpdate` (LoRA adapters alone): written once as a PEFT adapter directory
+    ``remote.weights_dir/lora-v<version>``; each server ``POST /v1/load_lora_adapter``
+    ``{"lora_name": "lora-v<version>", "lora_path": …}``, then
+    ``POST /v1/unload_lora_adapter`` the previous one, then the label; from then on its
+    requests name the adapter as their ``model``. ``vllm serve`` needs ``--enable-lora``
+    (``--max-lora-rank`` ≥ the rank) and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 * versions: a token's version is the weights that sampled it. ``serve-engine`` returns each
   token's version with the completion (its ``completion.weight_versions``); from a server
   that returns none (``vllm serve``) a request's tokens carry the version the client set on
@@ -44,9 +61,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -66,6 +85,7 @@ from asyncrl.engine.protocol import (
     WeightUpdate,
     as_update,
 )
+from asyncrl.engine.remote_nccl import WeightBroadcast, free_port, local_address, update_info
 from asyncrl.engine.remote_wire import (
     _FINISH,
     ControlError,
@@ -76,18 +96,25 @@ from asyncrl.engine.remote_wire import (
     _error_message,
     _token_id,
     _write_atomically,
+    write_peft_adapter,
 )
+from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
+ADAPTER_PREFIX = "lora-v"
+"""The names this client gives the LoRA adapters it loads (``lora-v<version>``)."""
 AFFINITY_SIZE = 4096
 """Prompts whose server the client remembers (their samples share its prefix cache)."""
 
 
 class RemoteEngine:
     """``StreamingEngine`` over the servers at ``settings.urls``. Build it with
-    ``await RemoteEngine.connect(settings, version=…)``."""
+    ``await RemoteEngine.connect(settings, version=…)``. ``broadcast``: what moves the
+    tensors with ``remote.weight_transfer=nccl`` (default: vLLM's own helpers, built at the
+    first such update; a test passes another)."""
 
-    def __init__(self, settings: RemoteConfig, *, version: int = 0) -> None:
+    def __init__(self, settings: RemoteConfig, *, version: int = 0,
+                 broadcast: WeightBroadcast | None = None) -> None:
         if not settings.urls:
             raise ValueError("engine=remote needs remote.urls: the base URLs of the servers (http://host:port)")
         self.settings = settings
@@ -105,16 +132,21 @@ class RemoteEngine:
         self._own_dir = settings.weights_dir is None
         self._weights_dir = Path(settings.weights_dir or tempfile.mkdtemp(prefix="asyncrl-weights-"))
         self._weights_file: Path | None = None  # the latest weights' directory: what a revived server loads
+        self._adapter: tuple[str, Path] | None = None  # the latest LoRA adapter's name and directory
+        self._broadcast = broadcast
+        self._nccl_group: list[Server] | None = None  # the servers in the NCCL group, once it is formed
         self._watch: asyncio.Task[None] | None = None
         self._closed = False
         self.stats = RemoteStats()
 
     @classmethod
-    async def connect(cls, settings: RemoteConfig, *, version: int = 0) -> RemoteEngine:
+    async def connect(cls, settings: RemoteConfig, *, version: int = 0,
+                      broadcast: WeightBroadcast | None = None) -> RemoteEngine:
         """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``,
-        read its model card, label it ``version`` and resume it (a trainer that died during
-        a sync leaves its servers paused)."""
-        engine = cls(settings, version=version)
+        read its model card, unload the adapters a previous trainer left (``lora-v<n>``: the
+        trainer sends its own), label it ``version`` and resume it (a trainer that died
+        during a sync leaves its servers paused)."""
+        engine = cls(settings, version=version, broadcast=broadcast)
         try:
             await engine._start()
         except BaseException:
@@ -142,7 +174,9 @@ class RemoteEngine:
                             f"{self.settings.control_timeout_s:g} s (remote.control_timeout_s): {exc.reason}. Start "
                             "it first (asyncrl serve-engine CONFIG, or vllm serve), then the trainer") from None
                     await asyncio.sleep(0.5)
-            await self._read_card(server)
+            for name in sorted(await self._read_card(server)):  # a previous trainer's adapters: the base again
+                if re.fullmatch(rf"{ADAPTER_PREFIX}\d+", name):
+                    await self._call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, missing_ok=True)
             await self._call(server, "POST", "/update_weight_version", {"new_version": str(self._version)})
             await self._call(server, "POST", "/resume")  # a trainer that died mid-sync may have left it paused
             server.version, server.usable = self._version, True
@@ -150,12 +184,16 @@ class RemoteEngine:
         await asyncio.gather(*[ready(s) for s in self.servers])
         self._watch = asyncio.create_task(self._watch_lost(), name="asyncrl-remote-health")
 
-    async def _read_card(self, server: Server) -> None:
-        card = (await self._call(server, "GET", "/v1/models"))["data"][0]
+    async def _read_card(self, server: Server) -> set[str]:
+        """The base model's name and context; returns the LoRA adapters loaded there (the
+        cards with a ``parent``, as vLLM lists them)."""
+        cards = (await self._call(server, "GET", "/v1/models"))["data"]
+        card = next((c for c in cards if not c.get("parent")), cards[0])
         server.model = card["id"]
         server.max_model_len = int(card.get("max_model_len") or 0)
         if server.max_model_len < 1:
             raise ControlError(f"engine server {server.url}: GET /v1/models gives no max_model_len for {server.model}")
+        return {c["id"] for c in cards if c.get("parent")}
 
     @property
     def version(self) -> int:
@@ -238,6 +276,32 @@ class RemoteEngine:
             self._in_flight -= 1
             self._update_busy()
 
+    async def probe_each(self, prompts: list[list[int]],
+                         sampling: SamplingParams) -> list[tuple[str, list[Completion]]]:
+        """Each usable server's completions of ``prompts`` (one request each, sent to that
+        server alone, naming its adapter as rollouts do): the delivery check's probe
+        (``asyncrl/weight_sync/delivery.py``), per server. Versions are the ones the
+        server stamps, or the label set there. A server lost meanwhile is left out, as for
+        rollouts (it gets the current weights before it is used again)."""
+        await self._open.wait()
+
+        async def one(server: Server) -> tuple[str, list[Completion]] | None:
+            done = []
+            for prompt in prompts:
+                sent_version = server.version if server.version is not None else self._version
+                try:
+                    budget = min(sampling.max_tokens, server.max_model_len - len(prompt))
+                    tokens, logprobs, versions, finish = await self._complete(server, list(prompt), sampling,
+                                                                              max(budget, 1))
+                except ServerLost as exc:
+                    self._lose(server, f"during the delivery probe: {exc.reason}")
+                    return None
+                done.append(Completion(tokens, logprobs, versions or [sent_version] * len(tokens), finish))
+            return f"engine server {server.url}", done
+
+        probed = await asyncio.gather(*[one(s) for s in self.servers if s.usable])
+        return [p for p in probed if p is not None]
+
     def _pick(self, key: tuple[int, ...]) -> Server:
         usable = [s for s in self.servers if s.usable]
         if not usable:
@@ -259,7 +323,8 @@ class RemoteEngine:
         """One streamed request. Returns the tokens, their logprobs, their versions where the
         server gives them, and the finish reason; raises ``ServerLost`` with what arrived."""
         body: dict[str, Any] = {
-            "model": server.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": sampling.temperature,
+            "model": server.adapter or server.model, "prompt": prompt, "max_tokens": max_tokens,
+            "temperature": sampling.temperature,
             "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True, "skip_special_tokens": False,
             "logprobs": 0, "return_tokens_as_token_ids": True, "stream": True, "n": 1}
         if sampling.seed is not None:
@@ -279,6 +344,8 @@ class RemoteEngine:
                     message = _error_message(await response.text())
                     if response.status >= 500:
                         raise ServerLost(f"POST /v1/completions answered {response.status}: {message}")
+                    if response.status == 404 and server.adapter is not None:  # restarted: it lost the adapter
+                        raise ServerLost(f"POST /v1/completions does not know adapter {server.adapter} ({message})")
                     raise ControlError(f"engine server {server.url}: POST /v1/completions refused "
                                        f"({response.status}): {message}")
                 async for raw in response.content:
@@ -345,29 +412,41 @@ class RemoteEngine:
             self._update_busy()
 
     async def update_weights(self, update: WeightUpdate | Mapping[str, torch.Tensor], version: int) -> None:
-        """Write the weights once, then load them on every server while all are paused
-        (paused here, ``keep``, unless the caller paused them), label them ``version``.
-        :class:`FullWeights` only: LoRA adapters alone are a ``TypeError``."""
+        """Deliver ``update`` to every server while all are paused (paused here, ``keep``,
+        unless the caller paused them) and label it ``version``: full weights through files
+        or NCCL (``remote.weight_transfer``), LoRA adapters alone through vLLM's LoRA loading.
+        What is written is written before the pause: a shorter stall. A run sends one kind."""
         update = as_update(update)
         if isinstance(update, AdapterUpdate):
-            raise TypeError("engine=remote loads whole weights from files, not LoRA adapters: send FullWeights "
-                            "(model.lora.sync=merged, which model.lora.sync=auto picks for engine=remote)")
-        path = self._weights_dir / f"v{version}"  # a directory: vLLM's reload_weights loads a checkpoint dir
-        tensors = {name: t.detach().cpu().contiguous() for name, t in update.tensors.items()}
-        await asyncio.to_thread(_write_atomically, tensors, path)  # before pausing: a shorter stall
+            path = self._weights_dir / f"{ADAPTER_PREFIX}{version}"
+            await asyncio.to_thread(write_peft_adapter, update, path)
+            deliver = self._adapter_update(f"{ADAPTER_PREFIX}{version}", path, version)
+        elif self.settings.weight_transfer == "nccl":
+            tensors = [(name, t.detach()) for name, t in update.tensors.items()]
+            deliver = self._nccl_update(tensors, version)
+        else:
+            path = self._weights_dir / f"v{version}"  # a directory: vLLM's reload_weights loads a checkpoint dir
+            tensors_cpu = {name: t.detach().cpu().contiguous() for name, t in update.tensors.items()}
+            await asyncio.to_thread(_write_atomically, tensors_cpu, path)
+            deliver = self._files_update(path, version)
         paused_here = not self._paused
-        if paused_here:
-            await self.pause("keep")
         try:
+            if paused_here:
+                await self.pause("keep")
             async with self._control:
-                await asyncio.gather(*[self._load(s, path, version) for s in self.servers if s.usable])
-                old, self._weights_file, self._version = self._weights_file, path, version
-                if old is not None and old != path:
-                    shutil.rmtree(old, ignore_errors=True)
+                await deliver
+                self._version = version
                 self._affinity.clear()  # prefix caches were dropped with the old weights
         finally:
+            deliver.close()  # never awaited when the pause failed
             if paused_here:
                 await self.resume()
+
+    async def _files_update(self, path: Path, version: int) -> None:
+        await asyncio.gather(*[self._load(s, path, version) for s in self.servers if s.usable])
+        old, self._weights_file = self._weights_file, path
+        if old is not None and old != path:
+            shutil.rmtree(old, ignore_errors=True)
 
     async def _load(self, server: Server, path: Path, version: int) -> None:
         """``reload_weights`` from ``path``, the prefix cache dropped, the label set; a server
@@ -382,6 +461,120 @@ class RemoteEngine:
         except ServerLost as exc:
             self._lose(server, exc.reason)
 
+    async def _adapter_update(self, name: str, path: Path, version: int) -> None:
+        await asyncio.gather(*[self._load_adapter(s, name, path, version) for s in self.servers if s.usable])
+        old, self._adapter = self._adapter, (name, path)
+        if old is not None and old[1] != path:
+            shutil.rmtree(old[1], ignore_errors=True)
+
+    async def _load_adapter(self, server: Server, name: str, path: Path, version: int,
+                            loaded: set[str] | None = None) -> None:
+        """``POST /v1/load_lora_adapter`` (unless ``loaded`` holds it already), the previous
+        adapter unloaded, the label set; from then on the server's requests name ``name``.
+        A refusal (any status but 503: vLLM answers a failed load with 500) is a
+        ``ControlError``; a server lost on the way is left out (it loads when it comes back)."""
+        try:
+            if loaded is None or name not in loaded:
+                await self._call(server, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
+                                 timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s",
+                                 refused_5xx=True)
+            old = server.adapter
+            server.adapter = name
+            if old is not None and old != name and (loaded is None or old in loaded):
+                await self._call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": old}, missing_ok=True)
+            await self._call(server, "POST", "/update_weight_version", {"new_version": str(version)})
+            server.version = version
+        except ServerLost as exc:
+            if not self._lose(server, exc.reason):  # a revival's: the caller's to handle
+                raise
+
+    async def _nccl_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """vLLM's weight transfer: start, receive while the trainer broadcasts, finish with
+        the label, then the prefix cache dropped. Every server of the group must take part:
+        any failure names the server and the call and fails the update."""
+        group = await self._nccl_join()
+        limit, knob = self.settings.weight_load_timeout_s, "remote.weight_load_timeout_s"
+        await self._on_group(group, "POST", "/start_weight_update")
+        receive = [self._nccl_call(s, "POST", "/update_weights", {"update_info": update_info(tensors)})
+                   for s in group]
+        await _all(*receive, self._on_thread(self._broadcaster().send, tensors, what="the trainer's NCCL broadcast",
+                                             limit=limit, knob=knob))
+        await self._on_group(group, "POST", "/finish_weight_update", {"weight_version": str(version)})
+        for server in group:
+            await self._nccl_call(server, "POST", "/reset_prefix_cache", missing_ok=True)
+            server.version = version
+
+    async def _nccl_join(self) -> list[Server]:
+        """Once: the NCCL group of this trainer (rank 0) and every usable server's workers,
+        each server at its rank offset (``GET /get_world_size``: its TP × PP × DP)."""
+        if self._nccl_group is not None:
+            return self._nccl_group
+        group = [s for s in self.servers if s.usable]
+        sizes = [int((await self._nccl_call(s, "GET", "/get_world_size"))["world_size"]) for s in group]
+        address = self.settings.nccl_address or local_address(group[0].url)
+        port = self.settings.nccl_port or free_port(address)
+        world = 1 + sum(sizes)
+        broadcast = self._broadcaster()
+        offsets = [1 + sum(sizes[:i]) for i in range(len(group))]
+        inits = [self._nccl_call(s, "POST", "/init_weight_transfer_engine",
+                                 {"init_info": {"master_address": address, "master_port": port, "rank_offset": offset,
+                                                "world_size": world, **broadcast.wire()}})
+                 for s, offset in zip(group, offsets)]
+        await _all(*inits, self._on_thread(broadcast.join, address, port, world,
+                                           what=f"the trainer joining the NCCL group at {address}:{port}",
+                                           limit=self.settings.weight_load_timeout_s,
+                                           knob="remote.weight_load_timeout_s"))
+        self._nccl_group = group
+        return group
+
+    def _broadcaster(self) -> WeightBroadcast:
+        if self._broadcast is None:
+            from asyncrl.engine.remote_nccl import VLLMBroadcast
+
+            self._broadcast = VLLMBroadcast()
+        return self._broadcast
+
+    async def _on_group(self, group: list[Server], method: str, path: str, body: dict[str, Any] | None = None) -> None:
+        await _all(*[self._nccl_call(s, method, path, body) for s in group])
+
+    async def _nccl_call(self, server: Server, method: str, path: str, body: dict[str, Any] | None = None, *,
+                         missing_ok: bool = False) -> Any:
+        """A call of the NCCL choreography under ``remote.weight_load_timeout_s``; a lost
+        server fails the update (the group cannot go on without its ranks)."""
+        try:
+            return await self._call(server, method, path, body, timeout=self.settings.weight_load_timeout_s,
+                                    knob="remote.weight_load_timeout_s", missing_ok=missing_ok, refused_5xx=True)
+        except ServerLost as exc:
+            self._lose(server, exc.reason)
+            server.revivable = False
+            raise ControlError(f"engine server {server.url}: {exc.reason}, during NCCL weight transfer "
+                               "(remote.weight_transfer=nccl): the transfer group needs every server it was formed "
+                               "with; restart the servers and the run, or use remote.weight_transfer=files") from None
+
+    async def _on_thread(self, fn: Any, *args: Any, what: str, limit: float, knob: str) -> Any:
+        """``fn(*args)`` on a daemon thread of its own under ``limit``: a collective whose
+        peers never come blocks it for good, and an abandoned daemon never holds the exit."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                result, error = fn(*args), None
+            except BaseException as exc:  # handed to the caller
+                result, error = None, exc
+            settle_threadsafe(loop, future, result, error)
+
+        threading.Thread(target=run, name="asyncrl-nccl", daemon=True).start()
+        try:
+            async with asyncio.timeout(limit):
+                return await future
+        except TimeoutError:
+            raise ControlError(f"{what} did not finish within {limit:g} s ({knob})") from None
+        except ControlError:
+            raise
+        except Exception as exc:
+            raise ControlError(f"{what} failed: {_describe(exc)}") from exc
+
     async def _fan_out(self, method: str, path: str, timeout: float | None = None) -> None:
         async def one(server: Server) -> None:
             try:
@@ -393,9 +586,11 @@ class RemoteEngine:
 
     async def _call(self, server: Server, method: str, path: str, body: dict[str, Any] | None = None, *,
                     timeout: float | None = None, knob: str = "remote.control_timeout_s",
-                    missing_ok: bool = False) -> Any:
+                    missing_ok: bool = False, refused_5xx: bool = False) -> Any:
         """One control call under its deadline; ``ServerLost`` when the server does not
-        answer (in time), ``ControlError`` when it refuses."""
+        answer (in time), ``ControlError`` when it refuses (``refused_5xx``: a 5xx but 503
+        too, for calls whose failure vLLM reports as 500). Returns the JSON answer, or its
+        text where it is not JSON (vLLM's LoRA routes)."""
         limit = self.settings.control_timeout_s if timeout is None else timeout
         start = time.monotonic()
         try:
@@ -408,14 +603,17 @@ class RemoteEngine:
             raise ServerLost(f"{method} {path} after {time.monotonic() - start:.1f} s: {_describe(exc)}") from None
         if response.status == 404 and missing_ok:
             return None
-        if response.status >= 500:
+        if response.status >= 500 and not (refused_5xx and response.status != 503):
             raise ServerLost(f"{method} {path} answered {response.status}: {_error_message(text)}")
         if response.status != 200:
             hint = (" (vllm serve needs VLLM_SERVER_DEV_MODE=1 for its RL routes)" if response.status == 404
                     else "")
             raise ControlError(f"engine server {server.url}: {method} {path} refused ({response.status}): "
                                f"{_error_message(text)}{hint}")
-        return json.loads(text) if text.strip() else None
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError:
+            return text
 
     def _lose(self, server: Server, reason: str) -> bool:
         """Leave ``server`` out (said once per loss); True when it was in until now."""
@@ -434,7 +632,7 @@ class RemoteEngine:
         weights and version (and pause state) and used again."""
         while not self._closed:
             await asyncio.sleep(self.settings.health_interval_s)
-            for server in [s for s in self.servers if not s.usable]:
+            for server in [s for s in self.servers if not s.usable and s.revivable]:
                 try:
                     await self._call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
                 except ServerLost:
@@ -449,11 +647,17 @@ class RemoteEngine:
                           f"{_describe(exc)}", file=sys.stderr, flush=True)
 
     async def _revive(self, server: Server) -> None:
+        if self._nccl_group is not None:  # outside the group: it could never be sent weights again
+            server.revivable = False
+            raise ControlError("it is outside the NCCL weight-transfer group formed at the first sync "
+                               "(remote.weight_transfer=nccl), so it would serve stale weights: not used again")
         await self._call(server, "POST", "/pause?mode=abort")
-        await self._read_card(server)
+        loaded = await self._read_card(server)
         info = await self._call(server, "GET", "/weight_info", missing_ok=True)
         served = info.get("weight_version") if isinstance(info, dict) else None
-        if served != str(self._version):
+        if self._adapter is not None:  # a restarted server has no adapter: the current one loaded again
+            await self._load_adapter(server, *self._adapter, self._version, loaded=loaded)
+        elif served != str(self._version):
             if self._weights_file is not None:
                 await self._call(server, "POST", "/collective_rpc",
                                  {"method": "reload_weights", "kwargs": {"weights_path": str(self._weights_file)}},
@@ -467,15 +671,26 @@ class RemoteEngine:
               file=sys.stderr, flush=True)
 
     async def shutdown(self) -> None:
-        """Closes this client (the servers are the user's: they keep running)."""
+        """Closes this client (the servers are the user's: they keep running; an NCCL group's
+        servers are told to leave it, ``POST /shutdown_weight_transfer_engine``, so a later
+        trainer can form its own)."""
         self._closed = True
         if self._watch is not None:
             self._watch.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watch
+        if self._nccl_group is not None and self._session is not None:
+            async def leave(server: Server) -> None:
+                with contextlib.suppress(ServerLost, ControlError):
+                    await self._call(server, "POST", "/shutdown_weight_transfer_engine", missing_ok=True)
+
+            await asyncio.gather(*[leave(s) for s in self._nccl_group if s.usable])
+            self._nccl_group = None
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._broadcast is not None:
+            self._broadcast.close()
         if self._own_dir:
             shutil.rmtree(self._weights_dir, ignore_errors=True)
 
@@ -486,3 +701,18 @@ class RemoteEngine:
 
     def _update_busy(self) -> None:
         self.stats.set_busy(self._in_flight > 0 and not self._paused)
+
+
+async def _all(*calls: Any) -> None:
+    """Await ``calls`` together; the first to fail cancels the others (a broken NCCL group
+    leaves them waiting on peers) and is raised."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

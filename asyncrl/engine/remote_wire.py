@@ -1,17 +1,21 @@
 """What crosses the wire between ``engine: remote``'s client (``asyncrl/engine/remote.py``) and
 its servers: a server as the client knows it, the two ways a call fails (a server lost, a
-refusal), the fleet's counts, vLLM's spelling of a token, and the weights file a server loads."""
+refusal), the fleet's counts, vLLM's spelling of a token, the weights file a server loads,
+and a LoRA adapter as the PEFT directory vLLM's LoRA loader (and ``serve-engine``) reads."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
+from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
 from asyncrl.engine.vllm_engine import VLLMStats
 from asyncrl.types import FinishReason
 
@@ -37,8 +41,10 @@ class Server:
     model: str = ""
     max_model_len: int = 0
     version: int | None = None  # the label this client last set there (None: unknown)
+    adapter: str | None = None  # the LoRA adapter this client loaded there: what its requests name
     usable: bool = False
     lost_reason: str | None = None
+    revivable: bool = True  # False: never used again once lost (outside an NCCL group formed without it)
     in_flight: int = 0
     requests: int = 0
 
@@ -64,6 +70,75 @@ def _write_atomically(tensors: dict[str, torch.Tensor], directory: Path) -> None
     tmp = directory / f".model.safetensors.tmp{os.getpid()}"
     save_file(tensors, str(tmp))
     os.replace(tmp, directory / "model.safetensors")
+
+
+PEFT_PREFIX = "base_model.model."
+"""peft's prefix of a ``PeftModel``'s state-dict keys, which its saved adapters keep."""
+
+
+def write_peft_adapter(update: AdapterUpdate, directory: Path) -> None:
+    """``update`` as the directory ``peft``'s ``save_pretrained`` writes (what vLLM's
+    ``/v1/load_lora_adapter`` and ``serve-engine`` read): ``adapter_model.safetensors`` with
+    ``base_model.model.<layer>.lora_A.weight`` (r × in) and ``.lora_B.weight`` (out × r) per
+    targeted layer, and ``adapter_config.json`` (``r``, ``lora_alpha``, ``target_modules``,
+    ``fan_in_fan_out``). A loader scales by ``lora_alpha / r``: a layer whose own scale is
+    another (none of the learner's) has the ratio folded into its B. Written under a
+    temporary name and renamed into place: a server never reads half an adapter."""
+    if not update.layers:
+        raise ValueError("an AdapterUpdate with no layer: nothing to write")
+    scale = update.alpha / update.rank
+    transposed = {layer.transposed for layer in update.layers.values()}
+    if len(transposed) > 1:
+        raise ValueError("an AdapterUpdate mixes transposed (Conv1D) and plain layers, which one PEFT "
+                         "adapter_config.json (fan_in_fan_out) cannot say")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, layer in update.layers.items():
+        if not name.endswith(".weight"):
+            raise ValueError(f"an AdapterUpdate layer is named by its base weight (<module>.weight), got {name!r}")
+        module = PEFT_PREFIX + name[:-len(".weight")]
+        b = layer.b if math.isclose(layer.scale, scale, rel_tol=1e-12) else layer.b * (layer.scale / scale)
+        tensors[f"{module}.lora_A.weight"] = layer.a.detach().cpu().contiguous()
+        tensors[f"{module}.lora_B.weight"] = b.detach().cpu().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": update.rank, "lora_alpha": update.alpha,
+              "target_modules": sorted({name[:-len(".weight")].rsplit(".", 1)[-1] for name in update.layers}),
+              "fan_in_fan_out": transposed.pop(), "bias": "none", "lora_dropout": 0.0, "use_rslora": False,
+              "use_dora": False, "base_model_name_or_path": None, "inference_mode": True}
+    tmp = directory.with_name(f".{directory.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(directory, ignore_errors=True)  # a version written again (a resumed run)
+    os.replace(tmp, directory)
+
+
+def read_peft_adapter(directory: Path) -> AdapterUpdate:
+    """The :class:`AdapterUpdate` of a PEFT adapter directory (the inverse of
+    :func:`write_peft_adapter`; any LoRA adapter ``peft`` saved without rsLoRA, DoRA or
+    per-module ranks). ``ValueError`` naming what is missing or not understood."""
+    config_file, tensor_file = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    if not config_file.is_file() or not tensor_file.is_file():
+        raise ValueError(f"{directory} is not a PEFT adapter directory (adapter_config.json and "
+                         "adapter_model.safetensors); the server must see the path the trainer wrote")
+    config = json.loads(config_file.read_text())
+    unsupported = [k for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)]
+    if unsupported or "r" not in config or "lora_alpha" not in config:
+        raise ValueError(f"{config_file}: needs r and lora_alpha, and no {unsupported or 'rsLoRA/DoRA/patterns'}")
+    rank, alpha = int(config["r"]), float(config["lora_alpha"])
+    tensors = load_file(tensor_file)
+    layers = {}
+    for key in tensors:
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[:-len(".lora_A.weight")]
+        b_key = f"{module}.lora_B.weight"
+        if b_key not in tensors:
+            raise ValueError(f"{tensor_file}: {key} has no {b_key}")
+        name = (module[len(PEFT_PREFIX):] if module.startswith(PEFT_PREFIX) else module) + ".weight"
+        layers[name] = LayerAdapter(tensors[key], tensors[b_key], alpha / rank, bool(config.get("fan_in_fan_out")))
+    if not layers:
+        raise ValueError(f"{tensor_file} holds no lora_A/lora_B weights")
+    return AdapterUpdate(layers, rank=rank, alpha=alpha)
 
 
 def _token_id(token: str) -> int:

@@ -6,11 +6,13 @@ Four kinds, two types (``asyncrl/engine/protocol.py``):
 - ``adapters``: LoRA's A, B and scale per targeted layer — :class:`AdapterUpdate`, which the
   engine merges onto its own base (``asyncrl/engine/adapters.py``). The default with
   ``model.lora`` wherever the engine takes it: the built-in engine, with the engine's
-  weights in the learner's dtype (a rounded base would merge to other weights);
+  weights in the learner's dtype (a rounded base would merge to other weights), and
+  ``engine: remote``, whose servers load them as a PEFT adapter (vLLM's LoRA loading);
 - ``merged``: each targeted layer's W + s·B·A — :class:`FullWeights` of those names only
   (the rest is the base the engine loaded from ``model.path``);
 - ``merged_every_weight``: the same and the frozen rest too, for an engine that reloads
-  whole models only (vLLM, and ``engine: remote``, whose servers may be ``vllm serve``).
+  whole models only (vLLM, and ``engine: remote`` with ``model.lora.sync=merged``, whose
+  servers may be ``vllm serve``).
 
 :func:`update_kind` makes the choice from the config; :func:`engine_update` and
 :func:`engine_start` are the only places that act on it, so "where do adapters reach the
@@ -40,8 +42,8 @@ def update_kind(lora: LoraConfig | None, *, engine: str = "torch", same_dtype: b
     ``model.lora.sync=adapters`` the engine cannot take is refused by the config first."""
     if lora is None:
         return "full"
-    if lora.sync == "adapters" or (lora.sync == "auto" and engine == "torch" and same_dtype):
-        return "adapters"
+    if lora.sync == "adapters" or (lora.sync == "auto" and (engine == "remote" or engine == "torch" and same_dtype)):
+        return "adapters"  # remote: the servers load them through vLLM's LoRA loading, in their own dtype
     return "merged_every_weight" if engine in ("vllm", "remote") else "merged"  # remote: vllm serve reloads whole
 
 

@@ -16,7 +16,15 @@ Routes, each vLLM's verb and shape (``vllm serve`` exposes the control ones with
 - ``POST /collective_rpc`` ``{"method": "reload_weights", "kwargs": {"weights_path": P}}``:
   load the safetensors file (or every one in the directory) at ``P`` in place, the
   checkpoint-format reload; ``POST /reset_prefix_cache`` (the engine drops its prefix cache
-  with every load by itself).
+  with every load by itself);
+- ``POST /v1/load_lora_adapter`` ``{"lora_name", "lora_path"}`` and
+  ``POST /v1/unload_lora_adapter`` ``{"lora_name"}``: a PEFT adapter directory, listed in
+  ``GET /v1/models`` with its ``parent``, and served to requests whose ``model`` names it.
+  vLLM keeps many adapters beside the base; this engine holds one set of weights, so the
+  adapter loaded last is merged into it (its own ``AdapterUpdate`` path,
+  ``asyncrl/engine/adapters.py``, from the base every time) and the one a request may
+  name: a request naming another (or the base while an adapter is merged) is refused
+  (400) rather than served other weights. Unloading the merged adapter restores the base.
 
 One extension, where vLLM's HTTP API has no field: each completion's last choice carries
 ``"completion": {"token_ids", "logprobs", "weight_versions"}``, the engine's own record with
@@ -47,7 +55,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from asyncrl.config import Config, ConfigError, EngineServerConfig
-from asyncrl.engine.protocol import EngineClosedError, FullWeights, PromptTooLongError, RolloutEngine
+from asyncrl.engine.protocol import (
+    AdapterUpdate,
+    EngineClosedError,
+    FullWeights,
+    LayerAdapter,
+    PromptTooLongError,
+    RolloutEngine,
+)
+from asyncrl.engine.remote_wire import read_peft_adapter
 from asyncrl.json_api import Refused, error_response, listen, read_body, read_json
 from asyncrl.rollout.gateway.access import is_loopback
 from asyncrl.types import Completion, SamplingParams
@@ -62,6 +78,8 @@ class CompletionRequest(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
+    model: str | None = None
+    """The base model's name or a loaded LoRA adapter's (``/v1/load_lora_adapter``)."""
     prompt: list[int] | list[list[int]] = Field(min_length=1)
     """Token ids; a list of them only to score (``prompt_logprobs``)."""
     prompt_logprobs: int | None = Field(None, ge=0, le=0)
@@ -96,6 +114,9 @@ class EngineServer:
         self.engine, self.model_name, self.settings, self.tokenizer = engine, model_name, settings, tokenizer
         self.max_model_len = int(getattr(engine, "max_positions", None) or getattr(engine, "_max_model_len", 0))
         self.paused = False
+        self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
+        self.merged: tuple[str, AdapterUpdate] | None = None  # the adapter merged into the engine now
+        self._adapter_lock = asyncio.Lock()
         self._runner: web.AppRunner | None = None
         self.base_url: str | None = None
 
@@ -114,6 +135,8 @@ class EngineServer:
         app.router.add_get("/weight_info", self._weight_info)
         app.router.add_post("/collective_rpc", self._collective_rpc)
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
+        app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
         self._runner, self.base_url = await listen(app, settings.host if host is None else host,
                                                    settings.port if port is None else port)
         return self.base_url
@@ -153,10 +176,13 @@ class EngineServer:
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model_name, "object": "model", "owned_by": "asyncrl", "root": self.model_name,
                 "max_model_len": self.max_model_len}
-        return web.json_response({"object": "list", "data": [card]})
+        adapters = [{"id": name, "object": "model", "owned_by": "asyncrl", "root": path, "parent": self.model_name}
+                    for name, path in self.adapters.items()]
+        return web.json_response({"object": "list", "data": [card, *adapters]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await read_body(request, CompletionRequest)
+        self._check_model(body.model)
         if body.prompt_logprobs is not None:
             return web.json_response(await self._score(body.prompt))
         if not isinstance(body.prompt[0], int):
@@ -303,9 +329,80 @@ class EngineServer:
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         return web.Response(status=200)  # every weight load drops it already
 
+    def _check_model(self, model: str | None) -> None:
+        """``model`` names what the engine holds now: the merged adapter, or the base when
+        none is (an absent ``model`` is the base too, as the frozen models' client sends)."""
+        merged = self.merged[0] if self.merged is not None else None
+        if model == merged or (merged is None and model in (None, self.model_name)):
+            return
+        if model not in self.adapters and model not in (None, self.model_name):
+            raise Refused(404, f"The model `{model}` does not exist.", "model")
+        raise Refused(400, f"this server holds one set of weights, now {merged or 'the base ' + self.model_name}: "
+                           f"it cannot serve {model or 'the base'} beside it (load that adapter, or unload "
+                           f"{merged})", "model")
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's ``/v1/load_lora_adapter``: the adapter read and merged into the engine
+        (from the base; layers of the adapter merged before and not in this one go back to
+        the base). Answers vLLM's text."""
+        body = await read_body(request, _LoadLora)
+        if body.lora_name == self.model_name:
+            raise Refused(400, f"The lora adapter '{body.lora_name}' conflicts with a served base model.", "lora_name")
+        if body.lora_name in self.adapters and not body.load_inplace:
+            raise Refused(400, f"The lora adapter '{body.lora_name}' has already been loaded. If you want to load "
+                               "the adapter in place, set 'load_inplace' to True.", "lora_name")
+        try:
+            adapter = await asyncio.to_thread(read_peft_adapter, Path(body.lora_path))
+        except ValueError as exc:
+            raise Refused(400, str(exc), "lora_path") from None
+        async with self._adapter_lock:
+            await self._merge(adapter)
+            self.merged = (body.lora_name, adapter)
+            self.adapters[body.lora_name] = body.lora_path
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await read_body(request, _UnloadLora)
+        if body.lora_name not in self.adapters:
+            raise Refused(404, f"The lora adapter '{body.lora_name}' cannot be found.", "lora_name")
+        async with self._adapter_lock:
+            if self.merged is not None and self.merged[0] == body.lora_name:
+                await self._merge(None)
+                self.merged = None
+            del self.adapters[body.lora_name]
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+    async def _merge(self, adapter: AdapterUpdate | None) -> None:
+        """``adapter`` merged into the engine (``None``: none), the layers of the adapter
+        merged until now that it does not cover sent with a zero B: W_base + 0, the base."""
+        layers = dict(adapter.layers) if adapter is not None else {}
+        if self.merged is not None:
+            for name, layer in self.merged[1].layers.items():
+                if name not in layers:
+                    layers[name] = LayerAdapter(layer.a, layer.b.new_zeros(layer.b.shape), 0.0, layer.transposed)
+        if not layers:
+            return
+        update = AdapterUpdate(layers, rank=adapter.rank if adapter else 1, alpha=adapter.alpha if adapter else 1.0)
+        try:
+            await self.engine.update_weights(update, self.engine.version)
+        except KeyError as exc:
+            raise Refused(400, f"the adapter does not fit {self.model_name}: {exc.args[0]}", "lora_path") from None
+        except TypeError as exc:
+            raise Refused(400, f"this engine takes no LoRA adapters: {exc}", "lora_path") from None
+
 
 class _NewVersion(BaseModel):
     new_version: str
+
+
+class _LoadLora(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class _UnloadLora(BaseModel):
+    lora_name: str = Field(min_length=1)
 
 
 class _Rpc(BaseModel):

@@ -21,6 +21,13 @@ Greedy tokens rather than fixed completions: the engine contract has no "score t
 tokens" call, and a greedy continuation is as fixed as its weights, so the two sides see
 the same sequence whenever the engine holds the learner's weights.
 
+An engine that is a fleet (``engine: remote``: one client, many servers) is probed server
+by server (its ``probe_each``): the served model itself, through the same
+``/v1/completions`` request the rollouts make (naming the LoRA adapter it was sent, when
+it was sent adapters), so a server that loaded a wrong file or never got its adapter is
+named, not hidden behind one that did. A greedy token's logprob is the raw log softmax
+there too (``vllm serve``'s processed logprobs skip the temperature for greedy requests).
+
 Beside the check, :meth:`DeliveryCheck.after_sync` reports ``weight_sync/bytes``: the bytes
 one engine is sent per sync (``Learner.engine_weights``: every parameter with full
 fine-tuning; with LoRA the adapters, or the targeted layers merged), counted once (the names and shapes
@@ -87,14 +94,21 @@ class Handle(Protocol):
 
 
 # ------------------------------------------------------------ inside the workers
-async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> list[tuple[list[int], list[float],
-                                                                                      list[int]]]:
-    """Rollout worker ``index``'s engine decodes each prompt greedily: (tokens, logprobs,
-    versions) per prompt."""
+Probed = list[tuple[list[int], list[float], list[int]]]
+"""One engine's probe: (tokens, logprobs, versions) per prompt."""
+
+
+async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> list[tuple[str, Probed]]:
+    """Rollout worker ``index``'s engine decodes each prompt greedily: (who, its probe) for
+    the engine, or for each server of a fleet (an engine with ``probe_each``)."""
     engine = await worker.ready_engine()
     sampling = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0)
+    probe_each = getattr(engine, "probe_each", None)
+    if probe_each is not None:
+        return [(f"rollout worker {index}'s {who}", [(c.token_ids, c.logprobs, c.versions) for c in done])
+                for who, done in await probe_each(prompts, sampling)]
     done = await asyncio.gather(*[engine.generate(list(p), sampling) for p in prompts])
-    return [(c.token_ids, c.logprobs, c.versions) for c in done]
+    return [(f"rollout worker {index}", [(c.token_ids, c.logprobs, c.versions) for c in done])]
 
 
 def learner_probe(worker: Any, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -179,20 +193,20 @@ class DeliveryCheck:
 
     async def check(self, version: int) -> float:
         """The largest |Δ| over every engine and probe token; raises past the tolerance."""
-        engines = await self.rollout.apply(engine_probe, self.prompts)
+        engines = [engine for worker in await self.rollout.apply(engine_probe, self.prompts) for engine in worker]
         worst = 0.0
-        for index, probed in enumerate(engines):
+        for who, probed in engines:
             stale = sorted({v for _, _, versions in probed for v in versions if v != version})
             if stale:
                 raise WeightsNotDelivered(
-                    f"weights not delivered: after the weight sync of version {version}, rollout worker {index} "
+                    f"weights not delivered: after the weight sync of version {version}, {who} "
                     f"sampled the delivery probe at version(s) {stale}")
             sequences = [(prompt, tokens) for prompt, (tokens, _, _) in zip(self.prompts, probed)]
             learned = (await self.learner.apply(learner_probe, sequences))[0]
             diff = max_abs_diff([logprobs for _, logprobs, _ in probed], learned)
             if not diff <= self.tolerance:  # NaN fails too
                 raise WeightsNotDelivered(
-                    f"weights not delivered: after the weight sync of version {version}, rollout worker {index}'s "
+                    f"weights not delivered: after the weight sync of version {version}, {who}'s "
                     f"logprobs on the delivery probe differ from the learner's by up to {diff:.3g} (max |Δ|; "
                     f"weight_sync.check_tolerance={self.tolerance:g}). The engine reports version {version} but "
                     "does not compute the policy the learner trained, so it samples from other weights. Check that "
