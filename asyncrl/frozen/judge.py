@@ -47,6 +47,13 @@ def render_prompt(template: str, task: Task, response: str) -> str:
     return template.format_map(fields)
 
 
+def judge_messages(template: str, task: Task, response: str) -> list[dict[str, str]]:
+    """The chat :class:`JudgeReward` sends for ``response`` to ``task``: one user turn, the
+    rubric filled in. A judge trained for the rubric (``examples/judge/make_judge_data.py``)
+    is trained on these very messages, so it sees at grading time what it saw in training."""
+    return [{"role": "user", "content": render_prompt(template, task, response)}]
+
+
 def parse_grade(reply: str, pattern: str, scale: float) -> float:
     """The last match of ``pattern``'s first group in ``reply``, divided by ``scale``."""
     found = re.findall(pattern, reply)
@@ -78,8 +85,7 @@ class JudgeReward:
             render_prompt(self.prompt, task, "")
 
     async def __call__(self, task: Task, response: str) -> float:
-        reply = await self.model.chat([{"role": "user", "content": render_prompt(self.prompt, task, response)}],
-                                      **self.params)
+        reply = await self.model.chat(judge_messages(self.prompt, task, response), **self.params)
         try:
             return parse_grade(reply, self.pattern, self.scale)
         except ValueError as exc:
