@@ -903,3 +903,29 @@ def test_a_served_engine_scores_tokens_for_a_distillation_teacher():
             want = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0, :-1].float(), -1)
         want = want.gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
         assert lps == pytest.approx(want.tolist(), abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_sends_its_checkpoints_weights_to_the_servers_before_any_sample(tmp_path):
+    """The servers hold ``model.path``; a run resumed from step 2 must load step 2's weights on
+    them before sampling, or the tokens labelled version 2 come from the base. The learner's
+    recomputed logprobs of the first resumed step's lag-0 tokens tell: within float noise of
+    the servers' only when the servers hold the checkpoint."""
+    from asyncrl.cli import main
+    from asyncrl.jsonl import read_jsonl
+
+    common = ["examples/addition/async.yaml", f"output_dir={tmp_path}", "eval_every=0", "engine=remote",
+              "mode=sync", "partial_rollout=off", "save_every=2", "optim.lr=0.01"]  # a large step: the base and step 2 differ clearly
+    fleet = ThreadFleet(_policy("models/addition-tiny"), 1)
+    try:
+        assert main(["train", *common, "total_steps=2", f"remote.urls=[{fleet.fleet.urls[0]}]"]) == 0
+    finally:
+        fleet.close()
+    fleet = ThreadFleet(_policy("models/addition-tiny"), 1)  # a fresh server: the base weights again
+    try:
+        assert main(["train", *common, "total_steps=3", "resume=true", f"remote.urls=[{fleet.fleet.urls[0]}]"]) == 0
+    finally:
+        fleet.close()
+    rows = {r["step"]: r for r in read_jsonl(tmp_path / "metrics.jsonl") if r.get("step", 0) >= 1}
+    assert rows[3]["mismatch/tokens_lag0"] > 0
+    assert rows[3]["mismatch/max_abs_lag0"] < 1e-3, rows[3]

@@ -139,8 +139,10 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                 await learner.load_checkpoint(checkpoint)
             if isinstance(transport, InProcess):
                 model = worker.learner.policy_copy()  # the engine's own copy of the weights
-                if checkpoint is not None and worker.learner.update_kind == "adapters":
-                    weights = await learner.publish()  # that copy is the base: the engine merges the adapters
+                if checkpoint is not None and (worker.learner.update_kind == "adapters" or cfg.engine != "torch"):
+                    # adapters: that copy is the base, the engine merges them; vllm and remote engines
+                    # load model.path, so the checkpoint's weights go to them before any sample
+                    weights = await learner.publish()
             elif checkpoint is not None:
                 weights = await learner.publish()
         rollout_transport: RolloutTransport
