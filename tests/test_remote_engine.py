@@ -915,7 +915,8 @@ def test_a_resumed_run_sends_its_checkpoints_weights_to_the_servers_before_any_s
     from asyncrl.jsonl import read_jsonl
 
     common = ["examples/addition/async.yaml", f"output_dir={tmp_path}", "eval_every=0", "engine=remote",
-              "mode=sync", "partial_rollout=off", "save_every=2", "optim.lr=0.01"]  # a large step: the base and step 2 differ clearly
+              "mode=sync", "partial_rollout=off", "save_every=2",
+              "optim.lr=0.01"]  # a large step: the base and step 2 differ clearly
     fleet = ThreadFleet(_policy("models/addition-tiny"), 1)
     try:
         assert main(["train", *common, "total_steps=2", f"remote.urls=[{fleet.fleet.urls[0]}]"]) == 0
