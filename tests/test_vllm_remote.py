@@ -14,6 +14,7 @@ logprobs are compared with the Hugging Face model's own log-softmax on the token
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import signal
 import socket
@@ -69,7 +70,8 @@ class VllmServer:
             [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
              "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
              "--max-model-len", str(MAX_MODEL_LEN), "--skip-tokenizer-init", "--enforce-eager",
-             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--max-num-seqs", "16"],
+             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--max-num-seqs", "16",
+             "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, deadline: float) -> None:
@@ -220,6 +222,49 @@ def test_a_file_weight_update_reaches_every_server_with_its_version(fleet):
 
 async def _weight_info(engine: RemoteEngine) -> list[str]:
     return [(await engine._call(s, "GET", "/weight_info"))["weight_version"] for s in engine.servers]
+
+
+def test_lora_adapters_alone_reach_every_server_through_vllms_lora_loading(fleet):
+    """``model.lora.sync=adapters``: the client writes a PEFT directory, each server loads it with
+    ``POST /v1/load_lora_adapter`` and requests name it; the samples' logprobs are the adapted
+    model's own, and the next adapter replaces it (the previous one unloaded)."""
+    from asyncrl.config import LoraConfig
+    from asyncrl.learner.lora import adapter_update, add_adapters
+
+    engine = fleet.engine
+    peft_models = []
+    for seed in (1, 2):
+        base = copy.deepcopy(fleet.model)  # the weights the servers hold
+        peft_model = add_adapters(base, LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "up_proj"]))
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in peft_model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        peft_models.append(peft_model.eval())
+
+    for peft_model in peft_models:
+        version = engine.version + 1
+        update = adapter_update(peft_model)
+
+        async def main():
+            await engine.update_weights(update, version)
+            return await asyncio.gather(*[
+                engine.generate([40 + i, 41], SamplingParams(max_tokens=8, temperature=1.0, seed=i)) for i in range(6)])
+
+        done = fleet.run(main())
+        assert all(s.version == version for s in engine.servers)
+        for i, completion in enumerate(done):
+            assert completion.versions == [version] * 8
+            assert_model_logprobs(peft_model, [40 + i, 41], completion, 1.0)
+        served = fleet.run(_served_models(engine))
+        assert all(f"lora-v{version}" in names and f"lora-v{version - 1}" not in names for names in served), served
+        assert not (fleet.tmp / "weights" / f"lora-v{version - 1}").exists()
+    fleet.model = peft_models[-1]
+
+
+async def _served_models(engine: RemoteEngine) -> list[list[str]]:
+    return [[card["id"] for card in (await engine._call(s, "GET", "/v1/models"))["data"]] for s in engine.servers]
 
 
 def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(fleet, capsys):
