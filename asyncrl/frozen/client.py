@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,18 @@ class FrozenModelStats:
 
     def snapshot(self) -> dict[str, float]:
         return {"calls": self.calls, "failures": self.failures, "seconds": round(self.seconds, 4)}
+
+
+_OPEN: weakref.WeakValueDictionary[int, FrozenModel] = weakref.WeakValueDictionary()
+"""Clients with a session open: a judge lives inside the reward function a workflow holds,
+which has no shutdown of its own, so the rollout worker closes them all when it stops."""
+
+
+async def close_open_clients() -> None:
+    """Close every frozen model's session opened in this process (the rollout worker's
+    shutdown: otherwise aiohttp warns of an unclosed session at exit)."""
+    for model in list(_OPEN.values()):
+        await model.close()
 
 
 @dataclass
@@ -71,12 +84,14 @@ class FrozenModel:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        _OPEN.pop(id(self), None)
 
     def _http(self) -> aiohttp.ClientSession:
         # made on first use, on the loop that uses it (a client may be built before the run's loop starts)
         if self._session is None or self._session.closed:
             headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
             self._session = aiohttp.ClientSession(headers=headers)
+            _OPEN[id(self)] = self
             self._slots = asyncio.Semaphore(self.max_concurrency)
         return self._session
 

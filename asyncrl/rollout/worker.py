@@ -35,6 +35,7 @@ from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config
 from asyncrl.engine import RolloutEngine, TorchEngine
 from asyncrl.engine.protocol import AdapterUpdate, FullWeights, TokenSink, WeightUpdate, as_update
+from asyncrl.frozen.client import close_open_clients
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.rollout.gateway import Gateway
 from asyncrl.rollout.gateway.tool_calls import resolve_format
@@ -323,6 +324,7 @@ class RolloutWorker:
         self.attached.clear()
         if self.gateway is not None:
             await self.gateway.stop()
+        await close_open_clients()  # a judge's session (inside the workflow's reward function)
         for engine in (self.engine, self.eval_engine):
             if engine is not None:
                 await engine.shutdown()
