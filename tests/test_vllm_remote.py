@@ -29,7 +29,8 @@ pytest.importorskip("vllm")
 
 import torch
 from conftest import reference_logprobs
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from test_vllm_engine import make_vllm_model
+from transformers import Qwen2ForCausalLM
 
 from asyncrl.config import RemoteConfig
 from asyncrl.engine.remote import RemoteEngine
@@ -42,11 +43,7 @@ MAX_MODEL_LEN = 256
 
 def make_model(seed: int = 0) -> Qwen2ForCausalLM:
     """head_dim 32 (vLLM's CPU attention wants >= 32), untied LM head (see the module's note)."""
-    torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                         num_key_value_heads=1, intermediate_size=128, max_position_embeddings=1024,
-                         tie_word_embeddings=False)
-    return Qwen2ForCausalLM(config).eval()
+    return make_vllm_model(seed, tied=False)
 
 
 def free_port() -> int:
