@@ -257,3 +257,31 @@ def test_a_seeded_request_samples_the_same_tokens_alone_batched_and_resumed(mode
     assert asyncio.run(resumed()) == reference.token_ids
     other = asyncio.run(alone(0, SamplingParams(max_tokens=40, seed=1235)))
     assert other.token_ids != reference.token_ids  # another seed, another sample
+
+
+def test_a_call_whose_caller_gave_up_while_it_waited_is_not_run(model):
+    """``call_between_steps`` from a caller that is cancelled while its call waits behind
+    another (a served teacher's scoring whose client hung up) never runs on the engine's thread."""
+    import threading
+
+    release = threading.Event()
+    ran: list[str] = []
+
+    async def main():
+        engine = TorchEngine(model, seed=0)
+        try:
+            first = asyncio.create_task(engine.call_between_steps(lambda: (release.wait(60), ran.append("first"))))
+            await asyncio.sleep(0.05)  # the engine's thread is now inside the first call
+            second = asyncio.create_task(engine.call_between_steps(lambda: ran.append("second")))
+            await asyncio.sleep(0.05)
+            second.cancel()
+            release.set()
+            await first
+            with pytest.raises(asyncio.CancelledError):
+                await second
+            await engine.call_between_steps(lambda: ran.append("third"))  # the thread goes on serving
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
+    assert ran == ["first", "third"]

@@ -244,6 +244,8 @@ class TorchEngine:
         done: asyncio.Future[T] = loop.create_future()
 
         def run() -> None:
+            if done.cancelled():  # the caller gave up while this waited (a client that hung up): skip the work
+                return
             try:
                 value = fn()
             except Exception as exc:  # handed to the caller, not swallowed

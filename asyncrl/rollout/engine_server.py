@@ -137,8 +137,11 @@ class EngineServer:
         app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.router.add_post("/v1/load_lora_adapter", self._load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self._unload_lora_adapter)
+        # a client that hangs up (its deadline passed) cancels its handler, so work it no longer
+        # waits for (a teacher's scoring queued behind others) leaves the engine's queue
         self._runner, self.base_url = await listen(app, settings.host if host is None else host,
-                                                   settings.port if port is None else port)
+                                                   settings.port if port is None else port,
+                                                   handler_cancellation=True)
         return self.base_url
 
     async def stop(self) -> None:
