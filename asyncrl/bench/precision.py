@@ -77,7 +77,7 @@ def _generate(cfg: Config, model: Any, tokenizer: Any, tasks: list[Any], seed: i
             start = time.perf_counter()
             result = await worker.evaluate(tasks, version=0)
             seconds = time.perf_counter() - start
-            probed = await engine_probe(worker, 0, probe_prompts(tokenizer))
+            (_, probed), = await engine_probe(worker, 0, probe_prompts(tokenizer))  # one in-process engine
             return seconds, [t for e in result.episodes for t in e.trajectories], [(t, lp) for t, lp, _ in probed]
         finally:
             await worker.shutdown()
