@@ -261,3 +261,44 @@ def test_the_service_runs_as_its_own_process_and_stops_on_sigterm(tmp_path):
     done = subprocess.run([sys.executable, "-m", "asyncrl.tools.retrieval", "--docs", str(bad)],
                           check=False, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "line 1: 'text' must be a string" in done.stderr and done.stdout == ""
+
+
+def test_lognormal_latency_has_the_stated_median_and_p99():
+    """σ by hand: ln(8 / 1) / 2.3263 = 2.0794 / 2.3263 = 0.8939; the draws' quantiles match."""
+    from asyncrl.tools.retrieval.service import Latency, lognormal_sigma
+
+    assert lognormal_sigma(1.0, 8.0) == pytest.approx(0.8939, abs=1e-4)
+    assert lognormal_sigma(0.5, 0.5) == 0.0
+    with pytest.raises(ValueError, match="median 2.0 <= p99 1.0"):
+        lognormal_sigma(2.0, 1.0)
+    latency = Latency(1.0, 8.0, seed=3)
+    draws = sorted(latency.sample() for _ in range(20_000))
+    assert draws[10_000] == pytest.approx(1.0, rel=0.05)
+    assert draws[19_800] == pytest.approx(8.0, rel=0.15)
+    again = Latency(1.0, 8.0, seed=3)
+    assert [again.sample() for _ in range(3)] == draws_in_order(Latency(1.0, 8.0, seed=3), 3)  # seeded
+
+
+def draws_in_order(latency, n: int) -> list[float]:
+    return [latency.sample() for _ in range(n)]
+
+
+def test_the_service_sleeps_each_request_its_drawn_latency():
+    class Fixed:
+        def __init__(self):
+            self.calls = 0
+
+        def sample(self) -> float:
+            self.calls += 1
+            return 0.2
+
+    async def main():
+        fixed = Fixed()
+        async with serving(latency=fixed) as service, RetrievalClient(service.base_url) as client:
+            started = time.perf_counter()
+            await client.search("alpha", 1)
+            elapsed = time.perf_counter() - started
+        return fixed.calls, elapsed
+
+    calls, elapsed = asyncio.run(main())
+    assert calls == 1 and elapsed >= 0.2

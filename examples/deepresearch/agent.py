@@ -24,7 +24,8 @@ less ``ASYNCRL_DUPLICATE_PENALTY`` (default 0) per duplicate search: workflow op
 reach an ``openai_agent``, so the agent reads its settings from the environment, as the search
 agent does. The corpus is ``ASYNCRL_RESEARCH_DATA``/corpus.jsonl (default: ``data/`` beside
 this file, written by ``make_data.py``). ``ASYNCRL_RETRIEVAL_LATENCY_S`` (default 0) is added
-to every search of the agent's own service, to stand in for a remote search API.
+to every search of the agent's own service, to stand in for a remote search API; with
+``ASYNCRL_RETRIEVAL_LATENCY_P99_S`` it is the median of a lognormal with that 99th percentile.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def retrieval_urls() -> list[str]:
             index = os.environ.get("ASYNCRL_RESEARCH_INDEX", "hybrid")
             args = ["asyncrl.tools.retrieval", "--docs", str(DATA / "corpus.jsonl"), "--port", "0", "--index", index,
                     "--latency-s", os.environ.get("ASYNCRL_RETRIEVAL_LATENCY_S", "0")]
+            if p99 := os.environ.get("ASYNCRL_RETRIEVAL_LATENCY_P99_S"):  # lognormal, the median as above
+                args += ["--latency-p99-s", p99]
             if index != "bm25":
                 args += ["--encoder", encoder_name()]
             _urls = [plain.start_subprocess_service(args)]

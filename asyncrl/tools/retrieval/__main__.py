@@ -1,4 +1,5 @@
 """``python -m asyncrl.tools.retrieval --docs FILE.jsonl [--port 8100] [--latency-s 0.05]
+[--latency-p99-s 8]
 [--index bm25|dense|hybrid] [--encoder minilm|MODEL_PATH]``: the retrieval service in its own process.
 Prints its URL on stdout once listening;
 Ctrl-C or SIGTERM stops it (exit 0). A bad documents file or a taken port exits 2 with
@@ -15,7 +16,7 @@ import time
 from asyncrl.jsonl import JsonlError
 from asyncrl.tools.retrieval.dense import build_index
 from asyncrl.tools.retrieval.index import load_documents
-from asyncrl.tools.retrieval.service import RetrievalService
+from asyncrl.tools.retrieval.service import Latency, RetrievalService
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -24,6 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 (the default): a free one")
     parser.add_argument("--latency-s", type=float, default=0.0, help="added to every request")
+    parser.add_argument("--latency-p99-s", type=float, default=None,
+                        help="with --latency-s as the median: each request's latency drawn from a lognormal "
+                             "with this 99th percentile (seeded by --latency-seed)")
+    parser.add_argument("--latency-seed", type=int, default=0)
     parser.add_argument("--max-batch", type=int, default=64, help="queries scored together at most")
     parser.add_argument("--index", choices=["bm25", "dense", "hybrid"], default="bm25",
                         help="dense and hybrid: asyncrl/tools/retrieval/dense.py")
@@ -35,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         index = build_index(load_documents(args.docs), args.index, args.encoder)
+        latency = None if args.latency_p99_s is None else \
+            Latency(args.latency_s, args.latency_p99_s, seed=args.latency_seed)
         service = RetrievalService(index, latency_s=args.latency_s, max_batch=args.max_batch,
-                                   max_wait_s=args.max_wait_s)
+                                   max_wait_s=args.max_wait_s, latency=latency)
     except (JsonlError, ValueError, ImportError, OSError) as exc:  # OSError: an encoder path that is not a model
         print(f"retrieval: {exc}", file=sys.stderr)
         return 2

@@ -15,13 +15,17 @@ Waiting for more (``max_wait_s``) makes batches larger but nothing faster: the d
 0, which adds no latency to a lone query.
 
 ``latency_s`` stands in for a remote service: each request sleeps that long (on the
-event loop, so others go on) before its query joins a batch.
+event loop, so others go on) before its query joins a batch; ``latency`` (a
+:class:`Latency`) instead draws each request's sleep from a lognormal of a given median
+and 99th percentile, the heavy tail a remote search API has.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import random
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -51,6 +55,30 @@ class SearchRequest(BaseModel):
         return query
 
 
+Z_99 = 2.3263478740408408  # the standard normal's 99th percentile
+
+
+def lognormal_sigma(median_s: float, p99_s: float) -> float:
+    """σ of the lognormal whose median is ``median_s`` and 99th percentile ``p99_s``:
+    p99 = median · exp(σ · z₀.₉₉), so σ = ln(p99 / median) / z₀.₉₉ (0 when they are equal)."""
+    if not 0 < median_s <= p99_s:
+        raise ValueError(f"latency: need 0 < median {median_s} <= p99 {p99_s}")
+    return math.log(p99_s / median_s) / Z_99
+
+
+class Latency:
+    """A request's added sleep: lognormal with ``median_s`` and ``p99_s``, seeded, so that a
+    schedule comparison meets the same sequence of delays in every run (in request order)."""
+
+    def __init__(self, median_s: float, p99_s: float, *, seed: int = 0) -> None:
+        self.median_s, self.p99_s = median_s, p99_s
+        self.sigma = lognormal_sigma(median_s, p99_s)
+        self._rng = random.Random(seed)
+
+    def sample(self) -> float:
+        return self._rng.lognormvariate(math.log(self.median_s), self.sigma)
+
+
 @dataclass
 class _Pending:
     query: str
@@ -60,13 +88,15 @@ class _Pending:
 
 class RetrievalService:
     def __init__(self, index: SearchIndex, *, latency_s: float = 0.0, max_batch: int = 64,
-                 max_wait_s: float = 0.0) -> None:
-        """``latency_s``: added to every request; ``max_batch``: queries scored together at
-        most; ``max_wait_s``: how long a batch with room waits for more queries."""
+                 max_wait_s: float = 0.0, latency: Latency | None = None) -> None:
+        """``latency_s``: added to every request (``latency``, when given, draws it instead);
+        ``max_batch``: queries scored together at most; ``max_wait_s``: how long a batch
+        with room waits for more queries."""
         if latency_s < 0 or max_wait_s < 0 or max_batch < 1:
             raise ValueError(f"latency_s {latency_s} and max_wait_s {max_wait_s} must be >= 0, "
                              f"max_batch {max_batch} >= 1")
         self.index, self.latency_s, self.max_batch, self.max_wait_s = index, latency_s, max_batch, max_wait_s
+        self.latency = latency
         self.counts = {"requests": 0, "refused": 0, "queries": 0, "batches": 0}
         self.base_url = ""
         self._queue: asyncio.Queue[_Pending] | None = None
@@ -113,8 +143,8 @@ class RetrievalService:
         self.counts["requests"] += 1
         try:
             body = await read_body(request, SearchRequest)
-            if self.latency_s:
-                await asyncio.sleep(self.latency_s)
+            if delay := (self.latency.sample() if self.latency is not None else self.latency_s):
+                await asyncio.sleep(delay)
             hits = await self._submit(body.query, body.k)
         except Refused as exc:
             self.counts["refused"] += 1
