@@ -469,7 +469,7 @@ def test_a_side_alone_with_every_core_computes_its_speedup_faster_and_only_where
     from asyncrl.plan.engine import EngineCosts, SharedCores, SimulatedEngine
 
     async def learner(whole):
-        cores = SharedCores(whole_when_alone=whole)
+        cores = SharedCores(whole_when_alone=("learner",) if whole else ())
         cores.set_engine(True)
         asyncio.get_running_loop().call_later(0.6, cores.set_engine, False)
         await cores.compute(1.0, 0.5, alone_speedup=2.0)
@@ -477,7 +477,7 @@ def test_a_side_alone_with_every_core_computes_its_speedup_faster_and_only_where
 
     async def engine(whole):
         sim = SimulatedEngine(EngineCosts(step_s=0.01, alone_speedup=1.25), unit=1,
-                              cores=SharedCores(whole_when_alone=whole))
+                              cores=SharedCores(whole_when_alone=("engine", "learner") if whole else ("learner",)))
         loop = asyncio.ensure_future(sim.run())
         await sim.generate(1, 10, ("task", 0))
         loop.cancel()

@@ -5,7 +5,6 @@ a short async run in which the learner computed with every core while the engine
 from __future__ import annotations
 
 import json
-import math
 import threading
 
 import pytest
@@ -19,15 +18,41 @@ from asyncrl.core_budget import CoreBudget, ThreadBudget
 
 def test_the_side_working_alone_takes_every_core_and_both_working_split_them():
     rule = CoreBudget(cores=4, engine=1, learner=3, grace_s=0.05)
-    # the other side works (None): the split, whichever side asks
-    assert rule.threads("engine", None) == 1
-    assert rule.threads("learner", None) == 3
+    # the other side works (None) on its share: the split, whichever side asks
+    assert rule.threads("engine", None, 3) == 1
+    assert rule.threads("learner", None, 1) == 3
     # the other side idle for less than the grace: still the split (between two pieces of work)
-    assert rule.threads("engine", 0.049) == 1
-    assert rule.threads("learner", 0.0) == 3
+    assert rule.threads("engine", 0.049, 0) == 1
+    assert rule.threads("learner", 0.0, 0) == 3
     # idle for the grace or longer: every core
-    assert rule.threads("engine", 0.05) == 4
-    assert rule.threads("learner", 12.0) == 4
+    assert rule.threads("engine", 0.05, 0) == 4
+    assert rule.threads("learner", 12.0, 0) == 4
+
+
+def test_a_side_never_takes_a_core_the_other_holds_and_waits_while_it_holds_them_all():
+    rule = CoreBudget(cores=2, engine=1, learner=1)
+    # the learner took both while the engine was idle; the engine has work again: it waits (0)
+    # until the learner, at its next boundary, sees the engine working and keeps to its share
+    assert rule.threads("engine", None, 2) == 0
+    assert rule.threads("learner", None, 0) == 1
+    assert rule.threads("engine", None, 1) == 1
+    # wanting every core beside a side still on one (its idle flag set, its count not yet given
+    # back): what is left
+    assert rule.threads("learner", 1.0, 1) == 1
+    assert rule.threads("engine", None, 2) + 2 <= 2  # never a thread more than the cores
+
+
+def test_colocated_learner_gives_every_core_to_the_learner_alone_and_the_engine_keeps_its_share():
+    rule = CoreBudget(cores=2, engine=1, learner=1, whole=("learner",))
+    assert rule.threads("learner", 1.0, 0) == 2
+    assert rule.threads("engine", 1.0, 0) == 1
+    cfg = load_config(None, ["mode=async", "rollout.thread_sharing=colocated_learner", "rollout.num_threads=1",
+                             "rollout.learner_threads=1"])
+    budget = _thread_budget(cfg, *_thread_split(cfg))
+    try:
+        assert budget.rule.whole == ("learner",)
+    finally:
+        budget.close()
 
 
 @pytest.mark.parametrize("cores,engine,learner", [(0, 1, 1), (2, 0, 1), (2, 1, 3)])
@@ -36,53 +61,49 @@ def test_a_budget_beyond_its_cores_is_refused(cores, engine, learner):
         CoreBudget(cores=cores, engine=engine, learner=learner)
 
 
+def on_thread(fn):
+    """``fn`` on a thread of its own, as each side runs in a run (torch threads are per thread)."""
+    out = []
+    t = threading.Thread(target=lambda: out.append(fn()))
+    t.start()
+    t.join()
+    return out[0]
+
+
 def test_the_cell_hands_the_cores_between_the_engine_thread_and_the_learner_thread():
-    """Each side on a thread of its own, as in a run: each call's count, each thread's own
-    torch threads, the seconds counted at all cores and the switches, both sides' slots kept."""
+    """Each side on a thread of its own: each claim's count and the thread's own torch
+    threads, the seconds counted at every core, the switches, both sides' slots kept."""
     budget = ThreadBudget(CoreBudget(cores=2, engine=1, learner=1, grace_s=0.0))
-    seen: dict[str, list[int]] = {"engine": [], "learner": []}
 
-    def on_thread(fn):
-        t = threading.Thread(target=fn)
-        t.start()
-        t.join()
+    def claim(side):
+        return lambda: (budget.working(side), torch.get_num_threads())
 
-    def engine_works():
-        seen["engine"].append(budget.working("engine"))
-        seen["engine"].append(torch.get_num_threads())
-
-    def learner_step():
-        seen["learner"].append(budget.working("learner"))  # the engine works: its share
-        seen["learner"].append(torch.get_num_threads())
-
-    def engine_idles():
-        budget.idle("engine")
-        seen["engine"].append(torch.get_num_threads())  # back on its share
-
-    def learner_boundary_then_idle():
-        seen["learner"].append(budget.working("learner"))  # the engine idle now: every core
-        seen["learner"].append(torch.get_num_threads())
-        budget.idle("learner")
-        seen["learner"].append(torch.get_num_threads())
+    def stop(side):
+        return lambda: (budget.idle(side), torch.get_num_threads())[1]
 
     try:
-        on_thread(engine_works)  # the learner has not worked yet (idle since the cell was made): every core
-        on_thread(learner_step)
-        on_thread(engine_idles)
-        on_thread(learner_boundary_then_idle)
-        assert seen["engine"] == [2, 2, 1]
-        assert seen["learner"] == [1, 1, 2, 2, 1]
+        assert on_thread(claim("engine")) == (2, 2)  # the learner never worked (idle since the cell was made)
+        assert on_thread(stop("engine")) == 1  # back on its share, its cores free
+        assert on_thread(claim("learner")) == (2, 2)  # the engine idle now: every core
+        assert on_thread(stop("learner")) == 1
+        assert on_thread(claim("engine")) == (2, 2)
+        # the learner starts a step while the engine holds both cores: it waits for one, the
+        # engine gives one back at its next boundary (once it sees the learner working)
+        learner: list = []
+        waiting = threading.Thread(target=lambda: learner.append(claim("learner")()))
+        waiting.start()
+        for _ in range(10_000):  # until the learner has said it works (it does so before it waits)
+            if on_thread(claim("engine")) == (1, 1):
+                break
+        waiting.join()
+        assert learner == [(1, 1)]
         counters = budget.counters()
-        # engine: 2 -> 1 at idle; learner: 1 -> 2 at the boundary, 2 -> 1 at idle
-        assert counters["engine_switches"] == 1 and counters["learner_switches"] == 2
-        # the engine worked with every core from its working() to its idle(); the learner from its
-        # second boundary to its idle (its first interval, at its share, counts nothing)
+        # engine 2 -> 1 (idle), 1 -> 2, 2 -> 1; learner 2 -> 1 (idle), then 1 again
+        assert (counters["engine_switches"], counters["learner_switches"]) == (3, 1)
         assert counters["engine_all_cores_s"] > 0 and counters["learner_all_cores_s"] > 0
-        assert not math.isnan(counters["engine_all_cores_s"])
+        assert counters["learner_waited_s"] > 0 and counters["engine_waited_s"] == 0
     finally:
         budget.close()
-
-
 def test_colocated_is_refused_where_one_engine_and_one_learner_rank_do_not_share_the_cores():
     with pytest.raises(Exception, match=r"rollout.num_workers=2.*rollout.thread_sharing=split"):
         load_config(None, ["rollout.thread_sharing=colocated", "rollout.num_workers=2"])

@@ -62,12 +62,13 @@ class SimulatedSequence:
 
 class SharedCores:
     """Who computes on the cores an engine shares with the learner (one machine): each
-    slows the other down (``EngineCosts.contention``, ``LearnerCosts.contention``). With
-    ``whole_when_alone`` (``rollout.thread_sharing: colocated``; ``sync``, whose one thread
-    has every core) a side computing while the other is idle has every core and runs
-    ``alone_speedup`` times faster than on its share; without, it keeps its share."""
+    slows the other down (``EngineCosts.contention``, ``LearnerCosts.contention``). A side
+    of ``whole_when_alone`` (``rollout.thread_sharing: colocated`` both, ``colocated_learner``
+    the learner; ``sync``, whose one thread has every core, both) computing while the other
+    is idle has every core and runs ``alone_speedup`` times faster than on its share; any
+    other keeps its share."""
 
-    def __init__(self, whole_when_alone: bool = False) -> None:
+    def __init__(self, whole_when_alone: tuple[str, ...] = ()) -> None:
         self.whole_when_alone = whole_when_alone
         self.engine_busy = self.learner_busy = False
         self.engine_changed = asyncio.Event()  # the learner re-times its work on it
@@ -84,9 +85,9 @@ class SharedCores:
             if self.engine_wake is not None:
                 self.engine_wake.set()
 
-    def alone(self, speedup: float) -> float:
-        """A side's time factor while the other is idle: ``1 / speedup`` with every core, else 1."""
-        return 1 / speedup if self.whole_when_alone else 1.0
+    def alone(self, side: str, speedup: float) -> float:
+        """``side``'s time factor while the other is idle: ``1 / speedup`` with every core, else 1."""
+        return 1 / speedup if side in self.whole_when_alone else 1.0
 
     async def compute(self, seconds: float, contention: float, alone_speedup: float = 1.0) -> None:
         """The learner's ``seconds`` of work on its share of the cores: ``1 + contention``
@@ -96,7 +97,7 @@ class SharedCores:
         self.set_learner(True)
         try:
             while seconds > 1e-12:
-                slowdown = 1 + contention if self.engine_busy else self.alone(alone_speedup)
+                slowdown = 1 + contention if self.engine_busy else self.alone("learner", alone_speedup)
                 self.engine_changed.clear()
                 start = loop.time()
                 try:
@@ -206,7 +207,7 @@ class SimulatedEngine:
         """This step's time factor with the learner idle (every core where the engine gets them)."""
         if self.cores is None or self.cores.learner_busy:
             return 1.0
-        return self.cores.alone(self.costs.alone_speedup)
+        return self.cores.alone("engine", self.costs.alone_speedup)
 
     def _settle(self) -> None:
         finished = [s for s in self.running if len(s.versions) >= s.target]

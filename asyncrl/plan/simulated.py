@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.core_budget import SIDES, WHOLE_WHEN_ALONE
 from asyncrl.rollout.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.plan.costs import Costs, LearnerCosts
@@ -176,7 +177,7 @@ def simulated_runtime(costs: Costs, unit: int) -> RuntimeStarter:
                     checkpoint: Path | None = None, version: int = 0) -> AsyncIterator[Runtime]:
         mode_costs = costs.for_mode(cfg.mode)
         # a side alone has every core where the run hands them over (colocated), or has them anyway (sync)
-        cores = SharedCores(whole_when_alone=cfg.rollout.thread_sharing == "colocated" or cfg.mode == "sync")
+        cores = SharedCores(SIDES if cfg.mode == "sync" else WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing])
         rollout = SimulatedRollout(cfg, mode_costs, unit, cores)
         learner = SimulatedLearner(mode_costs.learner, unit, version, cores)
         async with asyncio.TaskGroup() as engines:  # an engine's failure fails the run

@@ -35,7 +35,7 @@ from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup, Rollo
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.runtime.transport import CallDeadlines, InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
-from asyncrl.core_budget import CoreBudget, ThreadBudget
+from asyncrl.core_budget import WHOLE_WHEN_ALONE, CoreBudget, ThreadBudget
 from asyncrl.weight_sync import WeightSync, open_weight_sync
 
 __all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "RuntimeStarter", "Weights", "WeightSync", "start"]
@@ -84,15 +84,15 @@ def _cores() -> int:
 
 
 def _thread_budget(cfg: Config, engine_threads: int, learner_threads: int) -> ThreadBudget | None:
-    """``rollout.thread_sharing: colocated`` where both sides compute at once: the budget
-    the engine and the learner hand the cores through, the split being what ``split`` would
-    give each, and a side alone taking both shares (never more threads than the split runs
-    at once, whatever the calling thread's own count). ``sync`` needs none: its one thread
-    already has every core."""
-    if cfg.rollout.thread_sharing != "colocated" or cfg.mode == "sync":
+    """``rollout.thread_sharing: colocated`` (or ``colocated_learner``) where both sides
+    compute at once: the budget the engine and the learner hand the cores through, the
+    split being what ``split`` would give each, and a side alone taking both shares (never
+    more threads than the split runs at once, whatever the calling thread's own count).
+    ``sync`` needs none: its one thread already has every core."""
+    if cfg.rollout.thread_sharing == "split" or cfg.mode == "sync":
         return None
     return ThreadBudget(CoreBudget(cores=engine_threads + learner_threads, engine=engine_threads,
-                                   learner=learner_threads))
+                                   learner=learner_threads, whole=WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing]))
 
 
 @contextmanager
