@@ -112,8 +112,8 @@ class LearnerWorker:
             destroy_process_group()
 
     def apply(self, fn: Callable[..., T], *args: Any) -> T:
-        self._set_threads()  # fn may compute (the delivery check's forward pass), as a step does
-        return fn(self, *args)
+        with self._computing():  # fn may compute (the delivery check's forward pass), as a step does
+            return fn(self, *args)
 
     # ------------------------------------------------------------ LearnerHandle's calls
     def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
