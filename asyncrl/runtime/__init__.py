@@ -72,15 +72,11 @@ def learner_processes(cfg: Config) -> int:
 def _thread_split(cfg: Config) -> tuple[int, int]:
     """torch threads for (engine, learner) in one process: when both compute at once
     (every mode but ``sync``), half the cores each, unless the config says otherwise."""
-    cores = _cores()
+    cores = torch.get_num_threads() or 2
     half = max(1, cores // 2)
     shared = cfg.mode != "sync"
     return (cfg.rollout.num_threads or (half if shared else cores),
             cfg.rollout.learner_threads or (half if shared else cores))
-
-
-def _cores() -> int:
-    return torch.get_num_threads() or 2
 
 
 def _thread_budget(cfg: Config, engine_threads: int, learner_threads: int) -> ThreadBudget | None:
