@@ -276,3 +276,20 @@ def test_bench_gateway_smoke(tmp_path, capsys, policy_dir):
     assert_phases(capsys.readouterr().out, "gateway", {
         "warm-up": "done", "throughput, 6 requests, 3 in flight": req_s,
         "latency, 2 sequential calls": r"direct [\d.]+ ms, sdk [+-][\d.]+ ms, session [+-][\d.]+ ms"})
+
+
+def test_bench_trl_summarises_the_async_systems_sharing_the_cores_otherwise_beside_the_others():
+    """``async_sharing``: an async system per setting, summarised over the seeds like the three."""
+    from asyncrl.bench.trl import SYSTEMS, TrlBenchSettings, summarise_seeds
+
+    s = TrlBenchSettings(async_sharing=["colocated", "colocated_learner"])
+    names = (*SYSTEMS, *(f"asyncrl_async_{sharing}" for sharing in s.async_sharing))
+
+    def sitting(seed, rate):
+        systems = {name: {"time_to_target_s": None, "final_held_out_reward": None, "samples_per_s": rate}
+                   for name in names}
+        return {"seed": seed, "systems": systems, "target_reward": None, "target_above_start": None}
+
+    summary = summarise_seeds([sitting(0, 2.0), sitting(1, 4.0)])
+    assert list(summary["systems"]) == list(names)
+    assert summary["systems"]["asyncrl_async_colocated_learner"]["samples_per_s"]["mean"] == 3.0

@@ -457,3 +457,55 @@ def test_a_run_on_remote_servers_cannot_be_fitted_and_says_what_to_plan_from(tmp
     (tmp_path / "config.yaml").write_text("engine: remote\n")
     with pytest.raises(ValueError, match="engine=remote.*engine=torch"):
         fit_run(tmp_path)
+
+
+def test_a_side_alone_with_every_core_computes_its_speedup_faster_and_only_where_the_run_hands_them_over():
+    """rollout.thread_sharing=colocated. The learner: 1 s of work on its share at contention
+    0.5 beside an engine busy for its first 0.6 s: 0.4 s of work done then (1/1.5 speed);
+    the other 0.6 s with every core at 2× is 0.3 s: it ends at 0.9 s (1.2 s under split,
+    where alone it keeps its share). The engine: a prefill that costs nothing samples the
+    first of 10 units, then 9 decode steps of 10 ms, each 1.25× faster with the learner
+    idle: 9 × 8 ms = 72 ms (90 ms under split)."""
+    from asyncrl.plan.engine import EngineCosts, SharedCores, SimulatedEngine
+
+    async def learner(whole):
+        cores = SharedCores(whole_when_alone=("learner",) if whole else ())
+        cores.set_engine(True)
+        asyncio.get_running_loop().call_later(0.6, cores.set_engine, False)
+        await cores.compute(1.0, 0.5, alone_speedup=2.0)
+        return asyncio.get_running_loop().time()
+
+    async def engine(whole):
+        sim = SimulatedEngine(EngineCosts(step_s=0.01, alone_speedup=1.25), unit=1,
+                              cores=SharedCores(whole_when_alone=("engine", "learner") if whole else ("learner",)))
+        loop = asyncio.ensure_future(sim.run())
+        await sim.generate(1, 10, ("task", 0))
+        loop.cancel()
+        return asyncio.get_running_loop().time()
+
+    assert run_virtual(learner(True))[0] == pytest.approx(0.9)
+    assert run_virtual(learner(False))[0] == pytest.approx(1.2)
+    assert run_virtual(engine(True))[0] == pytest.approx(0.072)
+    assert run_virtual(engine(False))[0] == pytest.approx(0.090)
+
+
+def test_the_fit_finds_the_learners_speedup_with_every_core_from_a_colocated_runs_steps(tmp_path):
+    """Steps made from known costs: the learner's work 100 µs per token on its share, 1.6×
+    faster with every core, a different fraction g of each step at every core, so
+    T = W − 0.6·g·T, T = W / (1 + 0.6·g). The speedup and the share's cost come back."""
+    tokens = [1000, 2000, 3000, 1500, 2500, 1000, 2000, 3000]
+    rows = []
+    for n, g in zip(tokens, [0.0, 1.0, 0.2, 0.9, 0.1, 1.0, 0.0, 0.8]):
+        learner_s = 1e-4 * n / (1 + 0.6 * g)
+        decode_steps = 40 + n // 100
+        rows.append({"time/learner": learner_s, "time/learner_all_cores_s": g * learner_s,
+                     "time/learner_overlap": 0.0, "time/step": learner_s + 0.01, "time/weight_sync": 0.002,
+                     "rollout/busy_s": 0.002 * decode_steps + 0.001, "rollout/prefill_s": 0.001,
+                     "rollout/prefills": 1, "rollout/prefill_rows": 1, "rollout/prefill_reused": 0,
+                     "rollout/decode_steps": decode_steps, "rollout/tokens": 1 + decode_steps})
+    _fake_run(tmp_path / "colocated", rows, tokens)
+    costs = fit_run(tmp_path / "colocated")
+    assert costs.learner.alone_speedup == pytest.approx(1.6, rel=1e-3)
+    assert costs.learner.per_token_s == pytest.approx(1e-4, rel=1e-3)
+    assert costs.engine.alone_speedup == 1.0  # its steps logged no seconds at every core
+    assert any("the learner is 1.60× and a decode step 1.00× faster" in line for line in costs.describe())

@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
@@ -114,6 +114,10 @@ class TrlBenchSettings(Section):
     """Sittings, with seeds ``seed``, ``seed + 1``, …: time to target per seed and its interval."""
     target: float | None = None
     """A held-out reward every system must reach; None: each seed's TRL final (``target_rule``)."""
+    async_sharing: list[Literal["colocated", "colocated_learner"]] = []
+    """Also train ``async`` with each of these ``rollout.thread_sharing`` settings (system
+    ``asyncrl_async_<setting>``, run after ``asyncrl_async``, which keeps ``split``), so the
+    ways of sharing the cores and ``sync`` are measured in one sitting."""
     keep_checkpoints: bool = False
     """Keep every checkpoint once scored; false: each is deleted after its held-out score is
     written (an asyncrl checkpoint of SmolLM2 with its optimizer state is ~1.6 GB: three seeds
@@ -182,11 +186,11 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
                  if p["reward_mean"] >= target - 1e-9), None)
 
 
-def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str) -> Run:
+def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str, sharing: str = "split") -> Run:
     total = s.steps_of(f"asyncrl_{mode}")
     steps = checkpoint_steps(s, total)
     cfg = task_config(s, [
-        f"output_dir={out}", f"mode={mode}", "max_staleness=2",
+        f"output_dir={out}", f"mode={mode}", "max_staleness=2", f"rollout.thread_sharing={sharing}",
         f"partial_rollout={'abort' if mode == 'async' else 'off'}",
         f"total_steps={total}", f"batch_size={s.batch_size}", f"group_size={s.group_size}", "eval_every=0",
         "eval.num_tasks=8", "eval.samples_per_task=1",
@@ -324,7 +328,7 @@ def summarise_seeds(sittings: list[dict[str, Any]]) -> dict[str, Any]:
     over the seeds that reached it), held-out final and samples/s (mean ± CI95); and the
     seeds whose target lies above the start, without which a time to target ranks nothing."""
     systems = {}
-    for name in SYSTEMS:
+    for name in sittings[0]["systems"]:  # SYSTEMS, and an async system per async_sharing setting
         runs = [r["systems"][name] for r in sittings]
         times = [r["time_to_target_s"] for r in runs]
         reached = [t for t in times if t is not None]
@@ -365,8 +369,10 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     trainers = {"trl": (_trl_run, s, out / "trl"),  # TRL and the trainer show their own bars
                 "asyncrl_sync": (_asyncrl_run, s, out / "asyncrl_sync", "sync"),
                 "asyncrl_async": (_asyncrl_run, s, out / "asyncrl_async", "async")}
+    for sharing in s.async_sharing:  # async again, the cores shared otherwise
+        trainers[f"asyncrl_async_{sharing}"] = (_asyncrl_run, s, out / f"asyncrl_async_{sharing}", "async", sharing)
     per_step = s.batch_size * s.group_size
-    samples = {name: s.steps_of(name) * per_step for name in SYSTEMS}
+    samples = {name: s.steps_of(name) * per_step for name in trainers}
     runs: dict[str, Run] = {}
     for i, (name, (train, *args)) in enumerate(trainers.items(), 1):
         with phase("trl", f"{prefix}{name} (run {i}/{len(trainers)})") as progress:
@@ -417,6 +423,9 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
         "sync_vs_trl_samples_per_s": systems["asyncrl_sync"]["samples_per_s"] / trl_rate,
         "async_vs_trl_samples_per_s": systems["asyncrl_async"]["samples_per_s"] / trl_rate,
         "async_vs_trl_time_to_target": async_t / trl_t if async_t is not None and trl_t else None,
+        # every async system's samples/s against sync's, the cores shared each way (async_sharing)
+        "async_vs_sync_samples_per_s": {name: v["samples_per_s"] / systems["asyncrl_sync"]["samples_per_s"]
+                                        for name, v in systems.items() if name.startswith("asyncrl_async")},
         "unmatched": " ".join(__doc__.split("Not matched, and why: ")[1].split("\n\n")[0].split()),
     }
 
@@ -426,6 +435,9 @@ def _print_table(result: dict[str, Any]) -> None:
     print(f"{'system':14s} {'wall_s':>7s} {'save_s':>6s} {'samples/s':>10s} {'train reward':>12s} "
           f"{'held-out final':>14s} {'time to target':>14s}")
     held = result["target_reward"] is not None
+    if "async_vs_sync_samples_per_s" in result:  # absent from a bench.json written before it
+        print("async against sync, samples/s: " + ", ".join(
+            f"{name} {ratio:.2f}×" for name, ratio in result["async_vs_sync_samples_per_s"].items()))
     for name, v in systems.items():
         ttt = "never" if v["time_to_target_s"] is None else f"{v['time_to_target_s']:.1f}s"
         final = f"{v['final_held_out_reward']:14.3f}" if held else f"{'skipped':>14s}"

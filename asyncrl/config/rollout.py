@@ -110,6 +110,21 @@ class RolloutConfig(Section):
     trains beside it (``sync``, ``eval``), half of them otherwise."""
     learner_threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the learner thread; ``None``: as above."""
+    thread_sharing: Literal["split", "colocated", "colocated_learner"] = "split"
+    """How the engine and the learner share the cores where both compute on one machine
+    (``runtime: local``, the built-in engine, ``async`` or ``one_step_off``). ``split``: each
+    keeps its own count (``num_threads``, ``learner_threads``) always. ``colocated``: the side
+    working alone takes every core — the learner while the engine waits on the staleness
+    gate or has nothing queued, the engine while the learner waits for a batch — and the two
+    keep to those counts while both work, never a thread more than the cores between them
+    (a side waits for a core the other still holds until the other's next boundary); the
+    engine switches between decode steps, the learner before each micro-batch's forward and
+    backward pass (``asyncrl.core_budget``). ``colocated_learner``: only the learner takes
+    every core when alone, the engine keeps its share (generation gains little from more
+    threads, and shares its process with the event loop). Each step's row says how long each
+    side had every core and waited for one (``time/learner_all_cores_s``,
+    ``time/engine_core_wait_s``, …). ``sync`` already gives the working side every core:
+    there it changes nothing. One rollout worker and one learner rank only."""
     engine_weight_noise: float = Field(0.0, ge=0)
     """A bench and test facility, not a training knob: the built-in engine samples from a
     copy of the weights with each element multiplied by (1 + σ·ε), ε ~ N(0, 1) drawn afresh

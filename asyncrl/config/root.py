@@ -121,6 +121,15 @@ class Config(Section):
         if self.engine in ("vllm", "remote") and (self.sampling.top_k or self.sampling.top_p < 1):
             raise ValueError(f"engine {self.engine!r} reports logprobs after top-k/top-p truncation, which the "
                              "learner cannot reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
+        if self.rollout.thread_sharing != "split" and (beyond := {
+                k: v for k, v in {"engine": self.engine, "runtime": self.runtime, "learner.world_size":
+                                  self.learner.world_size, "rollout.num_workers": self.rollout.num_workers}.items()
+                if v not in ("torch", "local", 1)}):
+            raise ValueError(f"rollout.thread_sharing={self.rollout.thread_sharing} hands the cores between one "
+                             "built-in engine and one learner rank on this machine, but "
+                             + " and ".join(f"{k}={v}" for k, v in beyond.items())
+                             + "; set engine=torch runtime=local learner.world_size=1 rollout.num_workers=1, or "
+                             "rollout.thread_sharing=split")
         per_step, micro, minis = self.batch_size * self.group_size, self.optim.micro_batch_size, self.optim.mini_batches
         if per_step % minis:
             raise ValueError(f"optim.mini_batches={minis} does not divide the {per_step} trajectories of a step "

@@ -35,6 +35,7 @@ from asyncrl.engine.sampling import RowParams, sample_tokens
 from asyncrl.engine.scheduler import QueueState, ScheduledStep, Scheduler, Sequence
 from asyncrl.heap import HeapTrimmer
 from asyncrl.policy import weights_dtype
+from asyncrl.core_budget import ThreadBudget
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, SamplingParams
 
@@ -79,7 +80,7 @@ class TorchEngine:
         self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,
         weight_noise: float = 0.0,  # a bench and test facility: see _perturb
         num_threads: int | None = None, group_prefill: bool = True, prefix_cache_size: int = 64,
-        dtype: str | torch.dtype | None = None,
+        dtype: str | torch.dtype | None = None, thread_budget: ThreadBudget | None = None,
     ) -> None:
         self.model = model.eval() if dtype is None else model.eval().to(weights_dtype(dtype))
         self.device = next(model.parameters()).device
@@ -87,6 +88,9 @@ class TorchEngine:
         self.max_positions = getattr(model.config, "max_position_embeddings", None) or 1 << 30
         self.stats = EngineStats()
         self.num_threads = num_threads  # torch's thread count is per OS thread: set on ours
+        # the cores shared with the learner (rollout.thread_sharing: colocated): working before
+        # each step, idle with nothing to decode, so each side takes every core while alone
+        self.thread_budget = thread_budget
         self.group_prefill = group_prefill
         self.prefix_cache_size = prefix_cache_size if group_prefill else 0
         self._scheduler = Scheduler(max_batch_size, self.max_positions)
@@ -260,8 +264,11 @@ class TorchEngine:
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
         scheduler = self._scheduler
+        budget = self.thread_budget
         try:
             while True:
+                if budget is not None and not scheduler.has_work():
+                    budget.idle("engine")
                 with self._wake:
                     while not (self._closed or self._inbox or scheduler.has_work()):
                         self._wake.wait()
@@ -271,6 +278,8 @@ class TorchEngine:
                 for fn, _, _ in inbox:
                     fn()
                 if scheduler.has_work():
+                    if budget is not None:
+                        budget.working("engine")
                     self._step()
                     self._heap.trim()
                 if not scheduler.running and self._drain_waiters:

@@ -58,6 +58,7 @@ from asyncrl.learner.export import UpdateKind, engine_start, engine_update, upda
 from asyncrl.learner.lora import add_adapters
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
+from asyncrl.core_budget import ThreadBudget
 
 
 def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
@@ -162,6 +163,14 @@ class Learner:
         # the batch's engine–learner mismatch sums by lag (algorithms/mismatch.py), added while
         # the weights are still the batch's starting ones (None: not measuring now)
         self._mismatch: torch.Tensor | None = None
+        # the cores shared with an engine (rollout.thread_sharing: colocated): re-read before each
+        # micro-batch's forward and backward, so a step takes every core while the engine is idle
+        self.thread_budget: ThreadBudget | None = None
+
+    def _take_cores(self) -> None:
+        """A boundary where this step may change its torch threads (``thread_budget``)."""
+        if self.thread_budget is not None:
+            self.thread_budget.working("learner")
 
     # ------------------------------------------------------------------ math
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
@@ -201,6 +210,7 @@ class Learner:
         """(B, L-1) logprobs of the whole batch, computed micro-batch by micro-batch."""
         out = torch.zeros_like(batch.behavior_logprobs)
         for start, part in self.micro_batches(batch):
+            self._take_cores()
             lp, _ = self.token_logprobs(model, part)
             if start is not None:
                 out[start:start + part.size, :lp.shape[1]] = lp
@@ -364,6 +374,7 @@ class Learner:
             def rows(full: torch.Tensor) -> torch.Tensor:  # this micro-batch's rows of a whole-batch tensor
                 return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
 
+            self._take_cores()
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
             if self._mismatch is not None and part.versions is not None and start is not None:
                 # π at the version being trained: π_prox where recomputed, else this forward (the
@@ -385,6 +396,7 @@ class Learner:
             token_share = part.loss_mask.sum() / tokens
             share = (token_share if self.algorithm.aggregation == "token_mean"
                      else (part.loss_mask.sum(-1) > 0).sum() / sequences)
+            self._take_cores()
             if self.sharding is None:
                 (loss * share).backward()
             else:

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.orchestrator.metrics import StepTimes, step_row
 from asyncrl.runtime import RolloutHandle
+from asyncrl.core_budget import SIDES
 from asyncrl.types import Trajectory
 
 T = TypeVar("T")
@@ -109,6 +110,11 @@ class StepMeter:
         # the logging are its idle time
         row["time/learner"], row["time/weight_sync"] = trained.learner_s, self.sync_s
         row["time/learner_overlap"] = trained.overlap_s
+        for side in SIDES:  # rollout.thread_sharing: colocated — each side's seconds at every core and waiting
+            if f"{side}_all_cores_s" in work:  # for one, and its switches of count (ThreadBudget.counters)
+                row[f"time/{side}_all_cores_s"] = work.pop(f"{side}_all_cores_s")
+                row[f"time/{side}_core_wait_s"] = work.pop(f"{side}_waited_s")
+                row[f"threads/{side}_switches"] = work.pop(f"{side}_switches")
         # what the engines did meanwhile, summed over them: what `asyncrl plan --from` fits their costs to
         row.update({f"rollout/{key}": value for key, value in work.items()})
         row.update({f"remote/{key}": value for key, value in (await self.rollout.engine_fleet()).items()})

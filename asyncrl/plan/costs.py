@@ -19,6 +19,13 @@ slower while the other does: the learner by ``1 + LearnerCosts.contention``, the
 decode steps by ``1 + EngineCosts.contention``. A run measures the engine's busy seconds
 during the learner's calls (``time/learner_overlap``), and the fits find both factors
 from how the learner's and the engine's seconds grow with that overlap.
+With ``rollout.thread_sharing: colocated`` (and in ``sync``) a side computing while the
+other is idle has every core and runs ``alone_speedup`` times faster than on its share; a
+colocated run logs each step's seconds at every core (``time/learner_all_cores_s``,
+``time/engine_all_cores_s``), and the fits find the speedups from how the seconds shrink
+with them: of a call's ``T`` seconds, ``o`` beside the busy other side and ``a`` at every
+core, the work done in share-seconds is ``W = T − o·c/(1+c) + a·(s−1)``, so
+``T = W + k·o − (s−1)·a`` with ``k = c/(1+c)``, linear in the unknowns.
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ class LearnerCosts:
     contention: float = 0.0
     """How much slower the learner computes while the engine it shares the cores with is busy
     (0.5: 1.5× the time)."""
+    alone_speedup: float = 1.0
+    """How much faster the learner computes with every core than with its share, where it has
+    them while the engine is idle (``rollout.thread_sharing: colocated``, and ``sync``):
+    fitted to a colocated run's ``time/learner_all_cores_s``; 1 where no run measured it."""
 
     def step(self, tokens: int, on_policy: bool) -> float:
         compute = self.step_s + self.per_token_s * tokens
@@ -153,7 +164,10 @@ class Costs:
             f"recompute +{lr.recompute:.0%}"
             f", loop overhead {lr.overhead_s * 1e3:.3g} ms per step, first step +{lr.warmup_s:.3g} s"
             + (f"; sharing the cores, the learner is {1 + lr.contention:.2f}× and a decode step "
-               f"{1 + e.contention:.2f}× slower while the other computes" if lr.contention or e.contention else ""),
+               f"{1 + e.contention:.2f}× slower while the other computes" if lr.contention or e.contention else "")
+            + (f"; with every core while the other is idle (colocated, sync), the learner is {lr.alone_speedup:.2f}× "
+               f"and a decode step {e.alone_speedup:.2f}× faster" if lr.alone_speedup != 1 or e.alone_speedup != 1
+               else ""),
             f"weight sync: {s.sync(self.engines):.3g} s; an episode's own time around the engine: "
             f"{self.episode_lead_s * 1e3:.3g} ms before, {self.episode_tail_s * 1e3:.3g} ms after",
             f"responses: {lengths}; prompts mean {statistics.mean(w.prompt_tokens):.0f} tokens; "
@@ -225,19 +239,25 @@ def fit_run(run_dir: Path) -> Costs:
     fits: dict[bool, tuple[float, float]] = {}
     overlap = {r["step"]: r.get("time/learner_overlap", 0.0) for r in rows}
     shared: dict[bool, tuple[float, int]] = {}  # per regime: the overlap's coefficient, and steps fitted
+    whole = {r["step"]: r.get("time/learner_all_cores_s", 0.0) for r in rows}
+    speedups: dict[bool, tuple[float, int]] = {}  # per regime: s − 1, and steps fitted
     steady = rows[1:] if len(rows) > 4 else rows  # the first step warms up (its extra time: warmup_s)
     for regime in (True, False):
         chosen = [r for r in steady if r["step"] in tokens and on_policy[r["step"]] == regime]
         if len(chosen) >= 3:
             # the learner's seconds = its work alone + k × the engine's busy seconds meanwhile
             # (working 1 / (1 + c) as fast then: k = c / (1 + c))
-            x = np.array([[1.0, tokens[r["step"]], overlap[r["step"]]] for r in chosen])
+            # and − (s − 1) × its seconds at every core (rollout.thread_sharing: colocated): the column negated
+            x = np.array([[1.0, tokens[r["step"]], overlap[r["step"]], -whole[r["step"]]] for r in chosen])
             y = np.array([r["time/learner"] for r in chosen])
             if not _shared_sometimes(x[:, 2] / y):
                 x[:, 2] = 0.0
+            if not _shared_sometimes(-x[:, 3] / y):  # every step as much at every core: s cannot be told
+                x[:, 3] = 0.0
             coef = _nonnegative_fit(x, y)
             fits[regime] = (float(coef[0]), float(coef[1]))
             shared[regime] = (float(coef[2]), len(chosen))
+            speedups[regime] = (float(coef[3]), len(chosen))
     if not fits:
         raise ValueError(f"{run_dir}: fewer than 3 trained steps to fit the learner to")
     base_on = fits.get(True) or fits[False]
@@ -252,7 +272,8 @@ def fit_run(run_dir: Path) -> Costs:
     first = rows[0]
     shared_k = min(0.9, sum(c * n for c, n in shared.values()) / sum(n for _, n in shared.values()))
     a, b = fits.get(on_policy.get(first["step"], True)) or base_on
-    alone = first["time/learner"] - shared_k * overlap[first["step"]]
+    faster = sum(c * n for c, n in speedups.values()) / sum(n for _, n in speedups.values())  # s − 1
+    alone = first["time/learner"] - shared_k * overlap[first["step"]] + faster * whole[first["step"]]
     warmup = max(0.0, alone - (a + b * tokens.get(first["step"], 0))) if steady is not rows else 0.0
     overhead = statistics.mean(max(0.0, r["time/step"] * (1 - r["trainer/idle_ratio"]) - r["time/learner"]
                                    - r["time/weight_sync"]) for r in rows)
@@ -261,7 +282,7 @@ def fit_run(run_dir: Path) -> Costs:
                                 for a, b in zip(rows, rows[1:])) if len(rows) > 1 else 0.0
     learner = LearnerCosts(per_token_s=learner_per_token_s, step_s=learner_step_s, recompute=recompute,
                            overhead_s=overhead, warmup_s=warmup,
-                           contention=shared_k / (1 - shared_k))
+                           contention=shared_k / (1 - shared_k), alone_speedup=1 + faster)
     # a sync that lets running sequences finish (partial_rollout=off) waited for them: the
     # simulated engines wait for their own, so only the load is a cost
     sync = SyncCosts(fixed_s=statistics.mean(max(0.0, r["time/weight_sync"] - r.get("rollout/drain_s", 0.0))
@@ -298,14 +319,21 @@ def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes:
         # a decode step costs step_s plus per_sequence_s per sequence it advances (a newcomer's
         # first token is sampled by its prefill) plus per_context_token_s per cache position
         # it attends over, where counted
+        # and − (s − 1) × its decode seconds at every core (colocated; the module docstring's law),
+        # the engine's seconds at every core taken as decode and prefill in their proportion
         decode_x = np.array([[r["rollout/decode_steps"], r["rollout/tokens"] - r["rollout/prefill_rows"]
                               - r["rollout/prefill_reused"], r.get("rollout/decode_positions", 0),
-                              r.get("time/learner_overlap", 0.0)] for r in rows], float)
+                              r.get("time/learner_overlap", 0.0),
+                              -r.get("time/engine_all_cores_s", 0.0) * (1 - r["rollout/prefill_s"]
+                                                                         / max(r["rollout/busy_s"], 1e-9))]
+                             for r in rows], float)
         # the positions prefilled, where counted (a resumed sequence's row holds its partial response)
         prefill_x = np.array([[r["rollout/prefills"], r["rollout/prefill_rows"], r.get("rollout/prefill_tokens", 0)]
                               for r in rows], float)
         if not _shared_sometimes(decode_x[:, 3] / np.maximum(busy, 1e-9)):
             decode_x[:, 3] = 0.0
+        if not _shared_sometimes(-decode_x[:, 4] / np.maximum(busy, 1e-9)):
+            decode_x[:, 4] = 0.0
         decode_coef, prefill_coef = _nonnegative_fit(decode_x, busy - prefill), _nonnegative_fit(prefill_x, prefill)
         notes.append(f"engine: decode seconds fitted to decode steps, tokens and cache positions (R² "
                      f"{_r2(decode_x @ decode_coef, busy - prefill):.2f}), prefill seconds to prefills, prompt "
@@ -316,7 +344,8 @@ def _fit_engine(rows: list[dict[str, Any]], workers: int, max_batch: int, notes:
                            prefill_s=float(prefill_coef[0]), prefill_per_row_s=float(prefill_coef[1]),
                            prefill_per_token_s=float(prefill_coef[2]), per_context_token_s=float(decode_coef[2]),
                            padded=True,
-                           max_batch=max_batch, contention=shared_k / (1 - shared_k))
+                           max_batch=max_batch, contention=shared_k / (1 - shared_k),
+                           alone_speedup=1 + float(decode_coef[4]))
     # an engine that does not time its prefills (vLLM): a forward pass (decode step or prefill)
     # costs step_s, plus per_sequence_s per sequence it advances, plus per_row_s per prompt row
     counts = np.array([[r["rollout/decode_steps"] + r["rollout/prefills"], r["rollout/tokens"],

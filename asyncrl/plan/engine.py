@@ -26,6 +26,9 @@ class EngineCosts:
     max_batch: int = 256
     contention: float = 0.0
     """How much slower a decode step is while the learner computes on the same cores."""
+    alone_speedup: float = 1.0
+    """How much faster the engine computes with every core than with its share, where it has
+    them while the learner is idle (``rollout.thread_sharing: colocated``, and ``sync``)."""
     padded: bool = False
     """A step's rows are padded to its longest (the torch engine): its context and a prefill's
     tokens are rows × longest, not their sum."""
@@ -59,9 +62,14 @@ class SimulatedSequence:
 
 class SharedCores:
     """Who computes on the cores an engine shares with the learner (one machine): each
-    slows the other down (``EngineCosts.contention``, ``LearnerCosts.contention``)."""
+    slows the other down (``EngineCosts.contention``, ``LearnerCosts.contention``). A side
+    of ``whole_when_alone`` (``rollout.thread_sharing: colocated`` both, ``colocated_learner``
+    the learner; ``sync``, whose one thread has every core, both) computing while the other
+    is idle has every core and runs ``alone_speedup`` times faster than on its share; any
+    other keeps its share."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole_when_alone: tuple[str, ...] = ()) -> None:
+        self.whole_when_alone = whole_when_alone
         self.engine_busy = self.learner_busy = False
         self.engine_changed = asyncio.Event()  # the learner re-times its work on it
         self.engine_wake: asyncio.Event | None = None  # the engine's: it re-times its next unit
@@ -77,13 +85,19 @@ class SharedCores:
             if self.engine_wake is not None:
                 self.engine_wake.set()
 
-    async def compute(self, seconds: float, contention: float) -> None:
-        """The learner's ``seconds`` of work alone, ``1 + contention`` times slower while the engine is busy."""
+    def alone(self, side: str, speedup: float) -> float:
+        """``side``'s time factor while the other is idle: ``1 / speedup`` with every core, else 1."""
+        return 1 / speedup if side in self.whole_when_alone else 1.0
+
+    async def compute(self, seconds: float, contention: float, alone_speedup: float = 1.0) -> None:
+        """The learner's ``seconds`` of work on its share of the cores: ``1 + contention``
+        times slower while the engine is busy, ``alone_speedup`` faster while it is idle
+        where the learner then has every core (``whole_when_alone``)."""
         loop = asyncio.get_running_loop()
         self.set_learner(True)
         try:
             while seconds > 1e-12:
-                slowdown = 1 + contention if self.engine_busy else 1.0
+                slowdown = 1 + contention if self.engine_busy else self.alone("learner", alone_speedup)
                 self.engine_changed.clear()
                 start = loop.time()
                 try:
@@ -153,7 +167,7 @@ class SimulatedEngine:
                         s.group for s in admit if not s.versions and s.group not in self._prefilled)]
                 self._prefilled.update(s.group for s in admit)
                 contexts = [s.context * self.unit for s in rows]
-                cost = self.costs.prefill(contexts)
+                cost = self.costs.prefill(contexts) * self._alone()
                 await asyncio.sleep(cost)
                 self.busy_s += cost
                 self.prefill_s += cost
@@ -171,6 +185,8 @@ class SimulatedEngine:
             unit_s = self.unit * self.costs.decode_step(len(self.running), context)
             if self.cores is not None and self.cores.learner_busy:  # re-timed at the next unit when it stops
                 unit_s *= 1 + self.costs.contention
+            else:
+                unit_s *= self._alone()
             steps = min(s.target - len(s.versions) for s in self.running)  # units until the first one ends
             start = loop.time()
             self._wake.clear()
@@ -186,6 +202,12 @@ class SimulatedEngine:
             for s in self.running:
                 s.versions += [self.version] * done
             self._settle()
+
+    def _alone(self) -> float:
+        """This step's time factor with the learner idle (every core where the engine gets them)."""
+        if self.cores is None or self.cores.learner_busy:
+            return 1.0
+        return self.cores.alone("engine", self.costs.alone_speedup)
 
     def _settle(self) -> None:
         finished = [s for s in self.running if len(s.versions) >= s.target]

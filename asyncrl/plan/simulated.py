@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.core_budget import SIDES, WHOLE_WHEN_ALONE
 from asyncrl.rollout.eval_scoring import EvalResult
 from asyncrl.learner import TrainBatch
 from asyncrl.plan.costs import Costs, LearnerCosts
@@ -121,7 +122,7 @@ class SimulatedLearner:
         if self.cores is None:
             await asyncio.sleep(seconds)
         else:
-            await self.cores.compute(seconds, self.costs.contention)
+            await self.cores.compute(seconds, self.costs.contention, self.costs.alone_speedup)
 
     async def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
         seconds = self.costs.step(self._tokens(batch), on_policy) + self._warmup()
@@ -175,7 +176,8 @@ def simulated_runtime(costs: Costs, unit: int) -> RuntimeStarter:
     async def start(cfg: Config, *, model: Any, tokenizer: Any, train: bool = True,
                     checkpoint: Path | None = None, version: int = 0) -> AsyncIterator[Runtime]:
         mode_costs = costs.for_mode(cfg.mode)
-        cores = SharedCores()
+        # a side alone has every core where the run hands them over (colocated), or has them anyway (sync)
+        cores = SharedCores(SIDES if cfg.mode == "sync" else WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing])
         rollout = SimulatedRollout(cfg, mode_costs, unit, cores)
         learner = SimulatedLearner(mode_costs.learner, unit, version, cores)
         async with asyncio.TaskGroup() as engines:  # an engine's failure fails the run

@@ -43,6 +43,7 @@ from asyncrl.rollout.journal import EpisodeKey, Journal
 from asyncrl.policy import check_policy, load_policy, resolve_model_path
 from asyncrl.seeding import Purpose, derive_seed, episode_seed
 from asyncrl.tasks.base import Task
+from asyncrl.core_budget import ThreadBudget
 from asyncrl.threads import UserThreads
 from asyncrl.types import Completion, Episode, SamplingParams
 from asyncrl.rollout.workflows.base import run_episode
@@ -65,16 +66,20 @@ CHECKPOINT_ABORT_WAIT_S = 5.0
 class RolloutWorker:
     def __init__(self, cfg: Config, *, model: PreTrainedModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, weights: WeightUpdate | None = None,
-                 version: int = 0, seed: int = 0, num_threads: int | None = None, eval_replica: bool = False) -> None:
+                 version: int = 0, seed: int = 0, num_threads: int | None = None, eval_replica: bool = False,
+                 thread_budget: ThreadBudget | None = None) -> None:
         """``model``/``tokenizer`` given: use them (in-process). Otherwise load them from
         ``model.path`` here, in the worker's own process. ``weights``: the latest published,
         loaded over ``model.path``'s. ``eval_replica``: a second engine for evaluation beside
-        training (torch engine only). The engines themselves are built by :meth:`start`."""
+        training (torch engine only). ``thread_budget``: the cores the training engine shares
+        with the learner (``rollout.thread_sharing``; not the replica's). The engines
+        themselves are built by :meth:`start`."""
         if tokenizer is None:
             tokenizer = check_policy(cfg.model)
         self.cfg, self.tokenizer = cfg, tokenizer
         self._model, self._weights, self._version = model, weights, version
         self._seed, self._num_threads, self._eval_replica = seed, num_threads, eval_replica
+        self.thread_budget = thread_budget
         self.workflow = build_workflow(cfg)
         s, e = cfg.sampling, cfg.eval
         self.sampling = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
@@ -139,14 +144,13 @@ class RolloutWorker:
         adapters = isinstance(update, AdapterUpdate)
         if isinstance(update, FullWeights):
             model.load_state_dict(dict(update.tensors), strict=False)  # tied weights appear once in an export
-        make = lambda m, seed: TorchEngine(m.eval(), max_batch_size=self.cfg.rollout.max_batch_size,  # noqa: E731
-                                           seed=seed, version=self._version, num_threads=self._num_threads,
-                                           weight_noise=self.cfg.rollout.engine_weight_noise,
-                                           group_prefill=self.cfg.rollout.group_prefill,
-                                           dtype=self.cfg.engine_dtype)
+        make = lambda m, seed, budget=None: TorchEngine(  # noqa: E731
+            m.eval(), max_batch_size=self.cfg.rollout.max_batch_size, seed=seed, version=self._version,
+            num_threads=self._num_threads, weight_noise=self.cfg.rollout.engine_weight_noise,
+            group_prefill=self.cfg.rollout.group_prefill, dtype=self.cfg.engine_dtype, thread_budget=budget)
         if self._eval_replica:
             self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
-        self.engine = make(model, self._seed)
+        self.engine = make(model, self._seed, self.thread_budget)
         if adapters:  # each engine merges them into its own copy of the base (engine/adapters.py)
             for engine in (self.engine, self.eval_engine):
                 if engine is not None:
@@ -174,7 +178,8 @@ class RolloutWorker:
             return {"busy_s": 0.0}
         stats = self.engine.stats
         return {"busy_s": stats.busy_s, "drain_s": self.drain_s, **self.episode_times,
-                **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items() if hasattr(stats, field)}}
+                **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items() if hasattr(stats, field)},
+                **(self.thread_budget.counters() if self.thread_budget is not None else {})}
 
     async def engine_fleet(self) -> dict[str, float | str]:
         """``RolloutHandle.engine_fleet``: with ``engine: remote``, the servers as the client

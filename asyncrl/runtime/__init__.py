@@ -35,6 +35,7 @@ from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup, Rollo
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.runtime.transport import CallDeadlines, InProcess, LearnerGroup, Transport
 from asyncrl.seeding import rollout_worker_seed
+from asyncrl.core_budget import WHOLE_WHEN_ALONE, CoreBudget, ThreadBudget
 from asyncrl.weight_sync import WeightSync, open_weight_sync
 
 __all__ = ["LearnerHandle", "RolloutHandle", "Runtime", "RuntimeStarter", "Weights", "WeightSync", "start"]
@@ -78,6 +79,18 @@ def _thread_split(cfg: Config) -> tuple[int, int]:
             cfg.rollout.learner_threads or (half if shared else cores))
 
 
+def _thread_budget(cfg: Config, engine_threads: int, learner_threads: int) -> ThreadBudget | None:
+    """``rollout.thread_sharing: colocated`` (or ``colocated_learner``) where both sides
+    compute at once: the budget the engine and the learner hand the cores through, the
+    split being what ``split`` would give each, and a side alone taking both shares (never
+    more threads than the split runs at once, whatever the calling thread's own count).
+    ``sync`` needs none: its one thread already has every core."""
+    if cfg.rollout.thread_sharing == "split" or cfg.mode == "sync":
+        return None
+    return ThreadBudget(CoreBudget(cores=engine_threads + learner_threads, engine=engine_threads,
+                                   learner=learner_threads, whole=WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing]))
+
+
 @contextmanager
 def one_torch_thread() -> Iterator[None]:
     """The calling thread computes with one torch thread inside, as it was after.
@@ -106,7 +119,10 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
     Whatever was started is shut down on the way out, also when starting fails."""
     eval_replica = train and cfg.background_eval
     engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
+    budget = _thread_budget(cfg, engine_threads, learner_threads) if train and learner_threads else None
     async with AsyncExitStack() as stack:  # callbacks run in reverse: rollout, learner, Ray
+        if budget is not None:
+            stack.callback(budget.close)
         stack.enter_context(one_torch_thread())
         learner: LearnerHandle | None = None
         weights = None
@@ -121,13 +137,15 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             from asyncrl.runtime.rank_processes import RankProcesses
 
             transport = RankProcesses(cfg, world_size=ranks,
-                                      num_threads=max(1, (learner_threads or torch.get_num_threads()) // ranks))
+                                      num_threads=max(1, (learner_threads or torch.get_num_threads()) // ranks),
+                                      thread_budget=budget)
         elif train:
             # in sync the learner will share the engine's thread; until then (joining, loading a
             # checkpoint) it runs on a thread of its own with one torch thread, so that thread
             # forms no OpenMP team that would stay beside the engine's (one_torch_thread)
             shares = cfg.mode == "sync" and cfg.engine == "torch"
-            worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=1 if shares else learner_threads)
+            worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=1 if shares else learner_threads,
+                                   thread_budget=budget)
             transport = InProcess(worker)
         if transport is not None:
             w = cfg.watchdog
@@ -155,7 +173,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                               tokenizer=tokenizer, weights=weights, version=version,
                               seed=rollout_worker_seed(cfg.seed, i, version),
                               num_threads=max(1, engine_threads // n) if engine_threads else None,
-                              eval_replica=eval_replica) for i in range(n)])
+                              eval_replica=eval_replica, thread_budget=budget) for i in range(n)])
         rollout: RolloutHandle = RolloutGroup(rollout_transport)
         stack.push_async_callback(rollout.shutdown)
         if isinstance(rollout_transport, InProcessRollouts):

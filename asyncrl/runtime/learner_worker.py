@@ -14,7 +14,8 @@ from __future__ import annotations
 import os
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,15 +37,20 @@ from asyncrl.learner.distributed import (
 )
 from asyncrl.learner.export import update_kind
 from asyncrl.policy import load_policy
+from asyncrl.core_budget import ThreadBudget
 
 T = TypeVar("T")
 
 
 class LearnerWorker:
     def __init__(self, cfg: Config, *, rank: int = 0, world_size: int = 1, num_threads: int | None = None,
-                 model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None) -> None:
-        """``model``/``tokenizer``: the policy already loaded in this process (one rank only)."""
+                 model: PreTrainedModel | None = None, tokenizer: PreTrainedTokenizerBase | None = None,
+                 thread_budget: ThreadBudget | None = None) -> None:
+        """``model``/``tokenizer``: the policy already loaded in this process (one rank only).
+        ``thread_budget``: the cores shared with the engine (``rollout.thread_sharing``); a
+        training call then computes with every core while the engine is idle."""
         self.cfg, self.rank, self.world_size, self.num_threads = cfg, rank, world_size, num_threads
+        self.thread_budget = thread_budget
         self._policy = (model, tokenizer) if model is not None and tokenizer is not None else None
         self.learner: Learner | None = None  # set by join()
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight sender); closed by leave()
@@ -55,6 +61,19 @@ class LearnerWorker:
         # (in this process that is the event loop's, which keeps one: asyncrl.runtime.start)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
+
+    @contextmanager
+    def _computing(self) -> Iterator[None]:
+        """A training call: its threads set, and within the core budget working, then idle."""
+        self._set_threads()
+        if self.thread_budget is None:
+            yield
+            return
+        self.thread_budget.working("learner")
+        try:
+            yield
+        finally:
+            self.thread_budget.idle("learner")
 
     # ------------------------------------------------------------ the group
     def rendezvous(self) -> str:
@@ -82,6 +101,7 @@ class LearnerWorker:
                                share_prompts=c.learner.share_prompts, lora=c.model.lora, autocast=c.learner.autocast,
                                update=update_kind(c.model.lora, engine=c.engine,
                                                   same_dtype=c.engine_dtype == c.model.dtype))
+        self.learner.thread_budget = self.thread_budget
 
     def leave(self) -> None:
         """Close what ``apply`` attached, then leave the process group."""
@@ -92,25 +112,25 @@ class LearnerWorker:
             destroy_process_group()
 
     def apply(self, fn: Callable[..., T], *args: Any) -> T:
-        self._set_threads()  # fn may compute (the delivery check's forward pass), as a step does
-        return fn(self, *args)
+        with self._computing():  # fn may compute (the delivery check's forward pass), as a step does
+            return fn(self, *args)
 
     # ------------------------------------------------------------ LearnerHandle's calls
     def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
         """Every rank returns the same metrics (reduced over ranks)."""
-        self._set_threads()
-        metrics = self.learner.train_step(batch, on_policy=on_policy)
+        with self._computing():
+            metrics = self.learner.train_step(batch, on_policy=on_policy)
         self._heap.trim()  # at most once a second: ~7 ms a call beside the engine, a step can take 0.1 s
         return metrics
 
     def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
-        self._set_threads()
-        self.learner.accumulate(batch, on_policy=on_policy)
+        with self._computing():
+            self.learner.accumulate(batch, on_policy=on_policy)
         self._heap.trim()  # at most once a second: parts come often
 
     def finish_step(self) -> dict[str, float]:
-        self._set_threads()
-        metrics = self.learner.finish_step()
+        with self._computing():
+            metrics = self.learner.finish_step()
         self._heap.trim()
         return metrics
 

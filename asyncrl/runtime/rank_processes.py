@@ -42,10 +42,17 @@ from asyncrl.runtime.fork_server import ForkedProcess, fork_server
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.shared_weights import BlockUnavailable, SharedSnapshot, WeightBlock, WeightReader
 from asyncrl.runtime.transport import LearnerRankError
+from asyncrl.core_budget import CoreBudget, ThreadBudget
+
+
+def _serve_sharing(fd: int, budget_fd: int, rule: CoreBudget, *args: Any) -> None:
+    """:func:`_serve`, the rank computing within the core budget it shares with the
+    driver's engine (``rollout.thread_sharing: colocated``), whose cell it maps from ``budget_fd``."""
+    _serve(fd, *args, thread_budget=ThreadBudget.attach(rule, budget_fd))
 
 
 def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, world_size: int,
-           init_method: str, num_threads: int | None) -> None:
+           init_method: str, num_threads: int | None, thread_budget: ThreadBudget | None = None) -> None:
     """A rank process: join, then run each call the driver sends until ``leave``. Replies
     are ``("ok", value)`` or ``("error", traceback)``; an error leaves this process
     serving (the driver decides). A lost driver ends it quietly: at once when idle (the
@@ -56,7 +63,8 @@ def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, wor
         conn.send_bytes(pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
-        worker = worker_cls(cfg, rank=rank, world_size=world_size, num_threads=num_threads)
+        shares = {} if thread_budget is None else {"thread_budget": thread_budget}
+        worker = worker_cls(cfg, rank=rank, world_size=world_size, num_threads=num_threads, **shares)
         worker.join(init_method, local_rank=rank)
     except BaseException:
         _quietly(reply, "error", traceback.format_exc())
@@ -110,7 +118,8 @@ class RankProcesses:
     ``worker_cls``: the rank's class (a subclass of :class:`LearnerWorker`, e.g. a test's)."""
 
     def __init__(self, cfg: Config, *, num_threads: int | None = None, world_size: int | None = None,
-                 worker_cls: type[LearnerWorker] = LearnerWorker) -> None:
+                 worker_cls: type[LearnerWorker] = LearnerWorker, thread_budget: ThreadBudget | None = None) -> None:
+        """``thread_budget``: the cores the rank shares with this process's engine (one rank)."""
         self.world_size = world_size or cfg.learner.world_size
         self._check_devices(cfg)
         init_method = f"tcp://127.0.0.1:{free_port()}"
@@ -125,8 +134,12 @@ class RankProcesses:
         for rank in range(self.world_size):
             parent, child = socket.socketpair()
             try:
-                proc = fork_server().fork(_serve, (worker_cls, cfg, rank, self.world_size, init_method, num_threads),
-                                          [child.fileno()], name=f"asyncrl-rank{rank}")
+                args = (worker_cls, cfg, rank, self.world_size, init_method, num_threads)
+                if thread_budget is None:
+                    proc = fork_server().fork(_serve, args, [child.fileno()], name=f"asyncrl-rank{rank}")
+                else:
+                    proc = fork_server().fork(_serve_sharing, (thread_budget.rule, *args),
+                                              [child.fileno(), thread_budget.fd], name=f"asyncrl-rank{rank}")
             except BaseException:
                 parent.close()
                 self._kill()
