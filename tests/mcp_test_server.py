@@ -45,6 +45,7 @@ def build(name: str) -> MCPServer:
 async def serve_http(server: MCPServer) -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
+    sock.listen(64)  # before the URL goes out: a client that connects first waits in the backlog, not refused
     print(f"http://127.0.0.1:{sock.getsockname()[1]}/mcp", flush=True)
     await uvicorn.Server(uvicorn.Config(server.streamable_http_app(), log_level="warning")).serve(sockets=[sock])
 
