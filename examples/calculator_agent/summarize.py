@@ -28,11 +28,12 @@ from asyncrl.policy import resolve_model_path
 from asyncrl.rollout.gateway.tool_calls import hermes
 
 
-def model_texts(trajectory: dict, tokenizer) -> list[str]:
-    """The text of each run of sampled tokens (mask 1): one per model call."""
+def model_texts(trajectory: dict, tokenizer, *, sampled: bool = True) -> list[str]:
+    """The text of each run of sampled tokens (mask 1): one per model call; ``sampled=False``:
+    each run of the environment's tokens (mask 0: template and tool results) instead."""
     runs, current = [], []
     for token, mask in zip(trajectory["response_ids"], trajectory["loss_mask"]):
-        if mask:
+        if bool(mask) == sampled:
             current.append(token)
         elif current:
             runs.append(current)

@@ -28,20 +28,6 @@ calculator = sys.modules[load_named(
     f"{Path(__file__).parents[1] / 'calculator_agent' / 'summarize.py'}:summarize", key="deepresearch").__module__]
 
 
-def environment_texts(trajectory: dict, tokenizer) -> list[str]:
-    """The text of each run of unsampled response tokens (mask 0): template and tool results."""
-    runs, current = [], []
-    for token, mask in zip(trajectory["response_ids"], trajectory["loss_mask"]):
-        if not mask:
-            current.append(token)
-        elif current:
-            runs.append(current)
-            current = []
-    if current:
-        runs.append(current)
-    return [tokenizer.decode(ids, skip_special_tokens=True) for ids in runs]
-
-
 def summarize(output_dir: Path) -> dict:
     summary = calculator.summarize(output_dir)
     config = yaml.safe_load((output_dir / "config.yaml").read_text())
@@ -49,7 +35,7 @@ def summarize(output_dir: Path) -> dict:
     episodes = [json.loads(line) for line in (output_dir / "eval_samples.jsonl").read_text().splitlines()]
     duplicates = refine_failures = repeating = 0
     for episode in episodes:
-        texts = [text for t in episode["trajectories"] for text in environment_texts(t, tokenizer)]
+        texts = [text for t in episode["trajectories"] for text in calculator.model_texts(t, tokenizer, sampled=False)]
         found = sum(text.count("duplicate search:") for text in texts)
         duplicates += found
         repeating += found > 0
