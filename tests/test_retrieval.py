@@ -264,7 +264,10 @@ def test_the_service_runs_as_its_own_process_and_stops_on_sigterm(tmp_path):
 
 
 def test_lognormal_latency_has_the_stated_median_and_p99():
-    """σ by hand: ln(8 / 1) / 2.3263 = 2.0794 / 2.3263 = 0.8939; the draws' quantiles match."""
+    """σ by hand: ln(8 / 1) / 2.3263 = 2.0794 / 2.3263 = 0.8939; the draws' quantiles match.
+    Bounds: over n = 20,000 draws the sample median's s.e. is 1.2533·σ/√n ≈ 0.8 % and the p99's
+    σ·√(0.99·0.01/n)/φ(2.326) ≈ 2.4 % (log scale), so 5 % and 15 % are ~6 s.e.; the draws are
+    seeded Python `random` (no torch kernels), the same on every CPU."""
     from asyncrl.tools.retrieval.service import Latency, lognormal_sigma
 
     assert lognormal_sigma(1.0, 8.0) == pytest.approx(0.8939, abs=1e-4)

@@ -69,11 +69,12 @@ def summarize(output_dir: Path) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, *, summary=None, description: str = __doc__.splitlines()[0]) -> None:
+    """One JSON line per directory of ``summary`` (default: this file's ``summarize``)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("output_dirs", type=Path, nargs="+", help="directories `asyncrl eval` wrote")
     for output_dir in parser.parse_args(argv).output_dirs:
-        print(json.dumps(summarize(output_dir)))
+        print(json.dumps((summary or summarize)(output_dir)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ Prints one JSON line per directory.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -45,12 +44,5 @@ def summarize(output_dir: Path) -> dict:
             "episodes_with_duplicate_fraction": round(repeating / n, 4), "refine_failures": refine_failures}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("output_dirs", type=Path, nargs="+", help="directories `asyncrl eval` wrote")
-    for output_dir in parser.parse_args(argv).output_dirs:
-        print(json.dumps(summarize(output_dir)))
-
-
 if __name__ == "__main__":
-    main()
+    calculator.main(summary=summarize, description=__doc__.splitlines()[0])
