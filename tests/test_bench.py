@@ -293,3 +293,39 @@ def test_bench_trl_summarises_the_async_systems_sharing_the_cores_otherwise_besi
     summary = summarise_seeds([sitting(0, 2.0), sitting(1, 4.0)])
     assert list(summary["systems"]) == list(names)
     assert summary["systems"]["asyncrl_async_colocated_learner"]["samples_per_s"]["mean"] == 3.0
+
+
+def test_bench_trl_ablation_arms_refuse_keys_the_bench_sets(capsys):
+    """An ablation is ``sync`` with one named change: one that overrode the schedule or the
+    sizes would not be the bench's run, and one without overrides would be plain ``sync``."""
+    from asyncrl.bench.trl import check_ablations
+    from asyncrl.config import ConfigError
+
+    check_ablations({"beta2": ["optim.betas=[0.9,0.999]"], "two": ["algorithm.is_cap=5", "optim.grad_clip=2"]})
+    with pytest.raises(ConfigError, match=r"ablations.bad: 'total_steps' is set by the bench"):
+        check_ablations({"bad": ["total_steps=3"]})
+    with pytest.raises(ConfigError, match=r"ablations.empty: no overrides"):
+        check_ablations({"empty": []})
+    assert main(["bench", "trl", 'ablations.x=["mode=async"]']) == 2
+    assert "ablations.x: 'mode' is set by the bench itself" in capsys.readouterr().err
+
+
+def test_bench_trl_runs_each_ablation_as_sync_with_its_overrides(tmp_path, monkeypatch):
+    """Each ablation becomes ``asyncrl_sync_<name>``: ``sync`` with the bench's settings and,
+    after them, the ablation's overrides (so its change wins), trained after the others."""
+    from asyncrl.bench import trl
+
+    calls = []
+
+    def fake_run(train, *args):
+        calls.append(args)
+        run = trl.Run()
+        run.train_curve, run.wall_s, run.save_s = [(1.0, 0.5)], 1.0, 0.0
+        return run
+
+    monkeypatch.setattr(trl, "_in_own_process", fake_run)
+    s = trl.TrlBenchSettings(held_out=False, ablations={"beta2": ["optim.betas=[0.9,0.999]"]})
+    result = trl._bench_size(s, tmp_path, "")
+    assert list(result["systems"]) == ["trl", "asyncrl_sync", "asyncrl_async", "asyncrl_sync_beta2"]
+    *_, (settings, out, mode, sharing, extra) = calls
+    assert (out.name, mode, sharing, extra) == ("asyncrl_sync_beta2", "sync", "split", ("optim.betas=[0.9,0.999]",))

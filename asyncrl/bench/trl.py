@@ -70,7 +70,7 @@ from pydantic import Field
 
 from asyncrl.bench.progress import phase
 from asyncrl.bench.staleness import ci95
-from asyncrl.config import Config, EvalConfig, Section, apply_overrides, load_config, validate
+from asyncrl.config import Config, ConfigError, EvalConfig, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.eval_command import run_eval
 from asyncrl.orchestrator.task_stream import TaskStream
@@ -118,6 +118,12 @@ class TrlBenchSettings(Section):
     """Also train ``async`` with each of these ``rollout.thread_sharing`` settings (system
     ``asyncrl_async_<setting>``, run after ``asyncrl_async``, which keeps ``split``), so the
     ways of sharing the cores and ``sync`` are measured in one sitting."""
+    ablations: dict[str, list[str]] = {}
+    """Also train ``sync`` once per entry, with that entry's ``asyncrl train`` overrides on
+    top of the bench's own (system ``asyncrl_sync_<name>``, run after the others): one
+    change at a time against TRL and plain ``sync`` in the same sitting, to find what moves
+    per-sample learning (``'ablations.beta2_999=["optim.betas=[0.9,0.999]"]'``). An override
+    of a key the bench sets itself (``mode``, ``total_steps``, ``batch_size``, …) is refused."""
     keep_checkpoints: bool = False
     """Keep every checkpoint once scored; false: each is deleted after its held-out score is
     written (an asyncrl checkpoint of SmolLM2 with its optimizer state is ~1.6 GB: three seeds
@@ -186,7 +192,25 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
                  if p["reward_mean"] >= target - 1e-9), None)
 
 
-def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str, sharing: str = "split") -> Run:
+BENCH_KEYS = ("output_dir", "mode", "max_staleness", "rollout.thread_sharing", "partial_rollout", "total_steps",
+              "batch_size", "group_size", "eval_every", "save_every", "keep_last", "save_every_minutes")
+"""The keys ``_asyncrl_run`` sets: an ablation that overrode one would not be the bench's run."""
+
+
+def check_ablations(ablations: dict[str, list[str]]) -> None:
+    """Refuse, naming the entry, an ablation without overrides or one that overrides a key
+    the bench itself sets (the arms must differ from ``sync`` only in what they name)."""
+    for name, overrides in ablations.items():
+        if not overrides:
+            raise ConfigError(f"ablations.{name}: no overrides (give a list of key=value)")
+        for item in overrides:
+            key = item.partition("=")[0].strip()
+            if key in BENCH_KEYS:
+                raise ConfigError(f"ablations.{name}: {key!r} is set by the bench itself ({', '.join(BENCH_KEYS)})")
+
+
+def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str, sharing: str = "split",
+                 extra: tuple[str, ...] = ()) -> Run:
     total = s.steps_of(f"asyncrl_{mode}")
     steps = checkpoint_steps(s, total)
     cfg = task_config(s, [
@@ -197,6 +221,7 @@ def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str, sharing: str = "spli
         f"optim.lr={s.lr}", "algorithm.filter_zero_variance=false",
         f"save_every={s.eval_every if s.held_out else 0}", f"keep_last={len(steps) + 1}",
         "save_every_minutes=0",  # only the evaluated steps' checkpoints: keep_last holds them all
+        *extra,  # an ablation's changes (check_ablations: none of the keys above)
     ])
     trainer = Trainer(cfg)
     trainer.run()
@@ -282,6 +307,7 @@ def held_out_eval(s: TrlBenchSettings, model_dir: Path, out: Path) -> dict[str, 
 
 def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     s = validate(TrlBenchSettings, apply_overrides({}, overrides))
+    check_ablations(s.ablations)
     if s.seeds > 1:
         return _across_seeds(s, out)
     sizes = [s.model_copy(update={"batch_size": b, "batch_sizes": None}) for b in s.sizes()]
@@ -328,7 +354,7 @@ def summarise_seeds(sittings: list[dict[str, Any]]) -> dict[str, Any]:
     over the seeds that reached it), held-out final and samples/s (mean ± CI95); and the
     seeds whose target lies above the start, without which a time to target ranks nothing."""
     systems = {}
-    for name in sittings[0]["systems"]:  # SYSTEMS, and an async system per async_sharing setting
+    for name in sittings[0]["systems"]:  # SYSTEMS, an async system per async_sharing setting, a sync per ablation
         runs = [r["systems"][name] for r in sittings]
         times = [r["time_to_target_s"] for r in runs]
         reached = [t for t in times if t is not None]
@@ -371,6 +397,9 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
                 "asyncrl_async": (_asyncrl_run, s, out / "asyncrl_async", "async")}
     for sharing in s.async_sharing:  # async again, the cores shared otherwise
         trainers[f"asyncrl_async_{sharing}"] = (_asyncrl_run, s, out / f"asyncrl_async_{sharing}", "async", sharing)
+    for name, overrides in s.ablations.items():  # sync again, one change at a time
+        trainers[f"asyncrl_sync_{name}"] = (_asyncrl_run, s, out / f"asyncrl_sync_{name}", "sync", "split",
+                                            tuple(overrides))
     per_step = s.batch_size * s.group_size
     samples = {name: s.steps_of(name) * per_step for name in trainers}
     runs: dict[str, Run] = {}
