@@ -194,7 +194,9 @@ def time_to_target(held_out: list[dict[str, Any]], target: float) -> float | Non
 
 BENCH_KEYS = ("output_dir", "mode", "max_staleness", "rollout.thread_sharing", "partial_rollout", "total_steps",
               "batch_size", "group_size", "eval_every", "save_every", "keep_last", "save_every_minutes")
-"""The keys ``_asyncrl_run`` sets: an ablation that overrode one would not be the bench's run."""
+"""The keys of ``_asyncrl_run``'s overrides that shape the run (schedule, sizes, checkpoints): an
+ablation that changed one would not be the bench's run. Its learning settings matched to TRL
+(``optim.lr``, ``algorithm.filter_zero_variance``) are what ablations are for, so not here."""
 
 
 def check_ablations(ablations: dict[str, list[str]]) -> None:
