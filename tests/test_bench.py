@@ -4,6 +4,7 @@ announce each phase (start, then end with its figure and duration)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 import re
 
 import pytest
@@ -112,6 +113,7 @@ def test_bench_trl_smoke(tmp_path, capsys):
     systems = result["systems"]
     for name in systems:  # keep_checkpoints=true: every scored checkpoint stays
         assert all((out / name / "checkpoints" / f"step_{k}").is_dir() for k in (1, 2))
+    assert (out / "asyncrl_sync" / "checkpoints" / "step_2" / "optimizer").is_dir()  # whole, resumable
     assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
     assert {"sync_vs_trl_samples_per_s", "async_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched",
             "target_reward", "target_rule", "target_above_start"} <= set(result)
@@ -234,9 +236,17 @@ def test_bench_trl_takes_a_train_config_for_both_sides():
 
 
 @pytest.mark.slow
-def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys):
+def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys, monkeypatch):
     pytest.importorskip("trl", reason="the TRL comparison needs the optional `bench` extra")
     out = tmp_path / "trl"
+    import asyncrl.bench.trl as trl_bench
+    scored, score = [], trl_bench.held_out_eval
+
+    def held_out_eval(s, model_dir, eval_out):  # what each checkpoint holds when it is scored
+        scored.append((Path(model_dir), (Path(model_dir) / "model.safetensors").is_file(),
+                       (Path(model_dir) / "optimizer").exists()))
+        return score(s, model_dir, eval_out)
+    monkeypatch.setattr(trl_bench, "held_out_eval", held_out_eval)
     assert main(["bench", "trl", "config=examples/jsonl/train.yaml", "seeds=2", "steps=2", "asyncrl_steps=3",
                  "batch_size=2", "group_size=2", "max_tokens=6", "eval_every=2", "eval_tasks=2", "eval_samples=1",
                  "--out", str(out)]) == 0
@@ -255,6 +265,10 @@ def test_bench_trl_seeds_on_a_users_config(tmp_path, capsys):
         assert [p["step"] for p in sitting["systems"]["asyncrl_async"]["held_out"]] == [0, 2, 3]
         assert [p["step"] for p in sitting["systems"]["trl"]["held_out"]] == [0, 2]
     assert summary["systems"]["trl"]["reached"] == 2  # TRL reaches its own final score
+    # an asyncrl checkpoint is scored with its weights, its optimizer state already gone
+    # (keep_checkpoints=false: it is deleted after scoring anyway)
+    asyncrl_scored = [(w, o) for p, w, o in scored if "asyncrl_" in str(p)]
+    assert len(asyncrl_scored) == 2 * 2 * 2 and all(w and not o for w, o in asyncrl_scored)
     assert "--- across seeds [0, 1]" in capsys.readouterr().out
 
 

@@ -277,3 +277,15 @@ def test_a_rank_killed_by_a_bus_error_is_said_as_that(policy_dir):
     error = asyncio.run(scenario())
     assert "learner rank 0 of 1 failed:\nits process died of a bus error (SIGBUS)" in error, error
     assert "shared memory (/dev/shm) or RAM running out" in error
+
+
+def test_a_rank_error_crosses_a_process_boundary_with_its_traceback():
+    """`asyncrl bench` runs each system in a process pool: the error must unpickle whole,
+    or the pool reports a broken process and the rank's traceback is lost."""
+    import pickle
+
+    err = LearnerRankError(1, 2, "Traceback ...\nValueError: boom")
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is LearnerRankError
+    assert str(back) == "learner rank 1 of 2 failed:\nTraceback ...\nValueError: boom"
+    assert (back.rank, back.world_size, back.detail) == (1, 2, "Traceback ...\nValueError: boom")

@@ -35,7 +35,13 @@ class LearnerRankError(RuntimeError):
 
     def __init__(self, rank: int, world_size: int, detail: str) -> None:
         super().__init__(f"learner rank {rank} of {world_size} failed:\n{detail}")
-        self.rank = rank
+        self.rank, self.world_size, self.detail = rank, world_size, detail
+
+    def __reduce__(self) -> tuple[type, tuple[int, int, str]]:
+        # Crosses process boundaries (a bench runs each system in a process pool): without
+        # this, unpickling calls __init__ with the message alone, and the pool reports a
+        # broken process instead of the rank's traceback.
+        return (type(self), (self.rank, self.world_size, self.detail))
 
 
 class Transport(Protocol):
