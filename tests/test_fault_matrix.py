@@ -1,6 +1,6 @@
 """A fault matrix: ``kill -9`` at many points of a short run, each followed by
 ``resume=true``. The kill is real (SIGKILL of the training run's process group — the driver; the learner's
-fork server and its process follow it out — sent by whichever process reaches the point:
+fork server and its process follow it out — sent by whichever process reaches the point, which dies with it:
 a ``sitecustomize`` this test writes wraps the function where the point is), so no
 test hook lives in the package. Each case then resumes and must finish every step once,
 train no sample twice, and keep every trained token within η; a damaged newest checkpoint
@@ -37,6 +37,10 @@ SITE = textwrap.dedent('''
                 with open(os.environ["ASYNCRL_KILL_MARK"], "w") as f:
                     f.write(point)
                 os.killpg(int(os.environ["ASYNCRL_KILL_GROUP"]), signal.SIGKILL)
+                # and the process that got here, which may be the learner's (a session of its own): it
+                # would otherwise go on, finish step_4's write and rename it into place before it
+                # followed the driver out, and the half-written checkpoint would not be there to resume past
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def wrap(owner, name, when=lambda *a, **k: True):
             original = getattr(owner, name)
