@@ -72,6 +72,26 @@ def test_a_browsecomp_plus_shaped_file_round_trips_through_the_loader(tmp_path):
         load_research(path)
 
 
+def test_train_hops_keeps_those_hop_counts_in_training_and_every_query_held_out(tmp_path):
+    rows = [{"query_id": f"q{i}", "query": f"Question {i}?", "answer": "Korlwick", "hops": h}
+            for i, h in enumerate([1, 2, 3, 1, 3])] + [{"query_id": "q9", "query": "No hops?", "answer": "Vessa"}]
+    path = tmp_path / "q.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    splits = load_tasks("research", path=path, validation_path=path, seed=0, num_train=0, num_validation=0,
+                        options={"train_hops": [2, 3]})
+    assert [t.id for t in splits.train] == ["q1", "q2", "q4"]
+    assert [t.id for t in splits.validation] == ["q0", "q1", "q2", "q3", "q4", "q9"]
+    with pytest.raises(TaskDataError, match=r"no query has a hop count in task.options.train_hops=\[4\]"):
+        load_tasks("research", path=path, validation_path=path, seed=0, num_train=0, num_validation=0,
+                   options={"train_hops": [4]})
+    with pytest.raises(ValueError, match="non-empty list of hop counts"):
+        load_tasks("research", path=path, validation_path=path, seed=0, num_train=0, num_validation=0,
+                   options={"train_hops": 2})
+    with pytest.raises(ValueError, match=r"one option, `train_hops`.*\['max_hops'\]"):
+        load_tasks("research", path=path, validation_path=path, seed=0, num_train=0, num_validation=0,
+                   options={"max_hops": 2})
+
+
 def test_the_deepresearch_agent_refines_results_and_notes_a_repeated_search(monkeypatch):
     """The example's tool, against a real BM25 service over its shipped corpus and a stub refine model."""
     import asyncio

@@ -198,7 +198,16 @@ def _load_hf(name: str, q: TaskQuery) -> TaskSplits:
 def _load_research(name: str, q: TaskQuery) -> TaskSplits:
     """BrowseComp-Plus-shaped files (``asyncrl/tasks/research.py``)."""
     q.refuse_hf_splits(name)
-    return TaskSplits(*research_splits(q.path, q.validation_path, q.num_train, q.num_validation))
+    unknown = sorted(set(q.options) - {"train_hops"})
+    if unknown:
+        raise ValueError(f"task 'research' takes one option, `train_hops` (a list of hop counts to train on); "
+                         f"got {unknown}")
+    hops = q.options.get("train_hops")
+    if hops is not None and (not isinstance(hops, list) or not hops
+                             or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 1 for h in hops)):
+        raise ValueError(f"task.options.train_hops must be a non-empty list of hop counts >= 1, e.g. [2, 3]; "
+                         f"got {hops!r}")
+    return TaskSplits(*research_splits(q.path, q.validation_path, q.num_train, q.num_validation, train_hops=hops))
 
 
 def _load_verifiers(name: str, q: TaskQuery) -> TaskSplits:

@@ -270,12 +270,25 @@ def load_research(path: str | Path) -> list[Task]:
 
 
 def research_splits(path: str | Path | None, validation_path: str | Path | None, num_train: int,
-                    num_validation: int) -> tuple[list[Task], list[Task]]:
+                    num_validation: int, *, train_hops: list[int] | None = None) -> tuple[list[Task], list[Task]]:
     """``task.name: research``: train from ``path``, validation from ``validation_path`` (the
     held-out file: held out by entity, which no cut of one file could do), both
-    BrowseComp-Plus-shaped; ``num_train``/``num_validation`` > 0 cap each from the front."""
+    BrowseComp-Plus-shaped; ``num_train``/``num_validation`` > 0 cap each from the front.
+
+    ``train_hops`` (``task.options.train_hops``): train only on the queries with these hop
+    counts; the held-out split keeps every query, so its score still reads the whole task.
+    Why: a step samples a handful of queries, and the one-hop ones (answered by the first
+    search) pull the policy towards answering after one search, against what the multi-hop
+    ones need (examples/deepresearch/README.md, "Training on multi-hop questions only")."""
     if path is None or validation_path is None:
         raise ValueError("task 'research' needs `path` (train queries) and `validation_path` (held-out queries), "
                          "BrowseComp-Plus-shaped JSONL: examples/deepresearch/make_data.py writes both")
     train, validation = load_research(path), load_research(validation_path)
+    if train_hops is not None:
+        kept = [t for t in train if t.data.get("hops") in train_hops]
+        if not kept:
+            counts = sorted({t.data.get("hops") for t in train}, key=str)
+            raise TaskDataError(f"{path}: no query has a hop count in task.options.train_hops={train_hops} "
+                                f"(the file's hop counts: {counts}; a record without `hops` never matches)")
+        train = kept
     return train[:num_train] if num_train > 0 else train, validation[:num_validation] if num_validation else validation
