@@ -40,7 +40,8 @@ class TaskConfig(Section):
     (docs/usage.md#verifiers-environments)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Options of a generated task's generator (e.g. ``num_numbers`` for countdown,
-    ``num_people`` for multihop); an unknown one exits 2 naming it."""
+    ``num_people`` for multihop), or of a loader (``research``: ``train_hops``, the hop
+    counts trained on); an unknown one exits 2 naming it."""
     path: str | None = None
     validation_path: str | None = None
     split: str = "train"
