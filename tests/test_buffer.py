@@ -38,31 +38,3 @@ def test_oldest_started_first_and_stale_dropped_with_quota_released():
         assert [r.group.task_id for r in await waiter] == ["fresh"]
 
     asyncio.run(main())
-
-
-def test_until_first_take_or_waits_for_its_condition_or_the_learners_first_take():
-    """The rollout loop's first-batch rule (shared cores): it waits here while the first batch's
-    groups are all started, goes on when one is rejected (its replacement may start), and
-    never waits once the learner has taken a batch."""
-    async def main():
-        gate = AsyncStalenessGate(StalenessGate(max_staleness=2, groups_per_step=1))
-        buffer = GroupBuffer(gate)
-        await gate.acquire()  # the first batch's one group is under way
-        room = lambda: gate.gate.started < 1  # noqa: E731
-        waiter = asyncio.create_task(buffer.until_first_take_or(room))
-        await asyncio.sleep(0.01)
-        assert not waiter.done()
-        await buffer.reject(1)  # filtered: its quota comes back, a replacement may start
-        await asyncio.wait_for(waiter, 1.0)
-
-        await gate.acquire()  # the replacement
-        waiter = asyncio.create_task(buffer.until_first_take_or(room))
-        await buffer.put(ready("first", 0, order=2))
-        await asyncio.sleep(0.01)
-        assert not waiter.done() and not buffer.taken_any  # accepted, not yet taken
-        await buffer.take(1, trained_version=0)
-        await asyncio.wait_for(waiter, 1.0)
-        assert buffer.taken_any
-        await asyncio.wait_for(buffer.until_first_take_or(lambda: False), 1.0)  # after the first take: never waits
-
-    asyncio.run(main())

@@ -128,10 +128,10 @@ def test_split_makes_no_budget_and_sync_needs_none():
 
 def _run(tmp_path, policy_dir, sharing):
     out = tmp_path / sharing
-    # η = 4 over 8 steps: once the learner has its first batch the engine may generate the next
-    # four steps' groups at once and then waits on the gate while the learner still trains: one
-    # micro-batch a sample, so the learner meets many boundaries while the engine is idle
-    overrides = [f"model.path={policy_dir}", f"output_dir={out}", "mode=async", "max_staleness=4", "total_steps=8",
+    # η = 4 over 4 steps: the engine may generate every step's groups at once and then waits on the
+    # gate (or has nothing queued) while the learner still trains: one micro-batch a sample, so
+    # the learner meets many boundaries while the engine is idle
+    overrides = [f"model.path={policy_dir}", f"output_dir={out}", "mode=async", "max_staleness=4", "total_steps=4",
                  "batch_size=2", "group_size=4", "eval_every=0", "eval.num_tasks=2", "eval.samples_per_task=1",
                  "task.num_train=32", "task.num_validation=4", "algorithm.filter_zero_variance=false",
                  "optim.micro_batch_size=1", "model.device=cpu", "save_every=0", "rollout.num_threads=1",
@@ -140,20 +140,11 @@ def _run(tmp_path, policy_dir, sharing):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def _groups_started_before_the_first_batch_was_done(out, batch_size: int) -> int:
-    """From the run's timeline: how many groups began generating before the first ``batch_size``
-    groups to finish had all finished (the learner's first batch: nothing is filtered here)."""
-    timeline = [json.loads(line) for line in (out / "timeline.jsonl").read_text().splitlines()]
-    groups = [r for r in timeline if r["kind"] == "generate"]
-    first_batch_done = sorted(g["end"] for g in groups)[batch_size - 1]
-    return sum(g["start"] < first_batch_done for g in groups)
-
-
 @pytest.mark.slow
 def test_an_async_colocated_run_gives_the_learner_every_core_while_the_engine_waits(tmp_path, policy_dir):
     rows = _run(tmp_path, policy_dir, "colocated")
     steps = rows[1:]
-    assert [r["version"] for r in rows] == list(range(9))
+    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["staleness/max"] <= 4 for r in steps)
     # the learner (in its own process) computed part of its steps with every core, and never
     # longer with every core than it computed at all
@@ -163,13 +154,10 @@ def test_an_async_colocated_run_gives_the_learner_every_core_while_the_engine_wa
     # the engine generated while the learner had nothing to train (before its first step): every core
     assert sum(r["time/engine_all_cores_s"] for r in steps) > 0
     assert sum(r["threads/engine_switches"] for r in steps) >= 1
-    # until the learner took its first batch, only that batch's 2 groups generated (the split run: more)
-    assert _groups_started_before_the_first_batch_was_done(tmp_path / "colocated", 2) == 2
 
 
 @pytest.mark.slow
 def test_an_async_split_run_keeps_its_counts_and_logs_no_budget(tmp_path, policy_dir):
     rows = _run(tmp_path, policy_dir, "split")
-    assert [r["version"] for r in rows] == list(range(9))
-    assert _groups_started_before_the_first_batch_was_done(tmp_path / "split", 2) > 2  # η = 4: 5 steps' at once
+    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
     assert not any(k.startswith("threads/") or k.endswith("_all_cores_s") for r in rows for k in r)

@@ -55,7 +55,6 @@ stops the run on one older than η.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -168,23 +167,11 @@ class GroupBuffer:
                         version, before = self._taken
                         self._taken = (trained_version, (before if version == trained_version else 0) + n)
                         taken, self._ready = self._ready[:n], self._ready[n:]
-                        self._changed.notify_all()  # the first take ends ``until_first_take_or``
                         return taken
                     if not waited:
                         waited = True
                         self.counts["deadline_waits"] += 1
                 await self._changed.wait()
-
-    @property
-    def taken_any(self) -> bool:
-        """Whether the learner has taken a batch since this buffer was made."""
-        return self._taken[0] >= 0
-
-    async def until_first_take_or(self, ready: Callable[[], bool]) -> None:
-        """Wait until the learner has taken its first batch or ``ready()`` holds; checked
-        again at every put, reject and take."""
-        async with self._changed:
-            await self._changed.wait_for(lambda: self.taken_any or ready())
 
     def _leaves_each_a_fresh_step(self, n: int, trained_version: int) -> bool:
         """Whether taking the first ``n`` ready groups (earliest deadline first) leaves every

@@ -67,12 +67,6 @@ class RolloutLoop:
             self.started = state.started
             self.stream = TaskStream(tasks, cfg.seed, state.epoch, state.index, state.reissue)
         self._count_drops_and_sample()
-        # Shared cores (rollout.thread_sharing): until the learner takes its first batch, only
-        # that batch's groups generate (a filtered one replaced), so that batch is done as soon as the engine alone
-        # can do it, not decoded beside the next η batches' sequences while the learner idles
-        # (docs/scaling.md, "Where `colocated` loses: the first step"). A resume starts with
-        # groups buffered and in flight, so it starts as before.
-        self.first_batch_alone = cfg.rollout.thread_sharing != "split" and eta > 0 and state is None
 
     async def run(self, rollout: RolloutHandle, now: Callable[[], float], on_episode: Callable[[Episode], None],
                   on_generated: Callable[[float, float, int], None]) -> None:
@@ -80,8 +74,6 @@ class RolloutLoop:
         ``on_generated(start, end, start_order)``: a group's generation, on ``now``'s clock."""
         async with asyncio.TaskGroup() as tg:
             while True:
-                if self.first_batch_alone:  # groups kept or in flight: a filtered one is replaced
-                    await self.buffer.until_first_take_or(lambda: self.gate.gate.started < self.cfg.batch_size)
                 await self.gate.acquire()
                 draw = self.stream.next_draw()
                 if draw.order is None:  # a fresh one; a re-issued one keeps its place in the start order
