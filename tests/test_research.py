@@ -133,3 +133,28 @@ def test_the_deepresearch_agent_refines_results_and_notes_a_repeated_search(monk
     first, second, duplicates = asyncio.run(main())
     assert first == "condensed" and person.text in asked[0] and "Question: Q?" in asked[0]
     assert second.startswith("duplicate search:") and duplicates == 1 and len(asked) == 1
+
+
+def test_deepresearch_traces_answer_after_the_last_call_note_as_the_agent_asks(tmp_path):
+    """make_traces.py writes conversations as the agent holds them: none searches more than
+    ``MAX_TURNS - 1`` times, and those that search that often read ``LAST_CALL`` before answering."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    example = Path(__file__).parents[1] / "examples" / "deepresearch"
+    subprocess.run([sys.executable, str(example / "make_traces.py"), "--out", str(tmp_path), "--repeat", "0.5"],
+                   check=True, capture_output=True)
+    from asyncrl.plugins import load_named
+    agent = sys.modules[load_named(f"{example / 'agent.py'}:run", key="test").__module__]
+    last = agent.plain.MAX_TURNS - 1
+    counts = set()
+    for line in (tmp_path / "sft_train.jsonl").read_text().splitlines():
+        messages = json.loads(line)["messages"]
+        searches = sum(m["role"] == "tool" for m in messages)
+        told = [m for m in messages[1:] if m["role"] == "user"]
+        counts.add(searches)
+        assert searches <= last and messages[-1]["content"].startswith("Answer: ")
+        assert told == ([{"role": "user", "content": agent.LAST_CALL}] if searches == last else [])
+        assert not told or messages[-2] == told[0]
+    assert counts == {1, 2, 3}

@@ -157,3 +157,30 @@ def test_bad_tool_arguments_and_unknown_tools_are_results_for_the_model():
     assert reward == 0.0 and retrieval.queries == []  # well-formed but wrong: no format bonus
     assert [m["content"] for m in model.sent[1][-3:]] == ["search needs a query", "search needs a query",
                                                           "unknown tool: lookup"]
+
+
+def test_last_call_asks_for_the_answer_before_the_last_model_call():
+    """``converse_with_tools(last_call=...)`` (the DeepResearch agent's "no searches left"): after
+    ``MAX_TURNS - 1`` searches the last call reads that note after the tool result; a nudge is
+    replaced by it; without ``last_call`` the conversation is as before."""
+    task = Task(id="t", prompt="Which town is c7m in?", data={"answer": "t2x"})
+    search = ("", [("search", '{"query": "c7m"}')])
+
+    async def run_tool(call):
+        return "c7m is in t2x."
+
+    def converse(replies, **kwargs):
+        model = _ScriptedModel(replies)
+        final = asyncio.run(agent.converse_with_tools(model, task, agent.TOOLS, run_tool, **kwargs))
+        return final, model.sent
+
+    final, sent = converse([search] * (agent.MAX_TURNS - 1) + [("Answer: t2x", [])], last_call="answer now")
+    assert final == "Answer: t2x" and len(sent) == agent.MAX_TURNS
+    assert [m["role"] for m in sent[-1][-2:]] == ["tool", "user"] and sent[-1][-1]["content"] == "answer now"
+    assert all(m["content"] != "answer now" for call in sent[:-1] for m in call)  # only the last call reads it
+
+    _, sent = converse([search] * (agent.MAX_TURNS - 2) + [("hmm", []), ("Answer: t2x", [])], last_call="answer now")
+    assert [m["content"] for m in sent[-1][-2:]] == ["hmm", "answer now"]  # in place of the nudge
+
+    _, sent = converse([search] * agent.MAX_TURNS)
+    assert sent[-1][-1]["role"] == "tool"  # no last_call: nothing added

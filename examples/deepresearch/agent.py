@@ -19,6 +19,13 @@ One tool, ``search(query)``. What the model reads as its result:
    ``ASYNCRL_REFINE_TIMEOUT_S``, default 30). The text is the tool message: environment tokens,
    never trained.
 
+An episode ends at an ``Answer:`` line or after the search agent's ``MAX_TURNS`` (4) model calls;
+before the last of them the agent says ``LAST_CALL`` ("No searches left. Reply with one line:
+Answer: <name>"). Why: a policy that searches on every call never answers, every reward of its
+group is 0 and GRPO has nothing to reward; told, some episodes answer and the right ones win
+(README.md, "Asked for the answer at the last call"). The SFT traces (``make_traces.py``) hold
+the same note.
+
 The reward is ``multihop_reward`` of the last reply (the ``Answer:`` line equals the answer)
 less ``ASYNCRL_DUPLICATE_PENALTY`` (default 0) per duplicate search: workflow options do not
 reach an ``openai_agent``, so the agent reads its settings from the environment, as the search
@@ -55,6 +62,7 @@ TOOLS = [{"type": "function", "function": {
 SEARCH_K = 3
 INSTRUCTION = ("Use the search tool to look up each fact you need, one search at a time. "
                "When you know the answer, reply with one line: Answer: <name>")
+LAST_CALL = "No searches left. Reply with one line: Answer: <name>"  # before the last of MAX_TURNS calls
 DATA = Path(os.environ.get("ASYNCRL_RESEARCH_DATA") or Path(__file__).with_name("data"))
 
 _lock = threading.Lock()
@@ -136,6 +144,7 @@ async def run(task, base_url: str) -> float:
 
     asked = dataclasses.replace(task, prompt=f"{task.prompt}\n{INSTRUCTION}")
     async with RetrievalClient(urls, timeout_s=10.0, retries=2) as retrieval:
-        final = await plain.converse_with_tools(plain.sdk_client(base_url), asked, TOOLS, run_tool)
+        final = await plain.converse_with_tools(plain.sdk_client(base_url), asked, TOOLS, run_tool,
+                                                last_call=LAST_CALL)
     penalty = float(os.environ.get("ASYNCRL_DUPLICATE_PENALTY", "0"))
     return multihop_reward(task, final) - penalty * guard.duplicates

@@ -9,7 +9,9 @@ as the query — with the top ``SEARCH_K`` hits as the tool's result, then ``Ans
 Noise, so that RL has something left to learn (drawn per trace, seeded): with ``--early``
 (0.15) the trace answers the entity it has just read, one hop short; with ``--wrong`` (0.1)
 it answers another name from its results; with ``--repeat`` (0.1) it repeats a search once
-and reads the duplicate guard's note. The last ``--num-eval`` (50) traces go to
+and reads the duplicate guard's note. As in the agent, a trace that has searched
+``MAX_TURNS - 1`` times is then told ``LAST_CALL`` ("no searches left") and answers (a
+repeat on a three-hop chain thus answers one hop early). The last ``--num-eval`` (50) traces go to
 ``OUT/sft_eval.jsonl``, the rest to ``OUT/sft_train.jsonl``; the held-out queries (``heldout.jsonl``) are
 never used.
 
@@ -46,6 +48,10 @@ def trace(task, index: BM25Index, rng: random.Random, *, early: float, wrong: fl
     if rng.random() < repeat:
         at = rng.randrange(len(queries))
         queries.insert(at + 1, queries[at])
+    last = agent.plain.MAX_TURNS - 1  # searches before the agent's last model call
+    if len(queries) > last:  # a repeat on a three-hop chain: the agent would be told to answer after `last`
+        queries = queries[:last]
+        stop = chain.index(queries[-1]) + 1  # the entity just read, one hop early
     for n, query in enumerate(queries, 1):
         call_id = f"call_{n}"
         messages.append({"role": "assistant", "content": None, "tool_calls": [{
@@ -58,6 +64,8 @@ def trace(task, index: BM25Index, rng: random.Random, *, early: float, wrong: fl
     others = [s for s in seen if s != answer]
     if others and rng.random() < wrong:
         answer = rng.choice(others)
+    if len(queries) == last:  # the agent asks for the answer before its last call (agent.LAST_CALL)
+        messages.append({"role": "user", "content": agent.LAST_CALL})
     messages.append({"role": "assistant", "content": f"Answer: {answer}"})
     return {"messages": messages, "tools": agent.TOOLS}
 

@@ -181,12 +181,21 @@ async def converse(client: AsyncOpenAI, retrieval: RetrievalClient, task) -> str
 
 
 async def converse_with_tools(client: AsyncOpenAI, task, tools: list[dict],
-                              run_tool: Callable[[Any], Awaitable[str]]) -> str:
+                              run_tool: Callable[[Any], Awaitable[str]], last_call: str | None = None) -> str:
     """The conversation, whoever runs the tools (``run_tool(call)`` is a call's ``tool`` message
-    content: here or ``agent_mcp.py``); returns the last reply's text."""
+    content: here or ``agent_mcp.py``); returns the last reply's text.
+
+    ``last_call``, when given, is a user message put before the last model call (after a tool
+    result; in place of a nudge): "no searches left, answer now". Why: a policy that searches on
+    every call never answers, its group's rewards are all 0 and it has nothing to learn from."""
     messages = [{"role": "user", "content": task.prompt}]
     final = ""
-    for _ in range(MAX_TURNS):
+    for turn in range(MAX_TURNS):
+        if last_call is not None and turn == MAX_TURNS - 1 and turn > 0:
+            if messages[-1]["role"] == "user":  # the nudge: say this instead
+                messages[-1] = {"role": "user", "content": last_call}
+            else:
+                messages.append({"role": "user", "content": last_call})
         try:
             reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
         except openai.BadRequestError as exc:
