@@ -126,6 +126,14 @@ def test_split_makes_no_budget_and_sync_needs_none():
         budget.close()
 
 
+def test_colocated_evaluates_on_the_rollout_engine_not_on_a_replica_beside_it():
+    """The replica would be a third thread team on the cores the budget hands between two."""
+    assert load_config(None, ["mode=async"]).background_eval
+    for sharing in ("colocated", "colocated_learner"):
+        assert not load_config(None, ["mode=async", f"rollout.thread_sharing={sharing}"]).background_eval
+    assert not load_config(None, ["mode=async", "eval.background=false"]).background_eval
+
+
 def _run(tmp_path, policy_dir, sharing):
     out = tmp_path / sharing
     # η = 4 over 4 steps: the engine may generate every step's groups at once and then waits on the

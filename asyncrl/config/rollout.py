@@ -156,5 +156,6 @@ class EvalConfig(Section):
     background: bool = True
     """In ``one_step_off`` and ``async`` with the torch engine, evaluate beside training on
     an engine replica holding the evaluated version, so training does not wait (costs one
-    more copy of the weights per rollout worker). ``sync``, vLLM, or ``false``: training
-    waits for the evaluation."""
+    more copy of the weights per rollout worker). ``sync``, vLLM, ``rollout.thread_sharing``
+    other than ``split`` (the replica would be a third thread team on cores the engine and
+    the learner hand between them), or ``false``: training waits for the evaluation."""

@@ -202,5 +202,12 @@ class Config(Section):
 
     @property
     def background_eval(self) -> bool:
-        """Evaluation beside training (on its own engine replica) rather than blocking it."""
-        return self.eval.background and self.mode != "sync" and self.engine == "torch"
+        """Evaluation beside training (on its own engine replica) rather than blocking it.
+
+        Never with ``rollout.thread_sharing`` ``colocated`` or ``colocated_learner``: their
+        budget gives the engine and the learner every core between them, and the replica
+        would decode on a third thread team beside both (on two cores a third team slows
+        every side: docs/scaling.md, "Where `colocated` loses: the first step"); there the
+        evaluation runs on the rollout engine and the learner waits, as in ``sync``."""
+        return (self.eval.background and self.mode != "sync" and self.engine == "torch"
+                and self.rollout.thread_sharing == "split")
