@@ -27,7 +27,8 @@ import torch
 
 Side = Literal["engine", "learner"]
 SIDES: tuple[Side, Side] = ("engine", "learner")
-WHOLE_WHEN_ALONE: dict[str, tuple[Side, ...]] = {"split": (), "colocated": SIDES, "colocated_learner": ("learner",)}
+WHOLE_WHEN_ALONE: dict[str, tuple[Side, ...]] = {"split": (), "colocated": SIDES, "colocated_learner": ("learner",),
+                                                  "turns": SIDES}
 """Per ``rollout.thread_sharing``: the sides that take every core while the other is idle
 (the runtime's :class:`CoreBudget` and the planner's model both read it here)."""
 
@@ -51,21 +52,31 @@ class CoreBudget:
 
     cores: int
     engine: int
+    """The engine's share while both work; 0 (``rollout.thread_sharing: turns``): it waits
+    whenever the learner works, and the learner's share is every core."""
     learner: int
     whole: tuple[Side, ...] = SIDES
     """The sides that take every core while the other is idle (``colocated``: both;
     ``colocated_learner``: the learner only, the engine keeping its share)."""
     grace_s: float = 0.05
     max_wait_s: float = 30.0
-    """A side that has waited this long for a core (the other stuck inside one long op)
-    computes on its share anyway, and the wait is counted."""
+    """A side that has waited this long for a core (the other stuck inside one long op, or,
+    in ``turns``, a learner step this long) computes on its share, at least one thread,
+    anyway, and the wait is counted."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.engine <= self.cores or not 1 <= self.learner <= self.cores:
-            raise ValueError(f"a core budget needs 1 <= engine, learner <= cores; got {self}")
+        yields = self.engine == 0 and self.learner == self.cores >= 1
+        if not yields and (not 1 <= self.engine <= self.cores or not 1 <= self.learner <= self.cores):
+            raise ValueError(f"a core budget needs 1 <= engine, learner <= cores (or engine 0 and learner = "
+                             f"cores: turns); got {self}")
 
     def share(self, side: Side) -> int:
         return self.engine if side == "engine" else self.learner
+
+    def fallback(self, side: Side) -> int:
+        """Threads for a side that has waited ``max_wait_s``, or put back on its share while
+        idle: its share, and one where that is 0 (a thread computes with one at least)."""
+        return max(1, self.share(side))
 
     def threads(self, side: Side, other_idle_for: float | None, other_holds: int) -> int:
         """torch threads for ``side`` now (0: wait); ``other_idle_for``: seconds since the
@@ -177,7 +188,7 @@ class ThreadBudget:
                 count = self.rule.threads(side, None if math.isnan(idle_since) else now - idle_since,
                                           self._get(other, "holds"))
                 if count == 0 and now - started >= self.rule.max_wait_s:
-                    count = self.rule.share(side)
+                    count = self.rule.fallback(side)
                 self._put(side, "holds", count)
             if count:
                 break
@@ -200,7 +211,7 @@ class ThreadBudget:
         self._since.pop(side)
         self._put(side, "holds", 0)
         self._put(side, "idle_since", now)
-        self._set_count(side, self.rule.share(side))
+        self._set_count(side, self.rule.fallback(side))
 
     def counters(self) -> dict[str, float]:
         """Each side's totals so far: seconds computed with every core, switches of count,

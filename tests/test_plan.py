@@ -489,6 +489,39 @@ def test_a_side_alone_with_every_core_computes_its_speedup_faster_and_only_where
     assert run_virtual(engine(False))[0] == pytest.approx(0.090)
 
 
+def test_in_turns_the_simulated_engine_parks_while_the_learner_computes_and_neither_slows_the_other():
+    """rollout.thread_sharing=turns, contention 0 (the learner alone computes 2x faster than on
+    its share, the engine's decode unit is 10 ms on a share, 5 ms alone). The prefill samples
+    the first of 10 units; decode units at 0-5, 5-10, 10-15 ms. The learner starts 1 s of
+    share-work at 12 ms, inside the third unit: 3 ms on its share beside it, then the engine
+    parks at the unit's end, and the other 997 ms at every core take 498.5 ms: it ends at
+    513.5 ms. The engine's other 6 units follow, alone: 543.5 ms."""
+    from asyncrl.plan.engine import EngineCosts, SharedCores, SimulatedEngine
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        cores = SharedCores(whole_when_alone=("engine", "learner"), engine_yields=True)
+        sim = SimulatedEngine(EngineCosts(step_s=0.01, alone_speedup=2.0), unit=1, cores=cores)
+        engine_loop = asyncio.ensure_future(sim.run())
+        learner_ended = loop.create_future()
+
+        async def learner():
+            await asyncio.sleep(0.012)
+            await cores.compute(1.0, 0.0, alone_speedup=2.0)
+            learner_ended.set_result(loop.time())
+
+        learner_task = asyncio.ensure_future(learner())
+        await sim.generate(1, 10, ("task", 0))
+        ended = loop.time()
+        await learner_task
+        engine_loop.cancel()
+        return ended, learner_ended.result()
+
+    (engine_ended, learner_ended), _ = run_virtual(main())
+    assert learner_ended == pytest.approx(0.5135)
+    assert engine_ended == pytest.approx(0.5435)
+
+
 def test_the_fit_finds_the_learners_speedup_with_every_core_from_a_colocated_runs_steps(tmp_path):
     """Steps made from known costs: the learner's work 100 µs per token on its share, 1.6×
     faster with every core, a different fraction g of each step at every core, so

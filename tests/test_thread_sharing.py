@@ -55,7 +55,7 @@ def test_colocated_learner_gives_every_core_to_the_learner_alone_and_the_engine_
         budget.close()
 
 
-@pytest.mark.parametrize("cores,engine,learner", [(0, 1, 1), (2, 0, 1), (2, 1, 3)])
+@pytest.mark.parametrize("cores,engine,learner", [(0, 1, 1), (2, 0, 1), (2, 1, 3), (0, 0, 0)])
 def test_a_budget_beyond_its_cores_is_refused(cores, engine, learner):
     with pytest.raises(ValueError, match="1 <= engine, learner <= cores"):
         CoreBudget(cores=cores, engine=engine, learner=learner)
@@ -165,7 +165,71 @@ def test_an_async_colocated_run_gives_the_learner_every_core_while_the_engine_wa
 
 
 @pytest.mark.slow
+def test_an_async_turns_run_keeps_the_bound_and_the_engine_waits_out_the_learners_steps(tmp_path, policy_dir):
+    rows = _run(tmp_path, policy_dir, "turns")
+    steps = rows[1:]
+    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
+    assert all(r["staleness/max"] <= 4 for r in steps)
+    # the learner computed with every core, the engine too (before the first step), and the
+    # engine, its groups queued (η = 4), waited for the learner's steps
+    assert sum(r["time/learner_all_cores_s"] for r in steps) > 0
+    # its calls are its steps and the delivery check's forward pass (time/delivery_check),
+    # which in turns also gets every core
+    assert all(r["time/learner_all_cores_s"] <= r["time/learner"] + r.get("time/delivery_check", 0) + 1e-6
+               for r in steps)
+    assert sum(r["time/engine_all_cores_s"] for r in steps) > 0
+    assert sum(r["time/engine_core_wait_s"] for r in steps) > 0
+
+
+@pytest.mark.slow
 def test_an_async_split_run_keeps_its_counts_and_logs_no_budget(tmp_path, policy_dir):
     rows = _run(tmp_path, policy_dir, "split")
     assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
     assert not any(k.startswith("threads/") or k.endswith("_all_cores_s") for r in rows for k in r)
+
+
+def test_turns_gives_the_learner_every_core_whenever_it_works_and_the_engine_waits_for_it():
+    """``turns``: the engine's share beside a working learner is 0 (it waits), the learner's
+    every core; the engine takes every core once the learner has been idle for the grace."""
+    rule = CoreBudget(cores=2, engine=0, learner=2, grace_s=0.05)
+    assert rule.threads("engine", None, 2) == 0  # the learner works: wait
+    assert rule.threads("engine", None, 0) == 0  # even where it holds none yet
+    assert rule.threads("engine", 0.01, 0) == 0  # idle for less than the grace: between two micro-batches
+    assert rule.threads("engine", 0.05, 0) == 2
+    assert rule.threads("learner", None, 2) == 0  # the engine is inside a decode step on both: wait for it
+    assert rule.threads("learner", None, 0) == 2
+    assert rule.fallback("engine") == 1  # after max_wait_s, and the count it idles at
+    cfg = load_config(None, ["mode=async", "rollout.thread_sharing=turns", "rollout.num_threads=1",
+                             "rollout.learner_threads=1"])
+    budget = _thread_budget(cfg, *_thread_split(cfg))
+    try:
+        assert (budget.rule.cores, budget.rule.engine, budget.rule.learner) == (2, 0, 2)
+    finally:
+        budget.close()
+    assert not cfg.background_eval  # the replica would compute beside the learner
+
+
+def test_in_turns_the_engine_thread_waits_out_the_learners_step_then_takes_every_core():
+    budget = ThreadBudget(CoreBudget(cores=2, engine=0, learner=2, grace_s=0.0, max_wait_s=60.0))
+    try:
+        assert on_thread(lambda: budget.working("learner")) == 2
+        engine: list = []
+        waiting = threading.Thread(target=lambda: engine.append((budget.working("engine"), torch.get_num_threads())))
+        waiting.start()
+        waiting.join(0.2)
+        assert waiting.is_alive() and not engine  # the learner is still inside its step
+        on_thread(lambda: budget.idle("learner"))
+        waiting.join(10.0)
+        assert engine == [(2, 2)]
+        assert budget.counters()["engine_waited_s"] >= 0.2
+    finally:
+        budget.close()
+
+
+def test_a_turns_engine_that_waited_max_wait_s_computes_on_one_thread():
+    budget = ThreadBudget(CoreBudget(cores=2, engine=0, learner=2, grace_s=0.0, max_wait_s=0.05))
+    try:
+        assert on_thread(lambda: budget.working("learner")) == 2
+        assert on_thread(lambda: (budget.working("engine"), torch.get_num_threads())) == (1, 1)
+    finally:
+        budget.close()

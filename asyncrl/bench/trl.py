@@ -114,7 +114,7 @@ class TrlBenchSettings(Section):
     """Sittings, with seeds ``seed``, ``seed + 1``, …: time to target per seed and its interval."""
     target: float | None = None
     """A held-out reward every system must reach; None: each seed's TRL final (``target_rule``)."""
-    async_sharing: list[Literal["colocated", "colocated_learner"]] = []
+    async_sharing: list[Literal["colocated", "colocated_learner", "turns"]] = []
     """Also train ``async`` with each of these ``rollout.thread_sharing`` settings (system
     ``asyncrl_async_<setting>``, run after ``asyncrl_async``, which keeps ``split``), so the
     ways of sharing the cores and ``sync`` are measured in one sitting."""

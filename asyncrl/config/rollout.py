@@ -111,7 +111,7 @@ class RolloutConfig(Section):
     trains beside it (``sync``, ``eval``), half of them otherwise."""
     learner_threads: int | None = Field(None, ge=1)
     """torch intra-op threads of the learner thread; ``None``: as above."""
-    thread_sharing: Literal["split", "colocated", "colocated_learner"] = "split"
+    thread_sharing: Literal["split", "colocated", "colocated_learner", "turns"] = "split"
     """How the engine and the learner share the cores where both compute on one machine
     (``runtime: local``, the built-in engine, ``async`` or ``one_step_off``). ``split``: each
     keeps its own count (``num_threads``, ``learner_threads``) always. ``colocated``: the side
@@ -122,7 +122,14 @@ class RolloutConfig(Section):
     engine switches between decode steps, the learner before each micro-batch's forward and
     backward pass (``asyncrl.core_budget``). ``colocated_learner``: only the learner takes
     every core when alone, the engine keeps its share (generation gains little from more
-    threads, and shares its process with the event loop). Each step's row says how long each
+    threads, and shares its process with the event loop). ``turns``: the two never compute
+    at once — the learner takes every core whenever it has work and the engine waits for it
+    at its next decode step, the engine takes every core while the learner is idle (waiting
+    for a batch, during a weight sync): where each side alone scales with the cores, as both
+    do on a small CPU, running them side by side only adds contention, and what asynchrony
+    keeps is generation running ahead, within η, in the learner's idle time (a learner step
+    longer than 30 s, ``CoreBudget.max_wait_s``, lets the engine go on with one thread: counted as its
+    wait). Each step's row says how long each
     side had every core and waited for one (``time/learner_all_cores_s``,
     ``time/engine_core_wait_s``, …). ``sync`` already gives the working side every core:
     there it changes nothing. One rollout worker and one learner rank only."""

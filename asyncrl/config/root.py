@@ -204,7 +204,7 @@ class Config(Section):
     def background_eval(self) -> bool:
         """Evaluation beside training (on its own engine replica) rather than blocking it.
 
-        Never with ``rollout.thread_sharing`` ``colocated`` or ``colocated_learner``: their
+        Never with ``rollout.thread_sharing`` ``colocated``, ``colocated_learner`` or ``turns``: their
         budget gives the engine and the learner every core between them, and the replica
         would decode on a third thread team beside both (on two cores a third team slows
         every side: docs/scaling.md, "Where `colocated` loses: the first step"); there the

@@ -66,10 +66,12 @@ class SharedCores:
     of ``whole_when_alone`` (``rollout.thread_sharing: colocated`` both, ``colocated_learner``
     the learner; ``sync``, whose one thread has every core, both) computing while the other
     is idle has every core and runs ``alone_speedup`` times faster than on its share; any
-    other keeps its share."""
+    other keeps its share. ``engine_yields`` (``turns``): the engine computes only while the
+    learner is idle, parked at its next unit while the learner works."""
 
-    def __init__(self, whole_when_alone: tuple[str, ...] = ()) -> None:
+    def __init__(self, whole_when_alone: tuple[str, ...] = (), engine_yields: bool = False) -> None:
         self.whole_when_alone = whole_when_alone
+        self.engine_yields = engine_yields
         self.engine_busy = self.learner_busy = False
         self.engine_changed = asyncio.Event()  # the learner re-times its work on it
         self.engine_wake: asyncio.Event | None = None  # the engine's: it re-times its next unit
@@ -150,7 +152,8 @@ class SimulatedEngine:
             self.waiting = [s for s in self.waiting if not s.done.cancelled()]
             room = self.costs.max_batch - len(self.running)
             admit = [] if self._draining else self.waiting[:max(0, room)]
-            if self._hold.is_set() or not (admit or self.running):
+            yields = self.cores is not None and self.cores.engine_yields and self.cores.learner_busy
+            if self._hold.is_set() or yields or not (admit or self.running):
                 if self.cores is not None:
                     self.cores.set_engine(False)
                 self._parked.set()

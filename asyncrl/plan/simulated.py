@@ -177,7 +177,9 @@ def simulated_runtime(costs: Costs, unit: int) -> RuntimeStarter:
                     checkpoint: Path | None = None, version: int = 0) -> AsyncIterator[Runtime]:
         mode_costs = costs.for_mode(cfg.mode)
         # a side alone has every core where the run hands them over (colocated), or has them anyway (sync)
-        cores = SharedCores(SIDES if cfg.mode == "sync" else WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing])
+        sharing = cfg.rollout.thread_sharing
+        cores = SharedCores(SIDES if cfg.mode == "sync" else WHOLE_WHEN_ALONE[sharing],
+                            engine_yields=cfg.mode != "sync" and sharing == "turns")
         rollout = SimulatedRollout(cfg, mode_costs, unit, cores)
         learner = SimulatedLearner(mode_costs.learner, unit, version, cores)
         async with asyncio.TaskGroup() as engines:  # an engine's failure fails the run

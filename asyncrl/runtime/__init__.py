@@ -87,8 +87,11 @@ def _thread_budget(cfg: Config, engine_threads: int, learner_threads: int) -> Th
     ``sync`` needs none: its one thread already has every core."""
     if cfg.rollout.thread_sharing == "split" or cfg.mode == "sync":
         return None
-    return ThreadBudget(CoreBudget(cores=engine_threads + learner_threads, engine=engine_threads,
-                                   learner=learner_threads, whole=WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing]))
+    cores = engine_threads + learner_threads
+    if cfg.rollout.thread_sharing == "turns":  # the engine computes only while the learner is idle
+        return ThreadBudget(CoreBudget(cores=cores, engine=0, learner=cores, whole=WHOLE_WHEN_ALONE["turns"]))
+    return ThreadBudget(CoreBudget(cores=cores, engine=engine_threads, learner=learner_threads,
+                                   whole=WHOLE_WHEN_ALONE[cfg.rollout.thread_sharing]))
 
 
 @contextmanager
