@@ -265,6 +265,7 @@ class TorchEngine:
             torch.set_num_threads(self.num_threads)
         scheduler = self._scheduler
         budget = self.thread_budget
+        inbox_first = False
         try:
             while True:
                 if budget is not None and not scheduler.has_work():
@@ -280,6 +281,12 @@ class TorchEngine:
                 if scheduler.has_work():
                     if budget is not None:
                         budget.working("engine")
+                        # what was posted while it waited for a core (a weight sync's pause after a
+                        # learner step, in turns) goes first; once, so newcomers cannot starve a step
+                        if self._inbox and not inbox_first:
+                            inbox_first = True
+                            continue
+                    inbox_first = False
                     self._step()
                     self._heap.trim()
                 if not scheduler.running and self._drain_waiters:
