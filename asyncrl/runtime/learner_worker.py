@@ -134,14 +134,17 @@ class LearnerWorker:
         self._heap.trim()
         return metrics
 
-    def publish(self) -> WeightUpdate:
+    def publish(self, into: Callable[[WeightUpdate], T] | None = None) -> WeightUpdate | T:
         """What the engines load (on rank 0; an empty ``FullWeights`` on the others): the
-        run's one kind of update (``Learner.engine_weights``, ``asyncrl/learner/export.py``).
-        Within the core budget like a step: the export copies every weight, and beside an
-        engine that took every core once the step ended (``turns``: always, its groups queued)
-        its threads were a second team on the cores — weight syncs of 2.6–3.5 s against 0.2 s."""
+        run's one kind of update (``Learner.engine_weights``, ``asyncrl/learner/export.py``),
+        or what ``into`` makes of it (a learner process: its copy into shared memory,
+        ``shared_weights.py``; not called on an empty update). Within the core budget like a
+        step: the export and the copy touch every weight, and beside an engine that took every
+        core once the step ended (``turns``: always, its groups queued) they were a second
+        thread team on the cores — weight syncs of 2.6–3.5 s against 0.2 s."""
         with self._computing():
-            return self.learner.export_weights()
+            update = self.learner.export_weights()
+            return update if into is None or not update else into(update)
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
         return self.learner.save_checkpoint(path, extra=extra, files=files)

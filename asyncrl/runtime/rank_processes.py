@@ -80,15 +80,17 @@ def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, wor
                 break
             snapshot = None
             try:
-                value = getattr(worker, method)(*args)
-                if method == "publish" and value and block is not None:
+                if method == "publish" and block is not None:  # the copy into the block within the core budget too
                     try:
-                        value = snapshot = block.write(value)
+                        value = snapshot = worker.publish(into=block.write)
                     except BlockUnavailable as exc:  # the pipe from now on, said once
                         print(f"asyncrl: learner rank {rank}: {exc}; the weights cross the pipe instead (slower)",
                               file=sys.stderr, flush=True)
                         block.close()
                         block = None
+                        value = worker.publish()
+                else:
+                    value = getattr(worker, method)(*args)
             except BaseException:
                 if not _quietly(reply, "error", traceback.format_exc()):
                     break
