@@ -141,7 +141,7 @@ class LearnerWorker:
         ``shared_weights.py``; not called on an empty update). Within the core budget like a
         step: the export and the copy touch every weight, and beside an engine that took every
         core once the step ended (``turns``: always, its groups queued) they were a second
-        thread team on the cores — weight syncs of 2.6–3.5 s against 0.2 s."""
+        thread team on the cores — weight syncs of up to 3.5 s against 0.2 s (docs/scaling.md, `turns`)."""
         with self._computing():
             if into is None:
                 return self.learner.export_weights()
