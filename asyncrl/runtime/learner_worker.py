@@ -134,22 +134,26 @@ class LearnerWorker:
         self._heap.trim()
         return metrics
 
-    def publish(self, into: Callable[[WeightUpdate], T] | None = None) -> WeightUpdate | T:
+    def publish(self) -> WeightUpdate:
         """What the engines load (on rank 0; an empty ``FullWeights`` on the others): the
-        run's one kind of update (``Learner.engine_weights``, ``asyncrl/learner/export.py``),
-        or what ``into`` makes of it (a learner process: its copy into shared memory,
-        ``shared_weights.py``; not called on an empty update). Within the core budget like a
-        step: the export and the copy touch every weight, and beside an engine that took every
-        core once the step ended (``turns``: always, its groups queued) they were a second
-        thread team on the cores — weight syncs of up to 3.5 s against 0.2 s (docs/scaling.md, `turns`)."""
+        run's one kind of update (``Learner.engine_weights``, ``asyncrl/learner/export.py``).
+        Within the core budget like a step: the export touches every weight, and beside an
+        engine that took every core once the step ended (``turns``: always, its groups
+        queued) it was a second thread team on the cores — weight syncs of up to 3.5 s
+        against 0.2 s (docs/scaling.md, `turns`)."""
         with self._computing():
-            if into is None:
-                return self.learner.export_weights()
-            # ``into`` copies at once, before the learner trains again: one rank reads its
-            # parameters themselves (no snapshot of them to copy a second time)
+            return self.learner.export_weights()
+
+    def publish_into(self, write: Callable[[WeightUpdate], T]) -> T | WeightUpdate:
+        """:meth:`publish` for a learner in its own process: ``write`` (its copy into shared
+        memory, ``shared_weights.py``) of the update, within the core budget too; an empty
+        update (the other ranks) as it is. ``write`` copies at once, before the learner
+        trains again, so one rank hands it its parameters themselves (no snapshot of them
+        to copy a second time)."""
+        with self._computing():
             one_rank = self.learner.sharding is None
             update = self.learner.engine_weights() if one_rank else self.learner.export_weights()
-            return into(update) if update else update
+            return write(update) if update else update
 
     def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
         return self.learner.save_checkpoint(path, extra=extra, files=files)

@@ -82,7 +82,7 @@ def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, wor
             try:
                 if method == "publish" and block is not None:  # the copy into the block within the core budget too
                     try:
-                        value = worker.publish(into=block.write)  # an empty update on the other ranks
+                        value = worker.publish_into(block.write)  # an empty update on the other ranks
                         snapshot = value if isinstance(value, SharedSnapshot) else None
                     except BlockUnavailable as exc:  # the pipe from now on, said once
                         print(f"asyncrl: learner rank {rank}: {exc}; the weights cross the pipe instead (slower)",
