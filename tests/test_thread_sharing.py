@@ -148,36 +148,36 @@ def _run(tmp_path, policy_dir, sharing):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow
-def test_an_async_colocated_run_gives_the_learner_every_core_while_the_engine_waits(tmp_path, policy_dir):
-    rows = _run(tmp_path, policy_dir, "colocated")
+def _budget_run(tmp_path, policy_dir, sharing) -> list[dict]:
+    """A short run with a core budget (``_run``), its steps' rows: every version trained,
+    the bound kept, and each side computed some of its work with every core (the engine
+    before the learner's first step, when it had nothing to train)."""
+    rows = _run(tmp_path, policy_dir, sharing)
     steps = rows[1:]
     assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
     assert all(r["staleness/max"] <= 4 for r in steps)
-    # the learner (in its own process) computed part of its steps with every core, and never
-    # longer with every core than it computed at all
     assert sum(r["time/learner_all_cores_s"] for r in steps) > 0
+    assert sum(r["time/engine_all_cores_s"] for r in steps) > 0
+    return steps
+
+
+@pytest.mark.slow
+def test_an_async_colocated_run_gives_the_learner_every_core_while_the_engine_waits(tmp_path, policy_dir):
+    steps = _budget_run(tmp_path, policy_dir, "colocated")
+    # the learner (in its own process) never computed longer with every core than it computed at all
     assert all(r["time/learner_all_cores_s"] <= r["time/learner"] + 1e-6 for r in steps)
     assert sum(r["threads/learner_switches"] for r in steps) >= 1
-    # the engine generated while the learner had nothing to train (before its first step): every core
-    assert sum(r["time/engine_all_cores_s"] for r in steps) > 0
     assert sum(r["threads/engine_switches"] for r in steps) >= 1
 
 
 @pytest.mark.slow
 def test_an_async_turns_run_keeps_the_bound_and_the_engine_waits_out_the_learners_steps(tmp_path, policy_dir):
-    rows = _run(tmp_path, policy_dir, "turns")
-    steps = rows[1:]
-    assert [r["version"] for r in rows] == [0, 1, 2, 3, 4]
-    assert all(r["staleness/max"] <= 4 for r in steps)
-    # the learner computed with every core, the engine too (before the first step), and the
-    # engine, its groups queued (η = 4), waited for the learner's steps
-    assert sum(r["time/learner_all_cores_s"] for r in steps) > 0
-    # its calls are its steps and the delivery check's forward pass (time/delivery_check),
-    # which in turns also gets every core
+    steps = _budget_run(tmp_path, policy_dir, "turns")
+    # the learner's calls are its steps and the delivery check's forward pass
+    # (time/delivery_check), which in turns also gets every core
     assert all(r["time/learner_all_cores_s"] <= r["time/learner"] + r.get("time/delivery_check", 0) + 1e-6
                for r in steps)
-    assert sum(r["time/engine_all_cores_s"] for r in steps) > 0
+    # the engine, its groups queued (η = 4), waited for the learner's steps
     assert sum(r["time/engine_core_wait_s"] for r in steps) > 0
 
 
