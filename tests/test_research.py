@@ -158,3 +158,25 @@ def test_deepresearch_traces_answer_after_the_last_call_note_as_the_agent_asks(t
         assert told == ([{"role": "user", "content": agent.LAST_CALL}] if searches == last else [])
         assert not told or messages[-2] == told[0]
     assert counts == {1, 2, 3}
+
+
+def test_the_deepresearch_reward_takes_off_duplicates_and_an_unanswered_ending():
+    """By hand: right 1, wrong 0, no answer (a tool call, a paragraph) 0 less the unanswered
+    penalty; each duplicate search costs its penalty in every case."""
+    import sys
+    from pathlib import Path
+
+    from asyncrl.plugins import load_named
+    from asyncrl.tasks.base import Task
+
+    example = Path(__file__).parents[1] / "examples" / "deepresearch"
+    agent = sys.modules[load_named(f"{example / 'agent.py'}:run", key="test").__module__]
+    task = Task(id="q", prompt="Who?", data={"answer": "Ada Brook"})
+    reward = agent.episode_reward
+    assert reward(task, "Answer: Ada Brook", 0, 0.25, 0.5) == 1.0
+    assert reward(task, "Answer: Ada Brook", 2, 0.25, 0.5) == 0.5
+    assert reward(task, "Answer: Tom Reed", 1, 0.25, 0.5) == -0.25
+    assert reward(task, '<tool_call>{"name": "search"}</tool_call>', 0, 0.25, 0.5) == -0.5
+    assert reward(task, "Ada Brook", 0, 0.25, 0.5) == 1.0  # one line: the answer, as the reward reads it
+    assert reward(task, "I am not sure.\nI would search more.", 1, 0.25, 0.5) == -0.75
+    assert reward(task, "I am not sure.\nI would search more.", 1) == 0.0  # both penalties default to 0

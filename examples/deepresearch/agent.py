@@ -27,7 +27,8 @@ group is 0 and GRPO has nothing to reward; told, some episodes answer and the ri
 the same note.
 
 The reward is ``multihop_reward`` of the last reply (the ``Answer:`` line equals the answer)
-less ``ASYNCRL_DUPLICATE_PENALTY`` (default 0) per duplicate search: workflow options do not
+less ``ASYNCRL_DUPLICATE_PENALTY`` (default 0) per duplicate search and less
+``ASYNCRL_UNANSWERED_PENALTY`` (default 0) when it has no answer (``episode_reward``): workflow options do not
 reach an ``openai_agent``, so the agent reads its settings from the environment, as the search
 agent does. The corpus is ``ASYNCRL_RESEARCH_DATA``/corpus.jsonl (default: ``data/`` beside
 this file, written by ``make_data.py``). ``ASYNCRL_RETRIEVAL_LATENCY_S`` (default 0) is added
@@ -47,7 +48,7 @@ from pathlib import Path
 
 from asyncrl.frozen.client import FrozenModel
 from asyncrl.plugins import load_named
-from asyncrl.tasks.multihop import multihop_reward
+from asyncrl.tasks.multihop import extract_answer, multihop_reward
 from asyncrl.tools.retrieval import RetrievalClient, RetrievalError
 from asyncrl.tools.retrieval.duplicates import DuplicateGuard
 from asyncrl.tools.retrieval.refine import Refiner
@@ -146,5 +147,22 @@ async def run(task, base_url: str) -> float:
     async with RetrievalClient(urls, timeout_s=10.0, retries=2) as retrieval:
         final = await plain.converse_with_tools(plain.sdk_client(base_url), asked, TOOLS, run_tool,
                                                 last_call=LAST_CALL)
-    penalty = float(os.environ.get("ASYNCRL_DUPLICATE_PENALTY", "0"))
-    return multihop_reward(task, final) - penalty * guard.duplicates
+    return episode_reward(task, final, guard.duplicates,
+                          duplicate_penalty=float(os.environ.get("ASYNCRL_DUPLICATE_PENALTY", "0")),
+                          unanswered_penalty=float(os.environ.get("ASYNCRL_UNANSWERED_PENALTY", "0")))
+
+
+def episode_reward(task, final: str, duplicates: int, duplicate_penalty: float = 0.0,
+                   unanswered_penalty: float = 0.0) -> float:
+    """``multihop_reward`` of the last reply, less ``duplicate_penalty`` per duplicate search and
+    ``unanswered_penalty`` when the last reply commits to no answer (``extract_answer``, the
+    reward's own reading: a tool call, a paragraph; the episode searched on after ``LAST_CALL``).
+
+    Why the second: without it an episode that ignores the last-call note scores what a wrong
+    answer scores (0), so a drift into searching on every call costs nothing until a whole
+    group has stopped answering — and then GRPO has nothing left to prefer (README.md, "Every
+    hop count in training: looped"). With it, answering, even wrongly, beats not answering
+    while some of a group still answer. It rewards no answer over another: a guess without a
+    search still scores 0 unless right."""
+    unanswered = 0.0 if extract_answer(final) is not None else unanswered_penalty
+    return multihop_reward(task, final) - duplicate_penalty * duplicates - unanswered
