@@ -343,3 +343,26 @@ def test_bench_trl_runs_each_ablation_as_sync_with_its_overrides(tmp_path, monke
     assert list(result["systems"]) == ["trl", "asyncrl_sync", "asyncrl_async", "asyncrl_sync_beta2"]
     *_, (settings, out, mode, sharing, extra) = calls
     assert (out.name, mode, sharing, extra) == ("asyncrl_sync_beta2", "sync", "split", ("optim.betas=[0.9,0.999]",))
+
+
+def test_bench_trl_runs_each_ablation_in_each_listed_mode(tmp_path, monkeypatch):
+    """``ablation_modes=["sync", "async"]``: each ablation twice, ``asyncrl_sync_<name>`` then
+    ``asyncrl_async_<name>``, the same overrides, the mode the only difference."""
+    from asyncrl.bench import trl
+
+    calls = []
+
+    def fake_run(train, *args):
+        calls.append(args)
+        run = trl.Run()
+        run.train_curve, run.wall_s, run.save_s = [(1.0, 0.5)], 1.0, 0.0
+        return run
+
+    monkeypatch.setattr(trl, "_in_own_process", fake_run)
+    s = trl.TrlBenchSettings(held_out=False, ablations={"zv": ["algorithm.filter_zero_variance=true"]},
+                             ablation_modes=["sync", "async"])
+    result = trl._bench_size(s, tmp_path, "")
+    assert list(result["systems"]) == ["trl", "asyncrl_sync", "asyncrl_async", "asyncrl_sync_zv", "asyncrl_async_zv"]
+    assert [(out.name, mode, sharing, extra) for _, out, mode, sharing, extra in calls[-2:]] == [
+        ("asyncrl_sync_zv", "sync", "split", ("algorithm.filter_zero_variance=true",)),
+        ("asyncrl_async_zv", "async", "split", ("algorithm.filter_zero_variance=true",))]

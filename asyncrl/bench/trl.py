@@ -124,6 +124,10 @@ class TrlBenchSettings(Section):
     change at a time against TRL and plain ``sync`` in the same sitting, to find what moves
     per-sample learning (``'ablations.beta2_999=["optim.betas=[0.9,0.999]"]'``). An override
     of a key the bench sets itself (``mode``, ``total_steps``, ``batch_size``, …) is refused."""
+    ablation_modes: list[Literal["sync", "async"]] = ["sync"]
+    """The schedules each ablation trains in (system ``asyncrl_<mode>_<name>``): ``["sync", "async"]``
+    asks whether a change that helps ``sync`` per sample also helps ``async``, whose generation
+    overlaps the learner and so may pay less for it (the zero-variance filter's refills)."""
     keep_checkpoints: bool = False
     """Keep every checkpoint once scored; false: each is deleted after its held-out score is
     written (an asyncrl checkpoint of SmolLM2 with its optimizer state is ~1.6 GB: three seeds
@@ -404,9 +408,10 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
                 "asyncrl_async": (_asyncrl_run, s, out / "asyncrl_async", "async")}
     for sharing in s.async_sharing:  # async again, the cores shared otherwise
         trainers[f"asyncrl_async_{sharing}"] = (_asyncrl_run, s, out / f"asyncrl_async_{sharing}", "async", sharing)
-    for name, overrides in s.ablations.items():  # sync again, one change at a time
-        trainers[f"asyncrl_sync_{name}"] = (_asyncrl_run, s, out / f"asyncrl_sync_{name}", "sync", "split",
-                                            tuple(overrides))
+    for name, overrides in s.ablations.items():  # sync (or async) again, one change at a time
+        for mode in s.ablation_modes:
+            trainers[f"asyncrl_{mode}_{name}"] = (_asyncrl_run, s, out / f"asyncrl_{mode}_{name}", mode, "split",
+                                                  tuple(overrides))
     per_step = s.batch_size * s.group_size
     samples = {name: s.steps_of(name) * per_step for name in trainers}
     runs: dict[str, Run] = {}
