@@ -233,3 +233,13 @@ def test_a_turns_engine_that_waited_max_wait_s_computes_on_one_thread():
         assert on_thread(lambda: (budget.working("engine"), torch.get_num_threads())) == (1, 1)
     finally:
         budget.close()
+
+
+def test_evaluation_gives_the_engine_every_core_or_the_configs_count_and_no_learner():
+    """``asyncrl eval`` (``train`` false): the engine's count is a number, every core the
+    process has unless ``rollout.num_threads`` says otherwise — never None, which left the
+    engine's new thread on one core (the docstring of ``_thread_split``)."""
+    cores = torch.get_num_threads() or 2
+    assert _thread_split(load_config(None, ["mode=async"]), train=False) == (cores, None)
+    assert _thread_split(load_config(None, ["mode=sync"]), train=False) == (cores, None)
+    assert _thread_split(load_config(None, ["rollout.num_threads=1"]), train=False) == (1, None)

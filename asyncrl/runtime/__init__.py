@@ -69,10 +69,18 @@ def learner_processes(cfg: Config) -> int:
     return int(own)
 
 
-def _thread_split(cfg: Config) -> tuple[int, int]:
+def _thread_split(cfg: Config, train: bool = True) -> tuple[int, int | None]:
     """torch threads for (engine, learner) in one process: when both compute at once
-    (every mode but ``sync``), half the cores each, unless the config says otherwise."""
+    (every mode but ``sync``), half the cores each, unless the config says otherwise.
+    ``train`` false (``asyncrl eval``): no learner, and the engine every core.
+
+    Always a number for the engine, never "leave it": the engine's thread is made after
+    the event loop's thread went to one torch thread (:func:`one_torch_thread`), and a new
+    thread left alone decoded on one core of two (2026-11-27: ``asyncrl eval`` of the
+    DeepResearch agent at 100 % CPU on a 2-core machine, its engine thread alone busy)."""
     cores = torch.get_num_threads() or 2
+    if not train:
+        return cfg.rollout.num_threads or cores, None
     half = max(1, cores // 2)
     shared = cfg.mode != "sync"
     return (cfg.rollout.num_threads or (half if shared else cores),
@@ -121,7 +129,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
     policy already loaded in this process (``None`` where the workers load their own).
     Whatever was started is shut down on the way out, also when starting fails."""
     eval_replica = train and cfg.background_eval
-    engine_threads, learner_threads = _thread_split(cfg) if train else (cfg.rollout.num_threads, None)
+    engine_threads, learner_threads = _thread_split(cfg, train)
     budget = _thread_budget(cfg, engine_threads, learner_threads) if train and learner_threads else None
     async with AsyncExitStack() as stack:  # callbacks run in reverse: rollout, learner, Ray
         if budget is not None:
