@@ -324,12 +324,12 @@ def test_bench_trl_ablation_arms_refuse_keys_the_bench_sets(capsys):
     assert "ablations.x: 'mode' is set by the bench itself" in capsys.readouterr().err
 
 
-def test_bench_trl_runs_each_ablation_as_sync_with_its_overrides(tmp_path, monkeypatch):
-    """Each ablation becomes ``asyncrl_sync_<name>``: ``sync`` with the bench's settings and,
-    after them, the ablation's overrides (so its change wins), trained after the others."""
+def _record_runs(monkeypatch) -> list[tuple]:
+    """Stand in for every system's training in ``asyncrl.bench.trl``: each call's arguments
+    are recorded (in order) and a one-step run returned; the list of calls comes back."""
     from asyncrl.bench import trl
 
-    calls = []
+    calls: list[tuple] = []
 
     def fake_run(train, *args):
         calls.append(args)
@@ -338,6 +338,15 @@ def test_bench_trl_runs_each_ablation_as_sync_with_its_overrides(tmp_path, monke
         return run
 
     monkeypatch.setattr(trl, "_in_own_process", fake_run)
+    return calls
+
+
+def test_bench_trl_runs_each_ablation_as_sync_with_its_overrides(tmp_path, monkeypatch):
+    """Each ablation becomes ``asyncrl_sync_<name>``: ``sync`` with the bench's settings and,
+    after them, the ablation's overrides (so its change wins), trained after the others."""
+    from asyncrl.bench import trl
+
+    calls = _record_runs(monkeypatch)
     s = trl.TrlBenchSettings(held_out=False, ablations={"beta2": ["optim.betas=[0.9,0.999]"]})
     result = trl._bench_size(s, tmp_path, "")
     assert list(result["systems"]) == ["trl", "asyncrl_sync", "asyncrl_async", "asyncrl_sync_beta2"]
@@ -350,15 +359,7 @@ def test_bench_trl_runs_each_ablation_in_each_listed_mode(tmp_path, monkeypatch)
     ``asyncrl_async_<name>``, the same overrides, the mode the only difference."""
     from asyncrl.bench import trl
 
-    calls = []
-
-    def fake_run(train, *args):
-        calls.append(args)
-        run = trl.Run()
-        run.train_curve, run.wall_s, run.save_s = [(1.0, 0.5)], 1.0, 0.0
-        return run
-
-    monkeypatch.setattr(trl, "_in_own_process", fake_run)
+    calls = _record_runs(monkeypatch)
     s = trl.TrlBenchSettings(held_out=False, ablations={"zv": ["algorithm.filter_zero_variance=true"]},
                              ablation_modes=["sync", "async"])
     result = trl._bench_size(s, tmp_path, "")
