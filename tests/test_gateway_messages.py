@@ -156,12 +156,38 @@ def test_one_conversation_across_three_dialects_is_one_trajectory(tiny_policy):
     assert_token_exact(trajectory, scripted, tokenizer, model, [tool_turn("5"), tool_turn("8")])
 
 
+def test_a_request_ending_on_the_assistants_text_is_continued_as_anthropic_continues_a_prefill(tiny_policy):
+    """Anthropic's prefill: the reply's text is the continuation; the model saw the prefill
+    after the generation prompt, as environment tokens."""
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            scripted = Sampled(engine, tokenizer, " Paris")
+            llm = LLMClient(scripted, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                reply = await claude(base_url).messages.create(
+                    model="tiny", max_tokens=16, messages=[{"role": "user", "content": USER},
+                                                           {"role": "assistant", "content": "Answer:"}])
+            return reply, llm, scripted
+
+    reply, llm, scripted = asyncio.run(main())
+    assert [b.type for b in reply.content] == ["text"] and reply.content[0].text == " Paris"
+    forced = tokenizer.encode("Answer:", add_special_tokens=False)
+    assert scripted.prompts[0] == chat_prompt_ids(tokenizer, [{"role": "user", "content": USER}]) + forced
+    [trajectory] = llm.trajectories
+    k = len(forced)
+    assert trajectory.response_ids[:k] == forced and trajectory.loss_mask[:k] == [0] * k
+    assert trajectory.loss_mask[k:] == [1] * len(scripted.completions[0].token_ids)
+
+
 def test_the_api_key_is_taken_as_x_api_key_and_refusals_come_back_in_anthropic_shape(tiny_policy):
     model, tokenizer = tiny_policy
     user = [{"role": "user", "content": USER}]
     cases = [({"messages": user}, 400, "max_tokens"),
              ({"max_tokens": 8, "messages": []}, 400, "messages"),
-             ({"max_tokens": 8, "messages": [*user, {"role": "assistant", "content": "pre"}]}, 400, "prefill"),
+             ({"max_tokens": 8, "messages": [*user, {"role": "assistant", "content": [
+                 {"type": "tool_use", "id": "t1", "name": "add", "input": {}}]}]}, 400, "assistant's text to continue"),
              ({"max_tokens": 8, "messages": [{"role": "user", "content": [{"type": "image"}]}]}, 400, "text blocks"),
              ({"max_tokens": 8, "messages": user, "tools": [{"type": "web_search_20250305", "name": "w"}]}, 400,
               "custom tools"),

@@ -199,6 +199,76 @@ def test_a_forced_call_writes_its_opening_as_environment_tokens_and_goes_on_toke
                          len(prompt + forced) + len(sampled))
 
 
+PREFILL = "Answer:"
+PREFILLED = {"continue_final_message": True, "add_generation_prompt": False}  # vLLM's extra body fields
+
+
+@pytest.mark.equivalence
+def test_a_prefill_is_continued_written_as_environment_tokens_and_the_next_turn_goes_on_token_exact(tiny_policy):
+    """vLLM's ``continue_final_message``: the reply continues the assistant's text; the
+    prefill reaches the model as environment tokens (mask 0: nobody sampled it), the reply
+    handed back is the continuation (as vLLM returns it), and the agent's next call, with
+    the whole turn sent back, extends the same trajectory."""
+    model, tokenizer = tiny_policy
+    continuation = " 5"
+
+    async def main():
+        async with serving(model, tokenizer, max_tokens=16) as (gateway, engine, sampling):
+            scripted = Scripted(engine, tokenizer, continuation)
+            llm = LLMClient(scripted, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                client = sdk(base_url)
+                messages = [*USER, {"role": "assistant", "content": PREFILL}]
+                first = await client.chat.completions.create(model="tiny", messages=messages, extra_body=PREFILLED)
+                messages = [*USER, {"role": "assistant", "content": PREFILL + first.choices[0].message.content},
+                            {"role": "user", "content": "and 4 4?"}]
+                second = await client.chat.completions.create(model="tiny", messages=messages)
+            return first, second, llm, scripted
+
+    first, second, llm, scripted = asyncio.run(main())
+    assert first.choices[0].message.content == continuation and first.choices[0].finish_reason == "stop"
+    forced = tokenizer.encode(PREFILL, add_special_tokens=False)
+    prompt = chat_prompt_ids(tokenizer, USER)
+    assert scripted.prompts[0] == prompt + forced  # no assistant turn of its own: the prefill opens the reply
+    sampled = scripted.scripts[0]
+    assert first.usage.completion_tokens == len(sampled) and first.usage.prompt_tokens == len(prompt + forced)
+    [trajectory] = llm.trajectories  # the whole turn sent back was matched: one trajectory
+    ids, mask, k, n = trajectory.response_ids, trajectory.loss_mask, len(forced), len(sampled)
+    assert trajectory.prompt_ids == prompt and ids[:k] == forced and ids[k:k + n] == sampled
+    assert mask[:k] == [0] * k and trajectory.versions[:k] == [NO_VERSION] * k and mask[k:k + n] == [1] * n
+    assert scripted.prompts[1] == prompt + ids[:len(ids) - second.usage.completion_tokens]
+    assert_same_logprobs(trajectory.logprobs[k:k + n], reference_logprobs(model, prompt + forced, sampled), model,
+                         len(prompt + forced) + len(sampled))
+
+
+@pytest.mark.parametrize("messages, fields, param, fragment", [
+    ([*USER, {"role": "assistant", "content": PREFILL}], {"continue_final_message": True}, "add_generation_prompt",
+     "needs add_generation_prompt: false"),
+    (USER, PREFILLED, "messages[0]", "must be the assistant's text"),
+    ([*USER, {"role": "assistant", "content": PREFILL}], {"add_generation_prompt": False}, "add_generation_prompt",
+     "only with continue_final_message"),
+    ([*USER, {"role": "assistant", "content": PREFILL}], {**PREFILLED, "tools": TOOLS, "tool_choice": "required"},
+     "tool_choice", "both the prefill and the call's opening"),
+])
+def test_a_prefill_that_cannot_be_served_is_refused_naming_why(tiny_policy, messages, fields, param, fragment):
+    model, tokenizer = tiny_policy
+
+    async def main():
+        async with serving(model, tokenizer) as (gateway, engine, sampling):
+            llm = LLMClient(engine, tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                body = {k: v for k, v in fields.items() if k in ("tools", "tool_choice")}
+                extra = {k: v for k, v in fields.items() if k not in body}
+                with pytest.raises(openai.BadRequestError) as caught:
+                    await sdk(base_url).chat.completions.create(model="tiny", messages=messages, extra_body=extra,
+                                                                **body)
+            return caught.value, llm
+
+    error, llm = asyncio.run(main())
+    assert error.body["param"] == param and fragment in error.body["message"]
+    assert llm.trajectories == []  # refused before anything was sampled
+
+
 def test_tool_choice_none_keeps_the_tools_rendered_and_returns_a_call_as_content(tiny_policy):
     model, tokenizer = tiny_policy
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'

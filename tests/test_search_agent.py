@@ -77,11 +77,12 @@ class _ScriptedModel:
     """Stands in for the SDK client: replies from a script, records what it was sent."""
 
     def __init__(self, replies):
-        self.replies, self.sent = list(replies), []
+        self.replies, self.sent, self.extra_bodies = list(replies), [], []
         self.chat = SimpleNamespace(completions=SimpleNamespace(create=self.create))
 
-    async def create(self, *, messages, **_):
+    async def create(self, *, messages, extra_body=None, **_):
         self.sent.append([dict(m) for m in messages])
+        self.extra_bodies.append(extra_body)
         content, calls = self.replies.pop(0)
         tool_calls = [SimpleNamespace(id=f"call-{i}", function=SimpleNamespace(name=name, arguments=args))
                       for i, (name, args) in enumerate(calls)] or None
@@ -184,3 +185,22 @@ def test_last_call_asks_for_the_answer_before_the_last_model_call():
 
     _, sent = converse([search] * agent.MAX_TURNS)
     assert sent[-1][-1]["role"] == "tool"  # no last_call: nothing added
+
+
+def test_the_answer_prefill_makes_the_last_reply_continue_answer():
+    """``answer_prefill``: the last call ends on the assistant's "Answer:", sent as vLLM's
+    ``continue_final_message``; the reply returned is the prefill and the continuation, and
+    no earlier call carries it."""
+    task = Task(id="t", prompt="Which town is c7m in?", data={"answer": "t2x"})
+    model = _ScriptedModel([("", [("search", '{"query": "c7m"}')])] * (agent.MAX_TURNS - 1) + [(" t2x", [])])
+
+    async def run_tool(call):
+        return "c7m is in t2x."
+
+    final = asyncio.run(agent.converse_with_tools(model, task, agent.TOOLS, run_tool, last_call="answer now",
+                                                  answer_prefill="Answer:"))
+    assert final == "Answer: t2x" and multihop_reward(task, final) == 1.0
+    assert model.sent[-1][-2:] == [{"role": "user", "content": "answer now"},
+                                   {"role": "assistant", "content": "Answer:"}]
+    assert model.extra_bodies == [None] * (agent.MAX_TURNS - 1) + [
+        {"continue_final_message": True, "add_generation_prompt": False}]

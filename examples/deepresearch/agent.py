@@ -24,7 +24,9 @@ before the last of them the agent says ``LAST_CALL`` ("No searches left. Reply w
 Answer: <name>"). Why: a policy that searches on every call never answers, every reward of its
 group is 0 and GRPO has nothing to reward; told, some episodes answer and the right ones win
 (README.md, "Asked for the answer at the last call"). The SFT traces (``make_traces.py``) hold
-the same note.
+the same note. That last reply is made to begin with ``ASYNCRL_ANSWER_PREFILL`` (default
+``Answer:``; empty: off), a prefill the model continues, so it names an answer whatever the
+policy has drifted into (README.md, "The last reply made to answer").
 
 The reward is ``multihop_reward`` of the last reply (the ``Answer:`` line equals the answer)
 less ``ASYNCRL_DUPLICATE_PENALTY`` (default 0) per duplicate search and less
@@ -146,7 +148,8 @@ async def run(task, base_url: str) -> float:
     asked = dataclasses.replace(task, prompt=f"{task.prompt}\n{INSTRUCTION}")
     async with RetrievalClient(urls, timeout_s=10.0, retries=2) as retrieval:
         final = await plain.converse_with_tools(plain.sdk_client(base_url), asked, TOOLS, run_tool,
-                                                last_call=LAST_CALL)
+                                                last_call=LAST_CALL,
+                                                answer_prefill=os.environ.get("ASYNCRL_ANSWER_PREFILL", "Answer:"))
     return episode_reward(task, final, guard.duplicates,
                           duplicate_penalty=float(os.environ.get("ASYNCRL_DUPLICATE_PENALTY", "0")),
                           unanswered_penalty=float(os.environ.get("ASYNCRL_UNANSWERED_PENALTY", "0")))

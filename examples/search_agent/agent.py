@@ -181,29 +181,42 @@ async def converse(client: AsyncOpenAI, retrieval: RetrievalClient, task) -> str
 
 
 async def converse_with_tools(client: AsyncOpenAI, task, tools: list[dict],
-                              run_tool: Callable[[Any], Awaitable[str]], last_call: str | None = None) -> str:
+                              run_tool: Callable[[Any], Awaitable[str]], last_call: str | None = None,
+                              answer_prefill: str | None = None) -> str:
     """The conversation, whoever runs the tools (``run_tool(call)`` is a call's ``tool`` message
     content: here or ``agent_mcp.py``); returns the last reply's text.
 
     ``last_call``, when given, is a user message put before the last model call (after a tool
     result; in place of a nudge): "no searches left, answer now". Why: a policy that searches on
-    every call never answers, its group's rewards are all 0 and it has nothing to learn from."""
+    every call never answers, its group's rewards are all 0 and it has nothing to learn from.
+    ``answer_prefill`` ("Answer:"), with it, makes that last reply begin with the text (vLLM's
+    ``continue_final_message``, which the gateway serves): the model writes only what follows,
+    so the last reply is an answer whatever the policy has drifted into, and the prefill's
+    tokens are the environment's, never trained. The reply returned is the prefill and what
+    the model wrote after it."""
     messages = [{"role": "user", "content": task.prompt}]
     final = ""
     for turn in range(MAX_TURNS):
+        prefill = None
         if last_call is not None and turn == MAX_TURNS - 1 and turn > 0:
             if messages[-1]["role"] == "user":  # the nudge: say this instead
                 messages[-1] = {"role": "user", "content": last_call}
             else:
                 messages.append({"role": "user", "content": last_call})
+            prefill = answer_prefill or None
         try:
-            reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+            if prefill is None:
+                reply = await client.chat.completions.create(model="policy", messages=messages, tools=tools)
+            else:
+                reply = await client.chat.completions.create(
+                    model="policy", messages=[*messages, {"role": "assistant", "content": prefill}], tools=tools,
+                    extra_body={"continue_final_message": True, "add_generation_prompt": False})
         except openai.BadRequestError as exc:
             if "context" not in exc.message:  # not "the conversation no longer fits": a bug, say so
                 raise
             break
         message = reply.choices[0].message
-        final = message.content or ""
+        final = (prefill or "") + (message.content or "")
         if message.tool_calls:
             messages.append(message.model_dump(exclude_none=True))
             for call in message.tool_calls:

@@ -20,10 +20,11 @@ one met) or ``end_turn``. ``max_tokens`` is required, as Anthropic's API require
 
 Errors are Anthropic's shape, ``{"type": "error", "error": {"type", "message"}}``, for the
 same refusals as every dialect (``access.py`` writes aiohttp's own so on these routes);
-refused here besides: a message that ends on the assistant's turn (prefill: the reply
-would have to continue the agent's text, which the gateway does not write into the
-context), content blocks that are not text (images, documents: the policy reads text)
-and tools that are not custom tools (Anthropic's server tools run on its servers).
+refused here besides: content blocks that are not text (images, documents: the policy
+reads text) and tools that are not custom tools (Anthropic's server tools run on its
+servers). A request that ends on the assistant's text is a prefill, as in Anthropic's
+API: the reply continues it (the chat form's ``continue_final_message``); one that ends
+on the assistant's ``tool_use`` is refused (there is nothing to continue).
 """
 
 from __future__ import annotations
@@ -182,14 +183,12 @@ class MessagesWire:
 
     def read(self, data: Any, session: Session | None) -> ChatRequest:
         self.body = body = validate(data, CountRequest if self.counting else MessagesRequest)
-        if body.messages[-1].role == "assistant" and not self.counting:
-            raise Refused(400, "messages: the last message is the assistant's: continuing a prefilled reply is not "
-                               "served (the gateway writes no agent text into the model's context); end on a user "
-                               "message", "messages")
+        prefill = body.messages[-1].role == "assistant" and not self.counting
         chat = {"messages": chat_messages(body.system, body.messages), "tools": chat_tools(body.tools),
                 "tool_choice": chat_tool_choice(body.tool_choice), "stream": body.stream,
                 "max_tokens": body.max_tokens, "stop": body.stop_sequences, "temperature": body.temperature,
-                "top_p": body.top_p, "top_k": body.top_k, "response_format": (body.output_config or {}).get("format")}
+                "top_p": body.top_p, "top_k": body.top_k, "response_format": (body.output_config or {}).get("format"),
+                "continue_final_message": prefill or None, "add_generation_prompt": False if prefill else None}
         try:
             return validate({k: v for k, v in chat.items() if v is not None}, ChatRequest)
         except Refused as exc:

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from asyncrl.json_api import Refused
 from asyncrl.rollout.gateway.tool_calls import ParsedReply
@@ -106,6 +106,39 @@ class ChatRequest(_Request):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
+    continue_final_message: bool = False  # vLLM's: the reply continues the last (assistant) message
+    add_generation_prompt: bool = True  # vLLM's: false only beside continue_final_message
+
+    @model_validator(mode="after")
+    def _prefill(self) -> ChatRequest:
+        """vLLM's prefill: ``continue_final_message: true`` with ``add_generation_prompt:
+        false`` makes the reply continue the last message, an assistant's text ("Answer:").
+        Served, not ignored: an agent that prefills relies on the reply beginning so. The
+        prefill is written into the context as environment tokens (never trained: the model
+        did not sample it) and the reply is what the model samples after it, as vLLM returns
+        it. What vLLM refuses is refused here too, and a generation prompt left out without a
+        message to continue (a prompt that ends inside a turn nobody opened)."""
+        if not self.continue_final_message:
+            if not self.add_generation_prompt:
+                raise Refused(400, "add_generation_prompt: false is served only with continue_final_message: true "
+                                   "(the reply then continues the last message, an assistant's prefill)",
+                              "add_generation_prompt")
+            return self
+        if self.add_generation_prompt:
+            raise Refused(400, "continue_final_message: true needs add_generation_prompt: false, as vLLM's "
+                               "(the reply continues the last message rather than opening a new turn)",
+                          "add_generation_prompt")
+        last = self.messages[-1]
+        if last.role != "assistant" or last.tool_calls or not isinstance(last.plain()["content"], str):
+            raise Refused(400, "continue_final_message: the last message must be the assistant's text to continue "
+                               f"(got a {last.role!r} message{' with tool_calls' if last.tool_calls else ''})",
+                          f"messages[{len(self.messages) - 1}]")
+        return self
+
+    @property
+    def prefill(self) -> str | None:
+        """The text the reply continues (``continue_final_message``), else None."""
+        return self.messages[-1].plain()["content"] if self.continue_final_message else None
 
     @field_validator("response_format")
     @classmethod

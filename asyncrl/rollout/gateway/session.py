@@ -15,7 +15,10 @@ agent's sight. What the session adds is the translation an OpenAI agent needs:
   overridden, its ``seed`` ignored, and both said in the reply's ``system_fingerprint``
   and counted; ``max_tokens`` is honoured up to the run's cap, ``stop`` strings always;
 - ``tool_choice`` ``required`` or naming a function forces the opening of a call, written
-  as environment tokens before the model samples the rest (``tool_choice.py``);
+  as environment tokens before the model samples the rest (``tool_choice.py``); so does a
+  prefill (vLLM's ``continue_final_message``, an Anthropic request ending on the
+  assistant's text): the reply handed back is the continuation, the turn recorded (and
+  matched when the agent sends it back whole) is the prefill and the continuation;
 - under a template with ``<think>``, the reasoning goes to ``reasoning_content`` and only
   the rest is read for tool calls (``reasoning.py``); the trajectory keeps it all.
 
@@ -44,6 +47,7 @@ import asyncrl.rollout.gateway.reasoning as reasoning
 import asyncrl.rollout.gateway.tool_choice as tool_choice
 from asyncrl.rollout.client import LLMClient, Response
 from asyncrl.engine.protocol import PromptTooLongError, TokenSink
+from asyncrl.json_api import Refused
 from asyncrl.rollout.gateway.openai_api import ChatRequest, CompletionRequest, _Request, assistant_message
 from asyncrl.rollout.gateway.tool_calls import ParsedReply, ToolFormat
 from asyncrl.types import AgentDiagnostics, SamplingParams, is_duplicate_search, is_tool_error
@@ -84,12 +88,15 @@ class CallPlan:
     notes: list[str]  # what of the request was not honoured, and why
     choice: tool_choice.ToolChoice = tool_choice.AUTO
     thinking: reasoning.Thinking | None = None
+    prefill: str | None = None  # the assistant text the reply continues (``continue_final_message``)
 
     @property
     def opening(self) -> str | None:
-        """The text the reply is made to begin with. Where the generation prompt opens
-        ``<think>``, a forced call closes it first: the call is the answer, after an empty
-        reasoning."""
+        """The text the reply is made to begin with: a prefill as the agent wrote it, or a
+        forced call's opening. Where the generation prompt opens ``<think>``, a forced call
+        closes it first: the call is the answer, after an empty reasoning."""
+        if self.prefill:
+            return self.prefill
         if self.choice.opening is None or self.thinking is None or not self.thinking.opened_by_prompt:
             return self.choice.opening
         return reasoning.END_THINK + "\n\n" + self.choice.opening
@@ -191,8 +198,11 @@ class Session:
         sampling, notes = self.sampling(request, default_max_tokens)
         if isinstance(request, CompletionRequest):
             return CallPlan(sampling, notes)
-        return CallPlan(sampling, notes, tool_choice.resolve(request.tool_choice, request.tools, self.parser),
-                        reasoning.thinking(self.client.tokenizer))
+        choice = tool_choice.resolve(request.tool_choice, request.tools, self.parser)
+        if request.prefill is not None and choice.opening is not None:
+            raise Refused(400, "continue_final_message with a tool_choice that forces a call: the reply cannot begin "
+                               "with both the prefill and the call's opening; leave one out", "tool_choice")
+        return CallPlan(sampling, notes, choice, reasoning.thinking(self.client.tokenizer), request.prefill)
 
     async def chat(self, request: ChatRequest, plan: CallPlan, on_tokens: TokenSink | None = None) -> CallResult:
         """``on_tokens``: the sampled ids as they come (``LLMClient.chat``)."""
@@ -200,7 +210,8 @@ class Session:
         self._call_starts(plain)
         response = parsed = None
         try:
-            messages = self._recorded_form(plain)
+            # A prefill is not a turn of the conversation but the start of the reply (the opening).
+            messages = self._recorded_form(plain if plan.prefill is None else plain[:-1])
             await self._check_fits(messages, request.tools or None)
             response = await self.client.chat(messages, tools=request.tools or None, sampling=plan.sampling,
                                               stop=request.stops or None, opening=plan.opening, on_tokens=on_tokens)
@@ -211,7 +222,12 @@ class Session:
             self._call_ends(response, parsed)
         self.tool_parse_errors += parsed.error is not None
         result = CallResult(response, parsed, plan.notes, thought or None)
+        # The agent sends the whole turn back (prefill and continuation): that is the reply recorded.
         self.replies[_canonical(result.message)] = response.message
+        if plan.prefill and parsed.content is not None and parsed.content.startswith(plan.prefill):
+            # What vLLM hands back for a prefill: the continuation only.
+            result = dataclasses.replace(result, parsed=dataclasses.replace(
+                parsed, content=parsed.content[len(plan.prefill):]))
         return result
 
     async def complete(self, request: CompletionRequest, plan: CallPlan,
