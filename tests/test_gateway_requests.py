@@ -561,6 +561,26 @@ def test_a_forced_call_streams_as_it_answers_unstreamed_and_records_the_same(tin
     assert [t.to_dict() for t in streamed_trajectories] == [t.to_dict() for t in trajectories]
 
 
+def test_a_prefilled_reply_streams_its_continuation_and_records_what_unstreamed_records(tiny_policy):
+    model, tokenizer = tiny_policy
+    messages = [*USER, {"role": "assistant", "content": PREFILL}]
+
+    async def run(stream: bool):
+        async with serving(model, tokenizer, max_tokens=24) as (gateway, engine, sampling):
+            llm = LLMClient(Streamed(engine, tokenizer, " 5, as 2 + 3"), tokenizer, sampling)
+            async with gateway.session(llm) as base_url:
+                reply = await sdk(base_url).chat.completions.create(model="tiny", messages=messages, stream=stream,
+                                                                     extra_body=PREFILLED)
+                chunks = [chunk async for chunk in reply] if stream else reply
+            return chunks, llm.trajectories
+
+    chunks, streamed_trajectories = asyncio.run(run(True))
+    reply, trajectories = asyncio.run(run(False))
+    assert reply.choices[0].message.content == " 5, as 2 + 3"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == " 5, as 2 + 3"
+    assert [t.to_dict() for t in streamed_trajectories] == [t.to_dict() for t in trajectories]
+
+
 def test_a_stream_matches_the_reply_unstreamed_on_the_real_engine(tiny_policy):
     model, tokenizer = tiny_policy
 
