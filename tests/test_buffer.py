@@ -38,3 +38,37 @@ def test_oldest_started_first_and_stale_dropped_with_quota_released():
         assert [r.group.task_id for r in await waiter] == ["fresh"]
 
     asyncio.run(main())
+
+
+def test_before_the_first_take_one_batch_holds_quota_and_a_rejection_or_the_take_frees_room():
+    """``hold_to_first_batch``: at the start the gate admits (1 + η)·B = 6 groups, but only B = 2
+    may hold quota until the learner takes its first batch; a filtered group's quota counts
+    free again (the batch still fills), and after the take the hold is gone for good."""
+    async def main():
+        gate = AsyncStalenessGate(StalenessGate(max_staleness=2, groups_per_step=2))
+        buffer = GroupBuffer(gate)
+
+        async def start() -> None:
+            await buffer.hold_to_first_batch()
+            await gate.acquire()
+
+        await start()
+        await start()
+        third = asyncio.create_task(start())
+        await asyncio.sleep(0.01)
+        assert not third.done() and gate.gate.started == 2 and gate.gate.can_start()  # the gate alone would admit
+        await buffer.reject(start_order=2)  # filtered: its quota back, a third group may take its place
+        await asyncio.wait_for(third, 1)
+        assert gate.gate.started == 2
+        await buffer.put(ready("a", 0, order=1))
+        await buffer.put(ready("b", 0, order=3))
+        fourth = asyncio.create_task(start())
+        await asyncio.sleep(0.01)
+        assert not fourth.done()
+        assert [r.group.task_id for r in await buffer.take(2, trained_version=0)] == ["a", "b"]
+        await asyncio.wait_for(fourth, 1)
+        for _ in range(3):  # no hold after the first take: the gate's limit, (η + 1)·B = 6, alone
+            await asyncio.wait_for(start(), 1)
+        assert gate.gate.started == 6 and not gate.gate.can_start()
+
+    asyncio.run(main())

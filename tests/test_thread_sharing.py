@@ -136,14 +136,16 @@ def test_colocated_evaluates_on_the_rollout_engine_not_on_a_replica_beside_it():
 
 def _run(tmp_path, policy_dir, sharing):
     out = tmp_path / sharing
-    # η = 4 over 4 steps: the engine may generate every step's groups at once and then waits on the
-    # gate (or has nothing queued) while the learner still trains: one micro-batch a sample, so
-    # the learner meets many boundaries while the engine is idle
+    # η = 4 over 4 steps: once the learner has taken its first batch (before it, one batch's groups
+    # alone: GroupBuffer.hold_to_first_batch) the engine may generate every other step's groups and
+    # then waits on the gate (or has nothing queued) while the learner still trains: one
+    # micro-batch a sample and four passes over each batch, so the learner meets many boundaries
+    # while the engine is idle
     overrides = [f"model.path={policy_dir}", f"output_dir={out}", "mode=async", "max_staleness=4", "total_steps=4",
                  "batch_size=2", "group_size=4", "eval_every=0", "eval.num_tasks=2", "eval.samples_per_task=1",
                  "task.num_train=32", "task.num_validation=4", "algorithm.filter_zero_variance=false",
-                 "optim.micro_batch_size=1", "model.device=cpu", "save_every=0", "rollout.num_threads=1",
-                 "rollout.learner_threads=1", f"rollout.thread_sharing={sharing}"]
+                 "optim.micro_batch_size=1", "optim.ppo_epochs=4", "model.device=cpu", "save_every=0",
+                 "rollout.num_threads=1", "rollout.learner_threads=1", f"rollout.thread_sharing={sharing}"]
     assert main(["train", "examples/countdown/async.yaml", *overrides]) == 0
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -102,6 +102,7 @@ class GroupBuffer:
         self._ready: list[ReadyGroup] = []
         self._running: dict[int, int] = {}  # start order -> the oldest version its tokens can have
         self._taken: tuple[int, int] = (-1, 0)  # (trained version, groups taken for it so far)
+        self._first_taken = False  # the learner has taken a batch (hold_to_first_batch)
         self._changed = asyncio.Condition()
 
     def __len__(self) -> int:
@@ -145,6 +146,17 @@ class GroupBuffer:
         """Groups saved with a checkpoint; the restored gate already counts them as accepted."""
         self._ready.extend(groups)
 
+    async def hold_to_first_batch(self) -> None:
+        """Until the learner takes its first batch, wait while one batch's groups (B) hold
+        quota; after it, return at once. Why: at the start the gate admits (1 + η)·B groups
+        at once, and an engine decoding all of them together finishes the first batch — the
+        one the idle learner waits for — only with the others (SmolLM2, η = 2: 11 s for the
+        first 8 groups of 12 decoding together, against 4 s for 4 groups alone;
+        docs/scaling.md). Generating ahead pays once the learner has work; before that it
+        only delays it. Filtered groups give their quota back, so a batch still fills."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self._first_taken or self.gate.started < self.gate.groups_per_step)
+
     async def take(self, n: int, trained_version: int) -> list[ReadyGroup]:
         """Wait for ``n`` groups fresh enough to train version ``trained_version`` on (with
         ``stale_groups: wait``, and for a batch that leaves every group a fresh step)."""
@@ -167,6 +179,8 @@ class GroupBuffer:
                         version, before = self._taken
                         self._taken = (trained_version, (before if version == trained_version else 0) + n)
                         taken, self._ready = self._ready[:n], self._ready[n:]
+                        self._first_taken = True
+                        self._changed.notify_all()  # hold_to_first_batch's waiter
                         return taken
                     if not waited:
                         waited = True

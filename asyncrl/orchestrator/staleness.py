@@ -283,6 +283,11 @@ class AsyncStalenessGate:
         """``ceil(η)``, the age bound (the gate's)."""
         return self.gate.max_lag
 
+    @property
+    def started(self) -> int:
+        """Groups holding quota (running or accepted), the gate's."""
+        return self.gate.started
+
     async def acquire(self) -> None:
         """Wait until a group may start, then count it as started (running)."""
         async with self._cond:
