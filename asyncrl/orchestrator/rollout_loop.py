@@ -53,7 +53,6 @@ class RolloutLoop:
         self.finished_rewards: list[float] = []  # every episode's since the last step, filtered ones too
         self.teacher = teacher_of(cfg)  # on-policy distillation's frozen teacher, or None
         self.teacher_failures_in_a_row = 0
-        self.hold_to_first_batch = state is None  # a fresh start: the first batch alone (GroupBuffer's)
         if state is None:
             self.gate = AsyncStalenessGate(StalenessGate(eta, cfg.batch_size, version))
             self.buffer = GroupBuffer(self.gate)
@@ -75,8 +74,7 @@ class RolloutLoop:
         ``on_generated(start, end, start_order)``: a group's generation, on ``now``'s clock."""
         async with asyncio.TaskGroup() as tg:
             while True:
-                if self.hold_to_first_batch:
-                    await self.buffer.hold_to_first_batch()
+                await self.buffer.room_to_start(self.cfg.total_steps * self.cfg.batch_size)
                 await self.gate.acquire()
                 draw = self.stream.next_draw()
                 if draw.order is None:  # a fresh one; a re-issued one keeps its place in the start order
