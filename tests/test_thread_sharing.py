@@ -137,7 +137,7 @@ def test_colocated_evaluates_on_the_rollout_engine_not_on_a_replica_beside_it():
 def _run(tmp_path, policy_dir, sharing):
     out = tmp_path / sharing
     # η = 4 over 4 steps: once the learner has taken its first batch (before it, one batch's groups
-    # alone: GroupBuffer.room_to_start) the engine may generate every other step's groups and
+    # alone: GroupBuffer.hold_to_first_batch) the engine may generate every other step's groups and
     # then waits on the gate (or has nothing queued) while the learner still trains: one
     # micro-batch a sample and four passes over each batch, so the learner meets many boundaries
     # while the engine is idle

@@ -102,7 +102,7 @@ class GroupBuffer:
         self._ready: list[ReadyGroup] = []
         self._running: dict[int, int] = {}  # start order -> the oldest version its tokens can have
         self._taken: tuple[int, int] = (-1, 0)  # (trained version, groups taken for it so far)
-        self._first_taken = False  # the learner has taken a batch, or the run resumed (room_to_start)
+        self._first_taken = False  # the learner has taken a batch, or the run resumed (hold_to_first_batch)
         self._changed = asyncio.Condition()
 
     def __len__(self) -> int:
@@ -144,28 +144,24 @@ class GroupBuffer:
 
     def restore(self, groups: list[ReadyGroup]) -> None:
         """Groups saved with a checkpoint; the restored gate already counts them as accepted.
-        A resumed run has trained: no first-batch hold (``room_to_start``)."""
+        A resumed run has trained: no first-batch hold (``hold_to_first_batch``)."""
         self._ready.extend(groups)
         self._first_taken = True
 
-    async def room_to_start(self, run_groups: int) -> None:
-        """Wait until another group may start as far as the run can use it; the gate's
-        bound is staleness, this is what generating ahead can still buy (the learner's
-        cores, where the two share them):
+    async def hold_to_first_batch(self) -> None:
+        """Until the learner takes its first batch, wait while one batch's groups (B) hold
+        quota; after it (or in a resumed run), return at once. Why: at the start the gate
+        admits (1 + η)·B groups at once, and an engine decoding them all together finishes
+        the first batch — the one the idle learner waits for — only with the others
+        (SmolLM2, η = 2: 11 s for the first 8 groups of 12 decoding together, against 4 s for
+        4 alone; docs/scaling.md). Generating ahead pays once the learner has work; before
+        that it only delays it. Filtered and stale-dropped groups give their quota back, so
+        the batch still fills; the rule only lowers the gate's limit, so its bounds hold.
 
-        - until the learner takes its first batch, at most B groups hold quota. At the start
-          the gate admits (1 + η)·B at once, and an engine decoding them all together
-          finishes the first batch — the one the idle learner waits for — only with the
-          others (SmolLM2, η = 2: 11 s for the first 8 groups of 12 decoding together,
-          against 4 s for 4 alone; docs/scaling.md). Ahead pays once the learner has work;
-        - never more than ``run_groups`` (``total_steps`` · B): a group started past it
-          would never be trained, only slow the last steps.
-
-        Groups filtered or dropped give their quota back, so every batch still fills; both
-        rules only lower the gate's limit, so its bounds hold as proven."""
+        Groups started past the run's last step are not held back: the final checkpoint
+        keeps them in flight, and a resume with a larger ``total_steps`` continues them."""
         async with self._changed:
-            await self._changed.wait_for(lambda: self.gate.started < (
-                run_groups if self._first_taken else min(run_groups, self.gate.groups_per_step)))
+            await self._changed.wait_for(lambda: self._first_taken or self.gate.started < self.gate.groups_per_step)
 
     async def take(self, n: int, trained_version: int) -> list[ReadyGroup]:
         """Wait for ``n`` groups fresh enough to train version ``trained_version`` on (with
@@ -181,7 +177,7 @@ class GroupBuffer:
                     self.counts["stale_dropped_tokens"] += group.model_tokens
                     await self.gate.release_rejected(was_accepted=True)
                 if stale:
-                    self._changed.notify_all()  # their quota is free: room_to_start's waiter
+                    self._changed.notify_all()  # their quota is free: hold_to_first_batch's waiter
                 if len(self._ready) >= n:
                     if self.stale_groups == "drop":
                         self._ready.sort(key=lambda g: g.start_order)
@@ -192,7 +188,7 @@ class GroupBuffer:
                         self._taken = (trained_version, (before if version == trained_version else 0) + n)
                         taken, self._ready = self._ready[:n], self._ready[n:]
                         self._first_taken = True
-                        self._changed.notify_all()  # room_to_start's waiter
+                        self._changed.notify_all()  # hold_to_first_batch's waiter
                         return taken
                     if not waited:
                         waited = True

@@ -74,7 +74,7 @@ class RolloutLoop:
         ``on_generated(start, end, start_order)``: a group's generation, on ``now``'s clock."""
         async with asyncio.TaskGroup() as tg:
             while True:
-                await self.buffer.room_to_start(self.cfg.total_steps * self.cfg.batch_size)
+                await self.buffer.hold_to_first_batch()
                 await self.gate.acquire()
                 draw = self.stream.next_draw()
                 if draw.order is None:  # a fresh one; a re-issued one keeps its place in the start order
