@@ -61,6 +61,7 @@ def tiny_policy(char_tokenizer):
 
 class SpyEngine:
     """Wraps an engine and records every (prompt_ids, completion) it served."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, engine):
         self.engine = engine

@@ -40,6 +40,7 @@ def few_shot_conversation() -> list[dict]:
 
 class Scripted:
     """An engine that answers each call with the next scripted text, then end-of-turn."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, tokenizer, *texts: str) -> None:
         self.replies = [tokenizer.encode(t, add_special_tokens=False) + [tokenizer.eos_token_id] for t in texts]

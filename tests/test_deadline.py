@@ -27,6 +27,7 @@ class OneRowEngine:
     came, each ``tokens`` tokens ``step_s`` apart; the rest wait in its queue. ``hang_after``:
     the n-th request admitted (from 1) samples one token, and from then on the engine does
     nothing, ever (a stuck engine: its busy seconds stop growing)."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, tokens: int = 4, step_s: float = 1.0, hang_after: int | None = None) -> None:
         self.tokens, self.step_s, self.hang_after = tokens, step_s, hang_after

@@ -31,6 +31,7 @@ CALL_TEXT = '<tool_call>{"name":"add","arguments":{"a":2,"b":3}}</tool_call>'  #
 class ScriptedFirstReply:
     """The real engine, except that its first reply is a tool call written here (a random
     tiny model does not write one), carrying the real model's logprobs for those tokens."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, engine: TorchEngine, tokenizer, text: str) -> None:
         self.engine, self.tokenizer = engine, tokenizer

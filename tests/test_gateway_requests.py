@@ -124,6 +124,7 @@ class Scripted:
     """The real engine, except that its first replies are written here (a random tiny model
     writes no tool call), carrying the real model's logprobs for those tokens; every
     prompt it is sent is kept."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, engine: TorchEngine, tokenizer, *texts: str) -> None:
         self.engine, self.tokenizer = engine, tokenizer
@@ -448,6 +449,7 @@ class Streamed:
     """An engine that streams a reply written here, one token per step, with the real
     model's logprobs; gated, it samples the next token only once the test says so (after
     the agent saw the last one), so no reply can reach the agent whole."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, engine: TorchEngine, tokenizer, text: str, *, gated: bool = False, fail_after: int = 0):
         self.engine, self.gated, self.fail_after = engine, gated, fail_after

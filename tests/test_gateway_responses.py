@@ -271,6 +271,7 @@ def test_namespaced_functions_are_served_and_hosted_tools_left_out_and_said(tiny
 
 class Spy:
     """The engine, keeping every completion it hands out."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, engine) -> None:
         self.engine, self.completions = engine, []

@@ -222,6 +222,7 @@ def test_a_stream_client_that_hangs_up_is_one_log_line(served):
 class LongContext:
     """An engine that claims a context of ``max_positions`` tokens and refuses past it as
     the real one does; it answers anything shorter with end-of-turn at once."""
+    max_context = property(lambda self: self.max_positions)  # the engine contract's name for it
 
     def __init__(self, max_positions: int, eos: int) -> None:
         self.max_positions, self.eos, self.version = max_positions, eos, 0

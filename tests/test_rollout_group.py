@@ -65,6 +65,7 @@ def test_a_local_run_with_two_rollout_workers_trains_within_the_bound(tmp_path, 
 
 class _Engine:
     """Three tokens, sampled one after another; ``streams``: handed out as sampled."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     def __init__(self, streams: bool) -> None:
         if streams:

@@ -107,6 +107,7 @@ def model_turns(example: Example) -> list[tuple[int, list[int]]]:
 
 class ScriptedEngine:
     """Writes, turn after turn, the ids SFT trains the model to write, and keeps each prompt."""
+    max_context = 1 << 30  # the engine contract's context: no bound that matters here
 
     version = 0
 

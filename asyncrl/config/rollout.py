@@ -162,9 +162,13 @@ class EvalConfig(Section):
     temperature: float = Field(1.0, ge=0)
     success_threshold: float = 1.0
     """A sample counts as solved for pass@k when its reward reaches this."""
-    background: bool = True
-    """In ``one_step_off`` and ``async`` with the torch engine, evaluate beside training on
-    an engine replica holding the evaluated version, so training does not wait (costs one
-    more copy of the weights per rollout worker). ``sync``, vLLM, ``rollout.thread_sharing``
-    other than ``split`` (the replica would be a third thread team on cores the engine and
-    the learner hand between them), or ``false``: training waits for the evaluation."""
+    background: bool | None = None
+    """Evaluate beside training, on an engine replica holding the evaluated version, so
+    training does not wait (costs one more copy of the weights per rollout worker).
+    ``null`` (the default): beside training where it can be — ``one_step_off`` and ``async``,
+    an engine kind with a replica (the kinds table's ``background_eval``: ``torch``), and
+    ``rollout.thread_sharing: split`` (otherwise the replica would be a third thread team on
+    cores the engine and the learner hand between them) — else blocking; the run's first
+    line says which. ``true`` with an engine kind that has no replica (``vllm``, ``remote``:
+    one copy of the weights, which moves on with training) is refused. ``false``: training
+    waits for every evaluation."""

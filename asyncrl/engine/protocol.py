@@ -17,13 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import torch
 
+from asyncrl.engine.kinds import PauseMode
 from asyncrl.types import Completion, SamplingParams
 
-PauseMode = Literal["keep", "abort", "wait"]
 TokenSink = Callable[[list[int]], None]
 """Takes a request's newly sampled token ids, on the caller's event loop (streaming)."""
 
@@ -147,10 +147,24 @@ class RolloutEngine(Protocol):
     def version(self) -> int: ...
 
     @property
+    def max_context(self) -> int:
+        """The model's context in tokens: a prompt of this many tokens or more cannot be
+        served (``PromptTooLongError``), and prompt + completion never exceed it. The gateway
+        refuses a request that cannot fit before tokenizing it; ``serve-engine`` reports it as
+        vLLM's ``max_model_len``."""
+        ...
+
+    @property
     def stats(self) -> RolloutEngineStats: ...
 
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams) -> Completion:
         """Sample one completion. Cancelling the awaiting task aborts the request."""
+        ...
+
+    def queue_state(self) -> object | None:
+        """A snapshot of the requests waiting for a row and running, for an episode's deadline
+        error (``asyncrl/rollout/deadline.py``); None where the engine keeps its queue to
+        itself (vLLM, servers)."""
         ...
 
     async def pause(self, mode: PauseMode = "keep") -> int | None:

@@ -203,10 +203,16 @@ class RemoteEngine:
     def num_in_flight(self) -> int:
         return self._in_flight
 
+    def queue_state(self) -> None:
+        """Its queue is the engine's own (``RolloutEngine.queue_state``)."""
+        return None
+
     @property
-    def max_model_len(self) -> int:
+    def max_context(self) -> int:
         """The smallest context of the servers: a request must fit wherever it is re-issued."""
         return min((s.max_model_len for s in self.servers if s.max_model_len), default=0)
+
+    max_model_len = max_context  # the name this client had (vLLM's word for it)
 
     def fleet(self) -> dict[str, float | str]:
         """The fleet as this client sees it now, for a step's row (``remote/*``): servers up,
@@ -228,7 +234,7 @@ class RemoteEngine:
         if sampling.top_k or sampling.top_p < 1:
             raise ValueError("engine=remote cannot report logprobs before top-k/top-p truncation (vLLM renormalises "
                              "over the kept tokens); use top_k=0, top_p=1")
-        context = self.max_model_len
+        context = self.max_context
         if len(prompt_ids) >= context:
             raise PromptTooLongError(len(prompt_ids), context)
         budget = min(sampling.max_tokens, context - len(prompt_ids))

@@ -118,6 +118,11 @@ class TorchEngine:
         return self._version
 
     @property
+    def max_context(self) -> int:
+        """The model's position table (``max_position_embeddings``; 2**30 where it sets none)."""
+        return self.max_positions
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._live)
 

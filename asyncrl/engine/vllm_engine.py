@@ -126,8 +126,17 @@ class VLLMEngine:
         return self._version
 
     @property
+    def max_context(self) -> int:
+        """vLLM's ``max_model_len`` for this model."""
+        return self._max_model_len
+
+    @property
     def num_in_flight(self) -> int:
         return self._in_flight
+
+    def queue_state(self) -> None:
+        """Its queue is the engine's own (``RolloutEngine.queue_state``)."""
+        return None
 
     # ----------------------------------------------------------------- async verbs
     async def generate(self, prompt_ids: list[int], sampling: SamplingParams,

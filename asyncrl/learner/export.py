@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.config import LoraConfig
+from asyncrl.engine.kinds import engine_kind
 from asyncrl.engine.protocol import FullWeights, WeightUpdate
 from asyncrl.learner.lora import adapter_update, base_copy, merged_copy, merged_targets
 
@@ -36,15 +37,19 @@ UpdateKind = Literal["full", "merged", "merged_every_weight", "adapters"]
 
 
 def update_kind(lora: LoraConfig | None, *, engine: str = "torch", same_dtype: bool = True) -> UpdateKind:
-    """The run's kind of update. ``engine``: ``engine`` (``torch`` takes adapters, ``vllm``
-    whole models); ``same_dtype``: the engines' weights are in the learner's dtype
-    (``rollout.dtype`` unset or equal to ``model.dtype``). An explicit
-    ``model.lora.sync=adapters`` the engine cannot take is refused by the config first."""
+    """The run's kind of update. ``engine``: the ``engine:`` value, read through its row of
+    the kinds table (``asyncrl/engine/kinds.py``: whether it takes adapters alone, merges them
+    in its own dtype, takes a subset of the weights); ``same_dtype``: the engines' weights
+    are in the learner's dtype (``rollout.dtype`` unset or equal to ``model.dtype``). An
+    explicit ``model.lora.sync=adapters`` the engine cannot take is refused by the config."""
     if lora is None:
         return "full"
-    if lora.sync == "adapters" or (lora.sync == "auto" and (engine == "remote" or engine == "torch" and same_dtype)):
-        return "adapters"  # remote: the servers load them through vLLM's LoRA loading, in their own dtype
-    return "merged_every_weight" if engine in ("vllm", "remote") else "merged"  # remote: vllm serve reloads whole
+    kind = engine_kind(engine)
+    # a kind that merges adapters itself does so in its own dtype: only when that is the learner's
+    takes_adapters = "adapters" in kind.deliveries and (same_dtype or not kind.adapters_merged_locally)
+    if lora.sync == "adapters" or (lora.sync == "auto" and takes_adapters):
+        return "adapters"
+    return "merged" if kind.partial_updates else "merged_every_weight"  # one that reloads every weight: all sent
 
 
 def engine_update(module: torch.nn.Module, kind: UpdateKind) -> WeightUpdate:

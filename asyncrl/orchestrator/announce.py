@@ -29,10 +29,22 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
         f"  model {cfg.model.path}; task {cfg.task.name} ({len(splits.train)} train, "
         f"{min(cfg.eval.num_tasks, len(splits.validation))} validation tasks scored)",
         f"  {cfg.total_steps} steps × {cfg.batch_size} groups × {cfg.group_size} samples; evaluation {evals}"
-        + (" (beside training)" if cfg.background_eval else ""),
+        + eval_placement(cfg),
         *(f"  {note}" for note in template_notes(tokenizer, templated=cfg.workflow.use_chat_template,
                                                   tool_format=tool_format)),
         "  Ctrl-C finishes the step, saves a checkpoint and stops (resume with resume=true)"])
+
+
+def eval_placement(cfg: Config) -> str:
+    """Where evaluations run, said once: beside training, or blocking it and why."""
+    if cfg.background_eval:
+        return " (beside training)"
+    if cfg.mode == "sync" or cfg.eval.background is False:
+        return ""
+    if cfg.engine_kind.background_eval != "replica":
+        return f" (blocking training: engine={cfg.engine} has no evaluation replica)"
+    sharing = cfg.rollout.thread_sharing
+    return f" (blocking training: rollout.thread_sharing={sharing} gives every core to the two sides)"
 
 
 def run_tool_format(cfg: Config, tokenizer: PreTrainedTokenizerBase) -> ToolFormat | None:

@@ -82,14 +82,15 @@ def preflight(cfg: Config, command: Literal["train", "eval", "plan"], splits: Ta
         check_trainable(cfg)
     if splits is None:
         splits = check_inputs(cfg, command)
-    if cfg.engine == "vllm" and adapter_base(resolve_model_path(cfg.model.path)) is not None:
-        raise ConfigError(f"model.path {cfg.model.path!r} holds LoRA adapters, which engine=vllm does not load: "
+    kind = cfg.engine_kind
+    if not kind.adapter_model_path and adapter_base(resolve_model_path(cfg.model.path)) is not None:
+        raise ConfigError(f"model.path {cfg.model.path!r} holds LoRA adapters, which engine={kind.name} does not load: "
                           f"write the merged model (python -m asyncrl.learner.lora_merge {cfg.model.path} OUT) "
                           "and set model.path=OUT, or use engine=torch")
     if cfg.runtime == "local" and command != "plan":  # on Ray the workers' environment is what counts
         require_engine(cfg.engine)
     # this process needs the weights only where it runs a learner or a torch engine itself
-    needs_model = cfg.runtime == "local" and (command == "train" or (command == "eval" and cfg.engine == "torch"))
+    needs_model = cfg.runtime == "local" and (command == "train" or (command == "eval" and kind.in_process))
     model, tokenizer = load_policy(cfg.model) if needs_model else (None, check_policy(cfg.model))
     check_tokenizer(cfg, tokenizer)
     teacher_check = check_teacher(cfg, tokenizer) if trains and cfg.teacher.url else None

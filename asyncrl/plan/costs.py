@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from asyncrl.engine.kinds import engine_kind
 from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
 from asyncrl.plan.engine import EngineCosts, generation_time
@@ -218,7 +219,8 @@ def fit_run(run_dir: Path) -> Costs:
     samples = read_jsonl(run_dir / "samples.jsonl")
     cfg = yaml.safe_load((run_dir / "config.yaml").read_text())
     missing = [k for k in ("rollout/prefill_rows", "time/weight_sync") if k not in rows[0]]
-    if missing and cfg.get("engine") in ("remote", "vllm"):  # the engine's steps are not the client's to count
+    kind = engine_kind(cfg.get("engine", "torch"))
+    if missing and not kind.in_process:  # an engine elsewhere: its steps are not the client's to count
         raise ValueError(f"{run_dir} ran with engine={cfg['engine']}, whose engine steps and prefills the run does "
                          "not see: plan from a run with engine=torch on the servers' model (each server is then "
                          "simulated as that engine), or give --cluster TABLE")

@@ -233,7 +233,7 @@ def run_plan_command(config: str | None, overrides: list[str], from_run: str | N
         raise ConfigError(str(exc)) from None
     cfg = load_config(config, [*settings, *overrides])
     fleet = None
-    if cfg.engine == "remote":
+    if cfg.engine_kind.fleet:  # servers by URL: their commands, their start order
         kind = server or ((costs.table or {}).get("servers") or {}).get("kind") if costs is not None else server
         if (kind or "asyncrl") not in SERVER_KINDS:
             raise ConfigError(f"the cluster table's servers.kind is {kind!r}: one of {', '.join(SERVER_KINDS)}")

@@ -329,10 +329,9 @@ class LLMClient:
         first token (the wait in the engine's queue), unless the engine does no work at all."""
         if self.deadline is None:
             return None
-        stats = getattr(self.engine, "stats", None)
-        busy = (lambda: stats.busy_s) if hasattr(stats, "busy_s") else None
-        queue = getattr(self.engine, "queue_state", None)  # the built-in engine's; vLLM keeps its queue to itself
-        return self.deadline.engine_call(context_tokens, progress=busy, queue=queue)
+        engine = self.engine
+        return self.deadline.engine_call(context_tokens, progress=lambda: engine.stats.busy_s,
+                                         queue=engine.queue_state)
 
     def _render_ids(self, messages: list[Message], tools: list[dict[str, Any]] | None) -> list[int]:
         key = _prompt_key(messages, tools)

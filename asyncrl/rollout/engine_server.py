@@ -55,6 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from asyncrl.config import Config, ConfigError, EngineServerConfig
+from asyncrl.engine.kinds import ENGINE_KINDS, EngineKind, engine_kind
 from asyncrl.engine.protocol import (
     AdapterUpdate,
     EngineClosedError,
@@ -110,9 +111,11 @@ class EngineServer:
     """``engine`` behind vLLM's HTTP verbs. Start with :meth:`start`, stop with :meth:`stop`."""
 
     def __init__(self, engine: RolloutEngine, *, model_name: str, settings: EngineServerConfig,
-                 tokenizer: Any = None) -> None:
+                 tokenizer: Any = None, kind: EngineKind = ENGINE_KINDS["torch"]) -> None:
+        """``kind``: the engine's row of the kinds table (whether it scores prompts)."""
         self.engine, self.model_name, self.settings, self.tokenizer = engine, model_name, settings, tokenizer
-        self.max_model_len = int(getattr(engine, "max_positions", None) or getattr(engine, "_max_model_len", 0))
+        self.kind = kind
+        self.max_model_len = engine.max_context
         self.paused = False
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
         self.merged: tuple[str, AdapterUpdate] | None = None  # the adapter merged into the engine now
@@ -221,10 +224,10 @@ class EngineServer:
         for each later token, from the served weights at temperature 1 (on the engine's thread,
         between two decode steps)."""
         sequences = [prompt] if isinstance(prompt[0], int) else prompt
-        model = getattr(self.engine, "model", None)
-        call = getattr(self.engine, "call_between_steps", None)
-        if model is None or call is None:
-            raise Refused(400, "this engine does not score prompts (prompt_logprobs): serve engine=torch", "prompt")
+        if not self.kind.scores_prompts:
+            raise Refused(400, f"engine={self.kind.name} does not score prompts (prompt_logprobs): serve a kind "
+                               "that does (engine=torch)", "prompt")
+        model, call = self.engine.model, self.engine.call_between_steps  # a kind that scores exposes both
         for ids in sequences:
             if self.max_model_len and len(ids) > self.max_model_len:
                 raise Refused(400, f"a sequence of {len(ids)} tokens is longer than the model's context "
@@ -435,16 +438,19 @@ def serve_engine(cfg: Config, *, on_ready: Callable[[str], None] | None = None) 
     on ``model.path`` and serve it at ``engine_server.host:port``."""
     from asyncrl.rollout.worker import RolloutWorker
 
-    if cfg.engine == "remote":
-        raise ConfigError("asyncrl serve-engine serves an engine of its own: engine=torch (the built-in one) or "
-                          "engine=vllm, not engine=remote (that is the trainer's side)")
+    kind = engine_kind(cfg.engine)
+    if not kind.servable:
+        raise ConfigError(f"asyncrl serve-engine serves an engine of its own: one of "
+                          f"{', '.join(k.name for k in ENGINE_KINDS.values() if k.servable)}, not engine={kind.name} "
+                          f"({kind.summary}: that is the trainer's side)")
     check_exposure(cfg.engine_server)  # before the model loads
 
     async def main() -> None:
         worker = RolloutWorker(cfg, seed=cfg.seed, num_threads=cfg.rollout.num_threads)
         await worker.start()
         engine = await worker.ready_engine()
-        server = EngineServer(engine, model_name=cfg.model.path, settings=cfg.engine_server, tokenizer=worker.tokenizer)
+        server = EngineServer(engine, model_name=cfg.model.path, settings=cfg.engine_server, tokenizer=worker.tokenizer,
+                              kind=kind)
         stop = asyncio.Event()
         if threading.current_thread() is threading.main_thread():
             loop = asyncio.get_running_loop()

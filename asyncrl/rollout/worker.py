@@ -21,27 +21,26 @@ of its tokens.
 from __future__ import annotations
 
 import asyncio
-import copy
 import inspect
 import sys
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config
-from asyncrl.engine import RolloutEngine, TorchEngine
-from asyncrl.engine.protocol import AdapterUpdate, FullWeights, TokenSink, WeightUpdate, as_update
+from asyncrl.engine.factory import EngineRequest, build_engine
+from asyncrl.engine.kinds import engine_kind
+from asyncrl.engine.protocol import RolloutEngine, TokenSink, WeightUpdate, as_update
 from asyncrl.frozen.client import close_open_clients
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.rollout.gateway import Gateway
 from asyncrl.rollout.gateway.tool_calls import resolve_format
 from asyncrl.rollout.journal import EpisodeKey, Journal
-from asyncrl.policy import check_policy, load_policy, resolve_model_path
-from asyncrl.seeding import Purpose, derive_seed, episode_seed
+from asyncrl.policy import check_policy
+from asyncrl.seeding import Purpose, episode_seed
 from asyncrl.tasks.base import Task
 from asyncrl.core_budget import ThreadBudget
 from asyncrl.threads import UserThreads
@@ -77,6 +76,7 @@ class RolloutWorker:
         if tokenizer is None:
             tokenizer = check_policy(cfg.model)
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.kind = engine_kind(cfg.engine)  # what this worker's engine can do
         self._model, self._weights, self._version = model, weights, version
         self._seed, self._num_threads, self._eval_replica = seed, num_threads, eval_replica
         self.thread_budget = thread_budget
@@ -90,7 +90,7 @@ class RolloutWorker:
         self.user_threads = UserThreads(cfg.rollout.max_concurrent_episodes)  # blocking agents, reward functions
         self.engine: RolloutEngine | None = None
         self.gateway: Gateway | None = None  # for openai_agent: the sessions its agents talk to
-        self.eval_engine: TorchEngine | None = None  # the replica that background evaluation uses
+        self.eval_engine: RolloutEngine | None = None  # the replica that background evaluation uses
         self._eval_lock = asyncio.Lock()  # one evaluation at a time holds the replica's weights
         self._ready = asyncio.Event()
         self._start_error: BaseException | None = None
@@ -119,42 +119,17 @@ class RolloutWorker:
             self._ready.set()
 
     async def _build_engines(self) -> None:
-        if self.cfg.engine == "remote":  # servers the user started (asyncrl serve-engine, vllm serve)
-            from asyncrl.engine.remote import RemoteEngine
-
-            self.engine = await RemoteEngine.connect(self.cfg.remote, version=self._version)
-        elif self.cfg.engine == "vllm":
-            from asyncrl.engine.vllm_engine import VLLMEngine, engine_args
-
-            device = self.cfg.model.device
-            on_cpu = device.startswith("cpu") or (device == "auto" and not torch.cuda.is_available())
-            path = str(resolve_model_path(self.cfg.model.path))
-            self.engine = await VLLMEngine.start(path, seed=self._seed, version=self._version,
-                                                 max_batch_size=self.cfg.rollout.max_batch_size,
-                                                 dtype=self.cfg.engine_dtype,
-                                                 **engine_args(self.cfg.vllm, on_cpu=on_cpu))
-        if self.engine is not None:
-            applied = None
-            while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
-                applied = self._weights
-                await self.engine.update_weights(applied, self._version)
-            return
-        model = self._model if self._model is not None else load_policy(self.cfg.model)[0]
-        update = as_update(self._weights) if self._weights is not None else None
-        adapters = isinstance(update, AdapterUpdate)
-        if isinstance(update, FullWeights):
-            model.load_state_dict(dict(update.tensors), strict=False)  # tied weights appear once in an export
-        make = lambda m, seed, budget=None: TorchEngine(  # noqa: E731
-            m.eval(), max_batch_size=self.cfg.rollout.max_batch_size, seed=seed, version=self._version,
-            num_threads=self._num_threads, weight_noise=self.cfg.rollout.engine_weight_noise,
-            group_prefill=self.cfg.rollout.group_prefill, dtype=self.cfg.engine_dtype, thread_budget=budget)
-        if self._eval_replica:
-            self.eval_engine = make(copy.deepcopy(model), derive_seed(self._seed, "eval_replica"))
-        self.engine = make(model, self._seed, self.thread_budget)
-        if adapters:  # each engine merges them into its own copy of the base (engine/adapters.py)
-            for engine in (self.engine, self.eval_engine):
-                if engine is not None:
-                    await engine.update_weights(update, self._version)
+        """The configured kind of engine, through the one factory (``asyncrl/engine/factory.py``);
+        weights published while it started (a sync may come meanwhile) are applied after."""
+        request = EngineRequest(seed=self._seed, version=self._version, model=self._model, weights=self._weights,
+                                num_threads=self._num_threads, eval_replica=self._eval_replica,
+                                thread_budget=self.thread_budget)
+        built = await build_engine(self.cfg, request)
+        self.engine, self.eval_engine = built.engine, built.eval_engine
+        applied = request.weights
+        while self._weights is not None and self._weights is not applied:  # newer ones may come meanwhile
+            applied = self._weights
+            await self.engine.update_weights(as_update(applied), self._version)
 
     async def ready_engine(self) -> RolloutEngine:
         """The engine once started (raises what stopped it from starting)."""
@@ -185,13 +160,9 @@ class RolloutWorker:
         """``RolloutHandle.engine_fleet``: with ``engine: remote``, the servers as the client
         sees them (``RemoteEngine.fleet``) and ``weight_load_s``, the seconds the last weight
         sync's load took across them (the weights written once, every server's load); else {}."""
-        if self.cfg.engine != "remote" or not self._ready.is_set():
+        if not self._ready.is_set() or not self.kind.fleet:
             return {}
-        from asyncrl.engine.remote import RemoteEngine  # imported already: it is this worker's engine
-
-        if not isinstance(self.engine, RemoteEngine):
-            return {}
-        fleet = self.engine.fleet()
+        fleet = self.engine.fleet()  # a fleet kind's engine reports its servers
         return fleet if self.load_s is None else {**fleet, "weight_load_s": self.load_s}
 
     async def _episode(self, task: Task, engine: RolloutEngine, sampling: SamplingParams, purpose: Purpose,

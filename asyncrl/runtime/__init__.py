@@ -154,7 +154,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             # in sync the learner will share the engine's thread; until then (joining, loading a
             # checkpoint) it runs on a thread of its own with one torch thread, so that thread
             # forms no OpenMP team that would stay beside the engine's (one_torch_thread)
-            shares = cfg.mode == "sync" and cfg.engine == "torch"
+            shares = cfg.mode == "sync" and cfg.engine_kind.colocatable
             worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=1 if shares else learner_threads,
                                    thread_budget=budget)
             transport = InProcess(worker)
@@ -168,9 +168,10 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                 await learner.load_checkpoint(checkpoint)
             if isinstance(transport, InProcess):
                 model = worker.learner.policy_copy()  # the engine's own copy of the weights
-                if checkpoint is not None and (worker.learner.update_kind == "adapters" or cfg.engine != "torch"):
-                    # adapters: that copy is the base, the engine merges them; vllm and remote engines
-                    # load model.path, so the checkpoint's weights go to them before any sample
+                if checkpoint is not None and (worker.learner.update_kind == "adapters"
+                                               or cfg.engine_kind.loads_model_path):
+                    # adapters: that copy is the base, the engine merges them; a kind that loads
+                    # model.path itself gets the checkpoint's weights before any sample
                     weights = await learner.publish()
             elif checkpoint is not None:
                 weights = await learner.publish()

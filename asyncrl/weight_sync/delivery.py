@@ -100,13 +100,12 @@ Probed = list[tuple[list[int], list[float], list[int]]]
 
 async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> list[tuple[str, Probed]]:
     """Rollout worker ``index``'s engine decodes each prompt greedily: (who, its probe) for
-    the engine, or for each server of a fleet (an engine with ``probe_each``)."""
+    the engine, or for each server of a fleet (a kind whose ``fleet`` is true)."""
     engine = await worker.ready_engine()
     sampling = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0)
-    probe_each = getattr(engine, "probe_each", None)
-    if probe_each is not None:
+    if worker.kind.fleet:  # one client, many servers: each probed apart
         return [(f"rollout worker {index}'s {who}", [(c.token_ids, c.logprobs, c.versions) for c in done])
-                for who, done in await probe_each(prompts, sampling)]
+                for who, done in await engine.probe_each(prompts, sampling)]
     done = await asyncio.gather(*[engine.generate(list(p), sampling) for p in prompts])
     return [(f"rollout worker {index}", [(c.token_ids, c.logprobs, c.versions) for c in done])]
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrl.engine.kinds import EngineKind
 from asyncrl.engine.protocol import flatten_update, unflatten_update
 from asyncrl.learner import Learner
 from asyncrl.weight_sync.buckets import fingerprint
@@ -32,6 +33,7 @@ class RolloutEnd(Protocol):
     """What a rollout worker offers (``asyncrl/rollout/worker.py``)."""
 
     attached: dict[str, Any]
+    kind: EngineKind  # what its engine can do (the kinds table's row)
 
     async def sync_weights(self, weights: Any, version: int, mode: str) -> list[int]: ...
 
@@ -128,7 +130,7 @@ async def served_fingerprint(worker: RolloutEnd, index: int) -> tuple[int, str]:
     """``(version, digest of the engine's weights)``: a pass over every weight, for checks
     (tests, ``asyncrl bench sync``), torch engine only."""
     engine = await worker.ready_engine()
-    model = getattr(engine, "model", None)
-    if model is None:
-        raise NotImplementedError("a fingerprint reads the torch engine's weights; vLLM keeps them in its workers")
-    return engine.version, await asyncio.to_thread(fingerprint, model.named_parameters())
+    if not worker.kind.in_process:
+        raise NotImplementedError(f"a fingerprint reads the engine's weights in this process; engine="
+                                  f"{worker.kind.name} keeps them in {worker.kind.placement} of its own")
+    return engine.version, await asyncio.to_thread(fingerprint, engine.model.named_parameters())

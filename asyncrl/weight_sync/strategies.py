@@ -41,11 +41,12 @@ class RolloutHandle(Protocol):
 
 
 def resolve_backend(cfg: Config) -> str:
-    """``weight_sync.backend``, or nccl where both ends hold GPUs (torch engine), else gloo."""
+    """``weight_sync.backend``, or nccl where both ends hold GPUs (an engine kind that takes
+    tensors in its worker's process), else gloo."""
     if cfg.weight_sync.backend is not None:
         return cfg.weight_sync.backend
     r = cfg.ray
-    gpus = cfg.runtime == "ray" and r.learner_gpus > 0 and r.worker_gpus > 0 and cfg.engine == "torch"
+    gpus = cfg.runtime == "ray" and r.learner_gpus > 0 and r.worker_gpus > 0 and cfg.engine_kind.in_process
     return "nccl" if gpus and not cfg.model.device.startswith("cpu") else "gloo"
 
 

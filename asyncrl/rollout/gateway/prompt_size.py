@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from asyncrl.engine.protocol import RolloutEngine
 from asyncrl.json_api import Refused
 
 SMALL_CHARS = 16_384
@@ -32,14 +33,11 @@ SMALL_MESSAGES = 256
 """The chat template renders about 12 µs a message: 256 cost the loop 3 ms."""
 
 
-def context_of(engine: object) -> int | None:
-    """The engine's context in tokens, or None where it does not say (a test double). The
-    torch engine's ``max_positions`` is 2**30 when the model sets none: unknown too."""
-    for name in ("max_positions", "_max_model_len"):  # TorchEngine, VLLMEngine
-        value = getattr(engine, name, None)
-        if isinstance(value, int) and 0 < value < 1 << 30:
-            return value
-    return None
+def context_of(engine: RolloutEngine) -> int | None:
+    """The engine's context in tokens (``RolloutEngine.max_context``), or None where it is not
+    a bound: the torch engine reports 2**30 for a model that sets none."""
+    context = engine.max_context
+    return context if 0 < context < 1 << 30 else None
 
 
 def longest_token(tokenizer: Any) -> int:
