@@ -1,23 +1,28 @@
 """What crosses the wire between ``engine: remote``'s client (``asyncrl/engine/remote.py``) and
 its servers: a server as the client knows it, the two ways a call fails (a server lost, a
 refusal), the fleet's counts, vLLM's spelling of a token, the weights file a server loads,
-and a LoRA adapter as the PEFT directory vLLM's LoRA loader (and ``serve-engine``) reads."""
+a LoRA adapter as the PEFT directory vLLM's LoRA loader (and ``serve-engine``) reads, and
+one streamed completion (its body built by a pure function, its stream read back)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncrl.config import RemoteConfig
 from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
 from asyncrl.engine.vllm_engine import VLLMStats
-from asyncrl.types import FinishReason
+from asyncrl.types import FinishReason, SamplingParams
 
 TOKEN_PREFIX = "token_id:"
 _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -161,3 +166,84 @@ def _error_message(text: str) -> str:
 
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def completion_body(server: Server, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> dict[str, Any]:
+    """The request body of one completion: token ids in, token ids and the sampled token's
+    logprob out (``return_tokens_as_token_ids``, ``logprobs=0``), EOS left to the stop ids the
+    caller gives, the request's own seed; the LoRA adapter loaded there named as the model."""
+    body: dict[str, Any] = {
+        "model": server.adapter or server.model, "prompt": prompt, "max_tokens": max_tokens,
+        "temperature": sampling.temperature,
+        "stop_token_ids": list(sampling.stop_token_ids), "ignore_eos": True, "skip_special_tokens": False,
+        "logprobs": 0, "return_tokens_as_token_ids": True, "stream": True, "n": 1}
+    if sampling.seed is not None:
+        body["seed"] = sampling.seed
+    return body
+
+
+async def stream_completion(session: aiohttp.ClientSession, server: Server, prompt: list[int],
+                            sampling: SamplingParams, max_tokens: int, *, settings: RemoteConfig,
+                            stats: RemoteStats) -> tuple[list[int], list[float], list[int] | None, FinishReason]:
+    """One streamed ``POST /v1/completions`` to ``server``. Returns the tokens, their
+    logprobs, their versions where the server gives them (``serve-engine``'s own record),
+    and the finish reason; raises ``ServerLost`` with what arrived (tokens without their
+    logprobs yet are not kept: they may be sampled again elsewhere)."""
+    body = completion_body(server, prompt, sampling, max_tokens)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    finish: str | None = None
+    record: dict[str, Any] | None = None
+    server.in_flight += 1
+    server.requests += 1
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.control_timeout_s,
+                                    sock_read=settings.request_timeout_s)
+    try:
+        async with session.post(f"{server.url}/v1/completions", json=body, timeout=timeout) as response:
+            if response.status != 200:
+                message = _error_message(await response.text())
+                if response.status >= 500:
+                    raise ServerLost(f"POST /v1/completions answered {response.status}: {message}")
+                if response.status == 404 and server.adapter is not None:  # restarted: it lost the adapter
+                    raise ServerLost(f"POST /v1/completions does not know adapter {server.adapter} ({message})")
+                raise ControlError(f"engine server {server.url}: POST /v1/completions refused "
+                                   f"({response.status}): {message}")
+            async for raw in response.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise ServerLost(f"the stream ended in an error: {_error_message(json.dumps(chunk))}")
+                for choice in chunk.get("choices") or []:
+                    lp = choice.get("logprobs") or {}
+                    new = [_token_id(t) for t in lp.get("tokens") or []]
+                    stats.received += len(new)
+                    values = lp.get("token_logprobs")
+                    if values and len(values) == len(new):  # tokens without logprobs may be sampled again
+                        tokens += new
+                        logprobs += [float(v) for v in values]
+                    if choice.get("completion") is not None:
+                        record = choice["completion"]
+                    if choice.get("finish_reason") is not None:
+                        finish = choice["finish_reason"]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
+        raise ServerLost(f"POST /v1/completions: {_describe(exc)}", tokens, logprobs) from None
+    except ServerLost as exc:
+        raise ServerLost(exc.reason, tokens, logprobs) from None
+    finally:
+        server.in_flight -= 1
+    if finish is None:
+        raise ServerLost("POST /v1/completions: the stream ended without a finish reason", tokens, logprobs)
+    if finish not in _FINISH:
+        raise ControlError(f"engine server {server.url}: a completion ended with finish reason {finish!r}")
+    versions = None
+    if record is not None:  # serve-engine's own record: its logprobs and the version of each token
+        tokens, logprobs = list(record["token_ids"]), [float(v) for v in record["logprobs"]]
+        versions = [int(v) for v in record["weight_versions"]]
+    if len(logprobs) != len(tokens):
+        raise ControlError(f"engine server {server.url}: {len(logprobs)} logprobs for {len(tokens)} tokens")
+    return tokens, logprobs, versions, _FINISH[finish]

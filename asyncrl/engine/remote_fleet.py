@@ -1,0 +1,199 @@
+"""The fleet behind ``engine: remote``: the servers as one client knows them, which one a
+request goes to, control calls under deadlines, and what happens when a server is lost.
+
+Invariants: a server is ``usable`` only after it was brought to the client's weights and
+version (at connect, or revived); a loss is said once on stderr, naming the server, why,
+and where its requests go; every call has a deadline and its failure names the server, the
+call and the knob that bounds it. The weights a server is sent are ``remote_weights.py``'s;
+the requests' wire format is ``remote_wire.py``'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from asyncrl.config import RemoteConfig
+from asyncrl.engine.protocol import EngineClosedError
+from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, _describe, _error_message
+
+AFFINITY_SIZE = 4096
+"""Prompts whose server the client remembers (their samples share its prefix cache)."""
+
+
+class Fleet:
+    """The servers at ``settings.urls`` and the one HTTP session that reaches them."""
+
+    def __init__(self, settings: RemoteConfig, stats: RemoteStats) -> None:
+        if not settings.urls:
+            raise ValueError("engine=remote needs remote.urls: the base URLs of the servers (http://host:port)")
+        self.settings, self.stats = settings, stats
+        self.servers = [Server(url.rstrip("/")) for url in settings.urls]
+        self._session: aiohttp.ClientSession | None = None
+        self._affinity: OrderedDict[tuple[int, ...], Server] = OrderedDict()
+
+    def open(self) -> None:
+        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
+        # no cap on connections: a pause must never queue behind the streams it is meant to stop
+        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
+                                              connector=aiohttp.TCPConnector(limit=0))
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._session is not None
+
+    def live(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            raise EngineClosedError("the remote engine client is shut down")
+        return self._session
+
+    @property
+    def max_context(self) -> int:
+        """The smallest context of the servers: a request must fit wherever it is re-issued."""
+        return min((s.max_model_len for s in self.servers if s.max_model_len), default=0)
+
+    def usable(self) -> list[Server]:
+        return [s for s in self.servers if s.usable]
+
+    def describe(self) -> dict[str, float | str]:
+        """The fleet for a step's row (``remote/*``): servers up, losses so far and the servers
+        lost (each URL, with ``×n`` when lost more than once), requests re-issued on another
+        server and the tokens they carried."""
+        return {"servers_up": sum(s.usable for s in self.servers), "servers_lost_total": self.stats.servers_lost,
+                "reissued_requests_total": self.stats.reissued_requests,
+                "reissued_tokens_total": self.stats.reissued_tokens,
+                "lost_servers": ", ".join(url + (f" ×{n}" if n > 1 else "") for url, n in self.stats.lost.items())}
+
+    # ---------------------------------------------------------------- routing
+    def pick(self, key: tuple[int, ...]) -> Server:
+        """The server for a prompt: the one its group went to while that one is up (its
+        prefix cache), else the one with the fewest requests in flight."""
+        usable = self.usable()
+        if not usable:
+            raise EngineClosedError("no engine server is left: " + "; ".join(
+                f"{s.url} ({s.lost_reason or 'not connected'})" for s in self.servers)
+                + ". Restart them (asyncrl serve-engine CONFIG, or vllm serve) and resume the run")
+        server = self._affinity.get(key)
+        if server is None or not server.usable:
+            server = min(usable, key=lambda s: s.in_flight)
+            self._affinity[key] = server
+            if len(self._affinity) > AFFINITY_SIZE:
+                self._affinity.popitem(last=False)
+        else:
+            self._affinity.move_to_end(key)
+        return server
+
+    def forget_prefixes(self) -> None:
+        """New weights: every server dropped its prefix cache, so no server is a prompt's own."""
+        self._affinity.clear()
+
+    # ---------------------------------------------------------------- control calls
+    async def call(self, server: Server, method: str, path: str, body: dict[str, Any] | None = None, *,
+                   timeout: float | None = None, knob: str = "remote.control_timeout_s",
+                   missing_ok: bool = False, refused_5xx: bool = False) -> Any:
+        """One control call under its deadline; ``ServerLost`` when the server does not
+        answer (in time), ``ControlError`` when it refuses (``refused_5xx``: a 5xx but 503
+        too, for calls whose failure vLLM reports as 500). Returns the JSON answer, or its
+        text where it is not JSON (vLLM's LoRA routes)."""
+        limit = self.settings.control_timeout_s if timeout is None else timeout
+        start = time.monotonic()
+        try:
+            async with asyncio.timeout(limit):
+                async with self.live().request(method, f"{server.url}{path}", json=body) as response:
+                    text = await response.text()
+        except TimeoutError:
+            raise ServerLost(f"{method} {path} did not answer within {limit:g} s ({knob})") from None
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise ServerLost(f"{method} {path} after {time.monotonic() - start:.1f} s: {_describe(exc)}") from None
+        if response.status == 404 and missing_ok:
+            return None
+        if response.status >= 500 and not (refused_5xx and response.status != 503):
+            raise ServerLost(f"{method} {path} answered {response.status}: {_error_message(text)}")
+        if response.status != 200:
+            hint = (" (vllm serve needs VLLM_SERVER_DEV_MODE=1 for its RL routes)" if response.status == 404
+                    else "")
+            raise ControlError(f"engine server {server.url}: {method} {path} refused ({response.status}): "
+                               f"{_error_message(text)}{hint}")
+        try:
+            return json.loads(text) if text.strip() else None
+        except ValueError:
+            return text
+
+    async def fan_out(self, method: str, path: str, timeout: float | None = None) -> None:
+        """``method path`` on every usable server at once; one that does not answer is lost."""
+        async def one(server: Server) -> None:
+            try:
+                await self.call(server, method, path, timeout=timeout)
+            except ServerLost as exc:
+                self.lose(server, exc.reason)
+
+        await asyncio.gather(*[one(s) for s in self.usable()])
+
+    async def wait_healthy(self, server: Server) -> None:
+        """Until ``server`` answers ``GET /health``, at most ``remote.control_timeout_s``."""
+        deadline = time.monotonic() + self.settings.control_timeout_s
+        while True:
+            try:
+                await self.call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
+                return
+            except ServerLost as exc:
+                if time.monotonic() > deadline:
+                    raise EngineClosedError(
+                        f"engine server {server.url} did not answer GET /health within "
+                        f"{self.settings.control_timeout_s:g} s (remote.control_timeout_s): {exc.reason}. Start "
+                        "it first (asyncrl serve-engine CONFIG, or vllm serve), then the trainer") from None
+                await asyncio.sleep(0.5)
+
+    async def read_card(self, server: Server) -> set[str]:
+        """The base model's name and context; returns the LoRA adapters loaded there (the
+        cards with a ``parent``, as vLLM lists them)."""
+        cards = (await self.call(server, "GET", "/v1/models"))["data"]
+        card = next((c for c in cards if not c.get("parent")), cards[0])
+        server.model = card["id"]
+        server.max_model_len = int(card.get("max_model_len") or 0)
+        if server.max_model_len < 1:
+            raise ControlError(f"engine server {server.url}: GET /v1/models gives no max_model_len for {server.model}")
+        return {c["id"] for c in cards if c.get("parent")}
+
+    # ---------------------------------------------------------------- losses and revivals
+    def lose(self, server: Server, reason: str) -> bool:
+        """Leave ``server`` out (said once per loss); True when it was in until now."""
+        if not server.usable:
+            return False
+        server.usable, server.lost_reason = False, reason
+        self.stats.servers_lost += 1
+        self.stats.lost[server.url] = self.stats.lost.get(server.url, 0) + 1
+        left = [s.url for s in self.usable()]
+        print(f"asyncrl: engine server {server.url} lost ({reason}); its requests go to "
+              + (", ".join(left) if left else "no other: none is left"), file=sys.stderr, flush=True)
+        return True
+
+    async def watch_lost(self, revive: Callable[[Server], Awaitable[None]], closed: Callable[[], bool]) -> None:
+        """Poll lost servers' ``/health`` every ``remote.health_interval_s``; one that answers is
+        handed to ``revive`` (which brings it to the current weights, version and pause state)."""
+        while not closed():
+            await asyncio.sleep(self.settings.health_interval_s)
+            for server in [s for s in self.servers if not s.usable and s.revivable]:
+                try:
+                    await self.call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
+                except ServerLost:
+                    continue  # still down
+                try:
+                    await revive(server)
+                except ServerLost:
+                    continue
+                except Exception as exc:  # it answers but cannot be brought back: said, tried again later
+                    print(f"asyncrl: engine server {server.url} answers /health but could not be brought back: "
+                          f"{_describe(exc)}", file=sys.stderr, flush=True)
