@@ -351,9 +351,10 @@ def test_a_fleet_of_vllm_servers_is_described_with_each_servers_flags_and_no_key
     servers = [line.strip() for line in out.splitlines() if line.strip().startswith(("gpu1: ", "gpu2: "))]
     assert [s.split(":", 1)[0] for s in servers] == ["gpu1", "gpu2"]
     for server, port in zip(servers, ("8100", "8101")):
-        assert server.split(": ", 1)[1].startswith("VLLM_SERVER_DEV_MODE=1 vllm serve models/countdown-tiny ")
+        assert server.split(": ", 1)[1].startswith("VLLM_SERVER_DEV_MODE=1 VLLM_ALLOW_RUNTIME_LORA_UPDATING=True "
+                                                   "vllm serve --model models/countdown-tiny ")
         for flag in ("--logprobs-mode processed_logprobs", "--generation-config vllm", "--enable-lora",
-                     "--max-lora-rank 16", f"--port {port}", '--api-key "$ASYNCRL_REMOTE_KEY"'):
+                     "--dtype float32", "--max-lora-rank 16", f"--port {port}", '--api-key "$ASYNCRL_REMOTE_KEY"'):
             assert flag in server, (flag, server)
     assert out.index("gpu2: ") < out.index("asyncrl train ")  # the servers first, then the trainer
     assert "/shared/w" in out and "no throughput prediction" in out and "problem:" not in out

@@ -34,6 +34,7 @@ from transformers import Qwen2ForCausalLM
 
 from asyncrl.config import RemoteConfig
 from asyncrl.engine.remote import RemoteEngine
+from asyncrl.plan.fleet import vllm_serve
 from asyncrl.types import SamplingParams
 
 START_LIMIT_S = 600.0  # two CPU servers loading at once on a loaded 2-core machine
@@ -53,22 +54,22 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` script of the CPU wheel looks
-    up a distribution named ``vllm`` and exits) with the flags docs/vllm.md asks for."""
+    """The CPU server command docs/vllm.md shows (``vllm_serve``), run by this Python."""
 
     def __init__(self, model_dir: Path, log: Path) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        # the command docs/vllm.md shows and `asyncrl plan` prints (asyncrl/plan/fleet.py), then this
+        # lane's own additions: a small cache and batch for two servers on two cores, no tokenizer
+        served_env, words = vllm_serve(str(model_dir), host="127.0.0.1", port=self.port, dtype="float32",
+                                       on_cpu=True, lora_rank=8, max_model_len=MAX_MODEL_LEN)
+        env = {**os.environ, **served_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        assert words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-             "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32",
-             "--max-model-len", str(MAX_MODEL_LEN), "--skip-tokenizer-init", "--enforce-eager",
-             "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--max-num-seqs", "16",
-             "--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"],
+            [sys.executable, *words[1:], "--skip-tokenizer-init", "--enforce-eager", "--max-num-seqs", "16",
+             "--max-loras", "2"],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, deadline: float) -> None:

@@ -37,6 +37,8 @@ class EngineRequest:
     num_threads: int | None = None
     eval_replica: bool = False
     thread_budget: ThreadBudget | None = None
+    tokenizer: Any = None
+    """The run's tokenizer: servers by URL are checked to tokenize as it does."""
 
 
 @dataclass
@@ -68,7 +70,8 @@ async def build_remote(cfg: Config, request: EngineRequest) -> BuiltEngines:
     """Servers the user started (``asyncrl serve-engine``, ``vllm serve``), behind one client."""
     from asyncrl.engine.remote import RemoteEngine
 
-    engine = await RemoteEngine.connect(cfg.remote, version=request.version)
+    engine = await RemoteEngine.connect(cfg.remote, version=request.version, fresh=request.weights is None,
+                                        tokenizer=request.tokenizer, model_path=cfg.model.path)
     await _apply_latest(engine, request)
     return BuiltEngines(engine)
 
@@ -78,7 +81,7 @@ async def build_vllm(cfg: Config, request: EngineRequest) -> BuiltEngines:
     import torch
 
     from asyncrl.engine.vllm_engine import VLLMEngine, engine_args
-    from asyncrl.model_store import resolve_model_path
+    from asyncrl.policy import resolve_model_path
 
     device = cfg.model.device
     on_cpu = device.startswith("cpu") or (device == "auto" and not torch.cuda.is_available())

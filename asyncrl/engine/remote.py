@@ -68,6 +68,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -76,10 +77,14 @@ from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongE
 from asyncrl.engine.remote_fleet import Fleet
 from asyncrl.engine.remote_nccl import WeightBroadcast
 from asyncrl.engine.remote_weights import ADAPTER_PREFIX, FleetWeights
-from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, stream_completion
+from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, ServersUnusable, stream_completion
 from asyncrl.types import Completion, FinishReason, SamplingParams
 
-__all__ = ["ADAPTER_PREFIX", "ControlError", "EngineClosedError", "RemoteEngine", "ServerLost"]
+__all__ = ["ADAPTER_PREFIX", "ControlError", "EngineClosedError", "RemoteEngine", "ServerLost", "ServersUnusable"]
+
+TOKENIZER_PROBES = ("The quick brown fox jumps over 13 lazy dogs.", "def f(x):\n    return x**2  # é",
+                    "2+3=5")
+"""Texts a server must tokenize as the trainer does (``/tokenize``) to be used."""
 
 
 class RemoteEngine:
@@ -87,9 +92,9 @@ class RemoteEngine:
     ``await RemoteEngine.connect(settings, version=…)``. ``broadcast``: what moves the
     tensors with ``remote.weight_transfer=nccl`` (``remote_weights.FleetWeights``)."""
 
-    def __init__(self, settings: RemoteConfig, *, version: int = 0,
-                 broadcast: WeightBroadcast | None = None) -> None:
-        self.settings = settings
+    def __init__(self, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
+                 fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> None:
+        self.settings, self._fresh, self._tokenizer, self._model_path = settings, fresh, tokenizer, model_path
         self.stats = RemoteStats()
         self._fleet = Fleet(settings, self.stats)
         self.weights = FleetWeights(self._fleet, settings, broadcast)
@@ -105,13 +110,18 @@ class RemoteEngine:
         self._closed = False
 
     @classmethod
-    async def connect(cls, settings: RemoteConfig, *, version: int = 0,
-                      broadcast: WeightBroadcast | None = None) -> RemoteEngine:
-        """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``,
-        read its model card, unload the adapters a previous trainer left (``lora-v<n>``: the
-        trainer sends its own), label it ``version`` and resume it (a trainer that died
-        during a sync leaves its servers paused)."""
-        engine = cls(settings, version=version, broadcast=broadcast)
+    async def connect(cls, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
+                      fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> RemoteEngine:
+        """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``
+        (nothing listening: ``ServersUnusable``, exit 2, within seconds), read its model card,
+        check it tokenizes as ``tokenizer`` does (another model: ``ServersUnusable`` naming
+        both), unload the adapters a previous trainer left (``lora-v<n>``: the trainer sends
+        its own), label it ``version`` and resume it (a trainer that died during a sync
+        leaves its servers paused). ``fresh``: a run from ``model_path``'s own weights, which
+        no update will replace before the first sample — a server whose label says it serves
+        another version (a previous run's) reloads its model's own weights first."""
+        engine = cls(settings, version=version, broadcast=broadcast, fresh=fresh, tokenizer=tokenizer,
+                     model_path=model_path)
         try:
             await engine._start()
         except BaseException:
@@ -125,16 +135,53 @@ class RemoteEngine:
 
         async def ready(server: Server) -> None:
             await self._fleet.wait_healthy(server)
-            for name in sorted(await self._fleet.read_card(server)):  # a previous trainer's adapters: the base
+            adapters = await self._fleet.read_card(server)
+            if self._tokenizer is not None:
+                await self._check_tokenizer(server)
+            for name in sorted(adapters):  # a previous trainer's adapters: the base again
                 if re.fullmatch(rf"{ADAPTER_PREFIX}\d+", name):
                     await self._call(server, "POST", "/v1/unload_lora_adapter", {"lora_name": name}, missing_ok=True)
+            if self._fresh:
+                await self._serve_base(server)
             await self._call(server, "POST", "/update_weight_version", {"new_version": str(self._version)})
+            server.version = server.serving = self._version
             await self._call(server, "POST", "/resume")  # a trainer that died mid-sync may have left it paused
-            server.version, server.usable = self._version, True
+            server.usable = True
 
         await asyncio.gather(*[ready(s) for s in self.servers])
         self._watch = asyncio.create_task(self._fleet.watch_lost(self._revive, lambda: self._closed),
                                           name="asyncrl-remote-health")
+
+    async def _check_tokenizer(self, server: Server) -> None:
+        """The server tokenizes the probe texts as this trainer's tokenizer does, or it serves
+        another model (its token ids would mean other words here): refused at connect."""
+        for text in TOKENIZER_PROBES:
+            ours = self._tokenizer.encode(text, add_special_tokens=False)
+            reply = await self._call(server, "POST", "/tokenize", {"model": server.model, "prompt": text,
+                                                                   "add_special_tokens": False}, missing_ok=True)
+            if reply is None:
+                return  # a server without the route: the delivery check still compares the weights
+            theirs = reply.get("tokens") if isinstance(reply, dict) else None
+            if theirs != ours:
+                raise ServersUnusable(
+                    f"remote.urls: engine server {server.url} serves {server.model!r}, which tokenizes {text!r} as "
+                    f"{str(theirs)[:60]}; this trainer's model.path {self._model_path!r} as {str(ours)[:60]}. Start "
+                    "the servers on model.path's model (vllm serve --model DIR; asyncrl serve-engine with the "
+                    "same model.path), or set model.path to theirs")
+
+    async def _serve_base(self, server: Server) -> None:
+        """A fresh run's server that a previous run left on its weights (its label names
+        another version) reloads its model's own weights (``reload_weights`` with no path: vLLM
+        and ``serve-engine`` read them from their model directory), said on stderr."""
+        info = await self._call(server, "GET", "/weight_info", missing_ok=True)
+        label = info.get("weight_version") if isinstance(info, dict) else None
+        if label in (None, "", str(self._version)):
+            return
+        await self._call(server, "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {}},
+                         timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s")
+        await self._call(server, "POST", "/reset_prefix_cache", missing_ok=True)
+        print(f"asyncrl: engine server {server.url} served version {label} (a previous run's weights): reloaded "
+              f"{server.model}'s own weights for this fresh run", file=sys.stderr, flush=True)
 
     @property
     def servers(self) -> list[Server]:
@@ -193,7 +240,6 @@ class RemoteEngine:
                 await self._open.wait()
                 server = self._fleet.pick(key)
                 started_in = self._pauses  # a pause after this one is what aborts this request
-                sent_version = server.version if server.version is not None else self._version
                 try:
                     new, new_logprobs, new_versions, finish = await self._complete(
                         server, prompt_ids + tokens, sampling, budget - len(tokens))
@@ -205,7 +251,7 @@ class RemoteEngine:
                     self._fleet.lose(server, lost.reason)
                     tokens += lost.tokens
                     logprobs += lost.logprobs
-                    versions += [sent_version] * len(lost.tokens)
+                    versions += lost.versions
                     if on_tokens is not None and lost.tokens:
                         on_tokens(list(lost.tokens))
                     if len(tokens) >= budget:
@@ -215,7 +261,7 @@ class RemoteEngine:
                     continue
                 tokens += new
                 logprobs += new_logprobs
-                versions += new_versions if new_versions is not None else [sent_version] * len(new)
+                versions += new_versions
                 self.stats.tokens += len(new)
                 if on_tokens is not None and new:
                     on_tokens(list(new))
@@ -238,7 +284,6 @@ class RemoteEngine:
         async def one(server: Server) -> tuple[str, list[Completion]] | None:
             done = []
             for prompt in prompts:
-                sent_version = server.version if server.version is not None else self._version
                 try:
                     budget = min(sampling.max_tokens, server.max_model_len - len(prompt))
                     tokens, logprobs, versions, finish = await self._complete(server, list(prompt), sampling,
@@ -246,16 +291,19 @@ class RemoteEngine:
                 except ServerLost as exc:
                     self._fleet.lose(server, f"during the delivery probe: {exc.reason}")
                     return None
-                done.append(Completion(tokens, logprobs, versions or [sent_version] * len(tokens), finish))
+                done.append(Completion(tokens, logprobs, versions, finish))
             return f"engine server {server.url}", done
 
         probed = await asyncio.gather(*[one(s) for s in self.servers if s.usable])
         return [p for p in probed if p is not None]
 
     async def _complete(self, server: Server, prompt: list[int], sampling: SamplingParams,
-                        max_tokens: int) -> tuple[list[int], list[float], list[int] | None, FinishReason]:
+                        max_tokens: int) -> tuple[list[int], list[float], list[int], FinishReason]:
+        def label() -> int:  # the version the server was resumed on, when a token arrives
+            return server.serving if server.serving is not None else self._version
+
         return await stream_completion(self._fleet.live(), server, prompt, sampling, max_tokens,
-                                       settings=self.settings, stats=self.stats)
+                                       settings=self.settings, stats=self.stats, label=label)
 
     # ---------------------------------------------------------- control plane
     async def pause(self, mode: PauseMode = "keep") -> int | None:
@@ -275,6 +323,8 @@ class RemoteEngine:
 
     async def resume(self) -> None:
         async with self._control:
+            for server in self._fleet.usable():  # from the resume on, its tokens come from what it was sent
+                server.serving = server.version
             await self._fleet.fan_out("POST", "/resume")
             self._paused = False
             self._open.set()
@@ -308,7 +358,9 @@ class RemoteEngine:
             await self._call(server, "POST", "/pause?mode=abort")
             loaded = await self._fleet.read_card(server)
             await self.weights.bring_back(server, self._version, loaded)
+            server.version = self._version
             if not self._paused:
+                server.serving = server.version
                 await self._call(server, "POST", "/resume")
             server.version, server.usable, server.lost_reason = self._version, True, None
         print(f"asyncrl: engine server {server.url} is back, on version {self._version}; used again",

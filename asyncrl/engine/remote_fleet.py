@@ -22,8 +22,12 @@ import aiohttp
 
 from asyncrl.config import RemoteConfig
 from asyncrl.engine.protocol import EngineClosedError
-from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, _describe, _error_message
+from asyncrl.engine.remote_wire import (ControlError, RemoteStats, Server, ServerLost, ServersUnusable, _describe,
+                                        _error_message, send_once_more_if_idle_closed)
 
+REFUSED_GRACE_S = 5.0
+"""How long a refused connection is waited out at connect (a server binding its port as
+the trainer starts) before the URL is called wrong."""
 AFFINITY_SIZE = 4096
 """Prompts whose server the client remembers (their samples share its prefix cache)."""
 
@@ -111,12 +115,15 @@ class Fleet:
         start = time.monotonic()
         try:
             async with asyncio.timeout(limit):
-                async with self.live().request(method, f"{server.url}{path}", json=body) as response:
+                async with await send_once_more_if_idle_closed(self.live(), method, f"{server.url}{path}",
+                                                               json=body) as response:
                     text = await response.text()
         except TimeoutError:
             raise ServerLost(f"{method} {path} did not answer within {limit:g} s ({knob})") from None
         except (aiohttp.ClientError, ConnectionError) as exc:
-            raise ServerLost(f"{method} {path} after {time.monotonic() - start:.1f} s: {_describe(exc)}") from None
+            refused = isinstance(exc, (aiohttp.ClientConnectorError, ConnectionRefusedError))
+            raise ServerLost(f"{method} {path} after {time.monotonic() - start:.1f} s: {_describe(exc)}",
+                             refused=refused) from None
         if response.status == 404 and missing_ok:
             return None
         if response.status >= 500 and not (refused_5xx and response.status != 503):
@@ -142,13 +149,21 @@ class Fleet:
         await asyncio.gather(*[one(s) for s in self.usable()])
 
     async def wait_healthy(self, server: Server) -> None:
-        """Until ``server`` answers ``GET /health``, at most ``remote.control_timeout_s``."""
-        deadline = time.monotonic() + self.settings.control_timeout_s
+        """Until ``server`` answers ``GET /health``, at most ``remote.control_timeout_s``; an
+        address where nothing accepts a connection for ``REFUSED_GRACE_S`` is a usage error
+        (``ServersUnusable``, exit 2), said in one line: a wrong URL or a server not started."""
+        start = time.monotonic()
+        deadline = start + self.settings.control_timeout_s
         while True:
             try:
                 await self.call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
                 return
             except ServerLost as exc:
+                if exc.refused and time.monotonic() - start > min(REFUSED_GRACE_S, self.settings.control_timeout_s):
+                    raise ServersUnusable(
+                        f"remote.urls: nothing is listening at {server.url} ({exc.reason}). Start the server first "
+                        "(asyncrl serve-engine CONFIG, or the vllm serve command in docs/vllm.md), then the trainer; "
+                        "or correct the URL") from None
                 if time.monotonic() > deadline:
                     raise EngineClosedError(
                         f"engine server {server.url} did not answer GET /health within "

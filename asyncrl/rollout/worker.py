@@ -30,7 +30,7 @@ from typing import Any
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.engine.factory import EngineRequest, build_engine
 from asyncrl.engine.kinds import engine_kind
 from asyncrl.engine.protocol import RolloutEngine, TokenSink, WeightUpdate, as_update
@@ -123,7 +123,7 @@ class RolloutWorker:
         weights published while it started (a sync may come meanwhile) are applied after."""
         request = EngineRequest(seed=self._seed, version=self._version, model=self._model, weights=self._weights,
                                 num_threads=self._num_threads, eval_replica=self._eval_replica,
-                                thread_budget=self.thread_budget)
+                                thread_budget=self.thread_budget, tokenizer=self.tokenizer)
         built = await build_engine(self.cfg, request)
         self.engine, self.eval_engine = built.engine, built.eval_engine
         applied = request.weights
@@ -134,6 +134,8 @@ class RolloutWorker:
     async def ready_engine(self) -> RolloutEngine:
         """The engine once started (raises what stopped it from starting)."""
         await self._ready.wait()
+        if isinstance(self._start_error, ConfigError):  # the user's to fix, said as such (exit 2)
+            raise self._start_error
         if self._start_error is not None:
             raise RuntimeError(f"the rollout engine failed to start: {self._start_error!r}") from self._start_error
         return self.engine

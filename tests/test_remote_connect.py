@@ -1,0 +1,236 @@
+"""What ``engine: remote`` checks when it connects: nothing listening is a usage error said
+in seconds; a server on another model is refused naming both; a fresh run on servers a
+previous run left serves the base model, not the previous run's weights."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import make_model
+
+from asyncrl.config import ConfigError, EngineServerConfig, RemoteConfig
+from asyncrl.engine import TorchEngine
+from asyncrl.engine.remote import RemoteEngine, ServersUnusable
+from asyncrl.rollout.engine_server import EngineServer
+from asyncrl.types import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    """A port nothing listens on: bound, then released (a race only with another binder)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_nothing_listening_is_a_usage_error_said_in_seconds():
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def main():
+        start = time.monotonic()
+        with pytest.raises(ServersUnusable) as refused:
+            await RemoteEngine.connect(RemoteConfig(urls=[url], control_timeout_s=60))
+        return time.monotonic() - start, str(refused.value)
+
+    took, said = asyncio.run(main())
+    assert isinstance(ServersUnusable("x"), ConfigError)  # the CLI's exit 2
+    assert f"nothing is listening at {url}" in said and "Start the server first" in said
+    assert took < 30, f"waited {took:.1f} s, not the 60 s of remote.control_timeout_s"
+
+
+def test_the_cli_says_nothing_listening_in_one_line_and_exits_2(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "examples/addition/async.yaml"),
+                           "engine=remote", f"remote.urls=[{url}]", f"output_dir={tmp_path / 'run'}",
+                           "total_steps=1"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"nothing is listening at {url}" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+class _Shifted:
+    """A tokenizer that is not the servers': every id one higher."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [i + 1 for i in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def test_a_server_on_another_model_is_refused_at_connect_naming_both(char_tokenizer):
+    async def main():
+        server = EngineServer(TorchEngine(make_model(), seed=0), model_name="tiny-a",
+                              settings=EngineServerConfig(port=0), tokenizer=char_tokenizer)
+        await server.start()
+        try:
+            same = await RemoteEngine.connect(RemoteConfig(urls=[server.base_url]), tokenizer=char_tokenizer,
+                                              model_path="tiny-a")
+            await same.shutdown()  # the same tokenizer: accepted
+            with pytest.raises(ServersUnusable) as refused:
+                await RemoteEngine.connect(RemoteConfig(urls=[server.base_url]), tokenizer=_Shifted(char_tokenizer),
+                                           model_path="models/other")
+            return str(refused.value)
+        finally:
+            await server.stop()
+            await server.engine.shutdown()
+
+    said = asyncio.run(main())
+    assert "serves 'tiny-a'" in said and "model.path 'models/other'" in said
+
+
+def test_a_fresh_run_on_servers_a_previous_run_left_serves_the_base(tmp_path):
+    """A previous run trained the server to version 3 and exited; a fresh run (version 0, no
+    weights to send) once relabelled it 0 and sampled the old weights."""
+    base = make_model()
+    base.save_pretrained(tmp_path / "base")
+    trained = {name: p.detach() + 0.5 for name, p in base.named_parameters()}
+    prompt, sampling = [5, 6, 7], SamplingParams(max_tokens=8, temperature=1.0, seed=3)
+
+    async def main():
+        server = EngineServer(TorchEngine(copy.deepcopy(base), seed=0), model_name="tiny",
+                              settings=EngineServerConfig(port=0), base_path=tmp_path / "base")
+        reference = TorchEngine(copy.deepcopy(base), seed=0)
+        await server.start()
+        try:
+            previous = await RemoteEngine.connect(RemoteConfig(urls=[server.base_url]))
+            await previous.update_weights(trained, 3)
+            old = await previous.generate(prompt, sampling)
+            await previous.shutdown()
+            fresh = await RemoteEngine.connect(RemoteConfig(urls=[server.base_url]), fresh=True)
+            try:
+                got = await fresh.generate(prompt, sampling)
+            finally:
+                await fresh.shutdown()
+            return old, got, await reference.generate(prompt, sampling)
+        finally:
+            await reference.shutdown()
+            await server.stop()
+            await server.engine.shutdown()
+
+    old, got, want = asyncio.run(main())
+    assert old.token_ids != want.token_ids or old.logprobs != want.logprobs  # the previous run's weights differ
+    assert got.token_ids == want.token_ids and got.versions == [0] * len(got.token_ids)
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+class _ClosesIdleConnections:
+    """An HTTP server that answers the first request of each connection (keep-alive) and
+    closes the connection, unanswered, when a second request arrives on it: what a server
+    that times out idle keep-alive connections looks like to a client that reuses one."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.closed_unanswered = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        first = True
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                await reader.readexactly(length)
+                if not first:
+                    self.closed_unanswered += 1
+                    return
+                first = False
+                self.answered += 1
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
+                             b"Connection: keep-alive\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client went away: nothing of this test's is lost
+        finally:
+            writer.close()
+
+
+def test_a_keep_alive_connection_the_server_closed_is_not_a_lost_server():
+    from asyncrl.engine.remote_fleet import Fleet
+    from asyncrl.engine.remote_wire import RemoteStats, Server
+
+    async def main():
+        peer = _ClosesIdleConnections()
+        listener = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        fleet = Fleet(RemoteConfig(urls=[f"http://127.0.0.1:{port}"], control_timeout_s=10), RemoteStats())
+        fleet.open()
+        try:
+            server: Server = fleet.servers[0]
+            server.usable = True
+            for _ in range(3):  # each call after the first reuses the connection the server then closes
+                assert await fleet.call(server, "POST", "/pause?mode=abort") == {}
+            return peer.answered, peer.closed_unanswered, server.usable, fleet.stats.servers_lost
+        finally:
+            await fleet.close()
+            listener.close()
+            await listener.wait_closed()
+
+    answered, closed, usable, lost = asyncio.run(main())
+    assert closed >= 1, "the client never reused a connection: the case is not exercised"
+    assert answered == 3 and usable and lost == 0
+
+
+def test_the_documented_vllm_server_commands_are_the_ones_plan_prints_and_the_lane_starts():
+    """docs/vllm.md and docs/scaling.md show the commands ``vllm_serve`` makes; the vLLM lane
+    (tests/test_vllm_remote.py) starts its servers from the same function."""
+    from asyncrl.plan.fleet import _args, vllm_serve
+
+    docs = {name: (ROOT / "docs" / name).read_text() for name in ("vllm.md", "scaling.md")}
+    for on_cpu in (False, True):
+        env, words = vllm_serve("MODEL_DIR", host="0.0.0.0", port=8100, dtype="float32", on_cpu=on_cpu,
+                                api_key="$ASYNCRL_REMOTE_KEY")
+        command = " ".join(f"{k}={v}" for k, v in env.items()) + " " + _args(words)
+        for name, text in docs.items():
+            assert command in text, (name, command)
+        assert "--model" in words and words[words.index("--model") + 1] == "MODEL_DIR"
+        assert ("--no-enable-chunked-prefill" in words and "VLLM_CPU_KVCACHE_SPACE" in env) == on_cpu
+    lane = (ROOT / "tests" / "test_vllm_remote.py").read_text()
+    assert "vllm_serve(" in lane and '"--logprobs-mode"' not in lane  # the lane does not restate the flags
+
+
+def test_a_request_that_reached_a_paused_server_carries_the_version_it_ran_on(monkeypatch):
+    """A request that passed the client's gate just before a pause reaches the server after
+    it; the server (vLLM) queues it and runs it after the resume, on the new weights. From a
+    server that stamps no versions (``vllm serve``: here ``serve-engine`` with its record
+    withheld) its tokens once carried the old label."""
+    model = make_model()
+    new = {name: p.detach() + 0.5 for name, p in model.named_parameters()}
+    original = EngineServer._reply
+
+    def as_vllm(self, completion, *, final):  # every token and logprob at the end, and no versions
+        reply = original(self, completion, final=True)
+        del reply["choices"][0]["completion"]
+        return reply
+
+    monkeypatch.setattr(EngineServer, "_reply", as_vllm)
+
+    async def main():
+        server = EngineServer(TorchEngine(copy.deepcopy(model), seed=0), model_name="tiny",
+                              settings=EngineServerConfig(port=0))
+        await server.start()
+        remote = await RemoteEngine.connect(RemoteConfig(urls=[server.base_url]))
+        try:
+            await remote.pause("abort")
+            remote._open.set()  # the race: a request past the client's gate as the pause went out
+            late = asyncio.create_task(remote.generate([5, 6, 7], SamplingParams(max_tokens=6, seed=1)))
+            while server.engine.num_in_flight == 0:  # it waits in the paused server's queue
+                await asyncio.sleep(0.01)
+            await remote.update_weights(new, 1)
+            await remote.resume()
+            return await late
+        finally:
+            await remote.shutdown()
+            await server.stop()
+            await server.engine.shutdown()
+
+    completion = asyncio.run(main())
+    assert completion.token_ids and completion.versions == [1] * len(completion.token_ids)
