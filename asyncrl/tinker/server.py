@@ -63,6 +63,15 @@ def check_exposure(settings: TinkerConfig) -> None:
                       "the SDK refuses others; clients pass it as ServiceClient(api_key=...))")
 
 
+def _fixed(payload: Any) -> Handler:
+    """A route that answers ``payload`` whatever it is sent (the SDK's bookkeeping calls)."""
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response(payload)
+
+    return answer
+
+
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     return validate(await read_json(request), model)
 
@@ -79,14 +88,15 @@ class TinkerServer:
         check_exposure(self.settings)
         app = web.Application(middlewares=[self._errors_and_key()], client_max_size=256 << 20)
         get, post = app.router.add_get, app.router.add_post
-        get(HEALTH, lambda r: self._json({"status": "ok"}))
+        get(HEALTH, _fixed({"status": "ok"}))
         get("/api/v1/get_server_capabilities", self._capabilities)
-        post("/api/v1/client/config", lambda r: self._json(CLIENT_CONFIG))
-        post("/api/v1/client/dynamic_config", lambda r: self._json({}))
+        post("/api/v1/client/config", _fixed(CLIENT_CONFIG))
+        post("/api/v1/client/dynamic_config", _fixed({}))
         post("/api/v1/create_session", self._create_session)
-        post("/api/v1/session_heartbeat", lambda r: self._json({"type": "session_heartbeat"}))
-        post("/api/v1/telemetry", lambda r: self._json({"status": "accepted"}))
-        post("/api/v1/cancel_future", lambda r: self._json({}))
+        post("/api/v1/session_heartbeat", _fixed({"type": "session_heartbeat"}))
+        post("/api/v1/sessions/{session_id}/finish", _fixed(None))  # ServiceClient.close(): nothing to free
+        post("/api/v1/telemetry", _fixed({"status": "accepted"}))
+        post("/api/v1/cancel_future", _fixed({}))
         post("/api/v1/create_model", self._create_model)
         post("/api/v1/get_info", self._get_info)
         post("/api/v1/forward_backward", self._forward_backward)
@@ -130,10 +140,6 @@ class TinkerServer:
                 return error_response(exc if status is None else Refused(status, str(exc)))
 
         return middleware
-
-    @staticmethod
-    async def _json(payload: Any) -> web.Response:
-        return web.json_response(payload)
 
     # ------------------------------------------------------------------ routes
     async def _capabilities(self, request: web.Request) -> web.Response:
