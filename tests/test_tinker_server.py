@@ -226,20 +226,25 @@ def test_a_retried_training_call_is_applied_once(server, service_client):
     assert forward_logprobs(retried) == forward_logprobs(once)  # one gradient, one step: not two
 
 
-def test_the_async_api(server):
-    async def main() -> tuple[float, int]:
+def test_the_async_api_samples_beside_training(server):
+    async def main() -> tuple[float, int, list[float | None], list[float | None]]:
         client = tinker.ServiceClient(base_url=server.url, api_key=KEY)
         training = await client.create_lora_training_client(base_model=NAME, rank=4)
+        older = await training.save_weights_and_get_sampling_client()
+        prompt = types.ModelInput.from_ints(TOKENS)
+        before = await older.compute_logprobs(prompt)
+        # one engine samples the older weights while the trainer steps
         fb = training.forward_backward([datum()], "cross_entropy")
         step = training.optim_step(types.AdamParams(learning_rate=1e-2))
-        loss = (await fb).metrics["loss:sum"]
-        await step
-        sampler = await training.save_weights_and_get_sampling_client()
-        drawn = await sampler.sample(types.ModelInput.from_ints(TOKENS[:6]), 2, types.SamplingParams(max_tokens=3))
-        return loss, len(drawn.sequences)
+        drawn, result, _ = await asyncio.gather(older.sample(types.ModelInput.from_ints(TOKENS[:6]), 2,
+                                                             types.SamplingParams(max_tokens=3)), fb, step)
+        after = await older.compute_logprobs(prompt)
+        await client.close("success")
+        return result.metrics["loss:sum"], len(drawn.sequences), before, after
 
-    loss, samples = asyncio.run(main())
+    loss, samples, before, after = asyncio.run(main())
     assert loss > 0 and samples == 2
+    assert after == before  # the sampler's weights are the ones it was made with
 
 
 # ---------------------------------------------------------------------- refusals, in the SDK's shape

@@ -52,8 +52,9 @@ class FutureStore:
         self._futures: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
 
     def submit(self, work: Any, *, prefix: str = "req") -> str:
-        """Run the coroutine ``work`` (returning an :class:`Outcome` body tuple or raising)
-        as a task; returns its new request id."""
+        """Run the coroutine ``work`` (returning an :class:`Outcome`, or raising: a
+        :class:`UserError` fails the future as the client's fault, anything else as the
+        server's) as a task; returns its new request id."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future

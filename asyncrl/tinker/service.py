@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import shutil
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -291,8 +292,6 @@ class TinkerService:
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         """Forgets the checkpoint and removes its directory; samplers of it fail from then on."""
-        import shutil
-
         saved = self.checkpoint(f"tinker://{run_id}/{checkpoint_id}")
         saved.deleted, saved.adapters = True, None
         shutil.rmtree(saved.directory, ignore_errors=True)
