@@ -34,6 +34,7 @@ class ServerThread:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg, self.url = cfg, ""
+        self.service = None
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -42,7 +43,7 @@ class ServerThread:
 
     async def _main(self) -> None:
         try:
-            service = build_service(self.cfg)
+            service = self.service = build_service(self.cfg)
             server = TinkerServer(service, self.cfg.tinker)
             self.url = await server.start()
         except BaseException as exc:
@@ -283,3 +284,16 @@ def test_a_sampler_of_a_deleted_checkpoint_is_refused(server, service_client):
         sampler.sample(prompt, 1, params).result()
     with pytest.raises(tinker.NotFoundError, match="soon-gone.*was deleted"):
         service_client.create_sampling_client(model_path=path).result()
+
+
+def test_unnamed_samplers_past_the_kept_number_are_refused_naming_why(server, service_client):
+    client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
+    kept, server.service.unnamed_kept = server.service.unnamed_kept, 2
+    try:
+        samplers = [client.save_weights_and_get_sampling_client().result() for _ in range(3)]
+    finally:
+        server.service.unnamed_kept = kept
+    prompt, params = types.ModelInput.from_ints(TOKENS[:4]), types.SamplingParams(max_tokens=2)
+    assert len(samplers[2].sample(prompt, 1, params).result().sequences) == 1
+    with pytest.raises(tinker.NotFoundError, match="keeps the last 2 unnamed samplers.*save_weights_for_sampler"):
+        samplers[0].sample(prompt, 1, params).result()

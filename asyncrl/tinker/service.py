@@ -40,6 +40,10 @@ from asyncrl.tinker.training import TinkerLora, TrainingRun, read_lora
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
 
 T = TypeVar("T")
+UNNAMED_KEPT = 16
+"""Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
+loop makes one a step and never says when it is done with one, so the oldest past this many is
+forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
@@ -83,6 +87,9 @@ class TinkerService:
         self.creating: dict[str, str] = {}  # model id -> the create request's id (a retried create is one)
         self.checkpoints: dict[str, Checkpoint] = {}
         self.samplers: dict[str, Sampler] = {}
+        self.unnamed: dict[str, list[str]] = {}  # training client -> its unnamed samplers, oldest first
+        self.unnamed_kept = UNNAMED_KEPT
+        self.forgotten: dict[str, str] = {}  # sampler id -> why it is gone
         self._trainer = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-tinker-train")
 
     async def shutdown(self) -> None:
@@ -217,6 +224,7 @@ class TinkerService:
                 session = model_id.split(":", 1)[0]
                 sampler_id = f"{session}:sample:{sampling_session_seq_id}:{uuid.uuid4().hex[:8]}"
                 self.samplers[sampler_id] = Sampler(sampler_id, None, adapters)
+                self._keep_unnamed(model_id, sampler_id)
                 return Outcome({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
             path = f"tinker://{model_id}/sampler_weights/{name}"
             run.save_adapters(directory)
@@ -268,9 +276,19 @@ class TinkerService:
         self.samplers[sampler_id] = Sampler(model_path, model_path, saved.adapters, saved)
         return sampler_id
 
+    def _keep_unnamed(self, model_id: str, sampler_id: str) -> None:
+        kept = self.unnamed.setdefault(model_id, [])
+        kept.append(sampler_id)
+        while len(kept) > self.unnamed_kept:
+            old = kept.pop(0)
+            del self.samplers[old]
+            self.forgotten[old] = (f"sampling session {old!r} was forgotten: this server keeps the last "
+                                   f"{self.unnamed_kept} unnamed samplers of a training client; "
+                                   "save_weights_for_sampler(name) keeps one until it is deleted")
+
     def get_sampler(self, sampler_id: str) -> Sampler:
         if sampler_id not in self.samplers:
-            raise NotFound(f"no sampling session {sampler_id!r} on this server")
+            raise NotFound(self.forgotten.get(sampler_id, f"no sampling session {sampler_id!r} on this server"))
         return self.samplers[sampler_id]
 
     def sample(self, sampler_id: str, call: SampleCall) -> dict[str, Any]:
