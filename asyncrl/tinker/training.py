@@ -174,17 +174,20 @@ class TrainingRun:
         except LossInputError as exc:
             raise UserError(str(exc)) from None
         rows = pack(data, self.vocab, self.max_positions)
+        device = next(self.state.model.parameters()).device
+        ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
+        inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
         numbers = {k: v for k, v in config.items() if isinstance(v, float)}
         with torch.set_grad_enabled(not forward_only):
-            logits = self.state.model(input_ids=rows.ids, attention_mask=rows.mask.long()).logits  # (B, T, V)
-            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, rows.targets[..., None]).squeeze(-1)  # (B, T)
+            logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
+            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
             try:
-                loss, metrics = loss_of(logprobs, rows.inputs, rows.mask, numbers)
+                loss, metrics = loss_of(logprobs, inputs, mask, numbers)
             except LossInputError as exc:
                 raise UserError(str(exc)) from None
             if not forward_only:
                 loss.backward()
-        detached = logprobs.detach()
+        detached = logprobs.detach().cpu()  # a CPU-GPU sync point, once per call
         outputs = [{"logprobs": detached[i, :n].numpy()} for i, n in enumerate(rows.lengths)]
         return outputs, as_floats({"loss:sum": loss.detach(), **metrics})
 
