@@ -44,7 +44,6 @@ UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
 forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
 _NAME = re.compile(r"^[A-Za-z0-9._-]+$")
 
 
