@@ -255,7 +255,8 @@ def build_service(cfg: Config) -> TinkerService:
     model, tokenizer = load_policy(cfg.model)
     checkpoints = Path(cfg.tinker.checkpoint_dir or Path(cfg.output_dir) / "tinker")
     return TinkerService(cfg.tinker.base_model or cfg.model.path, model_dir, model.requires_grad_(False), tokenizer,
-                         checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed)
+                         checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed,
+                         micro_rows=cfg.optim.micro_batch_size, micro_tokens=cfg.optim.micro_batch_tokens)
 
 
 def serve_tinker(cfg: Config, *, on_ready: Callable[[str], None] | None = None) -> None:

@@ -75,9 +75,11 @@ class Sampler:
 
 class TinkerService:
     def __init__(self, name: str, model_dir: Path, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
-                 checkpoint_dir: Path, max_rank: int, seed: int = 0) -> None:
+                 checkpoint_dir: Path, max_rank: int, seed: int = 0, micro_rows: int = 64,
+                 micro_tokens: int | None = 4096) -> None:
         self.name, self.model_dir, self.base, self.tokenizer = name, model_dir, base, tokenizer
-        self.checkpoint_dir, self.max_rank = checkpoint_dir, max_rank
+        self.checkpoint_dir = checkpoint_dir
+        self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
         self.futures = FutureStore()
         self.sampler = EngineSampler(base, tokenizer, seed=seed)
         self.max_context = self.sampler.engine.max_positions
@@ -158,7 +160,7 @@ class TinkerService:
         if model_id not in self.creating:
             def build() -> Outcome:
                 self._check_base(base_model)
-                self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, max_rank=self.max_rank)
+                self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
             queued = self._on_trainer(build)
@@ -248,7 +250,7 @@ class TinkerService:
         if new_id not in self.creating:
             def create() -> Outcome:
                 saved = self.checkpoint(path)
-                run = TrainingRun(new_id, self.base, self.tokenizer, saved.lora, max_rank=self.max_rank)
+                run = TrainingRun(new_id, self.base, self.tokenizer, saved.lora, **self.run_options)
                 run.load_state(saved.directory, optimizer=optimizer)
                 self.runs[new_id] = run
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})

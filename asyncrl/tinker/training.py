@@ -36,9 +36,10 @@ from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.core import TrainState, clip_and_step
+from asyncrl.learner.learner import micro_batch_bounds
 from asyncrl.learner.lora import adapter_update, linear_names, load_adapter_weights
 from asyncrl.tinker.futures import UserError
-from asyncrl.tinker.losses import LossInputError, as_floats, tinker_loss
+from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, tinker_loss
 from asyncrl.tinker.wire import WireDatum
 
 LORA_ALPHA = 32.0
@@ -110,6 +111,12 @@ class Rows:
     inputs: dict[str, torch.Tensor]
     lengths: list[int]
 
+    def part(self, start: int, stop: int) -> Rows:
+        """Rows [start, stop), trimmed to their own longest."""
+        width = max(self.lengths[start:stop])
+        return Rows(self.ids[start:stop, :width], self.targets[start:stop, :width], self.mask[start:stop, :width],
+                    {k: v[start:stop, :width] for k, v in self.inputs.items()}, self.lengths[start:stop])
+
 
 def pack(data: list[WireDatum], vocab: int, max_positions: int) -> Rows:
     """The call's datums as :class:`Rows`; a datum whose loss inputs are not as long as its
@@ -153,7 +160,7 @@ class TrainingRun:
     server's one training thread, in the order the requests arrived."""
 
     def __init__(self, model_id: str, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, lora: TinkerLora,
-                 *, max_rank: int) -> None:
+                 *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096) -> None:
         if not 1 <= lora.rank <= max_rank:
             raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to {max_rank} "
                             "(tinker.max_lora_rank)")
@@ -162,34 +169,57 @@ class TrainingRun:
         self.state = TrainState.build(tenant_model(base), tokenizer, _Adam(), 1, lora=config, seed=lora.seed or 0)
         self.vocab = int(base.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
+        self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
         self.requests: dict[int, str] = {}
         """seq id → the request id it was answered with: a retried call gets the same future back."""
 
     def forward_backward(self, data: list[WireDatum], loss_fn: str, config: dict[str, float | str],
                          *, forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """The loss over ``data`` and, unless ``forward_only``, its gradient added to the
-        adapters'. Returns each datum's target ``logprobs`` and the metrics (``loss:sum``)."""
+        adapters'. Returns each datum's target ``logprobs`` and the metrics (``loss:sum``).
+
+        Micro-batched as the learner is (``optim.micro_batch_size`` / ``micro_batch_tokens``,
+        ``micro_batch_bounds``): the loss is a sum, so each part's backward adds its share and
+        any split takes the same gradient; the ``:mean`` metrics are weighted by each part's
+        positions."""
         try:
             loss_of = tinker_loss(loss_fn)
         except LossInputError as exc:
             raise UserError(str(exc)) from None
         rows = pack(data, self.vocab, self.max_positions)
+        numbers = {k: v for k, v in config.items() if isinstance(v, float)}
+        sums: dict[str, torch.Tensor] = {}
+        logprobs: list[torch.Tensor] = []
+        for start, stop in micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens):
+            part, positions = self._pass(rows.part(start, stop), loss_of, numbers, forward_only=forward_only)
+            logprobs.extend(part.pop("logprobs"))
+            for key, value in part.items():  # loss:sum adds; a token mean is weighed by its positions
+                sums[key] = sums.get(key, 0) + (value if key.endswith(":sum") else value * positions)
+        total = sum(rows.lengths)
+        metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
+        outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
+        return outputs, as_floats(metrics)
+
+    def _pass(self, rows: Rows, loss_of: TinkerLoss, config: dict[str, float], *, forward_only: bool
+              ) -> tuple[dict[str, object], int]:
+        """One micro-batch: its loss (backward unless ``forward_only``), its metrics, each datum's
+        target logprobs (under ``logprobs``), and its number of positions."""
         device = next(self.state.model.parameters()).device
         ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
         inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
-        numbers = {k: v for k, v in config.items() if isinstance(v, float)}
         with torch.set_grad_enabled(not forward_only):
             logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
             logprobs = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
             try:
-                loss, metrics = loss_of(logprobs, inputs, mask, numbers)
+                loss, metrics = loss_of(logprobs, inputs, mask, config)
             except LossInputError as exc:
                 raise UserError(str(exc)) from None
             if not forward_only:
                 loss.backward()
-        detached = logprobs.detach().cpu()  # a CPU-GPU sync point, once per call
-        outputs = [{"logprobs": detached[i, :n].numpy()} for i, n in enumerate(rows.lengths)]
-        return outputs, as_floats({"loss:sum": loss.detach(), **metrics})
+        detached = logprobs.detach()
+        out: dict[str, object] = {"loss:sum": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+        out["logprobs"] = [detached[i, :n] for i, n in enumerate(rows.lengths)]
+        return out, sum(rows.lengths)
 
     def optim_step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_clip_norm: float) -> dict[str, float]:
