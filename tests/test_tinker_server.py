@@ -279,7 +279,12 @@ def test_a_sampler_of_a_deleted_checkpoint_is_refused(server, service_client):
     sampler = service_client.create_sampling_client(model_path=path).result()
     prompt, params = types.ModelInput.from_ints(TOKENS[:4]), types.SamplingParams(max_tokens=2)
     assert len(sampler.sample(prompt, 1, params).result().sequences) == 1
-    tinker.RestClient(base_url=server.url, api_key=KEY).delete_checkpoint_from_tinker_path(path).result()
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
+    listed = rest.list_checkpoints(client.model_id).result().checkpoints
+    assert [(c.checkpoint_id, c.checkpoint_type, c.tinker_path) for c in listed] == [
+        ("sampler_weights/soon-gone", "sampler", path)]
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert rest.list_checkpoints(client.model_id).result().checkpoints == []
     with pytest.raises(tinker.RequestFailedError, match="soon-gone was deleted"):
         sampler.sample(prompt, 1, params).result()
     with pytest.raises(tinker.NotFoundError, match="soon-gone.*was deleted"):
