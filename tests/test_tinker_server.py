@@ -302,3 +302,9 @@ def test_unnamed_samplers_past_the_kept_number_are_refused_naming_why(server, se
     assert len(samplers[2].sample(prompt, 1, params).result().sequences) == 1
     with pytest.raises(tinker.NotFoundError, match="keeps the last 2 unnamed samplers.*save_weights_for_sampler"):
         samplers[0].sample(prompt, 1, params).result()
+
+
+def test_a_checkpoint_name_that_would_leave_its_directory_is_refused(service_client):
+    client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
+    with pytest.raises(tinker.BadRequestError, match=r"checkpoint name '\.\.'"):
+        client.save_state("..").result()

@@ -23,6 +23,7 @@ import asyncio
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass
+from collections.abc import Awaitable
 from typing import Any, Literal
 
 LONG_POLL_S = 10.0
@@ -51,10 +52,10 @@ class FutureStore:
     def __init__(self) -> None:
         self._futures: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
 
-    def submit(self, work: Any, *, prefix: str = "req") -> str:
-        """Run the coroutine ``work`` (returning an :class:`Outcome`, or raising: a
-        :class:`UserError` fails the future as the client's fault, anything else as the
-        server's) as a task; returns its new request id."""
+    def submit(self, work: Awaitable[Outcome], *, prefix: str = "req") -> str:
+        """Await ``work`` (a coroutine, or a future of the training thread) in a task: its
+        :class:`Outcome`, or what it raises — a :class:`UserError` the client's fault, anything
+        else the server's. Returns the new request id."""
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future

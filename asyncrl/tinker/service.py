@@ -44,7 +44,8 @@ UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
 forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
-_NAME = re.compile(r"^[A-Za-z0-9._-]+$")
+_NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
+"""A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
 
 
 class NotFound(LookupError):
@@ -112,12 +113,7 @@ class TinkerService:
         """Queue ``fn`` as ``run``'s call ``seq_id``, once (a repeat answers the first's id)."""
         if seq_id is not None and seq_id in run.requests:
             return {"request_id": run.requests[seq_id], "model_id": run.model_id}
-        queued = self._on_trainer(fn)
-
-        async def wait() -> Outcome:
-            return await queued
-
-        request_id = self.futures.submit(wait(), prefix="train")
+        request_id = self.futures.submit(self._on_trainer(fn), prefix="train")
         if seq_id is not None:
             run.requests[seq_id] = request_id
         return {"request_id": request_id, "model_id": run.model_id}
@@ -128,7 +124,9 @@ class TinkerService:
                             "(tinker.base_model)")
 
     def _directory(self, run_id: str, kind: str, name: str) -> Path:
-        if not _NAME.match(name):
+        if not _NAME.match(run_id):
+            raise UserError(f"{run_id!r} is not a training client's id")
+        if not _NAME.match(name) or ":" in name:
             raise UserError(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-' only")
         return self.checkpoint_dir / run_id.replace(":", "_") / kind / name
 
@@ -163,12 +161,7 @@ class TinkerService:
                 self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
-            queued = self._on_trainer(build)
-
-            async def wait() -> Outcome:
-                return await queued
-
-            self.creating[model_id] = self.futures.submit(wait(), prefix="create")
+            self.creating[model_id] = self.futures.submit(self._on_trainer(build), prefix="create")
         return {"request_id": self.creating[model_id], "model_id": model_id}
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -255,12 +248,7 @@ class TinkerService:
                 self.runs[new_id] = run
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
 
-            queued = self._on_trainer(create)
-
-            async def wait() -> Outcome:
-                return await queued
-
-            self.creating[new_id] = self.futures.submit(wait(), prefix="create")
+            self.creating[new_id] = self.futures.submit(self._on_trainer(create), prefix="create")
         return {"request_id": self.creating[new_id], "model_id": new_id}
 
     # ------------------------------------------------------------------ sampling
