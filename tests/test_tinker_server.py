@@ -185,6 +185,11 @@ def test_a_saved_state_resumes_with_its_optimizer(service_client):
     resumed = service_client.create_training_client_from_state_with_optimizer(path).result()
     train(resumed, 1)
     assert forward_logprobs(resumed) == pytest.approx(continued, abs=1e-6)
+    existing = service_client.create_lora_training_client(base_model=NAME, rank=4, seed=9).result()
+    with pytest.warns(FutureWarning, match="load_state"):  # the SDK's older call, on a client of the same shape
+        existing.load_state_with_optimizer(path).result()
+    train(existing, 1)
+    assert forward_logprobs(existing) == pytest.approx(continued, abs=1e-6)
     fresh_optimizer = service_client.create_training_client_from_state(path).result()
     train(fresh_optimizer, 1)
     assert forward_logprobs(fresh_optimizer) != pytest.approx(continued, abs=1e-6)  # Adam's moments were reset
