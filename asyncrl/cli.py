@@ -1,10 +1,12 @@
-"""``asyncrl train|eval|serve|serve-engine|sft|bench|report|doctor|plan|models``: thin dispatch through one table,
-``COMMANDS`` (a subcommand's parser and what it runs); exit 2 for usage/config errors, 1 for failures."""
+"""``asyncrl train|eval|serve|serve-engine|serve-tinker|sft|bench|report|doctor|plan|models``: thin dispatch
+through one table, ``COMMANDS`` (a subcommand's parser and what it runs); exit 2 for usage/config errors, 1 for
+failures."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import traceback
@@ -196,6 +198,17 @@ def _serve_engine(args: argparse.Namespace, failed_run: list[str]) -> None:
     serve_engine(cfg)
 
 
+def _serve_tinker(args: argparse.Namespace, failed_run: list[str]) -> None:
+    cfg = load_config(args.config, args.overrides)
+    _quiet_transformers()
+    if importlib.util.find_spec("tinker") is None:
+        raise ConfigError("asyncrl serve-tinker speaks the wire of Tinker's SDK and needs it installed: "
+                          "pip install 'asyncrl[tinker]'")
+    from asyncrl.tinker.server import serve_tinker
+
+    serve_tinker(cfg)
+
+
 def _sft(args: argparse.Namespace, failed_run: list[str]) -> int | None:
     cfg = load_sft_config(args.config, args.overrides)
     _quiet_transformers()
@@ -270,6 +283,8 @@ COMMANDS: dict[str, Command] = {
     "serve-engine": Command(_config_command("the rollout engine over vLLM's HTTP API at "
                                             "engine_server.host:engine_server.port (for engine=remote)"),
                             _serve_engine),
+    "serve-tinker": Command(_config_command("the Tinker API (LoRA training and sampling clients for Tinker's SDK) "
+                                            "over model.path at tinker.host:tinker.port"), _serve_tinker),
     "sft": Command(_declare_sft, _sft),
     "bench": Command(_declare_bench, _bench),
     "report": Command(_run_dir_command("write report.html (+ PNG figures) into a train run directory"),

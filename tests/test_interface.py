@@ -20,7 +20,8 @@ from asyncrl.config import Config, all_keys, load_config
 
 ROOT = Path(asyncrl.__file__).parent
 
-COMMANDS = ["train", "eval", "bench", "report", "serve", "models", "plan", "doctor", "sft", "serve-engine"]
+COMMANDS = ["train", "eval", "bench", "report", "serve", "models", "plan", "doctor", "sft", "serve-engine",
+            "serve-tinker"]
 BENCH_SUITES = ["engine", "modes", "trl", "staleness", "sync"]
 CONFIG_KEYS = [
     "output_dir", "seed", "model.path", "task.name", "mode", "max_staleness", "partial_rollout", "total_steps",
@@ -29,7 +30,7 @@ CONFIG_KEYS = [
     "rollout.max_concurrent_episodes", "learner.world_size", "learner.strategy", "weight_sync",
     "hooks.on_policy_updated", "hooks.on_epoch_end", "hooks.on_step_end", "gateway.api_key", "gateway.tool_parser",
     "learner.streaming", "model.lora", "task.sampler", "sync_every", "teacher.url", "teacher.coef", "judge.url",
-    "remote.urls", "engine_server.host", "engine_server.port",
+    "remote.urls", "engine_server.host", "engine_server.port", "tinker.host", "tinker.port",
 ]
 CONFIG_VALUES = [  # key=value as a script writes it (then what it needs beside it): each is accepted
     ["mode=sync", "partial_rollout=off"], ["mode=one_step_off"], ["mode=async"], ["partial_rollout=abort"],

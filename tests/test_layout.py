@@ -105,6 +105,8 @@ FLOORS = {
     "asyncrl.orchestrator": 4,
     # asyncrl sft: a run of its own (cold-start SFT), over the gateway's rendering and a learner helper
     "asyncrl.sft": 4,
+    # asyncrl serve-tinker: the Tinker API over the training core and the built-in engine
+    "asyncrl.tinker": 4,
     # 5 top: what drives or reads whole runs
     "asyncrl.cli": 5, "asyncrl.report": 5, "asyncrl.bench": 5, "asyncrl.tiny": 5, "asyncrl.plan": 5,
 }

@@ -44,6 +44,7 @@ from asyncrl.config.rollout import (
     WorkflowConfig,
 )
 from asyncrl.config.root import Config
+from asyncrl.config.tinker import TinkerConfig
 from asyncrl.config.schedule import (
     SCHEDULE_KEYS,
     ScheduleConfig,
@@ -80,6 +81,7 @@ __all__ = [
     'HooksConfig',
     'RayConfig',
     'EngineServerConfig',
+    'TinkerConfig',
     'VLLMConfig',
     'RemoteConfig',
     'JudgeConfig',

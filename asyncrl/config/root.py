@@ -25,6 +25,7 @@ from asyncrl.config.rollout import (
     WorkflowConfig,
 )
 from asyncrl.config.schedule import ScheduleConfig, hoist_schedule_keys
+from asyncrl.config.tinker import TinkerConfig
 from asyncrl.config.services import (
     GatewayConfig,
     HooksConfig,
@@ -93,6 +94,7 @@ class Config(Section):
     teacher: TeacherConfig = TeacherConfig()
     remote: RemoteConfig = RemoteConfig()
     engine_server: EngineServerConfig = EngineServerConfig()
+    tinker: TinkerConfig = TinkerConfig()
 
     @model_validator(mode="before")
     @classmethod

@@ -1,0 +1,28 @@
+"""``asyncrl serve-tinker``: the Tinker API served over ``model.path`` (``asyncrl/tinker/``)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from asyncrl.config.base import Section
+
+
+class TinkerConfig(Section):
+    """``asyncrl serve-tinker``: Tinker's training and sampling API (LoRA training clients on
+    one base model, sampling clients) for Tinker's own SDK (``docs/tinker.md``)."""
+
+    host: str = "127.0.0.1"
+    """Where it listens. Beyond loopback it needs ``api_key`` (exit 2 otherwise)."""
+    port: int = Field(8200, ge=0, le=65535)
+    """Its port (0 = any free port; the bound URL is printed)."""
+    api_key: str | None = Field(None, min_length=1)
+    """When set, every route but the health check wants the SDK's ``X-API-Key: <key>`` (its
+    ``api_key=``), else 401. The SDK itself refuses a key that does not start with ``tml-``, so
+    choose one that does. Unset (loopback only): any key the SDK sends is accepted."""
+    base_model: str | None = Field(None, min_length=1)
+    """The name the SDK asks for (``create_lora_training_client(base_model=...)``, e.g.
+    ``smollm2-135m-instruct``); ``None``: ``model.path`` as written. One base model a server."""
+    max_lora_rank: int = Field(128, ge=1)
+    """The largest LoRA rank a training client may ask for (a larger one is refused)."""
+    checkpoint_dir: str | None = None
+    """Where ``save_state`` and ``save_weights_for_sampler`` write; ``None``: ``<output_dir>/tinker``."""

@@ -1,0 +1,100 @@
+"""The futures Tinker's SDK polls: every training and sampling call answers at once with a
+``request_id`` (an ``UntypedAPIFuture``) and the SDK then posts ``/api/v1/retrieve_future``
+until the result is there (``tinker/lib/api_future_impl.py``).
+
+What a poll gets back, in the SDK's shapes:
+
+- still running: ``{"type": "try_again", "request_id", "queue_state": "active"}`` — after a
+  long poll of up to :data:`LONG_POLL_S`, so a quick call answers its first poll and a slow one
+  costs one request per :data:`LONG_POLL_S`, not a busy loop;
+- done: the result, protobuf for ``ForwardBackwardOutput`` and ``SampleResponse`` (the SDK
+  takes them only so), JSON for the rest;
+- failed: ``{"error": message, "category": "user" | "server"}``, which the SDK raises as
+  ``RequestFailedError`` with that category (no retry: it is final);
+- an id this server never issued, or one forgotten: 404, which the SDK raises at once.
+
+Invariant: a request id names one result for ever (until forgotten, oldest first past
+:data:`KEEP`), so a poll repeated after a lost reply reads the same answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from collections.abc import Awaitable
+from typing import Any, Literal
+
+LONG_POLL_S = 10.0
+"""How long a poll waits for its result before answering try_again (the SDK waits 45 s)."""
+KEEP = 4096
+"""Results remembered at most; the oldest finished ones are forgotten first."""
+
+
+class UserError(ValueError):
+    """A request the client got wrong: its future fails with category ``user``."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A finished request: ``body`` (bytes of ``content_type``) or ``error``."""
+
+    body: bytes | dict[str, Any] | None = None
+    content_type: str = "application/json"
+    error: str | None = None
+    category: Literal["user", "server"] = "user"
+
+
+class FutureStore:
+    """Request id → its outcome, filled by the task that runs the request."""
+
+    def __init__(self) -> None:
+        self._futures: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
+
+    def submit(self, work: Awaitable[Outcome], *, prefix: str = "req") -> str:
+        """Await ``work`` (a coroutine, or a future of the training thread) in a task: its
+        :class:`Outcome`, or what it raises — a :class:`UserError` the client's fault, anything
+        else the server's. Returns the new request id."""
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
+        self._futures[request_id] = future
+        self._trim()
+
+        async def run() -> None:
+            try:
+                outcome = await work
+            except UserError as exc:
+                outcome = Outcome(error=str(exc), category="user")
+            except Exception as exc:  # noqa: BLE001 - a server fault, reported in the SDK's shape
+                outcome = Outcome(error=f"{type(exc).__name__}: {exc}", category="server")
+            if not future.done():
+                future.set_result(outcome)
+
+        asyncio.get_running_loop().create_task(run())
+        return request_id
+
+    def known(self, request_id: str) -> bool:
+        return request_id in self._futures
+
+    async def retrieve(self, request_id: str, wait_s: float = LONG_POLL_S) -> Outcome | None:
+        """The outcome, or ``None`` if it is not there within ``wait_s`` (try again). The id
+        must be :meth:`known`."""
+        future = self._futures[request_id]
+        try:
+            return await asyncio.wait_for(asyncio.shield(future), wait_s)
+        except asyncio.TimeoutError:
+            return None
+
+    def _trim(self) -> None:
+        for request_id in list(self._futures)[: max(0, len(self._futures) - KEEP)]:
+            if self._futures[request_id].done():
+                del self._futures[request_id]
+
+
+def try_again(request_id: str) -> dict[str, str]:
+    return {"type": "try_again", "request_id": request_id, "queue_state": "active"}
+
+
+def failed(outcome: Outcome) -> dict[str, str]:
+    return {"error": outcome.error or "failed", "category": outcome.category}

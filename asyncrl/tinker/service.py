@@ -1,0 +1,309 @@
+"""The sessions, training clients, checkpoints and sampling sessions of one served base model,
+and the calls the routes make on them (``server.py`` only reads and writes the wire).
+
+Names, as the SDK derives or expects them:
+
+- a session ``sess-<hex>``; its training client number k is ``<session>:train:<k>`` (the SDK
+  computes this id itself when it creates a client from a saved state) and its sampling
+  session number k ``<session>:sample:<k>``;
+- a saved state ``tinker://<model id>/weights/<name>``, a sampler checkpoint
+  ``tinker://<model id>/sampler_weights/<name>``, each a directory under
+  ``tinker.checkpoint_dir`` (``<model id>/<kind>/<name>``, ``:`` written ``_``).
+
+Idempotence: every training call carries the client's sequence id (``seq_id``, from 1, one
+counter a client). The first call with a given id is queued; a repeat (the SDK's retry after a
+lost reply) gets the request id of the first back and queues nothing, so no step is applied
+twice. Training calls run one at a time on one thread, in the order they arrived: the SDK
+sends a client's calls in its sequence order (each after the previous was accepted; this
+server tells it not to send a call's chunks in parallel), so arrival order is sequence order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, TypeVar
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.engine.protocol import AdapterUpdate
+from asyncrl.tinker.futures import FutureStore, Outcome, UserError
+from asyncrl.tinker.sampling import EngineSampler, SampleCall
+from asyncrl.tinker.training import TinkerLora, TrainingRun, read_lora
+from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
+
+T = TypeVar("T")
+UNNAMED_KEPT = 16
+"""Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
+loop makes one a step and never says when it is done with one, so the oldest past this many is
+forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
+_NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
+"""A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
+
+
+class NotFound(LookupError):
+    """Something the request names does not exist here (a 404 in the SDK's shape)."""
+
+
+@dataclass
+class Checkpoint:
+    path: str  # tinker://<model id>/<kind>/<name>
+    run_id: str
+    kind: str  # training | sampler
+    directory: Path
+    lora: TinkerLora
+    adapters: AdapterUpdate | None = None  # a sampler's weights, copied when saved
+    created: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
+    deleted: bool = False
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """A sampling session: the weights it samples (``key`` into the engine's turns)."""
+
+    key: str | None  # None: the base model
+    model_path: str | None
+    adapters: AdapterUpdate | None
+    checkpoint: Checkpoint | None = None
+
+
+class TinkerService:
+    def __init__(self, name: str, model_dir: Path, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+                 checkpoint_dir: Path, max_rank: int, seed: int = 0, micro_rows: int = 64,
+                 micro_tokens: int | None = 4096) -> None:
+        self.name, self.model_dir, self.base, self.tokenizer = name, model_dir, base, tokenizer
+        self.checkpoint_dir = checkpoint_dir
+        self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
+        self.futures = FutureStore()
+        self.sampler = EngineSampler(base, tokenizer, seed=seed)
+        self.max_context = self.sampler.engine.max_positions
+        self.sessions: set[str] = set()
+        self.runs: dict[str, TrainingRun] = {}
+        self.creating: dict[str, str] = {}  # model id -> the create request's id (a retried create is one)
+        self.checkpoints: dict[str, Checkpoint] = {}
+        self.samplers: dict[str, Sampler] = {}
+        self.unnamed: dict[str, list[str]] = {}  # training client -> its unnamed samplers, oldest first
+        self.unnamed_kept = UNNAMED_KEPT
+        self.forgotten: dict[str, str] = {}  # sampler id -> why it is gone
+        self._trainer = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-tinker-train")
+
+    async def shutdown(self) -> None:
+        await self.sampler.shutdown()
+        self._trainer.shutdown(wait=True, cancel_futures=True)
+
+    # ------------------------------------------------------------------ helpers
+    def _on_trainer(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """``fn`` queued on the training thread now (the queue keeps arrival order)."""
+        return asyncio.get_running_loop().run_in_executor(self._trainer, fn)
+
+    def run(self, model_id: str) -> TrainingRun:
+        if model_id not in self.runs:
+            raise NotFound(f"no training client {model_id!r} on this server (created by another server, or before "
+                           "it restarted?)")
+        return self.runs[model_id]
+
+    def _training_call(self, run: TrainingRun, seq_id: int | None, fn: Callable[[], Outcome]) -> dict[str, Any]:
+        """Queue ``fn`` as ``run``'s call ``seq_id``, once (a repeat answers the first's id)."""
+        if seq_id is not None and seq_id in run.requests:
+            return {"request_id": run.requests[seq_id], "model_id": run.model_id}
+        request_id = self.futures.submit(self._on_trainer(fn), prefix="train")
+        if seq_id is not None:
+            run.requests[seq_id] = request_id
+        return {"request_id": request_id, "model_id": run.model_id}
+
+    def _check_base(self, base_model: str | None) -> None:
+        if base_model is not None and base_model != self.name:
+            raise UserError(f"base_model {base_model!r} is not served here; this server serves {self.name!r} "
+                            "(tinker.base_model)")
+
+    def _directory(self, run_id: str, kind: str, name: str) -> Path:
+        if not _NAME.match(run_id):
+            raise UserError(f"{run_id!r} is not a training client's id")
+        if not _NAME.match(name) or ":" in name:
+            raise UserError(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-' only")
+        return self.checkpoint_dir / run_id.replace(":", "_") / kind / name
+
+    def checkpoint(self, path: str) -> Checkpoint:
+        """The checkpoint a tinker:// path names; a saved state not yet seen by this server
+        (saved before a restart) is found on disk."""
+        found = self.checkpoints.get(path)
+        if found is None:
+            match = re.match(r"^tinker://([^/]+)/(weights|sampler_weights)/([^/]+)$", path)
+            if match is None:
+                raise NotFound(f"{path!r} is not a tinker://<model id>/weights|sampler_weights/<name> path")
+            run_id, kind, name = match.groups()
+            directory = self._directory(run_id, kind, name)
+            if kind != "weights" or not directory.is_dir():
+                raise NotFound(f"no checkpoint {path!r} on this server")
+            found = self.checkpoints[path] = Checkpoint(path, run_id, "training", directory, read_lora(directory))
+        if found.deleted:
+            raise NotFound(f"checkpoint {path!r} was deleted")
+        return found
+
+    # ------------------------------------------------------------------ sessions and models
+    def create_session(self) -> str:
+        session_id = f"sess-{uuid.uuid4().hex[:16]}"
+        self.sessions.add(session_id)
+        return session_id
+
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora) -> dict[str, Any]:
+        model_id = f"{session_id}:train:{model_seq_id}"
+        if model_id not in self.creating:
+            def build() -> Outcome:
+                self._check_base(base_model)
+                self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
+                return Outcome({"model_id": model_id, "type": "create_model"})
+
+            self.creating[model_id] = self.futures.submit(self._on_trainer(build), prefix="create")
+        return {"request_id": self.creating[model_id], "model_id": model_id}
+
+    def get_info(self, model_id: str) -> dict[str, Any]:
+        run = self.run(model_id)
+        return {"type": "get_info", "model_id": model_id, "model_name": self.name, "is_lora": True,
+                "lora_rank": run.lora.rank,
+                # tokenizer_id: the model's own directory, so the SDK's get_tokenizer() loads it with no hub
+                "model_data": {"arch": type(self.base).__name__, "model_name": self.name,
+                               "tokenizer_id": str(self.model_dir)}}
+
+    # ------------------------------------------------------------------ training calls
+    def forward_backward(self, call: ForwardBackwardCall) -> dict[str, Any]:
+        run = self.run(call.model_id)
+
+        def work() -> Outcome:
+            outputs, metrics = run.forward_backward(call.data, call.loss_fn, call.loss_fn_config,
+                                                    forward_only=call.forward_only)
+            return Outcome(forward_backward_proto(outputs, metrics), PROTO)
+
+        return self._training_call(run, call.seq_id, work)
+
+    def optim_step(self, model_id: str, seq_id: int | None, adam: dict[str, Any]) -> dict[str, Any]:
+        run = self.run(model_id)
+
+        def work() -> Outcome:
+            metrics = run.optim_step(adam["learning_rate"], adam["beta1"], adam["beta2"], adam["eps"],
+                                     adam["weight_decay"], adam["grad_clip_norm"])
+            return Outcome({"metrics": metrics})
+
+        return self._training_call(run, seq_id, work)
+
+    def save_state(self, model_id: str, seq_id: int | None, name: str | None) -> dict[str, Any]:
+        run = self.run(model_id)
+        name = name or f"state-{run.state.version:06d}"
+        path, directory = f"tinker://{model_id}/weights/{name}", self._directory(model_id, "weights", name)
+
+        def work() -> Outcome:
+            run.save_state(directory)
+            self.checkpoints[path] = Checkpoint(path, model_id, "training", directory, run.lora)
+            return Outcome({"path": path, "type": "save_weights"})
+
+        return self._training_call(run, seq_id, work)
+
+    def save_for_sampler(self, model_id: str, seq_id: int | None, name: str | None,
+                         sampling_session_seq_id: int | None) -> dict[str, Any]:
+        """A named sampler checkpoint (its path back), or with no name an unnamed one handed
+        straight to a new sampling session (its id back)."""
+        run = self.run(model_id)
+        directory = None if name is None else self._directory(model_id, "sampler_weights", name)
+
+        def work() -> Outcome:
+            adapters = run.adapters()
+            if directory is None:
+                session = model_id.split(":", 1)[0]
+                sampler_id = f"{session}:sample:{sampling_session_seq_id}:{uuid.uuid4().hex[:8]}"
+                self.samplers[sampler_id] = Sampler(sampler_id, None, adapters)
+                self._keep_unnamed(model_id, sampler_id)
+                return Outcome({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
+            path = f"tinker://{model_id}/sampler_weights/{name}"
+            run.save_adapters(directory)
+            self.checkpoints[path] = Checkpoint(path, model_id, "sampler", directory, run.lora, adapters)
+            return Outcome({"path": path, "type": "save_weights_for_sampler"})
+
+        return self._training_call(run, seq_id, work)
+
+    def load_state(self, path: str, optimizer: bool, *, model_id: str | None = None, seq_id: int | None = None,
+                   session_id: str | None = None, model_seq_id: int | None = None) -> dict[str, Any]:
+        """A saved state into an existing client (``model_id``), or into a new one (``session_id``
+        and ``model_seq_id``: the SDK's create-from-state)."""
+        if model_id is not None:
+            run = self.run(model_id)
+
+            def load() -> Outcome:
+                run.load_state(self.checkpoint(path).directory, optimizer=optimizer)
+                return Outcome({"path": path, "model_id": model_id, "type": "load_weights"})
+
+            return self._training_call(run, seq_id, load)
+        new_id = f"{session_id}:train:{model_seq_id}"
+        if new_id not in self.creating:
+            def create() -> Outcome:
+                saved = self.checkpoint(path)
+                run = TrainingRun(new_id, self.base, self.tokenizer, saved.lora, **self.run_options)
+                run.load_state(saved.directory, optimizer=optimizer)
+                self.runs[new_id] = run
+                return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
+
+            self.creating[new_id] = self.futures.submit(self._on_trainer(create), prefix="create")
+        return {"request_id": self.creating[new_id], "model_id": new_id}
+
+    # ------------------------------------------------------------------ sampling
+    def create_sampler(self, session_id: str, seq_id: int, model_path: str | None, base_model: str | None) -> str:
+        sampler_id = f"{session_id}:sample:{seq_id}"
+        if model_path is None:
+            self._check_base(base_model)
+            self.samplers[sampler_id] = Sampler(None, None, None)
+            return sampler_id
+        saved = self.checkpoint(model_path)
+        if saved.kind != "sampler":
+            raise UserError(f"{model_path} is a training state; sample from a sampler checkpoint "
+                            "(save_weights_for_sampler) of it")
+        self.samplers[sampler_id] = Sampler(model_path, model_path, saved.adapters, saved)
+        return sampler_id
+
+    def _keep_unnamed(self, model_id: str, sampler_id: str) -> None:
+        kept = self.unnamed.setdefault(model_id, [])
+        kept.append(sampler_id)
+        while len(kept) > self.unnamed_kept:
+            old = kept.pop(0)
+            del self.samplers[old]
+            self.forgotten[old] = (f"sampling session {old!r} was forgotten: this server keeps the last "
+                                   f"{self.unnamed_kept} unnamed samplers of a training client; "
+                                   "save_weights_for_sampler(name) keeps one until it is deleted")
+
+    def get_sampler(self, sampler_id: str) -> Sampler:
+        if sampler_id not in self.samplers:
+            raise NotFound(self.forgotten.get(sampler_id, f"no sampling session {sampler_id!r} on this server"))
+        return self.samplers[sampler_id]
+
+    def sample(self, sampler_id: str, call: SampleCall) -> dict[str, Any]:
+        sampler = self.get_sampler(sampler_id)
+
+        async def work() -> Outcome:
+            if sampler.checkpoint is not None and sampler.checkpoint.deleted:
+                raise UserError(f"the sampler's checkpoint {sampler.model_path} was deleted; nothing samples it now")
+            rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, call)
+            return Outcome(sample_proto(rows, prompt_lps), PROTO)
+
+        request_id = self.futures.submit(work(), prefix="sample")
+        return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(call.num_samples)]}
+
+    # ------------------------------------------------------------------ checkpoints
+    def list_checkpoints(self, run_id: str) -> list[dict[str, Any]]:
+        return [{"checkpoint_id": c.path.split("/", 3)[3], "checkpoint_type": c.kind, "time": c.created.isoformat(),
+                 "tinker_path": c.path} for c in self.checkpoints.values() if c.run_id == run_id and not c.deleted]
+
+    def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
+        """Forgets the checkpoint and removes its directory; samplers of it fail from then on."""
+        saved = self.checkpoint(f"tinker://{run_id}/{checkpoint_id}")
+        saved.deleted, saved.adapters = True, None
+        shutil.rmtree(saved.directory, ignore_errors=True)
+
+    def weights_info(self, path: str) -> dict[str, Any]:
+        lora = self.checkpoint(path).lora
+        return {"base_model": self.name, "is_lora": True, "lora_rank": lora.rank, "train_unembed": lora.train_unembed,
+                "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}

@@ -1,0 +1,283 @@
+"""One Tinker training client: LoRA adapters on the served base model, trained through
+asyncrl's training core (``asyncrl/learner/core.py``: :class:`TrainState`, AdamW over the
+adapters, ``clip_and_step``), checkpointed by ``asyncrl/learner/checkpoint_io.py``.
+
+Tinker's split of a step is not asyncrl's learner's: ``forward_backward`` runs the loss and
+**adds** its gradient (the loss is a sum, nothing is divided), any number of times, and
+``optim_step`` steps with the Adam parameters it is sent and clears the gradient. So this is a
+loop over the core, as ``asyncrl sft`` is, not a second learner: the optimizer, the clip and the
+finite check, the adapters and the checkpoints are the core's.
+
+Several clients train at once on one base model (multi-tenant LoRA): each has its own copy
+of the model *structure* whose frozen base tensors are the one base model's (shared, never
+copied: :func:`tenant_model`), so a client costs its adapters and optimizer state only.
+
+Tinker's positions: datum ``i`` of a call has input tokens x (T) and per-position loss inputs
+(T) — ``target_tokens`` y among them — where position t's logits predict y_t (no shift here:
+the client shifted). Every loss input must be as long as the input; a datum that is not is
+refused naming it.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.algorithms.finite import NonFiniteError
+from asyncrl.config import ConfigError, LoraConfig
+from asyncrl.engine.protocol import AdapterUpdate
+from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
+from asyncrl.learner.core import TrainState, clip_and_step
+from asyncrl.learner.learner import micro_batch_bounds
+from asyncrl.learner.lora import adapter_update, linear_names, load_adapter_weights
+from asyncrl.tinker.futures import UserError
+from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, tinker_loss
+from asyncrl.tinker.wire import WireDatum
+
+LORA_ALPHA = 32.0
+"""peft's ``lora_alpha`` of every client (scale alpha / rank): Tinker's LoRA takes a rank, not an alpha."""
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "out_proj")
+UNEMBED = ("lm_head",)
+LORA_FILE = "tinker_lora.json"
+"""A saved state's LoRA settings, beside its adapters: what a client created from it gets."""
+
+
+@dataclass(frozen=True)
+class TinkerLora:
+    """A training client's ``LoraConfig`` as the SDK sends it."""
+
+    rank: int
+    seed: int | None = None
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+@dataclass(frozen=True)
+class _Adam:
+    """The core's optimizer settings (``core.Schedule``); each ``optim_step`` sets its own."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    schedule: str = "constant"
+
+
+def lora_targets(model: PreTrainedModel, lora: TinkerLora) -> list[str]:
+    """The linear layers ``lora`` trains, by last name: attention projections, the MLP's (every
+    other linear layer), the LM head. A model whose LM head is its embedding (tied) gets no
+    head adapter: merged into the engine's tied weight it would move the embedding too."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    targets = []
+    for name in linear_names(model):
+        if name in UNEMBED:
+            keep = lora.train_unembed and not tied
+        elif name in ATTENTION:
+            keep = lora.train_attn
+        else:
+            keep = lora.train_mlp
+        if keep:
+            targets.append(name)
+    if not targets:
+        raise UserError(f"lora_config trains no layer of this model (train_attn={lora.train_attn}, train_mlp="
+                        f"{lora.train_mlp}, train_unembed={lora.train_unembed}; its LM head is tied: {tied})")
+    return targets
+
+
+def tenant_model(base: PreTrainedModel) -> PreTrainedModel:
+    """A copy of ``base`` whose parameters and buffers are ``base``'s own tensors: peft wraps
+    the copy's layers without touching ``base``, and nothing is duplicated (the base is frozen
+    by every client alike)."""
+    memo = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
+    return copy.deepcopy(base, memo)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """A call's data padded on the right: ids, targets, mask (B, T), loss inputs (B, T) each."""
+
+    ids: torch.Tensor
+    targets: torch.Tensor
+    mask: torch.Tensor
+    inputs: dict[str, torch.Tensor]
+    lengths: list[int]
+
+    def part(self, start: int, stop: int) -> Rows:
+        """Rows [start, stop), trimmed to their own longest."""
+        width = max(self.lengths[start:stop])
+        return Rows(self.ids[start:stop, :width], self.targets[start:stop, :width], self.mask[start:stop, :width],
+                    {k: v[start:stop, :width] for k, v in self.inputs.items()}, self.lengths[start:stop])
+
+
+def pack(data: list[WireDatum], vocab: int, max_positions: int) -> Rows:
+    """The call's datums as :class:`Rows`; a datum whose loss inputs are not as long as its
+    input, a token outside the vocabulary or a datum past the context is a :class:`UserError`."""
+    if not data:
+        raise UserError("forward_backward got no data")
+    names = set(data[0].inputs)
+    for i, datum in enumerate(data):
+        length = len(datum.tokens)
+        if length == 0 or length > max_positions:
+            raise UserError(f"data[{i}] has {length} input tokens; this model takes 1 to {max_positions}")
+        if "target_tokens" not in datum.inputs:
+            raise UserError(f"data[{i}].loss_fn_inputs has no target_tokens")
+        if set(datum.inputs) != names:
+            raise UserError(f"data[{i}].loss_fn_inputs has {sorted(datum.inputs)}, data[0] {sorted(names)}")
+        for name, array in datum.inputs.items():
+            if array.ndim != 1 or array.shape[0] != length:
+                raise UserError(f"data[{i}].loss_fn_inputs[{name!r}] has shape {list(array.shape)}; the datum's "
+                                f"model_input has {length} tokens, and each loss input needs one value a position")
+        bad = [t for t in itertools.chain(datum.tokens, datum.inputs["target_tokens"].tolist()) if not 0 <= t < vocab]
+        if bad:
+            raise UserError(f"data[{i}] has token {bad[0]}, outside this model's vocabulary of {vocab}")
+    lengths = [len(d.tokens) for d in data]
+    width = max(lengths)
+    ids = torch.zeros((len(data), width), dtype=torch.long)
+    mask = torch.zeros((len(data), width), dtype=torch.bool)
+    inputs = {name: torch.zeros((len(data), width), dtype=torch.float32) for name in names - {"target_tokens"}}
+    targets = torch.zeros((len(data), width), dtype=torch.long)
+    for i, datum in enumerate(data):
+        n = lengths[i]
+        ids[i, :n] = torch.tensor(datum.tokens)
+        targets[i, :n] = torch.from_numpy(datum.inputs["target_tokens"].astype(np.int64))
+        mask[i, :n] = True
+        for name in inputs:
+            inputs[name][i, :n] = torch.from_numpy(datum.inputs[name].astype(np.float32))
+    return Rows(ids, targets, mask, inputs, lengths)
+
+
+class TrainingRun:
+    """One client's adapters, optimizer and its request bookkeeping. Every method runs on the
+    server's one training thread, in the order the requests arrived."""
+
+    def __init__(self, model_id: str, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, lora: TinkerLora,
+                 *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096) -> None:
+        if not 1 <= lora.rank <= max_rank:
+            raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to {max_rank} "
+                            "(tinker.max_lora_rank)")
+        self.model_id, self.lora = model_id, lora
+        config = LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=lora_targets(base, lora))
+        self.state = TrainState.build(tenant_model(base), tokenizer, _Adam(), 1, lora=config, seed=lora.seed or 0)
+        self.vocab = int(base.get_output_embeddings().weight.shape[0])
+        self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
+        self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
+        self.requests: dict[int, str] = {}
+        """seq id → the request id it was answered with: a retried call gets the same future back."""
+
+    def forward_backward(self, data: list[WireDatum], loss_fn: str, config: dict[str, float | str],
+                         *, forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+        """The loss over ``data`` and, unless ``forward_only``, its gradient added to the
+        adapters'. Returns each datum's target ``logprobs`` and the metrics (``loss:sum``).
+
+        Micro-batched as the learner is (``optim.micro_batch_size`` / ``micro_batch_tokens``,
+        ``micro_batch_bounds``): the loss is a sum, so each part's backward adds its share and
+        any split takes the same gradient; the ``:mean`` metrics are weighted by each part's
+        positions."""
+        try:
+            loss_of = tinker_loss(loss_fn)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        rows = pack(data, self.vocab, self.max_positions)
+        numbers = {k: v for k, v in config.items() if isinstance(v, float)}
+        sums: dict[str, torch.Tensor] = {}
+        logprobs: list[torch.Tensor] = []
+        for start, stop in micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens):
+            part, positions = self._pass(rows.part(start, stop), loss_of, numbers, forward_only=forward_only)
+            logprobs.extend(part.pop("logprobs"))
+            for key, value in part.items():  # loss:sum adds; a token mean is weighed by its positions
+                sums[key] = sums.get(key, 0) + (value if key.endswith(":sum") else value * positions)
+        total = sum(rows.lengths)
+        metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
+        outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
+        return outputs, as_floats(metrics)
+
+    def _pass(self, rows: Rows, loss_of: TinkerLoss, config: dict[str, float], *, forward_only: bool
+              ) -> tuple[dict[str, object], int]:
+        """One micro-batch: its loss (backward unless ``forward_only``), its metrics, each datum's
+        target logprobs (under ``logprobs``), and its number of positions."""
+        device = next(self.state.model.parameters()).device
+        ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
+        inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
+        with torch.set_grad_enabled(not forward_only):
+            logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
+            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
+            try:
+                loss, metrics = loss_of(logprobs, inputs, mask, config)
+            except LossInputError as exc:
+                raise UserError(str(exc)) from None
+            if not forward_only:
+                loss.backward()
+        detached = logprobs.detach()
+        out: dict[str, object] = {"loss:sum": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+        out["logprobs"] = [detached[i, :n] for i, n in enumerate(rows.lengths)]
+        return out, sum(rows.lengths)
+
+    def optim_step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                   grad_clip_norm: float) -> dict[str, float]:
+        """AdamW (decoupled weight decay) on the gradient summed since the last step, with this
+        step's parameters; ``grad_clip_norm`` 0 clips nothing. Clears the gradient."""
+        if not (lr >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1 and eps > 0 and weight_decay >= 0):
+            raise UserError(f"adam_params refused: learning_rate={lr}, beta1={beta1}, beta2={beta2}, eps={eps}, "
+                            f"weight_decay={weight_decay} (need lr >= 0, betas in [0, 1), eps > 0, decay >= 0)")
+        optimizer = self.state.optimizer
+        for group in optimizer.param_groups:
+            group.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        try:
+            norm = clip_and_step(self.state.model, optimizer, grad_clip_norm if grad_clip_norm > 0 else math.inf, {},
+                                 step=self.state.version, hint="check the data and learning rate of the last "
+                                 "forward_backward calls")
+        except NonFiniteError as exc:
+            raise UserError(str(exc)) from None
+        finally:
+            optimizer.zero_grad(set_to_none=True)
+        self.state.version += 1
+        return {"grad_norm:mean": norm}
+
+    def adapters(self) -> AdapterUpdate:
+        """The adapters now (new tensors: training goes on while a sampler holds them)."""
+        return adapter_update(self.state.module)
+
+    def save_state(self, path: Path) -> None:
+        """Adapters, optimizer, step and this client's LoRA settings, atomically."""
+        write_checkpoint(self.state, path, files={LORA_FILE: json.dumps(asdict(self.lora))})
+
+    def save_adapters(self, path: Path) -> None:
+        """The adapters alone, as a PEFT directory (what a sampler checkpoint is on disk)."""
+        self.state.module.save_pretrained(path)
+
+    def load_state(self, path: Path, *, optimizer: bool) -> None:
+        """A saved state's adapters into this client (and its optimizer and step with
+        ``optimizer``); a state of another rank or other targets is refused."""
+        saved = read_lora(path)
+        if (saved.rank, lora_targets_key(saved)) != (self.lora.rank, lora_targets_key(self.lora)):
+            raise UserError(f"{path.name} holds rank-{saved.rank} adapters on other layers or of another rank than "
+                            f"this client's rank {self.lora.rank}; create a client from it instead "
+                            "(create_training_client_from_state)")
+        try:
+            if optimizer:
+                restore_checkpoint(self.state, path)
+            else:
+                load_adapter_weights(self.state.module, path)
+        except ConfigError as exc:
+            raise UserError(str(exc)) from None
+
+
+def lora_targets_key(lora: TinkerLora) -> tuple[bool, bool, bool]:
+    return lora.train_attn, lora.train_mlp, lora.train_unembed
+
+
+def read_lora(path: Path) -> TinkerLora:
+    """The LoRA settings a saved state was trained with."""
+    try:
+        return TinkerLora(**json.loads((path / LORA_FILE).read_text()))
+    except FileNotFoundError:
+        raise UserError(f"{path} is not a state saved by save_state (no {LORA_FILE})") from None

@@ -1,0 +1,76 @@
+"""One Tinker training client (asyncrl/tinker/training.py) without a server: a call cut into
+micro-batches adds the gradient of the whole call, clients share the base's tensors, and a
+datum that cannot be trained is refused naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("tinker")
+pytest.importorskip("peft")
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from asyncrl.tinker.futures import UserError  # noqa: E402
+from asyncrl.tinker.training import TinkerLora, TrainingRun  # noqa: E402
+from asyncrl.tinker.wire import WireDatum  # noqa: E402
+
+POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
+
+
+@pytest.fixture(scope="module")
+def base():
+    model = AutoModelForCausalLM.from_pretrained(POLICY, dtype=torch.float32).eval().requires_grad_(False)
+    return model, AutoTokenizer.from_pretrained(POLICY)
+
+
+def rl_datum(tokens: list[int], advantage: float) -> WireDatum:
+    n = len(tokens) - 1
+    return WireDatum(tokens[:-1], {"target_tokens": np.array(tokens[1:]), "logprobs": np.full(n, -2.0, np.float32),
+                                   "advantages": np.full(n, advantage, np.float32)})
+
+
+def grads(run: TrainingRun) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in run.state.model.parameters() if p.requires_grad]
+
+
+def test_micro_batches_add_up_to_the_whole_calls_gradient(base):
+    model, tokenizer = base
+    data = [rl_datum([6, 7, 16, 8, 9, 22, 9, 11], 1.0), rl_datum([6, 16, 7, 22, 13], -0.5),
+            rl_datum([7, 7, 16, 9, 22, 1, 6], 2.0)]
+    whole = TrainingRun("a", model, tokenizer, TinkerLora(4, seed=3), max_rank=8)
+    parts = TrainingRun("b", model, tokenizer, TinkerLora(4, seed=3), max_rank=8, micro_rows=1)
+    for run in (whole, parts):  # a first step, so the adapters' B is no longer 0 and every gradient flows
+        run.forward_backward(data, "ppo", {}, forward_only=False)
+        run.optim_step(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0)
+    out_whole, metrics_whole = whole.forward_backward(data, "ppo", {"clip_high_threshold": 1.1}, forward_only=False)
+    out_parts, metrics_parts = parts.forward_backward(data, "ppo", {"clip_high_threshold": 1.1}, forward_only=False)
+    assert metrics_parts["loss:sum"] == pytest.approx(metrics_whole["loss:sum"], rel=1e-5)
+    assert metrics_parts["clip_fraction:mean"] == pytest.approx(metrics_whole["clip_fraction:mean"], abs=1e-6)
+    for a, b in zip(out_whole, out_parts):
+        np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
+    for a, b in zip(grads(whole), grads(parts)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_clients_share_the_base_tensors_and_leave_the_base_untouched(base):
+    model, tokenizer = base
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    run = TrainingRun("c", model, tokenizer, TinkerLora(4), max_rank=8)
+    shared = {id(p) for p in model.parameters()}
+    assert sum(id(p) in shared for p in run.state.model.parameters()) == len(shared)  # no copy of the base
+    run.forward_backward([rl_datum([6, 7, 16, 8, 9, 22, 9, 11], 1.0)], "importance_sampling", {}, forward_only=False)
+    run.optim_step(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0)
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_a_token_outside_the_vocabulary_or_a_datum_past_the_context_is_refused(base):
+    model, tokenizer = base
+    run = TrainingRun("d", model, tokenizer, TinkerLora(4), max_rank=8)
+    with pytest.raises(UserError, match=r"data\[0\] has token 99999, outside this model's vocabulary"):
+        run.forward_backward([rl_datum([6, 99999, 7], 1.0)], "importance_sampling", {}, forward_only=True)
+    with pytest.raises(UserError, match=r"data\[0\] has 40 input tokens; this model takes 1 to 32"):
+        run.forward_backward([rl_datum([6] * 41, 1.0)], "importance_sampling", {}, forward_only=True)
