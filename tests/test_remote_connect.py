@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import make_model
 
 from asyncrl.config import ConfigError, EngineServerConfig, RemoteConfig
@@ -234,3 +235,45 @@ def test_a_request_that_reached_a_paused_server_carries_the_version_it_ran_on(mo
 
     completion = asyncio.run(main())
     assert completion.token_ids and completion.versions == [1] * len(completion.token_ids)
+
+
+def test_adapters_are_refused_on_a_server_with_data_parallel_engines_behind_one_url():
+    """``vllm serve --data-parallel-size 2`` behind one URL: a LoRA load reaches one engine."""
+    from aiohttp import web
+
+    from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
+    from asyncrl.engine.remote_wire import ControlError
+    from asyncrl.json_api import listen
+
+    calls: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        calls.append(f"{request.method} {request.path_qs}")
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m", "max_model_len": 64}]})
+        if request.path == "/get_world_size":  # TP 2 x DP 2
+            return web.json_response({"world_size": 4 if request.query.get("include_dp") == "true" else 2})
+        return web.json_response({})
+
+    update = AdapterUpdate({"model.layers.0.mlp.down_proj.weight": LayerAdapter(torch.zeros(2, 8), torch.zeros(8, 2),
+                                                                                2.0)}, rank=2, alpha=4.0)
+
+    async def main(tmp):
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner, url = await listen(app, "127.0.0.1", 0)
+        remote = await RemoteEngine.connect(RemoteConfig(urls=[url], weights_dir=str(tmp)))
+        try:
+            with pytest.raises(ControlError) as refused:
+                await remote.update_weights(update, 1)
+            return str(refused.value)
+        finally:
+            await remote.shutdown()
+            await runner.cleanup()
+
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        said = asyncio.run(main(tmp))
+    assert "runs 2 data-parallel engines behind one URL" in said and "model.lora.sync=merged" in said
+    assert not any("load_lora_adapter" in c for c in calls)

@@ -107,6 +107,7 @@ class FleetWeights:
         ``ControlError``; a server lost on the way is left out (it loads when it comes back)."""
         call = self.fleet.call
         try:
+            await self._refuse_replicas(server)
             if loaded is None or name not in loaded:
                 await call(server, "POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)},
                            timeout=self.settings.weight_load_timeout_s, knob=LOAD_KNOB, refused_5xx=True)
@@ -119,6 +120,22 @@ class FleetWeights:
         except ServerLost as exc:
             if not self.fleet.lose(server, exc.reason):  # a revival's: the caller's to handle
                 raise
+
+    async def _refuse_replicas(self, server: Server) -> None:
+        """A ``vllm serve --data-parallel-size N`` runs N engines behind one URL, and its
+        ``/v1/load_lora_adapter`` reaches only the one that answered: the others would serve
+        the base under the adapter's name. Refused, with the way out (``GET /get_world_size``
+        with and without the data-parallel ranks; a server without the route has one)."""
+        if server.replicas is None:
+            both = [await self.fleet.call(server, "GET", f"/get_world_size?include_dp={flag}", missing_ok=True)
+                    for flag in ("true", "false")]
+            sizes = [int(b["world_size"]) for b in both if isinstance(b, dict) and "world_size" in b]
+            server.replicas = sizes[0] // max(sizes[1], 1) if len(sizes) == 2 else 1
+        if server.replicas > 1:
+            raise ControlError(f"engine server {server.url} runs {server.replicas} data-parallel engines behind one "
+                               "URL, and vLLM's /v1/load_lora_adapter loads an adapter into only the one that answers "
+                               "(the others would serve the base under its name): start each as a server of its own "
+                               "(one URL each in remote.urls), or set model.lora.sync=merged")
 
     # ---------------------------------------------------------------- NCCL
     async def _nccl_update(self, tensors: list[tuple[str, torch.Tensor]], version: int) -> None:

@@ -56,6 +56,7 @@ class Server:
     max_model_len: int = 0
     version: int | None = None  # the label this client last set there (None: unknown)
     serving: int | None = None  # the version its tokens come from now: ``version`` from the moment it is resumed
+    replicas: int | None = None  # data-parallel engines behind its one URL (None: not asked yet)
     adapter: str | None = None  # the LoRA adapter this client loaded there: what its requests name
     usable: bool = False
     lost_reason: str | None = None
