@@ -199,6 +199,16 @@ def _serve_engine(args: argparse.Namespace, failed_run: list[str]) -> None:
 def _sft(args: argparse.Namespace, failed_run: list[str]) -> int | None:
     cfg = load_sft_config(args.config, args.overrides)
     _quiet_transformers()
+    if cfg.learner.world_size > 1:  # N rank processes, each an SFTRun on its rows of every step
+        from asyncrl.sft.ranks import INTERRUPTED, launch
+
+        code = launch(args.config, args.overrides, cfg)
+        if code == 0:
+            print(f"done; model saved in {cfg.output_dir} (model.path for asyncrl train/serve)")
+        elif code == INTERRUPTED:
+            print(f"asyncrl sft: interrupted; model saved in the newest of {cfg.output_dir}/checkpoints",
+                  file=sys.stderr)
+        return code or None
     from asyncrl.sft.trainer import SFTRun
 
     run = SFTRun(cfg)
