@@ -93,11 +93,15 @@ class _ListKeys(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         from asyncrl.config import Config, all_keys
-        from asyncrl.sft.config import SFTConfig
+        from asyncrl.sft.config import RL_ONLY, SFTConfig
 
         schema = SFTConfig if self.schema == "sft" else Config
         defaults = schema.model_construct().model_dump()
+        refused = ({f"{section}.{key}" for section, keys in RL_ONLY.items() for key in keys}
+                   if schema is SFTConfig else set())
         for key in all_keys(schema):
+            if key in refused:  # train's, in a section sft shares: sft refuses them
+                continue
             value = defaults
             for part in key.split("."):
                 value = value[part]
