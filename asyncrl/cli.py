@@ -95,11 +95,15 @@ class _ListKeys(argparse.Action):
 
     def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
         from asyncrl.config import Config, all_keys
-        from asyncrl.sft.config import SFTConfig
+        from asyncrl.sft.config import RL_ONLY, SFTConfig
 
         schema = SFTConfig if self.schema == "sft" else Config
         defaults = schema.model_construct().model_dump()
+        refused = ({f"{section}.{key}" for section, keys in RL_ONLY.items() for key in keys}
+                   if schema is SFTConfig else set())
         for key in all_keys(schema):
+            if key in refused:  # train's, in a section sft shares: sft refuses them
+                continue
             value = defaults
             for part in key.split("."):
                 value = value[part]
@@ -212,6 +216,16 @@ def _serve_tinker(args: argparse.Namespace, failed_run: list[str]) -> None:
 def _sft(args: argparse.Namespace, failed_run: list[str]) -> int | None:
     cfg = load_sft_config(args.config, args.overrides)
     _quiet_transformers()
+    if cfg.learner.world_size > 1:  # N rank processes, each an SFTRun on its rows of every step
+        from asyncrl.sft.ranks import INTERRUPTED, launch
+
+        code = launch(args.config, args.overrides, cfg)
+        if code == 0:
+            print(f"done; model saved in {cfg.output_dir} (model.path for asyncrl train/serve)")
+        elif code == INTERRUPTED:
+            print(f"asyncrl sft: interrupted; model saved in the newest of {cfg.output_dir}/checkpoints",
+                  file=sys.stderr)
+        return code or None
     from asyncrl.sft.trainer import SFTRun
 
     run = SFTRun(cfg)

@@ -289,7 +289,7 @@ def test_the_example_overfits_a_small_set_and_saves_a_model_directory(tmp_path, 
 def test_a_stop_saves_the_model_and_a_failure_says_where_the_last_one_is(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(REPO)
     run = SFTRun(load_sft_config(EXAMPLE, [f"output_dir={tmp_path}/stop", "eval_every=0"]))
-    run._stop.set()  # as a first Ctrl-C does
+    run.stop()  # as a first Ctrl-C does
     saved = run.run()
     assert run.interrupted and run.step == 1 and saved == tmp_path / "stop/checkpoints/step_1"
     AutoModelForCausalLM.from_pretrained(saved)

@@ -79,7 +79,8 @@ class OptimConfig(Section):
     """After warm-up: constant, or decay to 10 % of ``lr`` by ``total_steps``."""
     grad_clip: float = Field(1.0, gt=0)
     micro_batch_size: int = Field(64, ge=1)
-    """Trajectories per forward/backward; gradients accumulate to one optimizer step."""
+    """Trajectories (conversations, in ``asyncrl sft``) per forward/backward; gradients
+    accumulate to one optimizer step (``asyncrl/learner/core.py``, the one micro-batch loop)."""
     micro_batch_tokens: int | None = Field(4096, ge=1)
     """Padded positions per forward/backward (rows × the longest of them): a micro-batch
     also ends where its next trajectory would pass this (a longer one trains alone). The

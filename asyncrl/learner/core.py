@@ -2,35 +2,44 @@
 RL's learner (``learner.py``), ``asyncrl sft`` (``asyncrl/sft/trainer.py``) and the tiny
 warm-ups (``asyncrl/tiny/``). What differs between them is their data and their loss; what
 they share is here, once: the one LR schedule (:func:`lr_lambda`), AdamW over the trainable
-parameters (:func:`make_optimizer`: with LoRA, the adapters alone), the share-weighted
-backward of micro-batches (:func:`accumulate`), and the step that clips, refuses a
-non-finite loss or gradient norm before it touches the weights, and steps
-(:func:`clip_and_step`). :class:`TrainState` is a trained model with its optimizer and
-schedule in the shape the learner's atomic checkpoint I/O writes and reads
-(``checkpoint_io.py``), so a supervised run saves and resumes as ``asyncrl train`` does.
+parameters (:func:`make_optimizer`: with LoRA, the adapters alone), the policy made
+trainable (:func:`trainable`: LoRA adapters put on, or the sharded wrap), **the one
+micro-batch loop** (:class:`MicroBatchLoop`: the loss passed in, as verl's
+``train_batch(data, loss_function)``; sharding, autocast and the core budget live there
+only), and the step that clips, refuses a non-finite loss or gradient norm before it
+touches the weights, and steps (:func:`clip_and_step`). :class:`TrainState` is a trained
+model with its optimizer and schedule in the shape the learner's atomic checkpoint I/O
+writes and reads (``checkpoint_io.py``), so a supervised run saves and resumes as
+``asyncrl train`` does.
 
 The supervised label convention lives here too: :data:`IGNORE` (the label of a position
-the loss skips) and :func:`collate` (rows padded on the right).
+the loss skips), :func:`collate` (rows padded on the right) and :func:`summed_loss`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms.finite import NonFiniteError, first_nonfinite
-from asyncrl.config import LoraConfig
+from asyncrl.config import ConfigError, LoraConfig
+from asyncrl.core_budget import ThreadBudget
 from asyncrl.learner.distributed import Sharding
 from asyncrl.learner.lora import add_adapters
+from asyncrl.seeding import derive_seed
 
 IGNORE = -100
 """The label of a position the loss skips (``F.cross_entropy``'s ``ignore_index``)."""
+
+P = TypeVar("P")  # a micro-batch, whatever the caller's loss reads
+R = TypeVar("R")
 
 
 class Schedule(Protocol):
@@ -81,17 +90,120 @@ def make_optimizer(model: torch.nn.Module, optim: Schedule, total_steps: int, *,
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
-def accumulate(parts: Iterable[Any], summed_loss: Callable[[Any], torch.Tensor], total: float) -> torch.Tensor:
-    """Backward of each micro-batch's summed loss divided by the whole step's count
-    ``total`` (tokens): any cut of the step into micro-batches accumulates the gradient of
-    one forward over the whole step, up to float rounding. Returns the summed loss
-    (detached, a device tensor: no sync here)."""
-    loss_sum = torch.zeros(())
-    for part in parts:
-        loss = summed_loss(part)
-        (loss / total).backward()
-        loss_sum = loss_sum.to(loss.device) + loss.detach()
-    return loss_sum
+def autocast_dtype(setting: str | None, device: torch.device) -> torch.dtype | None:
+    """The dtype the passes autocast to (``learner.autocast``), or None for none. ``None``
+    keeps what the learner always did: bf16 on CUDA, the weights' dtype on CPU. Only bf16:
+    float16 would need loss scaling, which no loop here does."""
+    if setting not in (None, "off", "bfloat16"):
+        raise ConfigError(f"learner.autocast={setting!r}: use bfloat16, off, or null")
+    if setting == "off" or (setting is None and device.type != "cuda"):
+        return None
+    return torch.bfloat16
+
+
+def trainable(model: PreTrainedModel, *, lora: LoraConfig | None, seed: int, sharding: Sharding | None = None
+              ) -> tuple[torch.nn.Module, PreTrainedModel]:
+    """``model`` made trainable, the one place it is: ``(forward, module)``. With ``lora``,
+    ``module`` is the ``PeftModel`` (its ``save_pretrained`` writes the adapters,
+    ``disable_adapter`` gives the base back; A drawn from the run's ``seed`` alone) and
+    ``forward`` the Hugging Face model with the adapters injected into its layers (the
+    PeftModel's forward hides the KV-cache argument ``learner.share_prompts`` passes); only
+    the adapters require gradients. Without, ``forward`` is ``model`` as this rank trains
+    it (FSDP2/DDP with a ``sharding``) and ``module`` the Hugging Face model under it.
+    ``model`` is changed in place either way. LoRA trains on one rank only."""
+    if lora is not None:
+        if sharding is not None:
+            raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
+                              "small; a sharded LoRA learner is not built yet)")
+        module = add_adapters(model, lora, derive_seed(seed, "lora"))
+        return module.get_base_model(), module
+    forward = sharding.wrap(model) if sharding is not None else model
+    return forward, Sharding.unwrap(forward)
+
+
+class MicroBatchLoop:
+    """The one micro-batch loop: forward and backward of each micro-batch of a step with
+    the loss passed in (RL's objective, SFT's cross-entropy), as verl's
+    ``train_batch(data, loss_function)`` and slime's one ``loss_function``. What every
+    kind of training would otherwise repeat lives here only:
+
+    - **sharding**: every rank makes as many passes as the rank with the most micro-batches
+      (FSDP gathers parameters in each forward and reduce-scatters in each backward, DDP
+      reduces in the last), the extra ones the caller's ``filler`` with nothing to train;
+      DDP's gradients are reduced only on the last; the loss is multiplied by
+      :attr:`Sharding.loss_scale`, as both wrappers average over ranks;
+    - **autocast** (``learner.autocast``): each pass's forward and loss under
+      ``torch.autocast`` to ``autocast``, the backward outside it; a loss reads its logits
+      back as float32 first, so its own math (no matmul in any built-in loss) is float32;
+    - **the core budget** (``rollout.thread_sharing``): ``thread_budget``, re-read before
+      each pass's forward and before its backward, so a step takes every core while the
+      engine is idle.
+
+    The caller's ``loss_function(part)`` returns the micro-batch's loss already weighted by
+    its share of the whole step (over all ranks): then any cut of the step into
+    micro-batches, and over any number of ranks, accumulates the gradient of one forward
+    over the whole step, up to float rounding. The optimizer step is the caller's
+    (:func:`clip_and_step`): between steps the caller may pass a step in several calls."""
+
+    def __init__(self, model: torch.nn.Module, *, sharding: Sharding | None = None,
+                 autocast: torch.dtype | None = None) -> None:
+        self.model = model  # as trained (wrapped when sharded): DDP's no_sync is asked of it
+        self.sharding = sharding
+        self.autocast = autocast
+        self.thread_budget: ThreadBudget | None = None  # the cores shared with an engine, when they are
+
+    def passes(self, count: int) -> int:
+        """How many passes a call of ``count`` micro-batches makes here: the most over ranks
+        (a collective when sharded)."""
+        return self.sharding.count(count) if self.sharding is not None else count
+
+    def backward(self, parts: Sequence[P], loss_function: Callable[[P], torch.Tensor],
+                 filler: Callable[[], P] | None = None) -> None:
+        """Forward and backward of each of ``parts`` (this rank's micro-batches), adding the
+        gradient of ``loss_function(part)`` (the part's share-weighted loss) to the
+        parameters'. Sharded, ``filler()`` makes the zero-weight parts of the passes this
+        rank makes beyond its own."""
+        every = self._padded(parts, filler)
+        for i, part in enumerate(every):
+            self._take_cores()
+            with self.autocasting():
+                loss = loss_function(part)
+            self._take_cores()
+            if self.sharding is None:
+                loss.backward()
+            else:
+                with self.sharding.grad_sync(self.model, enabled=i == len(every) - 1):
+                    (loss * self.sharding.loss_scale).backward()
+
+    @torch.no_grad()
+    def forward(self, parts: Sequence[P], fn: Callable[[P], R], filler: Callable[[], P] | None = None) -> list[R]:
+        """``fn(part)`` of each of ``parts`` without gradients (a π_prox or reference
+        recompute, a held-out loss), under the same autocast, core budget and passes as
+        :meth:`backward`; the results of ``parts`` alone, in order."""
+        results = []
+        for part in self._padded(parts, filler):
+            self._take_cores()
+            with self.autocasting():
+                results.append(fn(part))
+        return results[:len(parts)]
+
+    @contextlib.contextmanager
+    def autocasting(self) -> Iterator[None]:
+        """Under ``torch.autocast`` to :attr:`autocast` (nothing when it is None)."""
+        device = self.sharding.device if self.sharding is not None else next(self.model.parameters()).device
+        with torch.autocast(device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            yield
+
+    def _padded(self, parts: Sequence[P], filler: Callable[[], P] | None) -> list[P]:
+        extra = self.passes(len(parts)) - len(parts)
+        if extra and filler is None:
+            raise ValueError("a sharded micro-batch loop needs a filler for the passes beyond this rank's own")
+        return [*parts, *(filler() for _ in range(extra))]
+
+    def _take_cores(self) -> None:
+        """A boundary where the step may change its torch threads (``thread_budget``)."""
+        if self.thread_budget is not None:
+            self.thread_budget.working("learner")
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad_clip: float,
@@ -131,13 +243,14 @@ class TrainState:
 
     @classmethod
     def build(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, optim: Schedule, total_steps: int, *,
-              lora: LoraConfig | None = None, seed: int = 0) -> TrainState:
-        """``model`` made trainable: with ``lora`` wrapped with fresh adapters (A drawn from
-        ``seed``), and the optimizer and schedule over what trains."""
-        module = add_adapters(model, lora, seed) if lora is not None else model
-        forward = module.get_base_model() if lora is not None else model
+              lora: LoraConfig | None = None, seed: int = 0, sharding: Sharding | None = None) -> TrainState:
+        """``model`` made trainable (:func:`trainable`: with ``lora`` fresh adapters drawn
+        from the run's ``seed``, sharded with a ``sharding``), and the optimizer and
+        schedule over what trains."""
+        forward, module = trainable(model, lora=lora, seed=seed, sharding=sharding)
         optimizer, scheduler = make_optimizer(forward, optim, total_steps)
-        return cls(forward, module, tokenizer, optimizer, scheduler, lora)
+        return cls(forward, module, tokenizer, optimizer, scheduler, lora, sharding=sharding,
+                   is_main=sharding is None or sharding.rank == 0)
 
 
 @dataclass(frozen=True)

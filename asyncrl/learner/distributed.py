@@ -1,11 +1,13 @@
 """Data-parallel sharding of the learner over the ranks of one ``torch.distributed``
 process group (``learner.world_size`` > 1).
 
-Each rank holds a :class:`~asyncrl.learner.Learner` over its own copy of the policy,
-wrapped here: ``fsdp2`` shards parameters, gradients and optimizer state across the ranks
-(``fully_shard`` per decoder layer, then the root, which keeps the tied embedding and LM
-head in one unit); ``ddp`` keeps full replicas and all-reduces gradients. The step's math
-stays in ``Learner.train_step``; this module gives it the few collective operations that
+Each rank holds its own copy of the policy (RL's :class:`~asyncrl.learner.Learner`, or
+an ``asyncrl sft`` rank), wrapped here: ``fsdp2`` shards parameters, gradients and
+optimizer state across the ranks (``fully_shard`` per decoder layer, then the root, which
+keeps the tied embedding and LM head in one unit); ``ddp`` keeps full replicas and
+all-reduces gradients. The step's math stays with its loss (``Learner.train_step``, the
+SFT run), its passes in the training core's one micro-batch loop
+(``core.MicroBatchLoop``); this module gives them the few collective operations that
 make N ranks take the same step as one:
 
 - every rank takes its own contiguous rows of the step's batch (:meth:`Sharding.rows`);

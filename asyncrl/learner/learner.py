@@ -10,7 +10,9 @@ still advances once per batch: a version is what the rollout engines are sent, a
 staleness bound, the gate's quota and every token's recorded version count batches, so
 none of them changes meaning with reuse. The learning-rate schedule also counts batches.
 
-Micro-batches accumulate gradients within an optimizer step; each micro-batch's loss is
+Micro-batches accumulate gradients within an optimizer step through the training core's
+one micro-batch loop (``core.MicroBatchLoop``, which owns sharding's passes, autocast and
+the core budget); the loss passed to it is this learner's objective, each micro-batch's
 weighted by its share of the mini-batch's tokens (or sequences), so any micro-batch size
 gives the same step as one big mini-batch.
 
@@ -48,14 +50,20 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, nonfinite_parameters
 from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
-from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
+from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.core import clip_and_step, lr_lambda, make_optimizer  # noqa: F401 (lr_lambda: its old home)
+from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype: their old home)
+    MicroBatchLoop,
+    autocast_dtype,
+    clip_and_step,
+    lr_lambda,
+    make_optimizer,
+    trainable,
+)
 from asyncrl.learner.distributed import Sharding
 from asyncrl.engine.protocol import FullWeights, WeightUpdate
 from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
-from asyncrl.learner.lora import add_adapters
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 from asyncrl.core_budget import ThreadBudget
@@ -96,17 +104,6 @@ def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | N
     return bounds
 
 
-def autocast_dtype(setting: str | None, device: torch.device) -> torch.dtype | None:
-    """The dtype the learner's passes autocast to (``learner.autocast``), or None for none.
-    ``None`` keeps what the learner always did: bf16 on CUDA, the weights' dtype on CPU.
-    Only bf16: float16 would need loss scaling, which this learner does not do."""
-    if setting not in (None, "off", "bfloat16"):
-        raise ConfigError(f"learner.autocast={setting!r}: use bfloat16, off, or null")
-    if setting == "off" or (setting is None and device.type != "cuda"):
-        return None
-    return torch.bfloat16
-
-
 class Learner:
     """Trains one policy: each ``train_step`` takes one batch to one new version, however
     many optimizer steps sample reuse makes of it (``optim.ppo_epochs`` × ``optim.mini_batches``).
@@ -127,9 +124,6 @@ class Learner:
         what the engines are sent (``export.update_kind``; default: what ``lora`` says for
         the built-in engine). ``autocast``:
         ``learner.autocast`` (:func:`autocast_dtype`)."""
-        if lora is not None and sharding is not None:
-            raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
-                              "small; a sharded LoRA learner is not built yet)")
         self.sharding = sharding
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
@@ -137,23 +131,18 @@ class Learner:
         self.update_kind = update or update_kind(lora)
         if (self.update_kind == "full") != (lora is None):
             raise ValueError(f"update={self.update_kind!r} does not fit model.lora={lora}")
-        if lora is not None:  # the reference is this model with its adapters off (reference_logprobs)
-            # the PeftModel: the adapters' save_pretrained, disable_adapter; A drawn from the run's seed
-            self.module = add_adapters(model, lora, derive_seed(seed, "lora"))
-            # the forward runs the Hugging Face model with the adapters injected into its layers (the
-            # PeftModel's forward hides the KV-cache argument that learner.share_prompts passes)
-            self.model = self.module.get_base_model()
-            self.reference = None
-        else:
-            self.reference = copy.deepcopy(model).eval().requires_grad_(False) if algorithm.kl_coef > 0 else None
-            self.model = sharding.wrap(model) if sharding is not None else model
-            self.module = Sharding.unwrap(self.model)  # the Hugging Face model: names, config, save_pretrained
+        # the KL reference: with LoRA this model with its adapters off (reference_logprobs), else a frozen copy
+        self.reference = (copy.deepcopy(model).eval().requires_grad_(False)
+                          if algorithm.kl_coef > 0 and lora is None else None)
+        # the training core's wrap: the forward model, and the module that saves (names, config, save_pretrained)
+        self.model, self.module = trainable(model, lora=lora, seed=seed, sharding=sharding)
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.optim = optim
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report raw logits
         self.device = sharding.device if sharding is not None else next(model.parameters()).device
-        self.autocast = autocast_dtype(autocast, self.device)
+        # the one micro-batch loop (core.py): sharding's passes, autocast and the core budget
+        self.loop = MicroBatchLoop(self.model, sharding=sharding, autocast=autocast_dtype(autocast, self.device))
         self.version = version
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         # the training core's (core.py): with LoRA the adapters only, the frozen base has no optimizer state
@@ -163,28 +152,29 @@ class Learner:
         # the batch's engine–learner mismatch sums by lag (algorithms/mismatch.py), added while
         # the weights are still the batch's starting ones (None: not measuring now)
         self._mismatch: torch.Tensor | None = None
-        # the cores shared with an engine (rollout.thread_sharing: colocated): re-read before each
-        # micro-batch's forward and backward, so a step takes every core while the engine is idle
-        self.thread_budget: ThreadBudget | None = None
 
-    def _take_cores(self) -> None:
-        """A boundary where this step may change its torch threads (``thread_budget``)."""
-        if self.thread_budget is not None:
-            self.thread_budget.working("learner")
+    @property
+    def thread_budget(self) -> ThreadBudget | None:
+        """The cores shared with an engine (``rollout.thread_sharing: colocated``), read by the loop."""
+        return self.loop.thread_budget
+
+    @thread_budget.setter
+    def thread_budget(self, budget: ThreadBudget | None) -> None:
+        self.loop.thread_budget = budget
 
     # ------------------------------------------------------------------ math
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors."""
+        """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors.
+        Called in the loop's passes (``self.loop``), which autocast the forward
+        (``learner.autocast``); logits are read back as float32 before the softmax."""
         shared = prompt_index(batch) if self.share_prompts and self.sharding is None else None
-        # the matmuls in bf16 (learner.autocast); logits are read back as float32 before the softmax
-        with torch.autocast(self.device.type, dtype=self.autocast or torch.bfloat16, enabled=self.autocast is not None):
-            if shared is not None:  # each distinct prompt once (shared_prompts.py)
-                responses = response_logits(model, batch, *shared)
-                logits, targets = responses.logits.float() / self.temperature, responses.targets  # (B, R, V)
-            else:
-                logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-                logits, targets = logits[:, :-1].float() / self.temperature, batch.input_ids[:, 1:]  # (B, L-1, V)
+        if shared is not None:  # each distinct prompt once (shared_prompts.py)
+            responses = response_logits(model, batch, *shared)
+            logits, targets = responses.logits.float() / self.temperature, responses.targets  # (B, R, V)
+        else:
+            logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+            logits, targets = logits[:, :-1].float() / self.temperature, batch.input_ids[:, 1:]  # (B, L-1, V)
         logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
         entropy = entropy_from_logits(logits.detach()) if with_entropy else None
         if shared is not None:
@@ -193,27 +183,26 @@ class Learner:
         return logprobs, entropy
 
     def micro_batches(self, batch: TrainBatch) -> list[tuple[int | None, TrainBatch]]:
-        """(first row, rows) of each micro-batch (``micro_batch_bounds``). Sharded, every
-        rank makes as many passes as the rank with the most micro-batches; its extra ones
-        are fillers (first row ``None``) that train nothing."""
+        """(first row, rows) of each micro-batch of this rank's ``batch``
+        (``micro_batch_bounds``). Sharded, the loop adds :meth:`_filler` passes up to the
+        rank with the most."""
         lengths = batch.attention_mask.sum(-1).tolist()  # a CPU-GPU sync point, once per call
         bounds = micro_batch_bounds(lengths, max_rows=self.optim.micro_batch_size,
                                     max_tokens=self.optim.micro_batch_tokens)
-        parts: list[tuple[int | None, TrainBatch]] = [(start, batch.slice(start, stop)) for start, stop in bounds]
-        if self.sharding is not None:
-            parts += ([(None, TrainBatch.filler(self.pad_id, self.device))]
-                      * (self.sharding.count(len(parts)) - len(parts)))
-        return parts
+        return [(start, batch.slice(start, stop)) for start, stop in bounds]
+
+    def _filler(self) -> tuple[int | None, TrainBatch]:
+        """A pass that trains nothing (first row ``None``, no token in its loss mask)."""
+        return None, TrainBatch.filler(self.pad_id, self.device)
 
     @torch.no_grad()
     def logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
         """(B, L-1) logprobs of the whole batch, computed micro-batch by micro-batch."""
         out = torch.zeros_like(batch.behavior_logprobs)
-        for start, part in self.micro_batches(batch):
-            self._take_cores()
-            lp, _ = self.token_logprobs(model, part)
-            if start is not None:
-                out[start:start + part.size, :lp.shape[1]] = lp
+        parts = self.micro_batches(batch)
+        for (start, part), (lp, _) in zip(parts, self.loop.forward(parts, lambda p: self.token_logprobs(model, p[1]),
+                                                                   self._filler)):
+            out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
     @torch.no_grad()
@@ -366,15 +355,14 @@ class Learner:
         to ``losses``."""
         own_sums = sums if own_sums is None else own_sums
         tokens, sequences = counts.clamp(min=1)
-        scale = self.sharding.loss_scale if self.sharding is not None else 1.0
-        parts = self.micro_batches(batch)
-        for i, (start, part) in enumerate(parts):
+
+        def objective(item: tuple[int | None, TrainBatch]) -> torch.Tensor:  # the loss the loop is passed
+            start, part = item
             width = part.loss_mask.shape[1]
 
             def rows(full: torch.Tensor) -> torch.Tensor:  # this micro-batch's rows of a whole-batch tensor
                 return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
 
-            self._take_cores()
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
             if self._mismatch is not None and part.versions is not None and start is not None:
                 # π at the version being trained: π_prox where recomputed, else this forward (the
@@ -396,12 +384,6 @@ class Learner:
             token_share = part.loss_mask.sum() / tokens
             share = (token_share if self.algorithm.aggregation == "token_mean"
                      else (part.loss_mask.sum(-1) > 0).sum() / sequences)
-            self._take_cores()
-            if self.sharding is None:
-                (loss * share).backward()
-            else:
-                with self.sharding.grad_sync(self.model, enabled=i == len(parts) - 1):
-                    (loss * (share * scale)).backward()
             ours["loss"] = loss.detach()
             losses.append(ours["loss"])
             step_weight = weight[0] if self.algorithm.aggregation == "token_mean" else weight[1]
@@ -409,6 +391,9 @@ class Learner:
             for w, values, into in ((token_share * weight[0], metrics, sums), (share * step_weight, ours, own_sums)):
                 for key, value in values.items():
                     into[key] = into.get(key, 0.0) + value.detach() * w
+            return loss * share
+
+        self.loop.backward(self.micro_batches(batch), objective, self._filler)
 
     def _clip_and_step(self, losses: list[torch.Tensor]) -> float:
         """The training core's step (``core.clip_and_step``): clip, refuse a non-finite loss or

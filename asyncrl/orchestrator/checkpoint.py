@@ -43,6 +43,10 @@ IN_FLIGHT_FILE = "in_flight.jsonl"
 """The journals of the episodes under way at the checkpoint (``asyncrl/rollout/journal.py``): what
 they had generated, continued on resume instead of generated again."""
 LEARNER_STATE_FILE = "trainer_state.pt"
+RUN_CHECKPOINT = (LEARNER_STATE_FILE, RUN_STATE_FILE)
+"""The files a run's checkpoint is complete with (``asyncrl train``)."""
+LEARNER_CHECKPOINT = (LEARNER_STATE_FILE,)
+"""The files a learner's checkpoint alone is complete with (``asyncrl sft``: no rollouts, no run state)."""
 
 
 @dataclass
@@ -94,16 +98,17 @@ def read_in_flight(checkpoint: Path) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.is_file() else []
 
 
-def checkpoint_steps(ckpt_dir: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first. A ``.tmp`` directory (a crash mid-write) never counts."""
+def checkpoint_steps(ckpt_dir: Path, complete: tuple[str, ...] = RUN_CHECKPOINT) -> list[tuple[int, Path]]:
+    """Complete checkpoints (each holding the files ``complete`` names), oldest first. A
+    ``.tmp`` directory (a crash mid-write) never counts."""
     if not ckpt_dir.is_dir():
         return []
     found = [(int(p.name[5:]), p) for p in ckpt_dir.glob("step_*") if p.name[5:].isdigit()]
-    return sorted((s, p) for s, p in found if (p / LEARNER_STATE_FILE).is_file() and (p / RUN_STATE_FILE).is_file())
+    return sorted((s, p) for s, p in found if all((p / name).is_file() for name in complete))
 
 
-def latest_checkpoint(ckpt_dir: Path) -> Path | None:
-    steps = checkpoint_steps(ckpt_dir)
+def latest_checkpoint(ckpt_dir: Path, complete: tuple[str, ...] = RUN_CHECKPOINT) -> Path | None:
+    steps = checkpoint_steps(ckpt_dir, complete)
     return steps[-1][1] if steps else None
 
 
@@ -226,12 +231,13 @@ def mark_kept(checkpoint: Path) -> None:
         os.replace(tmp, path)
 
 
-def rotate(ckpt_dir: Path, keep_last: int, newest: Path) -> None:
+def rotate(ckpt_dir: Path, keep_last: int, newest: Path, complete_with: tuple[str, ...] = RUN_CHECKPOINT) -> None:
     """Keep the ``keep_last`` latest checkpoints saved by steps, at a run's end or on request,
     and always ``newest``, the one just written. An interim checkpoint (saved by time) is
     there for a crash only: it is removed once a later one is written, so it never pushes
-    a kept one out, and the disk holds at most ``keep_last`` + 1."""
-    complete = [path for _, path in checkpoint_steps(ckpt_dir)]
+    a kept one out, and the disk holds at most ``keep_last`` + 1. ``complete_with``: the
+    files a checkpoint of this kind is complete with (:data:`LEARNER_CHECKPOINT` for SFT's)."""
+    complete = [path for _, path in checkpoint_steps(ckpt_dir, complete_with)]
     interim = [path for path in complete if is_interim(path)]
     kept = [path for path in complete if path not in interim]
     for old in [*interim, *kept[:-keep_last]]:

@@ -5,7 +5,9 @@ asks the run to finish its step, checkpoint and return. A second signal stops wa
 (for a worker that never starts, say) by cancelling the run, which then fails with its
 last good checkpoint. Signal handlers go only on the main thread, the only one Python
 lets own them: a run in a notebook's thread or an embedding application is stopped by
-the method instead.
+the method instead. A run without an event loop (``asyncrl sft``) installs the same
+handling with :meth:`StopControl.signals`, where a second signal raises
+``KeyboardInterrupt``, its way to stop at once.
 
 Neither waits for user code stuck on a thread: such calls are abandoned at their
 timeout on daemon threads (``asyncrl/threads.py``), which the exit lists and does not
@@ -28,6 +30,9 @@ from asyncrl.threads import in_user_code, summarize
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STILL_STOPPING_S = 5.0  # a first signal not done by then says what the run still waits for
+FIRST_SIGNAL = ("stopping: finishing the step and saving a checkpoint; a second Ctrl-C or SIGTERM stops at once, "
+                "without one")
+"""What a first signal says at once: what follows (the step, an evaluation, the save) may take a while."""
 
 
 class StopControl:
@@ -71,12 +76,34 @@ class StopControl:
             if self._notice is not None:
                 self._notice.cancel()
 
+    @contextlib.contextmanager
+    def signals(self, command: str = "asyncrl") -> Iterator[None]:
+        """While a run without an event loop runs on this thread: a first SIGINT/SIGTERM
+        requests the stop (the run checks :meth:`is_set` at its step's end), a second raises
+        ``KeyboardInterrupt`` wherever the run is. Main thread only, as :meth:`installed`;
+        the handlers before are put back after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum: int, frame: object) -> None:
+            if self.requested.is_set():
+                raise KeyboardInterrupt
+            tqdm.write(f"{command}: {FIRST_SIGNAL}", file=sys.stderr)
+            self.requested.set()
+
+        before = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, old in before.items():
+                signal.signal(sig, old)
+
     def _on_signal(self, main: asyncio.Task) -> None:
         if self.requested.is_set():
             main.cancel("stopped by a second signal")
-        else:  # said at once: what follows (the step, an evaluation, the save) may take a while
-            tqdm.write("asyncrl: stopping: finishing the step and saving a checkpoint; a second Ctrl-C or SIGTERM "
-                       "stops at once, without one", file=sys.stderr)
+        else:
+            tqdm.write(f"asyncrl: {FIRST_SIGNAL}", file=sys.stderr)
             self._notice = self._loop.call_later(STILL_STOPPING_S, self._still_stopping)
         self.requested.set()
 

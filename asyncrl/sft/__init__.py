@@ -3,6 +3,8 @@ model writes the tool-call format before RL starts (docs/agents.md, "Before RL")
 
 ``config.py`` (the command's keys), ``data.py`` (JSONL conversations, checked line by
 line), ``render.py`` (a conversation as ids and a loss mask, rendered as the gateway
-renders it), ``batches.py`` (step order, micro-batches, the summed loss) and
-``trainer.py`` (the loop: held-out loss, checkpoints, a stop that saves).
+renders it), ``batches.py`` (step order, micro-batches, the labels) and ``trainer.py``
+(the run: its loss through the training core's one micro-batch loop, held-out loss,
+checkpoints, a stop that saves), ``ranks.py`` (``learner.world_size`` > 1: the rank
+processes and their driver).
 """

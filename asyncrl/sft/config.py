@@ -3,18 +3,40 @@
 Loaded like ``asyncrl train``'s (``asyncrl/config/``): YAML, then dotted ``key=value``
 overrides whose values parse as YAML; an unknown key or a wrong type raises
 ``ConfigError`` naming the key and the closest valid one, and the CLI exits 2. The
-``model`` section is train's own, so ``model.path`` means the same in both commands.
+``model``, ``optim`` and ``learner`` sections are train's own, so a key means the same in
+both commands (``model.dtype`` the weights' dtype, ``learner.autocast`` bf16 compute);
+only some defaults differ (:data:`SFT_OPTIM`, :data:`SFT_LEARNER`), and the keys of what
+SFT has not (sample reuse, rollouts beside the learner) are refused rather than ignored.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+import warnings
+from typing import Any
 
 import yaml
 from pydantic import Field, field_validator, model_validator
 
-from asyncrl.config import ModelConfig, Section, apply_overrides, read_config_file, validate
+from asyncrl.config import (
+    LearnerConfig,
+    ModelConfig,
+    OptimConfig,
+    Section,
+    apply_overrides,
+    read_config_file,
+    validate,
+)
+
+SFT_OPTIM: dict[str, Any] = {"lr": 1e-5, "betas": (0.9, 0.95), "schedule": "cosine", "micro_batch_size": 4}
+"""``optim``'s defaults where ``asyncrl sft``'s differ from ``asyncrl train``'s: full
+fine-tuning of a pretrained model wants a small LR (1e-5 to 5e-5 for 0.1-1B parameters),
+decayed by the last step; a conversation is longer than a trajectory."""
+SFT_LEARNER: dict[str, Any] = {"autocast": "off"}
+"""``learner``'s defaults where ``asyncrl sft``'s differ: float32 compute unless asked, as
+``asyncrl sft`` always did (``learner.autocast=bfloat16`` for bf16 compute)."""
+RL_ONLY = {"optim": ("ppo_epochs", "mini_batches"), "learner": ("process", "streaming", "share_prompts")}
+"""Keys of train's sections that mean nothing without rollouts: set in ``asyncrl sft``, refused."""
 
 
 class SFTDataConfig(Section):
@@ -38,26 +60,6 @@ class SFTDataConfig(Section):
         return [value] if isinstance(value, str) else value
 
 
-class SFTOptimConfig(Section):
-    lr: float = Field(1e-5, gt=0)
-    """Peak learning rate of AdamW. Full fine-tuning of a pretrained model wants a small
-    one: 1e-5 to 5e-5 for 0.1-1B parameters."""
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = Field((0.9, 0.95), strict=False)  # YAML gives a list
-    warmup_steps: int = Field(0, ge=0)
-    """Linear warm-up, (step + 1) / warmup_steps, so the first step already trains."""
-    schedule: Literal["constant", "cosine", "linear"] = "cosine"
-    """After warm-up: constant, or decay to 10 % of ``lr`` by the last step."""
-    grad_clip: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(4, ge=1)
-    """Conversations per forward/backward; a step's ``batch_size`` conversations are cut
-    into micro-batches of similar length and their gradients accumulated."""
-    micro_batch_tokens: int | None = Field(4096, ge=1)
-    """Padded positions per forward/backward (rows × the longest of them): a micro-batch
-    also ends where its next conversation would pass this (a longer one trains alone).
-    ``None``: ``micro_batch_size`` alone. Any split takes the same step."""
-
-
 class SFTConfig(Section):
     output_dir: str = "runs/sft"
     """Where the fine-tuned model is saved (a Hugging Face directory: ``model.path`` of a
@@ -74,7 +76,16 @@ class SFTConfig(Section):
     batch_size: int = Field(8, ge=1)
     """Conversations per optimizer step. The loss is the mean over the step's assistant
     tokens, so a long conversation counts by its tokens."""
-    optim: SFTOptimConfig = SFTOptimConfig()
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(**SFT_OPTIM))
+    """train's ``optim`` (AdamW, the LR schedule, clipping, micro-batches), defaults
+    :data:`SFT_OPTIM` where SFT's differ. Micro-batches hold conversations of similar
+    length; any split takes the same step. ``ppo_epochs`` and ``mini_batches`` (sample
+    reuse) stay 1."""
+    learner: LearnerConfig = Field(default_factory=lambda: LearnerConfig(**SFT_LEARNER))
+    """train's ``learner``: ``world_size`` ranks (``asyncrl sft`` starts them, each on its
+    rows of a step; or run under ``torchrun``), ``strategy``, ``backend``, ``timeout_s``
+    and ``autocast`` (default ``off`` here). ``process``, ``streaming`` and
+    ``share_prompts`` are RL's."""
     eval_every: int = Field(0, ge=0)
     """Steps between held-out losses; also before the first step and after the last
     (0 = only those two)."""
@@ -88,6 +99,31 @@ class SFTConfig(Section):
     (weights or LoRA adapters, AdamW state, schedule, RNG), with the same settings: the
     steps after it are the ones the uninterrupted run would have taken."""
 
+    @field_validator("optim", "learner", mode="before")
+    @classmethod
+    def _sft_defaults(cls, value: Any, info: Any) -> Any:
+        """A partial section (``optim.lr=3e-3``) keeps SFT's defaults for the rest."""
+        defaults = SFT_OPTIM if info.field_name == "optim" else SFT_LEARNER
+        return {**defaults, **value} if isinstance(value, dict) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_bfloat16(cls, data: Any) -> Any:
+        """``model.dtype: bfloat16`` once meant bf16 compute over float32 weights in
+        ``asyncrl sft`` alone; it now means the weights' dtype, as in train. An old config
+        keeps what it ran: read as ``learner.autocast: bfloat16`` over float32 weights."""
+        model = data.get("model") if isinstance(data, dict) else None
+        if not (isinstance(model, dict) and model.get("dtype") == "bfloat16"):
+            return data
+        learner = data.get("learner") or {}
+        if isinstance(learner, dict) and "autocast" in learner:
+            raise ValueError("model.dtype: bfloat16 and learner.autocast both set: for bf16 compute over float32 "
+                             "weights set learner.autocast=bfloat16 alone (asyncrl sft keeps its weights float32)")
+        warnings.warn("asyncrl sft: model.dtype=bfloat16 read as learner.autocast=bfloat16 with float32 weights "
+                      "(what it always ran); write learner.autocast=bfloat16 instead", UserWarning, stacklevel=2)
+        return {**data, "model": {**model, "dtype": "float32"},
+                "learner": {**learner, "autocast": "bfloat16"} if isinstance(learner, dict) else learner}
+
     @model_validator(mode="after")
     def _consistent(self) -> SFTConfig:
         if "path" not in self.model.model_fields_set:  # train's default (a Countdown policy) is no one's SFT base
@@ -99,9 +135,17 @@ class SFTConfig(Section):
         if self.data.eval and self.data.eval_fraction:
             raise ValueError("data.eval and data.eval_fraction both set: hold out with one of them "
                              "(data.eval_fraction=0, or data.eval=[])")
-        if self.model.dtype == "float16":
-            raise ValueError("model.dtype 'float16' needs loss scaling, which asyncrl sft does not do: "
-                             "use bfloat16 (or float32)")
+        if self.model.dtype != "float32":
+            raise ValueError(f"model.dtype {self.model.dtype!r}: asyncrl sft keeps float32 weights and AdamW state "
+                             "(a bf16 weight loses updates below 1/256 of itself); for bf16 compute set "
+                             "learner.autocast=bfloat16")
+        for section, keys in RL_ONLY.items():
+            given = sorted(set(keys) & getattr(self, section).model_fields_set)
+            if given:
+                raise ValueError(f"{section}.{given[0]}: a key of asyncrl train (rollouts, sample reuse) that "
+                                 "asyncrl sft has no use for; remove it")
+        if self.model.lora is not None and self.learner.world_size > 1:
+            raise ValueError("model.lora trains on one learner rank: set learner.world_size=1")
         return self
 
 

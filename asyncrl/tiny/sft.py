@@ -183,6 +183,13 @@ def train_examples(
     schedule = SimpleNamespace(lr=lr, betas=(0.9, 0.95), weight_decay=0.01, warmup_steps=max(1, warmup_steps),
                                schedule="cosine")
     optimizer, scheduler = core.make_optimizer(model, schedule, steps, floor=0.0, decay_start=0)
+    loop = core.MicroBatchLoop(model)
+    passed: list[torch.Tensor] = []  # the loss of the last pass, for the clip's check and the log
+
+    def mean_loss(part: tuple[torch.Tensor, ...]) -> torch.Tensor:  # the loss the core's loop is passed
+        passed[:] = [batch_loss(model, *part)]
+        return passed[0]
+
     was_training = model.training
     model.train()
 
@@ -206,8 +213,8 @@ def train_examples(
             batch = [examples[i] for i in order[:batch_size]]
             del order[:batch_size]
 
-            loss = batch_loss(model, *collate(batch, pad_id))
-            loss.backward()
+            loop.backward([collate(batch, pad_id)], mean_loss)  # one pass: the step's whole batch
+            loss = passed[-1]
             core.clip_and_step(model, optimizer, 1.0, {"loss": loss}, step=step + 1,
                                hint="lower the warm-up's learning rate")
             optimizer.zero_grad(set_to_none=True)
