@@ -221,6 +221,15 @@ def test_no_two_folders_import_each_other():
     assert two_way(graph, packages) == []
 
 
+def test_the_train_loop_reads_in_one_short_module_and_the_orchestrators_modules_stay_small():
+    """The trainer is the story (take B groups, train, sync, evaluate, log, hooks, checkpoint)
+    and its bookkeeping lives beside it in modules named for their concept: it stays within
+    300 lines, every module of the orchestrator within 500."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "orchestrator").glob("*.py")}
+    assert sizes["trainer.py"] <= 300
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
+
+
 def test_a_moved_module_without_a_file_is_named_by_no_module_of_the_package():
     """An old path that ``asyncrl.moved.MOVED_MODULES`` resolves has no file (a file would be
     placed and checked above instead), its new modules exist, and no module but ``moved``

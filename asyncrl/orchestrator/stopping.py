@@ -99,8 +99,8 @@ class StopControl:
 @contextlib.contextmanager
 def first_failure_raised() -> Iterator[None]:
     """Around a task group: its failure raised as the first failure in it that is not a
-    cancellation, with its own traceback, not as an exception group (a group of one cancelled
-    task and the cause of it reads as the cancellation)."""
+    cancellation, with its own traceback, not as a group of it and the cancellations it
+    caused; a group of cancellations alone is raised as it is."""
     try:
         yield
     except BaseExceptionGroup as group:
