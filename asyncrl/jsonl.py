@@ -54,3 +54,9 @@ def iter_jsonl(path: str | Path, *, torn_tail: Literal["raise", "drop"] = "raise
 def read_jsonl(path: str | Path, *, torn_tail: Literal["raise", "drop"] = "drop") -> list[dict[str, Any]]:
     """Every row of one of our own logs (``metrics.jsonl``, ``samples.jsonl``, ...)."""
     return [row for _, row in iter_jsonl(path, torn_tail=torn_tail)]
+
+
+def last_row(path: Path) -> dict[str, Any] | None:
+    """The last row of one of our own logs, None when it has none (or there is no file)."""
+    rows = read_jsonl(path) if path.is_file() else []
+    return rows[-1] if rows else None

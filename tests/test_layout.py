@@ -1,12 +1,16 @@
-"""The package's import graph has no cycle and no import climbs to a higher floor, lazy
-imports included: a cycle or a climb hidden behind a function-level import is a part that
-does not know which side of a boundary it is on. The floors are stated in docs/design.md
-("Floors")."""
+"""The package's import graph has no cycle, no import climbs to a higher floor and no two
+folders import each other, lazy imports included: a cycle or a climb hidden behind a
+function-level import is a part that does not know which side of a boundary it is on. The
+floors are ``FLOORS`` below, and the tables of docs/design.md ("Floors") and docs/layout.md
+("The floors") state them: each table lists every entry, on its floor."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
+
+import pytest
 
 import asyncrl
 
@@ -97,7 +101,6 @@ FLOORS = {
     "asyncrl.rollout.workflows": 2, "asyncrl.rollout.gateway": 2, "asyncrl.rollout.worker": 2,
     # deprecated aliases of paths that moved under asyncrl.rollout, each on the floor of what it aliases
     "asyncrl.client": 1, "asyncrl.workflows": 2, "asyncrl.gateway": 2,
-    "asyncrl.tasks.verifiers_env": 2,  # its tasks stayed in tasks/, its agent moved to rollout/workflows/
     "asyncrl.rollout.engine_server": 2,  # asyncrl serve-engine: a worker's engine over vLLM's HTTP API
     # 3 where the parts run
     "asyncrl.runtime": 3,
@@ -152,6 +155,98 @@ def test_every_module_has_a_floor():
 
 def test_no_import_climbs_to_a_higher_floor():
     assert climbs(import_graph()) == []
+
+
+def test_every_floor_is_of_a_module_that_exists():
+    assert [m for m in FLOORS if m not in import_graph()] == [], "a module left FLOORS behind: remove its entry"
+
+
+DOCS = ROOT.parent / "docs"
+
+
+def doc_floors(text: str) -> dict[str, int]:
+    """The floor table of a doc: each row ``| N name | ... | `a`, `b/c` ... |`` puts every
+    name in backticks of its last cell on floor N (``b/c`` is ``asyncrl.b.c``; a package's
+    ``x/__init__`` is the package ``x`` alone). A name listed twice is on floor -1, which
+    no entry of ``FLOORS`` is: the comparison names it."""
+    found: dict[str, int] = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("|") and (m := re.match(r"(\d+) ", cells[0])):
+            for name in re.findall(r"`([\w/]+)`", cells[-1]):
+                module = "asyncrl." + name.replace("/", ".").removesuffix(".__init__")
+                found[module] = -1 if module in found else int(m.group(1))
+    return found
+
+
+def test_the_doc_table_reader_sees_each_row():
+    table = "| floor | what | modules |\n|---|---|---|\n| 0 ground | `types` here | `types`, `rollout/__init__` |\n" \
+            "| 1 parts | x | `tasks`, `rollout/client` (and `client`, an alias) |\n"
+    assert doc_floors(table) == {"asyncrl.types": 0, "asyncrl.rollout": 0, "asyncrl.tasks": 1,
+                                 "asyncrl.rollout.client": 1, "asyncrl.client": 1}
+    assert doc_floors(table + "| 2 episodes | x | `tasks` |\n")["asyncrl.tasks"] == -1
+
+
+@pytest.mark.parametrize("doc", ["design.md", "layout.md"])
+def test_the_docs_floor_table_lists_every_module_on_its_floor(doc):
+    """A module missing from the doc's table, one it names that ``FLOORS`` does not, or one
+    on another floor fails; and the doc's floors, read alone, hold the imports."""
+    stated = doc_floors((DOCS / doc).read_text())
+    wanted = {m: f for m, f in FLOORS.items() if m != "asyncrl"}  # the root package: no part to read
+    assert sorted(set(wanted) - set(stated)) == [], f"docs/{doc}: add these to its floor table"
+    assert sorted(set(stated) - set(wanted)) == [], f"docs/{doc}: its floor table names these, FLOORS does not"
+    assert {m: (stated[m], f) for m, f in wanted.items() if stated[m] != f} == {}, f"docs/{doc}: (doc, FLOORS)"
+    assert climbs(import_graph(), {**stated, "asyncrl": 0}) == []
+
+
+def folder(module: str, packages: set[str]) -> str:
+    """The folder a module's file is in: a package's own ``__init__`` is in the package."""
+    return module if module in packages else module.rpartition(".")[0]
+
+
+def two_way(graph: dict[str, set[str]], packages: set[str]) -> list[str]:
+    """Every pair of folders, neither inside the other, that import each other, with one
+    import each way. (A folder and one inside it are the floors' business.)"""
+    one_way: dict[tuple[str, str], str] = {}
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            a, b = folder(module, packages), folder(target, packages)
+            if a != b and not a.startswith(f"{b}.") and not b.startswith(f"{a}."):
+                one_way.setdefault((a, b), f"{module} -> {target}")
+    return [f"{a} <-> {b}: {one_way[a, b]}; {one_way[b, a]}" for a, b in sorted(one_way) if a < b and (b, a) in one_way]
+
+
+def test_the_checker_sees_two_folders_importing_each_other():
+    graph = {"p.a.x": {"p.b.y"}, "p.b.y": {"p.a.z"}, "p.a.z": set(), "p.c": {"p.a.x"}, "p.a": {"p.c"}}
+    assert two_way(graph, {"p", "p.a", "p.b"}) == ["p.a <-> p.b: p.a.x -> p.b.y; p.b.y -> p.a.z"]
+
+
+def test_no_two_folders_import_each_other():
+    graph = import_graph()
+    packages = {m for m in graph if (ROOT.joinpath(*m.split(".")[1:]) / "__init__.py").is_file()}
+    assert "asyncrl.rollout.workflows" in packages and "asyncrl.tasks" in packages
+    assert two_way(graph, packages) == []
+
+
+def test_the_train_loop_reads_in_one_short_module_and_the_orchestrators_modules_stay_small():
+    """The trainer is the story (take B groups, train, sync, evaluate, log, hooks, checkpoint)
+    and its bookkeeping lives beside it in modules named for their concept: it stays within
+    300 lines, every module of the orchestrator within 500."""
+    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "orchestrator").glob("*.py")}
+    assert sizes["trainer.py"] <= 300
+    assert {name: n for name, n in sizes.items() if n > 500} == {}
+
+
+def test_a_moved_module_without_a_file_is_named_by_no_module_of_the_package():
+    """An old path that ``asyncrl.moved.MOVED_MODULES`` resolves has no file (a file would be
+    placed and checked above instead), its new modules exist, and no module but ``moved``
+    names it: the package never leans on an old path, whose dependency no floor can see."""
+    from asyncrl.moved import MOVED_MODULES
+
+    graph = import_graph()
+    for old, new in MOVED_MODULES.items():
+        assert old not in graph and [m for m in new if m not in graph] == [], old
+        assert [p.name for p in ROOT.rglob("*.py") if p.name != "moved.py" and old in p.read_text()] == [], old
 
 
 def test_a_learner_call_is_one_method_on_the_worker_with_the_protocols_parameters():

@@ -84,8 +84,8 @@ class OptimConfig(Section):
     micro_batch_tokens: int | None = Field(4096, ge=1)
     """Padded positions per forward/backward (rows × the longest of them): a micro-batch
     also ends where its next trajectory would pass this (a longer one trains alone). The
-    learner's activations grow with it, not with the trajectory count: 32 agent
-    trajectories of ~740 positions in one pass took 1.8 GB on a 0.8M-parameter policy.
+    learner's activations grow with it, not with the trajectory count (a batch of long agent
+    trajectories in one pass: docs/design.md, "Measurements behind choices in the code").
     Any split takes the same step. ``None``: ``micro_batch_size`` alone."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each batch (sample reuse). Every optimizer step of a batch measures its

@@ -130,8 +130,8 @@ class RolloutConfig(Section):
     keeps is generation running ahead, within η, in the learner's idle time (a learner step
     longer than 30 s, ``CoreBudget.max_wait_s``, lets the engine go on with one thread: counted as its
     wait); use it with ``partial_rollout: continue`` (``abort`` re-prefills whatever is
-    under way at every sync). Measured on SmolLM2 and two cores at 0.85–1.01× ``sync``'s
-    samples/s (docs/scaling.md, "The learner first"). Each step's row says how long each
+    under way at every sync). Its samples/s against ``sync``'s, measured: docs/scaling.md,
+    "The learner first". Each step's row says how long each
     side had every core and waited for one (``time/learner_all_cores_s``,
     ``time/engine_core_wait_s``, …). ``sync`` already gives the working side every core:
     there it changes nothing. One rollout worker and one learner rank only."""

@@ -16,8 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from asyncrl.frozen.client import FrozenModelError
-from asyncrl.frozen.judge import JudgeReward
-from asyncrl.tasks.base import Task
+from asyncrl.frozen.judge import GradedTask, JudgeReward
 
 
 @dataclass(frozen=True)
@@ -81,10 +80,10 @@ class Graded:
     error: str | None = None
 
 
-async def grade_all(judge: JudgeReward, items: Sequence[tuple[Task, str]]) -> list[Graded]:
+async def grade_all(judge: JudgeReward, items: Sequence[tuple[GradedTask, str]]) -> list[Graded]:
     """The judge's reward for each ``(task, response)``, all asked at once (the judge's client
     bounds how many are in flight); a call that fails is kept as its error."""
-    async def one(task: Task, response: str) -> Graded:
+    async def one(task: GradedTask, response: str) -> Graded:
         try:
             return Graded(await judge(task, response))
         except FrozenModelError as exc:

@@ -13,11 +13,10 @@ import asyncio
 import math
 import re
 import string
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 from asyncrl.frozen.client import FrozenModel, FrozenModelError
-from asyncrl.tasks.base import Task
 
 DEFAULT_PROMPT = (
     "You grade answers. Question:\n{prompt}\n\nAnswer to grade:\n{response}\n\n"
@@ -25,6 +24,19 @@ DEFAULT_PROMPT = (
 )
 DEFAULT_PATTERN = r"GRADE:\s*(-?\d+(?:\.\d+)?)"
 JUDGE = "judge"  # the name in ``task.reward_fn`` that means the ``judge:`` section's model
+
+
+class GradedTask(Protocol):
+    """What a grader reads of a task; ``asyncrl.tasks.Task`` is one. Stated here so the frozen
+    models stand beside the tasks, not on them: the tasks' config builder names the judge
+    (``tasks/from_config.py``), and no import goes back."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def data(self) -> Mapping[str, Any]: ...
 
 
 def uses_judge(reward_fn: str | list[str] | None) -> bool:
@@ -36,7 +48,7 @@ class JudgeParseError(FrozenModelError):
     """The judge answered, but no grade could be read from its reply."""
 
 
-def render_prompt(template: str, task: Task, response: str) -> str:
+def render_prompt(template: str, task: GradedTask, response: str) -> str:
     """``template`` with ``{prompt}``, ``{response}``, ``{task_id}`` and every key of the task's
     ``data`` (``{answer}``, ``{ground_truth}``...) filled in; an unknown field is a ``KeyError``
     naming it and the fields there are."""
@@ -47,7 +59,7 @@ def render_prompt(template: str, task: Task, response: str) -> str:
     return template.format_map(fields)
 
 
-def judge_messages(template: str, task: Task, response: str) -> list[dict[str, str]]:
+def judge_messages(template: str, task: GradedTask, response: str) -> list[dict[str, str]]:
     """The chat :class:`JudgeReward` sends for ``response`` to ``task``: one user turn, the
     rubric filled in. A judge trained for the rubric (``examples/judge/make_judge_data.py``)
     is trained on these very messages, so it sees at grading time what it saw in training."""
@@ -79,12 +91,12 @@ class JudgeReward:
     def __repr__(self) -> str:
         return self.__qualname__
 
-    def check_tasks(self, tasks: list[Task]) -> None:
+    def check_tasks(self, tasks: Sequence[GradedTask]) -> None:
         """Refuse, before any work, a rubric naming a field some task lacks (``KeyError``)."""
         for task in tasks:
             render_prompt(self.prompt, task, "")
 
-    async def __call__(self, task: Task, response: str) -> float:
+    async def __call__(self, task: GradedTask, response: str) -> float:
         reply = await self.model.chat(judge_messages(self.prompt, task, response), **self.params)
         try:
             return parse_grade(reply, self.pattern, self.scale)
@@ -134,7 +146,7 @@ class RewardModel:
             logits = self.net(**enc).logits  # (B, num_labels)
         return logits[:, self.label].float().tolist()
 
-    async def __call__(self, task: Task, response: str) -> float:
+    async def __call__(self, task: GradedTask, response: str) -> float:
         loop = asyncio.get_running_loop()
         if self._queue is None or self._batcher is None or self._batcher.done():
             self._queue = asyncio.Queue()

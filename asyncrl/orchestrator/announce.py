@@ -80,6 +80,13 @@ def finished_note(cfg: Config, step: int, changed: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def resume_note(checkpoint: Path, step: int, removed: Mapping[str, int], replay_note: str) -> str:
+    """What a resume says as it starts: the checkpoint, the log rows rolled back to it (by
+    file), and what the rollout side replays (``RolloutLoop.replay_note``)."""
+    return (f"asyncrl: resuming from {checkpoint} (step {step}); rolled back rows written after it: {dict(removed)}\n"
+            f"asyncrl: {replay_note}")
+
+
 def save_run_config(cfg: Config, resumed: RunState | None, changed: Mapping[str, Any]) -> None:
     """A new run writes ``config.yaml``. A resume leaves it as the run began: settings that
     differ from those the run last trained with are said and appended to

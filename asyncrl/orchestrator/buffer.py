@@ -152,9 +152,8 @@ class GroupBuffer:
         """Until the learner takes its first batch, wait while one batch's groups (B) hold
         quota; after it (or in a resumed run), return at once. Why: at the start the gate
         admits (1 + η)·B groups at once, and an engine decoding them all together finishes
-        the first batch — the one the idle learner waits for — only with the others
-        (SmolLM2, η = 2: 11 s for the first 8 groups of 12 decoding together, against 4 s for
-        4 alone; docs/scaling.md). Generating ahead pays once the learner has work; before
+        the first batch — the one the idle learner waits for — only with the others (the
+        figures: docs/design.md, "The schedule"). Generating ahead pays once the learner has work; before
         that it only delays it. Filtered and stale-dropped groups give their quota back, so
         the batch still fills; the rule only lowers the gate's limit, so its bounds hold.
 

@@ -98,6 +98,15 @@ def read_in_flight(checkpoint: Path) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.is_file() else []
 
 
+def resume_point(output_dir: Path, resume: bool) -> tuple[Path | None, RunState | None, list[dict[str, Any]]]:
+    """The checkpoint a run continues from (:func:`starting_point`), its run state and its
+    in-flight journals; ``(None, None, [])`` for a fresh start."""
+    checkpoint = starting_point(output_dir, resume)
+    if checkpoint is None:
+        return None, None, []
+    return checkpoint, RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()), read_in_flight(checkpoint)
+
+
 def checkpoint_steps(ckpt_dir: Path, complete: tuple[str, ...] = RUN_CHECKPOINT) -> list[tuple[int, Path]]:
     """Complete checkpoints (each holding the files ``complete`` names), oldest first. A
     ``.tmp`` directory (a crash mid-write) never counts."""

@@ -39,6 +39,15 @@ class RunEvaluations:
         """Bound to a run's task group and handles, once the runtime is up."""
         self._tasks, self._learner, self._rollout, self._log = tasks, learner, rollout, log
 
+    def due(self, step: int) -> bool:
+        """Whether ``step``'s version is scored: every ``eval_every`` steps, and the last."""
+        return step == self.cfg.total_steps or bool(self.cfg.eval_every and step % self.cfg.eval_every == 0)
+
+    def needs_sync(self, step: int) -> bool:
+        """Whether the engines must serve ``step``'s version first: a blocking evaluation
+        scores what they serve, and a step's evaluation is of that step's version."""
+        return self.due(step) and not self.cfg.background_eval
+
     def cancel_background(self) -> None:
         for task in list(self._background):
             task.cancel()

@@ -14,21 +14,36 @@ the metric was never logged).
 
 from __future__ import annotations
 
-import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.algorithms.mismatch import MAX_LAG
-from asyncrl.frozen.judge import uses_judge
 from asyncrl.modes import off_policy_groups, staleness_fraction, staleness_lag, trajectory_staleness
-from asyncrl.weight_sync.delivery import check_tolerance
-
-Row = dict[str, Any]
-OK, WARN, FAIL, SKIP = "OK", "WARN", "FAIL", "SKIP"
-SEVERITY = {SKIP: 0, OK: 0, WARN: 1, FAIL: 2}
-"""A finding's weight in ``asyncrl doctor``'s exit status: the worst one's."""
+from asyncrl.orchestrator.findings import (  # noqa: F401 (the vocabulary, importable here as it always was)
+    FAIL,
+    OK,
+    SEVERITY,
+    SKIP,
+    WARN,
+    Finding,
+    Limits,
+    Row,
+    num,
+    step_of,
+    worst,
+)
+from asyncrl.orchestrator.frozen_invariants import (  # noqa: F401 (importable here as they always were)
+    JUDGE_FAIL_SHARE,
+    JUDGE_FAILURES,
+    TEACHER_CHECK,
+    TEACHER_FIX,
+    TEACHER_LOGPROBS,
+    judge_failures,
+    teacher_logprob_evidence,
+    teacher_logprobs,
+)
 
 MISMATCH_K3_WARN = 1e-3
 """k3 KL(μ ‖ π) at lag 0 above which the engine and learner disagree more than numerics
@@ -48,61 +63,6 @@ STALE_DROP_WARN = 0.1
 """Share of generated groups dropped as stale above which it warns (generation wasted)."""
 
 
-def _num(row: Row | None, key: str) -> float | None:
-    value = None if row is None else row.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        return None
-    return float(value)
-
-
-def _step(row: Row) -> int:
-    return int(row["step"])
-
-
-@dataclass(frozen=True)
-class Limits:
-    """The bounds a run set itself, from its ``config.yaml``."""
-
-    check_tolerance: float = 1e-4  # weight_sync.check_tolerance
-    max_staleness: float | None = None  # η enforced (None: unknown)
-    starvation_warn_fraction: float = 0.9  # watchdog.starvation_warn_fraction
-    total_steps: int | None = None
-    batch_size: int | None = None  # B, groups a step trains: the off-policy share of a fractional η
-
-    @classmethod
-    def from_config(cls, config: Row, max_staleness: float | None) -> Limits:
-        def get(section: str, key: str, default: Any) -> Any:
-            part = config.get(section)
-            value = part.get(key) if isinstance(part, dict) else None
-            return default if value is None else value
-
-        total, batch = config.get("total_steps"), config.get("batch_size")
-        weights = str(get("model", "dtype", "float32"))  # the tolerance the run resolved (delivery.py)
-        tolerance = check_tolerance(get("weight_sync", "check_tolerance", None), weights,
-                                    str(get("rollout", "dtype", weights)))
-        return cls(float(tolerance), max_staleness,
-                   float(get("watchdog", "starvation_warn_fraction", 0.9)),
-                   total if isinstance(total, int) and not isinstance(total, bool) else None,
-                   batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else None)
-
-
-@dataclass(frozen=True)
-class Finding:
-    """One invariant's verdict on a run: ``step`` is the first step it broke (None if none)."""
-
-    name: str
-    status: str
-    step: int | None
-    evidence: str
-    fix: str = ""
-
-    def line(self) -> str:
-        """``STATUS  name: evidence [first at step N] → fix`` (the fix only when broken)."""
-        at = f" (first at step {self.step})" if self.step is not None and self.status in (WARN, FAIL) else ""
-        fix = f"; fix: {self.fix}" if self.status in (WARN, FAIL) and self.fix else ""
-        return f"{self.status:<4}  {self.name}: {self.evidence}{at}{fix}"
-
-
 Judgement = tuple[str, str] | None
 StepCheck = Callable[[Row, Row | None, Limits], Judgement]
 
@@ -112,16 +72,16 @@ def _delta(row: Row, prev: Row | None, key: str) -> float | None:
     counter below the row before it started again from 0 in a new process (a resume that
     did not carry it over, as runs before the checkpoint kept the gateway's counts): its
     value is what the new process counted, never a negative increase."""
-    now = _num(row, key)
+    now = num(row, key)
     if now is None:
         return None
-    before = _num(prev, key) or 0.0
+    before = num(prev, key) or 0.0
     return now if now < before else now - before
 
 
 # ---------------------------------------------------------------- step checks
 def weights_delivered(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    diff = _num(row, "weight_sync/probe_max_abs_diff")
+    diff = num(row, "weight_sync/probe_max_abs_diff")
     if diff is None and "weight_sync/probe_max_abs_diff" in row:  # logged as null: NaN
         return FAIL, "the probe's max |Δ| is NaN (or an engine sampled the probe at another version)"
     if diff is not None and diff > limits.check_tolerance:
@@ -131,11 +91,11 @@ def weights_delivered(row: Row, prev: Row | None, limits: Limits) -> Judgement:
 
 
 def mismatch_at_lag0(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    k3, beyond = _num(row, "mismatch/k3_lag0"), _num(row, "mismatch/beyond_fraction_lag0")
+    k3, beyond = num(row, "mismatch/k3_lag0"), num(row, "mismatch/beyond_fraction_lag0")
     if k3 is None:
         return None
-    said = (f"k3 {k3:.3g}, max |Δ| {_num(row, 'mismatch/max_abs_lag0') or 0:.3g}, "
-            f"{beyond or 0:.1%} of {int(_num(row, 'mismatch/tokens_lag0') or 0)} tokens beyond the bound")
+    said = (f"k3 {k3:.3g}, max |Δ| {num(row, 'mismatch/max_abs_lag0') or 0:.3g}, "
+            f"{beyond or 0:.1%} of {int(num(row, 'mismatch/tokens_lag0') or 0)} tokens beyond the bound")
     if k3 > MISMATCH_K3_FAIL:
         return FAIL, said
     if k3 > MISMATCH_K3_WARN or (beyond or 0) > MISMATCH_BEYOND_WARN:
@@ -151,35 +111,35 @@ def tool_parse_failures(row: Row, prev: Row | None, limits: Limits) -> Judgement
 
 
 def template_rewrites(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    n = _num(row, "rollout/template_rewrites")
+    n = num(row, "rollout/template_rewrites")
     if n:
         return WARN, f"{int(n)} chat turns whose template rewrote earlier turns (a new trajectory each)"
     return None
 
 
 def untrainable_episodes(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    n = _num(row, "rollout/untrainable_episodes")
+    n = num(row, "rollout/untrainable_episodes")
     if n:
         return WARN, f"{int(n)} episodes with no model token to train on"
     return None
 
 
 def filtered_share(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    share = _num(row, "rollout/filtered_fraction_window")
+    share = num(row, "rollout/filtered_fraction_window")
     if share is not None and share > limits.starvation_warn_fraction:
         return WARN, f"{share:.0%} of the latest groups filtered (every sample scored the same)"
     return None
 
 
 def same_score_trained(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    share = _num(row, "rollout/same_score_fraction")
+    share = num(row, "rollout/same_score_fraction")
     if share is not None and share > SAME_SCORE_WARN:
         return FAIL if share >= 1 else WARN, f"{share:.0%} of the step's trained groups have zero reward variance"
     return None
 
 
 def stale_drops(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    dropped, generated = _num(row, "buffer/stale_dropped_total"), _generated(row)
+    dropped, generated = num(row, "buffer/stale_dropped_total"), _generated(row)
     if dropped and generated and dropped / generated > STALE_DROP_WARN:
         return WARN, (f"{int(dropped)} of {int(generated)} groups generated so far dropped as stale "
                       f"({dropped / generated:.0%})")
@@ -187,14 +147,14 @@ def stale_drops(row: Row, prev: Row | None, limits: Limits) -> Judgement:
 
 
 def repeated_searches(row: Row, prev: Row | None, limits: Limits) -> Judgement:
-    share = _num(row, "agent/duplicate_search_fraction")
+    share = num(row, "agent/duplicate_search_fraction")
     if share is not None and share > 0.5:
         return WARN, f"{share:.0%} of the step's episodes repeated a search (the duplicate guard's note)"
     return None
 
 
 def _generated(row: Row) -> float | None:
-    parts = [_num(row, f"rollout/groups_{k}_total") for k in ("accepted", "filtered", "all_error")]
+    parts = [num(row, f"rollout/groups_{k}_total") for k in ("accepted", "filtered", "all_error")]
     return None if any(p is None for p in parts) else sum(parts)  # type: ignore[arg-type]
 
 
@@ -245,7 +205,7 @@ STEP_INVARIANTS = (
 
 def train_rows(metrics: Sequence[Row]) -> list[Row]:
     """The optimizer steps' rows (step ≥ 1), in order."""
-    return [r for r in metrics if (_num(r, "step") or 0) >= 1]
+    return [r for r in metrics if (num(r, "step") or 0) >= 1]
 
 
 def step_finding(inv: StepInvariant, rows: Sequence[Row], limits: Limits) -> Finding:
@@ -258,17 +218,17 @@ def step_finding(inv: StepInvariant, rows: Sequence[Row], limits: Limits) -> Fin
     for row in rows:
         judged = inv.check(row, prev, limits)
         if judged is not None:
-            broken.append((_step(row), *judged))
+            broken.append((step_of(row), *judged))
         prev = row
     if not broken:
         return Finding(inv.name, OK, None, _ok_evidence(inv, rows))
-    worst = max(SEVERITY[s] for _, s, _ in broken)
-    step, status, evidence = next(b for b in broken if SEVERITY[b[1]] == worst)
+    gravest = max(SEVERITY[s] for _, s, _ in broken)
+    step, status, evidence = next(b for b in broken if SEVERITY[b[1]] == gravest)
     return Finding(inv.name, status, step, f"{evidence}; {len(broken)} of {len(rows)} steps", inv.fix)
 
 
 def _ok_evidence(inv: StepInvariant, rows: Sequence[Row]) -> str:
-    values = [v for r in rows if (v := _num(r, inv.keys[0])) is not None]
+    values = [v for r in rows if (v := num(r, inv.keys[0])) is not None]
     if inv.check is mismatch_at_lag0:
         return f"k3 ≤ {max(values):.2g} over {len(values)} steps; " + _by_lag(rows)
     if inv.check is weights_delivered:
@@ -285,9 +245,9 @@ def _by_lag(rows: Sequence[Row]) -> str:
     too, what the staleness correction is for."""
     parts = []
     for lag in range(MAX_LAG + 1):  # the last is every lag from MAX_LAG on
-        k3 = [v for r in rows if (v := _num(r, f"mismatch/k3_lag{lag}")) is not None]
+        k3 = [v for r in rows if (v := num(r, f"mismatch/k3_lag{lag}")) is not None]
         if k3:
-            top = max(_num(r, f"mismatch/max_abs_lag{lag}") or 0.0 for r in rows)
+            top = max(num(r, f"mismatch/max_abs_lag{lag}") or 0.0 for r in rows)
             parts.append(f"lag {lag}: k3 {sum(k3) / len(k3):.2g}, max |Δ| {top:.2g}")
     return "; ".join(parts)
 
@@ -299,7 +259,7 @@ def staleness_bound(samples: Sequence[Row], limits: Limits) -> Finding:
     sample from an older version (``orchestrator/staleness.py`` proves both)."""
     name, fix = "staleness ≤ η", "a bug in the staleness gate or a resumed run's versions: report it with the run dir"
     ages = [(int(s["step"]), trajectory_staleness(int(t), int(b)), s.get("group")) for s in samples
-            if (t := _num(s, "trained_version")) is not None and (b := _num(s, "behavior_version_min")) is not None
+            if (t := num(s, "trained_version")) is not None and (b := num(s, "behavior_version_min")) is not None
             and s.get("response_tokens", 1)]  # no model token: no version (-1), not a sample of any policy
     if not ages or limits.max_staleness is None:
         return Finding(name, SKIP, None, "no samples with versions, or no max_staleness in config.yaml")
@@ -331,7 +291,7 @@ def same_score_groups(samples: Sequence[Row]) -> Finding:
     name, fix = SAME_SCORE, SAME_SCORE_FIX
     groups: dict[tuple[int, Any], list[float]] = defaultdict(list)
     for s in samples:
-        if (r := _num(s, "reward")) is not None:
+        if (r := num(s, "reward")) is not None:
             groups[(int(s["step"]), s.get("group"))].append(r)
     if not groups:
         return Finding(name, SKIP, None, "no samples")
@@ -348,12 +308,12 @@ def same_score_groups(samples: Sequence[Row]) -> Finding:
 def episode_errors(errors: Sequence[Row], rows: Sequence[Row]) -> Finding:
     """Failed episode attempts (``errors.jsonl``): the most frequent exception named."""
     name = "failed episodes (errors.jsonl)"
-    total = max((_num(r, "rollout/episodes_error_total") or 0 for r in rows), default=0)
+    total = max((num(r, "rollout/episodes_error_total") or 0 for r in rows), default=0)
     if not errors and not total:
         return Finding(name, OK, None, "none")
     counts = Counter(str(e.get("exception", "?")).splitlines()[0][:120] for e in errors)
     common, n = counts.most_common(1)[0] if counts else ("?", 0)
-    steps = [int(s) for e in errors if (s := _num(e, "step")) is not None]
+    steps = [int(s) for e in errors if (s := num(e, "step")) is not None]
     return Finding(name, WARN, min(steps) if steps else None,
                    f"{len(errors)} attempts logged ({int(total)} episodes failed in all); "
                    f"most frequent: {common} (×{n})",
@@ -373,20 +333,20 @@ def servers_lost(rows: Sequence[Row]) -> Finding | None:
     lost = reissued = tokens = 0.0
     first, names, prev = None, [], None
     for row in fleet:
-        now = [_num(row, k) or 0.0 for k in keys]
-        before = [_num(prev, k) or 0.0 for k in keys]
+        now = [num(row, k) or 0.0 for k in keys]
+        before = [num(prev, k) or 0.0 for k in keys]
         if any(n < b for n, b in zip(now, before)):  # a resumed process: its counts start from 0 again
             before = [0.0] * len(keys)
         step_lost = now[0] - before[0]
         lost, reissued, tokens = lost + step_lost, reissued + now[1] - before[1], tokens + now[2] - before[2]
         if step_lost and first is None:
-            first = _step(row)
+            first = step_of(row)
         said = row.get("remote/lost_servers")
         if isinstance(said, str) and said and said not in names:
             names.append(said)
         prev = row
-    up = _num(fleet[-1], "remote/servers_up")
-    at_end = f"; {int(up)} up at step {_step(fleet[-1])}" if up is not None else ""
+    up = num(fleet[-1], "remote/servers_up")
+    at_end = f"; {int(up)} up at step {step_of(fleet[-1])}" if up is not None else ""
     if not lost:
         return Finding(name, OK, None, f"none lost in {len(fleet)} steps{at_end}")
     losses = f"{int(lost)} server loss{'es' if lost != 1 else ''} ({'; '.join(names) or 'unnamed'})"
@@ -404,88 +364,11 @@ def run_finished(rows: Sequence[Row], limits: Limits) -> Finding:
         return Finding(name, FAIL, None,
                        "no optimizer step logged: the run stopped (or is still) before its first step",
                        "read the run's stderr; a run whose groups are all filtered never trains (see above)")
-    last = _step(rows[-1])
+    last = step_of(rows[-1])
     if limits.total_steps is not None and last < limits.total_steps:
         return Finding(name, WARN, last, f"last step {last} of total_steps={limits.total_steps}: crashed, stopped "
                        "or still running", "resume it (resume=true), or read its stderr for why it stopped")
     return Finding(name, OK, None, f"{last} steps")
-
-
-TEACHER_LOGPROBS = "teacher's scores match its sampling"
-TEACHER_CHECK = "teacher/logprob_check_max_abs_diff"
-TEACHER_FIX = ("serve the teacher so that its scores (prompt_logprobs) are the distribution it samples from: the same "
-               "model and weights behind both routes, vLLM with --generation-config vllm (no penalties or top-k/top-p "
-               "from the model's generation_config.json) and --logprobs-mode processed_logprobs (the logprobs of what "
-               "it samples); a bf16/fp16 teacher whose gap is rounding alone: raise teacher.check_tolerance")
-JUDGE_FAILURES = "judge calls that failed"
-JUDGE_FAIL_SHARE = 0.5
-"""Share of the judge's calls that failed (over the whole run) above which the doctor FAILs:
-most episodes then learn from retries, or are dropped, not from the judge's grades."""
-
-
-def teacher_logprob_evidence(url: str | None, diff: float, tokens: int, tolerance: float) -> str:
-    """One sentence on the teacher's check, the live line's and the doctor's."""
-    return (f"the teacher at {url}: its logprobs of {tokens} tokens it sampled and its scores of the same tokens "
-            f"differ by up to {diff:.3g} (teacher.check_tolerance {tolerance:g})")
-
-
-def _section(config: Row, name: str) -> Row:
-    part = config.get(name)
-    return part if isinstance(part, dict) else {}
-
-
-def teacher_logprobs(config: Row, rows: Sequence[Row]) -> Finding:
-    """The teacher's check (pre-flight, ``asyncrl/frozen/teacher.py``: its sampled logprobs
-    against its scores of the same tokens) in the first row of each process of the run: FAIL
-    when one is beyond ``teacher.check_tolerance`` (or NaN)."""
-    teacher = _section(config, "teacher")
-    url = teacher.get("url")
-    if not url:
-        return Finding(TEACHER_LOGPROBS, OK, None, "no teacher in this run (teacher.url unset)")
-    checks = [(_step(r), v if (v := _num(r, TEACHER_CHECK)) is not None else math.nan,
-               int(_num(r, "teacher/logprob_check_tokens") or 0)) for r in rows if TEACHER_CHECK in r]
-    if not checks:
-        return Finding(TEACHER_LOGPROBS, SKIP, None, f"not logged ({TEACHER_CHECK})")
-    tolerance = float(teacher.get("check_tolerance") or 0.5)
-    bad = [c for c in checks if not c[1] <= tolerance]
-    step, diff, tokens = bad[0] if bad else max(checks, key=lambda c: c[1])
-    evidence = teacher_logprob_evidence(url, diff, tokens, tolerance)
-    if bad:
-        return Finding(TEACHER_LOGPROBS, FAIL, step, f"{evidence}; {len(bad)} of {len(checks)} checks", TEACHER_FIX)
-    return Finding(TEACHER_LOGPROBS, OK, None, f"{evidence}; {len(checks)} checks")
-
-
-def judge_failures(config: Row, rows: Sequence[Row], errors: Sequence[Row]) -> Finding:
-    """The judge by URL's calls that failed, over the whole run: the rows' counters
-    (``rollout/judge_calls_total``, ``rollout/judge_failures_total``, cumulative, from the last
-    row) raised by the judge's failed attempts in ``errors.jsonl`` beyond them (those after the
-    last row; a run stopped before its first step has only these). FAIL above
-    :data:`JUDGE_FAIL_SHARE`, naming the judge, the counts and its last error."""
-    judge, reward_fn = _section(config, "judge"), _section(config, "task").get("reward_fn")
-    if not uses_judge(reward_fn):
-        return Finding(JUDGE_FAILURES, OK, None, "no judge in this run (task.reward_fn does not name it)")
-    url = judge.get("url")
-    if not url:
-        return Finding(JUDGE_FAILURES, OK, None, f"a local reward model ({judge.get('reward_model')}): its failures "
-                       "are the failed episodes'")
-    last = next((r for r in reversed(rows) if "rollout/judge_calls_total" in r), {})
-    calls, failures = int(_num(last, "rollout/judge_calls_total") or 0), int(_num(last, "rollout/judge_failures_total")
-                                                                              or 0)
-    logged = [e for e in errors if f"the judge at {url}" in str(e.get("exception", ""))]
-    beyond = max(0, len(logged) - failures)
-    calls, failures = calls + beyond, failures + beyond
-    if not calls:
-        return Finding(JUDGE_FAILURES, SKIP, None, "no judge call logged (rollout/judge_calls_total, errors.jsonl)")
-    said = f"the judge at {url} failed {failures} of {calls} calls ({failures / calls:.0%})"
-    if logged:
-        said += f"; the last error: {str(logged[-1]['exception']).splitlines()[0][:200]}"
-    if failures / calls > JUDGE_FAIL_SHARE:
-        steps = [int(s) for e in logged if (s := _num(e, "step")) is not None]
-        return Finding(JUDGE_FAILURES, FAIL, min(steps) if steps else None, said,
-                       "check that the judge's server is up and answers /v1/chat/completions within judge.timeout_s "
-                       "(raise it, or judge.max_concurrency lower, for a loaded server); a reply with no grade: make "
-                       "judge.prompt ask for the format judge.grade_pattern reads")
-    return Finding(JUDGE_FAILURES, OK, None, said)
 
 
 def check_run(config: Row, max_staleness: float | None, metrics: Sequence[Row], samples: Sequence[Row],
@@ -501,19 +384,15 @@ def check_run(config: Row, max_staleness: float | None, metrics: Sequence[Row], 
             judge_failures(config, rows, errors), episode_errors(errors, rows), run_finished(rows, limits)]
 
 
-def worst(findings: Sequence[Finding]) -> int:
-    """The exit status the findings make: 0 all OK (or skipped), 1 a WARN, 2 a FAIL."""
-    return max((SEVERITY[f.status] for f in findings), default=0)
-
-
 class InvariantWatch:
     """The step checks, live: each row of a running training is judged as it is logged, and
     the first break of each invariant is said once (``say``), with its step, its number
     and the fix; the rest show in ``asyncrl doctor``."""
 
-    def __init__(self, limits: Limits, say: Callable[[str], None]) -> None:
+    def __init__(self, limits: Limits, say: Callable[[str], None], prev: Row | None = None) -> None:
+        """``prev``: a resumed run's last row, from which its first step's counters increase."""
         self.limits, self.say = limits, say
-        self.prev: Row | None = None
+        self.prev = prev
         self.said: set[str] = set()
 
     def observe(self, row: Row) -> None:

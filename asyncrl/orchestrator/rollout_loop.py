@@ -19,6 +19,7 @@ from asyncrl.frozen.teacher import score_group
 from asyncrl.orchestrator.buffer import BUFFER_COUNTS, GroupBuffer, ReadyGroup
 from asyncrl.orchestrator.checkpoint import RunState
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
+from asyncrl.orchestrator.step_meter import RolloutSide
 from asyncrl.orchestrator.task_sampler import SAMPLER_COUNTS, TaskSampler, group_outcome
 from asyncrl.orchestrator.task_stream import Draw, TaskStream
 from asyncrl.orchestrator.watchdog import Watchdog
@@ -193,6 +194,13 @@ class RolloutLoop:
         wanted = {(self.tasks[d.index].id, d.epoch) for d in reissue}
         waiting = [j for key, samples in self.replays.items() if key in wanted for j in samples.values()]
         return [j for j in journals if (j["key"]["task_id"], j["key"]["draw"]) in wanted] + waiting
+
+    def side(self, counters: dict[str, int]) -> RolloutSide:
+        """This side's part of a step's row, read at once (no await between the parts): the
+        starvation window's filtered fraction, ``counters``, every episode's reward finished
+        since the last step, the buffer."""
+        held = {"groups_ready": len(self.buffer), "stale_dropped_total": self.buffer.stale_dropped}
+        return RolloutSide(self.watchdog.starvation.fraction, counters, self.take_finished_rewards(), held)
 
     def take_finished_rewards(self) -> list[float]:
         finished, self.finished_rewards = self.finished_rewards, []

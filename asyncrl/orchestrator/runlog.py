@@ -68,7 +68,8 @@ class RunLog:
         self._queue: deque[tuple[dict[str, Any], asyncio.Future[dict[str, Any]] | None]] = deque()
         self.failure: LogWriteError | None = None  # the first row that could not be written
         self._failed = asyncio.Event()
-        self.bar = tqdm(total=cfg.total_steps, initial=resume_step or 0, desc=f"train[{cfg.mode}]", unit="step",
+        self._label = f"train[{cfg.mode}]"
+        self.bar = tqdm(total=cfg.total_steps, initial=resume_step or 0, desc=self._label, unit="step",
                         dynamic_ncols=True)
 
     # -- metrics, in step order -----------------------------------------------
@@ -141,6 +142,10 @@ class RunLog:
                  "filtered": "rollout/groups_filtered_total", "mismatch": "mismatch/k3_lag0"}
         self._shown.update({k: f"{row[v]:.3g}" for k, v in shown.items() if row.get(v) is not None})
         self.bar.set_postfix(self._shown)
+
+    def starved(self, status: str | None) -> None:
+        """The bar's label says when the learner starves (``status``: why), None when not."""
+        self.bar.set_description(self._label + (f" STARVED ({status})" if status else ""))
 
     # -- the other files --------------------------------------------------------
     def samples(self, rows: list[dict[str, Any]]) -> None:

@@ -22,7 +22,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from tqdm import tqdm
 
@@ -54,6 +54,11 @@ class StopControl:
 
     async def wait(self) -> None:
         await self.requested.wait()
+
+    async def then(self, call: Callable[[], object]) -> None:
+        """``call()`` once a stop is asked (a task beside the run: cancel it when done)."""
+        await self.requested.wait()
+        call()
 
     def is_set(self) -> bool:
         return self.requested.is_set()
@@ -116,3 +121,22 @@ class StopControl:
         tqdm.write(f"asyncrl: still stopping after {STILL_STOPPING_S:g} s: the step, an evaluation or the "
                    f"checkpoint is not done{stuck}; a second Ctrl-C or SIGTERM stops at once, without a checkpoint",
                    file=sys.stderr)
+
+
+@contextlib.contextmanager
+def first_failure_raised() -> Iterator[None]:
+    """Around a task group: its failure raised as the first failure in it that is not a
+    cancellation, with its own traceback, not as a group of it and the cancellations it
+    caused; a group of cancellations alone is raised as it is."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        first = next((e for e in _leaves(group) if not isinstance(e, asyncio.CancelledError)), None)
+        if first is None:
+            raise
+        raise first from first.__cause__
+
+
+def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
+    for exc in group.exceptions:
+        yield from _leaves(exc) if isinstance(exc, BaseExceptionGroup) else (exc,)

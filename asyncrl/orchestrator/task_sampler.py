@@ -2,7 +2,7 @@
 uniform``, the default), or fewer of those that teach nothing at present (``adaptive``).
 
 A group whose samples all score the same has zero advantage and is filtered: its
-generation teaches nothing (69 % of the groups of the Countdown example). Online
+generation teaches nothing (most of the Countdown example's groups: docs/results.md). Online
 difficulty filtering — DAPO's dynamic sampling, the per-problem pass rates Kimi k1.5 and
 Polaris sample by — spends less generation on such tasks. ``adaptive`` keeps, per task,
 the outcomes of its last ``window`` groups: ``saturated`` (every sample solved: reward ≥

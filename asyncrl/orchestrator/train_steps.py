@@ -13,14 +13,27 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from asyncrl.config import Config
 from asyncrl.learner import TrainBatch, pack_batch
 from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup, trainable
 from asyncrl.orchestrator.step_meter import Trained, learner_call
 from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.orchestrator.watchdog import Watchdog
+from asyncrl.policy import resolve_device
 from asyncrl.runtime import LearnerHandle, RolloutHandle
 
 T = TypeVar("T")
+
+
+def engine_computes_as_learner(cfg: Config) -> bool:
+    """Whether the engine's logprobs are the learner's at the same version, to float32
+    rounding: no weight noise, the engine in the weights' dtype, and the learner not under
+    bf16 autocast (``learner.autocast``; unset means bf16 on CUDA). Only then may an on-policy
+    batch take π_prox := μ and skip the recompute; otherwise the correction and the masks
+    would never see the engine–learner mismatch on the trained version's tokens."""
+    autocast = cfg.learner.autocast == "bfloat16" or (
+        cfg.learner.autocast is None and resolve_device(cfg.model.device).type == "cuda")
+    return not cfg.rollout.engine_weight_noise and cfg.engine_dtype == cfg.model.dtype and not autocast
 
 
 class TrainSteps:
@@ -39,6 +52,23 @@ class TrainSteps:
         self.batch_size, self.pad_token_id = batch_size, pad_token_id
         self._stop, self._watchdog, self._on_train, self._now = stop, watchdog, on_train, now
         self.engine_exact, self.distill_coef = engine_exact, distill_coef
+        self.streaming = False  # learner.streaming: each group handed to the learner as it is taken
+
+    @classmethod
+    def for_run(cls, cfg: Config, buffer: GroupBuffer, learner: LearnerHandle, rollout: RolloutHandle,
+                pad_token_id: int, stop: StopControl, watchdog: Watchdog, now: Callable[[], float],
+                on_train: Callable[[float, float, int], None]) -> TrainSteps:
+        """A run's, from its config: B, the recompute rule (:func:`engine_computes_as_learner`),
+        the distillation weight, batched or streamed."""
+        steps = cls(buffer, learner, rollout, batch_size=cfg.batch_size, pad_token_id=pad_token_id, stop=stop,
+                    watchdog=watchdog, on_train=on_train, now=now, engine_exact=engine_computes_as_learner(cfg),
+                    distill_coef=cfg.teacher.coef if cfg.teacher.url else 0.0)
+        steps.streaming = cfg.learner.streaming
+        return steps
+
+    async def train(self, version: int, step: int) -> Trained | None:
+        """The step's training at ``version``: :meth:`streamed` or :meth:`batched`."""
+        return await (self.streamed if self.streaming else self.batched)(version, step)
 
     async def batched(self, version: int, step: int) -> Trained | None:
         """Wait for the step's B groups, then one ``train_step`` on them all. None when a

@@ -17,51 +17,34 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
-from collections.abc import Iterator
+from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from asyncrl.config import Config, changed_settings, run_settings
-from asyncrl.frozen.judge import uses_judge
-from asyncrl.jsonl import read_jsonl
-from asyncrl.orchestrator.announce import banner, finished_note, run_tool_format, save_run_config
-from asyncrl.orchestrator.checkpoint import (
-    IN_FLIGHT_FILE,
-    RUN_STATE_FILE,
-    RunState,
-    encode_in_flight,
-    mark_kept,
-    read_in_flight,
-    rollback_logs,
-    rotate,
-    save_due,
-    starting_point,
-)
+from asyncrl.jsonl import last_row
+from asyncrl.orchestrator.announce import banner, finished_note, resume_note, run_tool_format, save_run_config
+from asyncrl.orchestrator.checkpoint import RunState, resume_point, rollback_logs
 from asyncrl.orchestrator.evaluations import RunEvaluations
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.invariants import InvariantWatch, Limits
-from asyncrl.orchestrator.metrics import eval_sample_row, judge_calls, sample_rows
+from asyncrl.orchestrator.metrics import eval_sample_row, sample_rows
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
+from asyncrl.orchestrator.run_checkpoints import RunCheckpoints
+from asyncrl.orchestrator.run_counters import RunCounters
 from asyncrl.orchestrator.runlog import RunLog
 from asyncrl.orchestrator.step_meter import RolloutSide, StepMeter, Trained
-from asyncrl.orchestrator.stopping import StopControl
-from asyncrl.orchestrator.train_steps import TrainSteps
+from asyncrl.orchestrator.stopping import StopControl, first_failure_raised
+from asyncrl.orchestrator.train_steps import TrainSteps, engine_computes_as_learner  # noqa: F401 (importable here)
 from asyncrl.orchestrator.watchdog import Watchdog
-from asyncrl.policy import resolve_device
 from asyncrl.runtime import RuntimeStarter, Weights, one_torch_thread, start
 from asyncrl.tasks.base import TaskSplits
 from asyncrl.types import Episode
 from asyncrl.weight_sync.delivery import DeliveryCheck, WeightsNotDelivered
-
-
-def last_row(path: Path) -> dict[str, Any] | None:
-    """The last row of a log, None when it has none."""
-    rows = read_jsonl(path) if path.is_file() else []
-    return rows[-1] if rows else None
 
 
 class Trainer:
@@ -72,8 +55,7 @@ class Trainer:
         from ``check_inputs`` where it ran already (the CLI, before torch loads)."""
         self._start_runtime = runtime
         self.cfg, self.output_dir = cfg, Path(cfg.output_dir)
-        checkpoint = starting_point(self.output_dir, cfg.resume)
-        state = RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()) if checkpoint else None
+        checkpoint, state, in_flight = resume_point(self.output_dir, cfg.resume)
         # a resume: the settings that differ from those the run last trained with, and whether
         # anything is left to train (a finished run: run() says so and writes nothing)
         self.changed_settings = changed_settings(run_settings(self.output_dir) or {}, cfg) if state else {}
@@ -84,29 +66,24 @@ class Trainer:
                                                                 checked.hooks)
         # the teacher's sampled logprobs against its scores (pre-flight): in this process's first row
         self._teacher_check = checked.teacher_check.row() if checked.teacher_check else {}
-        self._judged_by_url = bool(cfg.judge.url) and uses_judge(cfg.task.reward_fn)
         self.watchdog = Watchdog(cfg.watchdog, output_dir=self.output_dir)
         self._stop = StopControl()
-        self.last_checkpoint: Path | None = checkpoint
-        self._saved_step: int | None = None
-        # when the last checkpoint was written (or the run began): the real clock, not the loop's, since
-        # save_every_minutes bounds what a kill costs in real time (a plan's virtual clock jumps)
-        self._saved_at = time.monotonic()
-        self.save_seconds: dict[int, float] = {}  # each checkpoint save's wall time, by step (off a benchmark's clock)
-        self.resumed_from = state
+        self.checkpoints = RunCheckpoints(cfg, self.output_dir, checkpoint)
+        self.save_seconds = self.checkpoints.seconds  # each save's time, by step (a benchmark takes it off its clock)
+        self.resumed_from: RunState | None = state
         self.step = state.step if state else 0  # optimizer steps taken; each made one version
-        in_flight = read_in_flight(checkpoint) if checkpoint else []
         self.rollouts = RolloutLoop(cfg, self.splits.train, self.version, self.watchdog, state, in_flight)
-        self._restarts_before = state.counters.pop("worker_restarts", 0) if state else 0
-        # what the checkpoint counted: the rollout workers' and the log's counts start at 0 in
-        # this process and continue from it (_continued); the watchdog's are its own
-        self._counted_before = dict(state.counters) if state else {}
-        self.watchdog.counts.update(state.counters if state else {})
+        self.counters = RunCounters(cfg, state, self.watchdog)
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
         self._tool_format = run_tool_format(cfg, self.tokenizer)  # samples' tool_calls, read as the gateway reads
+        self._decode = partial(self.tokenizer.decode, skip_special_tokens=True)  # a sample's text
         self.evaluations = RunEvaluations(cfg, self.splits.validation, self._stop, self._now, self._seen_eval)
 
-    # ------------------------------------------------------------- control
+    @property
+    def last_checkpoint(self) -> Path | None:
+        """The run's newest checkpoint: the one it resumed from until it saves one."""
+        return self.checkpoints.last
+
     def run(self) -> Path:
         """The whole run in a fresh event loop; returns the final checkpoint. Any thread."""
         return asyncio.run(self.run_async())
@@ -127,7 +104,6 @@ class Trainer:
         step count, kept once (the gate's and the engines' versions follow it by sync)."""
         return self.step
 
-    # ---------------------------------------------------------------- main
     async def run_async(self) -> Path:
         """The whole run on the caller's event loop; returns the final checkpoint."""
         if self.finished:  # a resume with nothing left to train: said, and not a file touched
@@ -143,27 +119,21 @@ class Trainer:
                 self._model = None  # the runtime holds the weights now
                 self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
                 self.delivery = DeliveryCheck.for_config(self.learner, self.rollout, self.tokenizer, self.cfg)
-                self.train_steps = TrainSteps(
-                    self.rollouts.buffer, self.learner, self.rollout, batch_size=self.cfg.batch_size,
-                    pad_token_id=self.tokenizer.pad_token_id or 0, stop=self._stop,
-                    watchdog=self.watchdog, now=self._now,
-                    engine_exact=engine_computes_as_learner(self.cfg),
-                    distill_coef=self.cfg.teacher.coef if self.cfg.teacher.url else 0.0,
-                    on_train=lambda start, end, step: self.log.event("train", start, end, step=step))
+                self.train_steps = TrainSteps.for_run(
+                    self.cfg, self.rollouts.buffer, self.learner, self.rollout, self.tokenizer.pad_token_id or 0,
+                    self._stop, self.watchdog, self._now, lambda start, end, step: self.log.event("train", start, end,
+                                                                                                  step=step))
                 if state is not None:
-                    removed = rollback_logs(self.output_dir, state)
-                    print(f"asyncrl: resuming from {self.last_checkpoint} (step {state.step}); rolled back rows "
-                          f"written after it: {removed}", file=sys.stderr)
-                    print(f"asyncrl: {self.rollouts.replay_note()}", file=sys.stderr)
+                    print(resume_note(self.last_checkpoint, state.step, rollback_logs(self.output_dir, state),
+                                      self.rollouts.replay_note()), file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
-                self.log.errors_unlogged = self._counted_before.get("errors_unlogged", 0)
+                self.log.errors_unlogged = self.counters.errors_unlogged_before
                 # each invariant's first break said once, live, above the bar (asyncrl doctor checks the whole run)
                 limits = Limits.from_config(self.cfg.model_dump(), self.rollouts.gate.max_staleness)
-                self.invariants = InvariantWatch(limits, say=lambda line: tqdm.write(line, file=sys.stderr))
-                if state is not None:  # a counter's increase over the first step resumed is from the checkpoint's row
-                    self.invariants.prev = last_row(self.output_dir / "metrics.jsonl")
+                self.invariants = InvariantWatch(limits, lambda line: tqdm.write(line, file=sys.stderr),
+                                                 prev=last_row(self.output_dir / "metrics.jsonl") if state else None)
                 self.start_time = _clock() - (state.elapsed_s if state else 0.0)
-                self._saved_at = time.monotonic()  # the model load and the runtime's start do not count
+                self.checkpoints.restart_clock()
                 try:
                     await self._loops(evaluate_first=state is None, first_step=first_step)
                     self.wall_s = self._now()
@@ -176,11 +146,13 @@ class Trainer:
         """Training, with the rollout loop beside it, until the last step or a stop; then the
         final checkpoint, taken while the rollouts still run so that the episodes under way
         are in it (``in_flight.jsonl``), and only then the rollouts are cancelled."""
-        try:
+        with first_failure_raised():
             async with asyncio.TaskGroup() as tasks:
                 self.evaluations.start(tasks, self.learner, self.rollout, self.log)
-                side = [tasks.create_task(self.watchdog.watch(self._show_starved)),
-                        tasks.create_task(self._learner_stop_soon())]
+                # once a stop is asked, a learner call under way gets the stop's grace to return
+                # (watchdog.learner_stop_grace_s), not its whole deadline: a hung step must not hold a first Ctrl-C
+                side = [tasks.create_task(self.watchdog.watch(self.log.starved)),
+                        tasks.create_task(self._stop.then(self.learner.stop_soon))]
                 if evaluate_first:
                     self.log.step({"step": 0, "version": self.version}, await self._evaluation(0))
                 side.append(tasks.create_task(self.rollouts.run(
@@ -197,31 +169,17 @@ class Trainer:
                 for task in side:
                     task.cancel()
             return last
-        except BaseExceptionGroup as group:  # the first failure, with its own traceback, not a group
-            first = next((e for e in _leaves(group) if not isinstance(e, asyncio.CancelledError)), None)
-            if first is None:
-                raise
-            raise first from first.__cause__
-
-    async def _learner_stop_soon(self) -> None:
-        """Once a stop is asked, a learner call under way gets the stop's grace to return
-        (``watchdog.learner_stop_grace_s``), not its whole deadline: a hung step must not hold
-        a first Ctrl-C forever."""
-        await self._stop.wait()
-        self.learner.stop_soon()
 
     async def _train_loop(self) -> int:
         """Each step: take B groups and train on them, sync the weights, log the step (with
         its evaluation), call the hooks, checkpoint when due."""
         while self.step < self.cfg.total_steps and not self._stop.is_set():
             meter, trained_version, step = await StepMeter.started(self.rollout), self.version, self.step + 1
-            train = self.train_steps.streamed if self.cfg.learner.streaming else self.train_steps.batched
-            trained = await train(trained_version, step)
+            trained = await self.train_steps.train(trained_version, step)
             if trained is None:  # asked to stop while waiting for data: nothing half-done to finish
                 break
             self.step = step
-            due = step == self.cfg.total_steps or bool(self.cfg.eval_every and step % self.cfg.eval_every == 0)
-            synced = self._sync_due(step, due)
+            due, synced = self.evaluations.due(step), self._sync_due(step)
             # the rollout side is read before the sync opens the gate to the next version: after
             # it, how many of that version's episodes have finished is a matter of timing, and
             # a sync run and an async η = 0 run would log different rows for the same samples
@@ -247,18 +205,9 @@ class Trainer:
 
     async def _rollout_side(self) -> RolloutSide:
         """The rollout side's part of a step's row: episodes finished since the last step,
-        group counters, the buffer. The window's fraction, the counters and the buffer are
-        read together, before any await."""
-        fraction, counters, rewards, buffer = (self.watchdog.starvation.fraction, self._counters(),
-                                               self.rollouts.take_finished_rewards(), self.rollouts.buffer)
-        held = {"groups_ready": len(buffer), "stale_dropped_total": buffer.stale_dropped}
-        return RolloutSide(fraction, self._continued(counters, await self.rollout.gateway_counts()), rewards, held)
-
-    def _continued(self, counters: dict[str, int], gateway: dict[str, int]) -> dict[str, int]:
-        """``counters`` (:meth:`_counters`) and the rollout workers' ``gateway`` counts, each
-        of those added to what the checkpoint held: every ``rollout/*_total`` continues
-        across a resume (a process counts from 0)."""
-        return {**counters, **{k: self._counted_before.get(k, 0) + v for k, v in gateway.items()}}
+        group counters, the buffer, read together before any await; then the gateway's counts."""
+        side = self.rollouts.side(self.counters.now(self.rollout.restarts, self.log.errors_unlogged))
+        return replace(side, counters=self.counters.continued(side.counters, await self.rollout.gateway_counts()))
 
     async def _row(self, meter: StepMeter, step: int, trained_version: int, trained: Trained,
                    side: RolloutSide) -> dict[str, Any]:
@@ -274,18 +223,14 @@ class Trainer:
         while self._epochs_reported < self.rollouts.stream.epochs_handed_out:
             await self._hook("on_epoch_end", row, epoch=self._epochs_reported)
             self._epochs_reported += 1
-        due = save_due(step, self.cfg.total_steps, self.cfg.save_every, self.cfg.save_every_minutes,
-                       time.monotonic() - self._saved_at)
-        if due is not None:
+        if due := self.checkpoints.due(step):
             await self._save(step, interim=due == "interim")
 
-    def _sync_due(self, step: int, evaluation_due: bool) -> bool:
+    def _sync_due(self, step: int) -> bool:
         """Every ``sync_every`` steps; and, whatever ``sync_every``, after the last step (the
-        engines end serving the final policy) and before an evaluation that scores what
-        the engines serve (not beside training): a step's evaluation is of that step's
-        version. An extra sync only makes samples fresher: the gate's bound holds."""
-        return (step % self.cfg.sync_every == 0 or step == self.cfg.total_steps
-                or (evaluation_due and not self.cfg.background_eval))
+        engines end serving the final policy) and before an evaluation of what the engines
+        serve. An extra sync only makes samples fresher: the gate's bound holds."""
+        return step % self.cfg.sync_every == 0 or step == self.cfg.total_steps or self.evaluations.needs_sync(step)
 
     async def _sync_weights(self, actor: dict[str, float]) -> Weights | None:
         """Send the learner's weights to the engines (``weight_sync.method``; every engine's
@@ -301,56 +246,32 @@ class Trainer:
     async def _hook(self, name: HookName, metrics: dict[str, Any], epoch: int | None = None) -> None:
         await self.hooks.call(HookEvent(name, self.step, self.version, metrics, self, epoch))
 
-    def _show_starved(self, status: str | None) -> None:
-        self.log.bar.set_description(f"train[{self.cfg.mode}]" + (f" STARVED ({status})" if status else ""))
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def _now(self) -> float:
         return _clock() - self.start_time
 
-    # ------------------------------------------------- checkpoints (a hook may ask)
     async def save(self) -> Path:
+        """A kept checkpoint of the current step, now (for a hook); its path."""
         await self._save_kept(self.step)
         return self.last_checkpoint
 
     async def _save_kept(self, step: int) -> None:
-        """A kept checkpoint of ``step``: saved, or, where ``step``'s is already saved as an
-        interim one, that one marked kept."""
-        if self._saved_step != step:
+        if not self.checkpoints.mark_kept(step):  # not saved yet (as interim: it is kept now)
             await self._save(step)
-        elif self.last_checkpoint is not None:
-            mark_kept(self.last_checkpoint)
 
     async def _save(self, step: int, interim: bool = False) -> None:
-        """``interim``: saved by time only, removed once a later checkpoint is written (``rotate``)."""
-        start = _clock()
-        await self.log.flushed()  # the rows up to ``step``, evaluations included, are on disk first
-        journals = await self.rollout.in_flight()  # the episodes under way, continued after a restart
-        gateway = await self.rollout.gateway_counts()
-        state = RunState(step=step, elapsed_s=self._now(), counters=self._continued(self._counters(), gateway),
-                         interim=interim,
-                         **self.rollouts.snapshot())
-        in_flight = self.rollouts.journals_to_keep(journals, state.reissue)
-        ckpt_dir = self.output_dir / "checkpoints"
-        self.last_checkpoint = await self.learner.save_checkpoint(
-            ckpt_dir / f"step_{step}", {"step": step},
-            {RUN_STATE_FILE: state.to_json(), IN_FLIGHT_FILE: encode_in_flight(in_flight)})
-        self._saved_step, self._saved_at = step, time.monotonic()
-        rotate(ckpt_dir, self.cfg.keep_last, newest=self.last_checkpoint)
-        self.save_seconds[step] = _clock() - start
+        await self.checkpoints.save(step, self.learner, self._checkpoint_contents, interim)
 
-    def _counters(self) -> dict[str, int]:
-        """Since the run began (across resumes)."""
-        return {**self.watchdog.counts, "worker_restarts": self._restarts_before + self.rollout.restarts,
-                "errors_unlogged": self.log.errors_unlogged}
+    async def _checkpoint_contents(self, step: int, interim: bool) -> tuple[RunState, list[dict[str, Any]]]:
+        """What a checkpoint holds beyond the learner's state: the run state, and the journals of
+        the episodes under way that a restart continues; once the rows up to ``step`` are on disk."""
+        await self.log.flushed()  # evaluations' included
+        journals, gateway = await self.rollout.in_flight(), await self.rollout.gateway_counts()
+        counts = self.counters.continued(self.counters.now(self.rollout.restarts, self.log.errors_unlogged), gateway)
+        state = RunState(step=step, elapsed_s=self._now(), counters=counts, interim=interim, **self.rollouts.snapshot())
+        return state, self.rollouts.journals_to_keep(journals, state.reissue)
 
     def _seen(self, episode: Episode, phase: str) -> None:
-        self.watchdog.episode(episode, phase)
-        if self._judged_by_url:  # rollout/judge_calls_total, rollout/judge_failures_total (asyncrl doctor's)
-            for key, n in zip(("judge_calls", "judge_failures"), judge_calls(episode), strict=True):
-                self.watchdog.counts[key] = self.watchdog.counts.get(key, 0) + n
+        self.counters.episode(episode, phase)
         self.log.errors(self.step, phase, episode)
 
     def _seen_eval(self, episode: Episode, step: int, version: int) -> None:
@@ -358,7 +279,6 @@ class Trainer:
         self._seen(episode, "eval")
         self.log.eval_samples([eval_sample_row(episode, version, self._decode, self._tool_format, step=step)])
 
-    # ------------------------------------------------------------ evaluation
     async def evaluate(self) -> dict[str, Any]:
         """The current version scored now (for a hook); on the timeline, not in metrics.jsonl.
         ``{}`` when a stop cut it short."""
@@ -372,23 +292,8 @@ class Trainer:
         return await self.evaluations.of(step, self.version, self.rollouts.gate.version, weights)
 
 
-def engine_computes_as_learner(cfg: Config) -> bool:
-    """Whether the engine's logprobs are the learner's at the same version, to float32
-    rounding: no weight noise, the engine in the weights' dtype, and the learner not under
-    bf16 autocast (``learner.autocast``; unset means bf16 on CUDA). Only then may an on-policy
-    batch take π_prox := μ and skip the recompute; otherwise the correction and the masks
-    would never see the engine–learner mismatch on the trained version's tokens."""
-    autocast = cfg.learner.autocast == "bfloat16" or (
-        cfg.learner.autocast is None and resolve_device(cfg.model.device).type == "cuda")
-    return not cfg.rollout.engine_weight_noise and cfg.engine_dtype == cfg.model.dtype and not autocast
-
-
 def _clock() -> float:
     """The event loop's clock: every time a run measures is on it, so on a simulated clock
     (``asyncrl plan``: ``asyncrl/plan/virtual_clock.py``) the metrics are in simulated seconds."""
     return asyncio.get_running_loop().time()
 
-
-def _leaves(group: BaseExceptionGroup) -> Iterator[BaseException]:
-    for exc in group.exceptions:
-        yield from _leaves(exc) if isinstance(exc, BaseExceptionGroup) else (exc,)

@@ -57,8 +57,8 @@ class StarvationGuard:
     """Whether zero-variance filtering starves the learner: the filtered fraction of the
     last ``window`` finished groups, against a warning and a stopping limit.
 
-    Filtering as such is healthy (the Countdown example drops ~69 % of its groups all
-    run); starvation is a policy whose samples all score the same, collapsed onto one
+    Filtering as such is healthy (the Countdown example drops most of its groups all run:
+    docs/results.md); starvation is a policy whose samples all score the same, collapsed onto one
     answer or saturated, so each trained group costs 1 / (1 - fraction) generated ones
     and a step takes minutes. Pure counting, no clock: fed group by group, tested on
     synthetic streams. An episode of starvation begins when the fraction passes the

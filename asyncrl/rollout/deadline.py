@@ -5,8 +5,9 @@ tool that hangs, an agent that waits on nothing, an engine that stopped. Under l
 healthy episode spends most of its life in the engine: queued behind up to
 ``rollout.max_concurrent_episodes`` others, then decoding in a batch whose steps a busy
 CPU makes slow. A clock that counted that failed every episode of a run on a loaded
-machine (issue 47), and so did one that counted only the time after admission: under two
-CPU hogs and six other jobs on 2 cores, a reply got 11 tokens in its 60 s of service.
+machine (issue 47), and so did one that counted only the time after admission: on a
+machine loaded enough, a reply gets only a few tokens in a whole ``timeout_s`` of service
+(docs/design.md, "Measurements behind choices in the code").
 
 So the clock stops while the episode waits for one of its engine calls, as long as that
 call makes progress: while it is queued, the engine works (its ``stats.busy_s`` grows,

@@ -76,8 +76,8 @@ def _thread_split(cfg: Config, train: bool = True) -> tuple[int, int | None]:
 
     Always a number for the engine, never "leave it": the engine's thread is made after
     the event loop's thread went to one torch thread (:func:`one_torch_thread`), and a new
-    thread left alone decoded on one core of two (2026-11-27: ``asyncrl eval`` of the
-    DeepResearch agent at 100 % CPU on a 2-core machine, its engine thread alone busy)."""
+    thread left alone decodes on one core, however many there are (the run that showed it:
+    docs/design.md, "Measurements behind choices in the code")."""
     cores = torch.get_num_threads() or 2
     if not train:
         return cfg.rollout.num_threads or cores, None

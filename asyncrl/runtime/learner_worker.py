@@ -120,7 +120,7 @@ class LearnerWorker:
         """Every rank returns the same metrics (reduced over ranks)."""
         with self._computing():
             metrics = self.learner.train_step(batch, on_policy=on_policy)
-        self._heap.trim()  # at most once a second: ~7 ms a call beside the engine, a step can take 0.1 s
+        self._heap.trim()  # at most once a second: a trim beside the engine costs a share of a short step
         return metrics
 
     def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
@@ -139,8 +139,8 @@ class LearnerWorker:
         run's one kind of update (``Learner.engine_weights``, ``asyncrl/learner/export.py``).
         Within the core budget like a step: the export touches every weight, and beside an
         engine that took every core once the step ended (``turns``: always, its groups
-        queued) it was a second thread team on the cores — weight syncs of up to 3.5 s
-        against 0.2 s (docs/scaling.md, `turns`)."""
+        queued) it was a second thread team on the cores, and weight syncs took many times
+        longer (docs/scaling.md, `turns`)."""
         with self._computing():
             return self.learner.export_weights()
 

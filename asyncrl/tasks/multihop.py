@@ -14,8 +14,8 @@ question has one answer: an identifier.
 
 Why this surface (and not names of people and cities, as before): the search agent is
 trained on a CPU by a policy of under a million parameters that spells one character per
-token. Copying two-word names out of 600-character conversations was measured to be
-beyond it in a session's warm-up (held-out success 0.10 and no RL gain); three-character
+token. Copying two-word names out of 600-character conversations proved beyond it in a
+session's warm-up (docs/design.md, "Measurements behind choices in the code"); three-character
 identifiers, one fact per document and episodes of at most ~500 characters keep the
 reading and copying within reach, so what remains to learn is *when* to search again and
 *which* identifier is the answer. The first letter of an identifier names its kind, the

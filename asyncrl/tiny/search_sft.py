@@ -68,7 +68,7 @@ DEFAULT_WORLDS = 50
 DEFAULT_BATCH_SIZE = 16
 DEFAULT_COPY_DRILLS = 20_000
 DEFAULT_DRILL_STEPS = 500
-DRILL_BATCH_SIZE, DRILL_LR = 32, 1e-3  # measured: copying formed at step ~300 of drills alone
+DRILL_BATCH_SIZE, DRILL_LR = 32, 1e-3  # copying forms within DEFAULT_DRILL_STEPS of drills alone (docs/design.md)
 _CONFIG_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                  "num_kv_heads": "num_key_value_heads"}  # build_tiny_model's keyword -> Qwen2Config's name
 EVAL_MAX_TOKENS = 80  # a search call is ~65 characters

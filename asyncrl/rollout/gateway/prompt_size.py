@@ -28,9 +28,11 @@ from asyncrl.json_api import Refused
 
 SMALL_CHARS = 16_384
 """Up to this many characters and ``SMALL_MESSAGES`` messages, a prompt is tokenized on the
-loop: about 15 ms at the slowest tokenizer measured here (0.8 µs a character)."""
+loop: a few milliseconds even for the slowest tokenizer, less than a thread hand-off's
+worth of latency (the figures: docs/design.md, "Measurements behind choices in the code")."""
 SMALL_MESSAGES = 256
-"""The chat template renders about 12 µs a message: 256 cost the loop 3 ms."""
+"""The chat template's cost grows with the messages: this many keep its render on the loop
+within the same few milliseconds."""
 
 
 def context_of(engine: RolloutEngine) -> int | None:

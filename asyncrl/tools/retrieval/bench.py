@@ -79,7 +79,7 @@ def _compare(n: int, rank_bm25: Any) -> None:
           f"({200 / t_one:,.0f} queries/s)")
     if rank_bm25 is not None:
         t_build, okapi = _best_of(lambda: rank_bm25.BM25Okapi(tokens))
-        nq = 200 if n <= 2000 else 30  # rank-bm25 takes ~35 ms a query at 20k documents
+        nq = 200 if n <= 2000 else 30  # rank-bm25 scores a query in a Python loop over every document: few at 20k
         t_one, _ = _best_of(lambda: [np.argpartition(-okapi.get_scores(q), 5)[:5] for q in query_tokens[:nq]])
         print(f"{n} documents: rank-bm25 build {t_build * 1e3:6.0f} ms, one query {t_one / nq * 1e3:6.3f} ms "
               f"({nq / t_one:,.0f} queries/s)")
