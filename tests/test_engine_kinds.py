@@ -15,7 +15,7 @@ import pytest
 
 from asyncrl.config import ConfigError, EngineServerConfig, GatewayConfig, RemoteConfig, load_config
 from asyncrl.engine import TorchEngine
-from asyncrl.engine.kinds import ENGINE_KINDS, engine_kind
+from asyncrl.config.engine_kinds import ENGINE_KINDS, engine_kind
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.learner.export import update_kind
 from asyncrl.rollout.client import stop_token_ids

@@ -87,13 +87,9 @@ FLOORS = {
     "asyncrl.moved": 0,  # how a moved public import path stays an alias (the shims below use it)
     "asyncrl.rollout": 0,  # the rollout side's package: its own __init__ (a docstring), and per module below
     "asyncrl.rollout.chat_format": 0, "asyncrl.rollout.journal": 0, "asyncrl.rollout.deadline": 0,
-    "asyncrl.engine": 0,  # the engine package's own __init__ (names resolved lazily), and per module below
-    "asyncrl.engine.kinds": 0,  # the table of engine kinds: config validates against it
     # 1 parts: one job each
     "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
-    **{f"asyncrl.engine.{m}": 1 for m in ("protocol", "factory", "torch_engine", "scheduler", "kv_batch", "hf_cache",
-                                          "sampling", "adapters", "vllm_engine", "remote", "remote_fleet",
-                                          "remote_weights", "remote_wire", "remote_nccl")},
+    "asyncrl.engine": 1,
     "asyncrl.model_convert": 1,
     "asyncrl.rollout.eval_scoring": 1, "asyncrl.rollout.client": 1, "asyncrl.tools": 1, "asyncrl.weight_sync": 1,
     "asyncrl.frozen": 1,  # frozen models by URL: the judge, the teacher

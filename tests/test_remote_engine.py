@@ -29,7 +29,7 @@ from conftest import make_model, reference_logprobs
 from asyncrl.config import ConfigError, EngineServerConfig, RemoteConfig, load_config
 from asyncrl.engine import EngineClosedError, TorchEngine
 from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
-from asyncrl.engine.kinds import ENGINE_KINDS
+from asyncrl.config.engine_kinds import ENGINE_KINDS
 from asyncrl.engine.remote import ControlError, RemoteEngine
 from asyncrl.json_api import listen
 from asyncrl.rollout.engine_server import EngineServer, check_exposure

@@ -291,3 +291,27 @@ def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(f
         assert_model_logprobs(fleet.model, [30 + i, 31, 32], completion, 1.0)
     assert f"engine server {victim.url} lost" in capsys.readouterr().err
 
+
+
+def test_a_fresh_run_on_servers_a_previous_run_left_serves_the_base_model(fleet):
+    """Last in this module: it leaves the servers on the base model. The module's client has
+    moved them to other weights (a previous run); a fresh client (version 0, nothing to send)
+    once relabelled them 0 and sampled those weights: now each reloads its own model first."""
+    assert fleet.engine.version > 0, "an earlier test in this module updated the servers' weights"
+    base = make_model()  # the model the servers were started on (tmp/model)
+
+    async def main():
+        fresh = await RemoteEngine.connect(RemoteConfig(urls=[s.url for s in fleet.servers], control_timeout_s=120),
+                                           fresh=True)
+        try:
+            done = await asyncio.gather(*[fresh.generate([30 + i, 31], SamplingParams(max_tokens=8, temperature=1.0,
+                                                                                     seed=i)) for i in range(4)])
+            return done, await _weight_info(fresh)
+        finally:
+            await fresh.shutdown()
+
+    done, labels = fleet.run(main())
+    assert labels == ["0", "0"]
+    for i, completion in enumerate(done):
+        assert completion.versions == [0] * 8
+        assert_model_logprobs(base, [30 + i, 31], completion, 1.0)

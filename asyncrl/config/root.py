@@ -12,7 +12,7 @@ from pydantic import (
 )
 
 from asyncrl.config.base import Section
-from asyncrl.engine.kinds import ENGINE_KINDS, EngineKind, EngineName
+from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind, EngineName
 from asyncrl.config.engines import EngineServerConfig, RemoteConfig, VLLMConfig
 from asyncrl.config.frozen import JudgeConfig, TeacherConfig
 from asyncrl.config.learning import AlgorithmConfig, LearnerConfig, OptimConfig

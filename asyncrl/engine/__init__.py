@@ -3,7 +3,7 @@ can do (``kinds.py``), the one factory that builds a configured kind (``factory.
 the kinds themselves: the built-in ``torch`` engine (``torch_engine.py``), vLLM in-process
 (``vllm_engine.py``) and servers by URL (``remote.py``).
 
-Names resolve on first use: ``asyncrl.engine.kinds`` is read by the config on the ground
+Names resolve on first use: ``asyncrl.config.engine_kinds`` is read by the config on the ground
 floor, which must not pay for torch; vLLM is an optional, heavy dependency.
 """
 
@@ -18,8 +18,8 @@ _LAZY = {
     "PauseMode": "asyncrl.engine.protocol", "PromptTooLongError": "asyncrl.engine.protocol",
     "RolloutEngine": "asyncrl.engine.protocol", "WeightUpdate": "asyncrl.engine.protocol",
     "TorchEngine": "asyncrl.engine.torch_engine", "VLLMEngine": "asyncrl.engine.vllm_engine",
-    "RemoteEngine": "asyncrl.engine.remote", "ENGINE_KINDS": "asyncrl.engine.kinds",
-    "EngineKind": "asyncrl.engine.kinds", "engine_kind": "asyncrl.engine.kinds",
+    "RemoteEngine": "asyncrl.engine.remote", "ENGINE_KINDS": "asyncrl.config.engine_kinds",
+    "EngineKind": "asyncrl.config.engine_kinds", "engine_kind": "asyncrl.config.engine_kinds",
     "build_engine": "asyncrl.engine.factory",
 }
 
@@ -29,7 +29,7 @@ __all__ = sorted([*_LAZY, "require_engine"])
 def require_engine(name: str) -> None:
     """Refuse, before any work, an engine this environment cannot run."""
     from asyncrl.config import ConfigError
-    from asyncrl.engine.kinds import engine_kind
+    from asyncrl.config.engine_kinds import engine_kind
 
     if (missing := engine_kind(name).missing()) is not None:
         raise ConfigError(missing)

@@ -12,7 +12,7 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.engine.kinds import engine_kind
+from asyncrl.config.engine_kinds import engine_kind
 from asyncrl.engine.protocol import AdapterUpdate, FullWeights, RolloutEngine, WeightUpdate, as_update
 
 if TYPE_CHECKING:

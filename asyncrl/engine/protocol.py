@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncrl.engine.kinds import PauseMode
+from asyncrl.config.engine_kinds import PauseMode
 from asyncrl.types import Completion, SamplingParams
 
 TokenSink = Callable[[list[int]], None]

@@ -157,10 +157,13 @@ class RemoteEngine:
         another model (its token ids would mean other words here): refused at connect."""
         for text in TOKENIZER_PROBES:
             ours = self._tokenizer.encode(text, add_special_tokens=False)
-            reply = await self._call(server, "POST", "/tokenize", {"model": server.model, "prompt": text,
-                                                                   "add_special_tokens": False}, missing_ok=True)
+            try:
+                reply = await self._call(server, "POST", "/tokenize", {"model": server.model, "prompt": text,
+                                                                       "add_special_tokens": False}, missing_ok=True)
+            except ControlError:  # no tokenizer there (vllm serve --skip-tokenizer-init): nothing to compare
+                reply = None
             if reply is None:
-                return  # a server without the route: the delivery check still compares the weights
+                return  # the delivery check (weight_sync.check_every) still compares what it serves
             theirs = reply.get("tokens") if isinstance(reply, dict) else None
             if theirs != ours:
                 raise ServersUnusable(
@@ -171,13 +174,19 @@ class RemoteEngine:
 
     async def _serve_base(self, server: Server) -> None:
         """A fresh run's server that a previous run left on its weights (its label names
-        another version) reloads its model's own weights (``reload_weights`` with no path: vLLM
-        and ``serve-engine`` read them from their model directory), said on stderr."""
+        another version) reloads its model's own weights from the directory its model card
+        names (``root``), said on stderr. Not ``reload_weights`` with no path: vLLM reads that
+        as the last path it loaded, a previous run's weights."""
         info = await self._call(server, "GET", "/weight_info", missing_ok=True)
         label = info.get("weight_version") if isinstance(info, dict) else None
         if label in (None, "", str(self._version)):
             return
-        await self._call(server, "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {}},
+        if not server.root:
+            raise ServersUnusable(f"remote.urls: engine server {server.url} serves version {label} of a previous run "
+                                  "and its model card names no directory (root) to reload its own weights from: "
+                                  "restart it, or resume the run that left it (resume=true)")
+        await self._call(server, "POST", "/collective_rpc",
+                         {"method": "reload_weights", "kwargs": {"weights_path": server.root}},
                          timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s")
         await self._call(server, "POST", "/reset_prefix_cache", missing_ok=True)
         print(f"asyncrl: engine server {server.url} served version {label} (a previous run's weights): reloaded "

@@ -53,6 +53,7 @@ class ControlError(RuntimeError):
 class Server:
     url: str
     model: str = ""
+    root: str | None = None  # where it loaded its model from (its model card's ``root``)
     max_model_len: int = 0
     version: int | None = None  # the label this client last set there (None: unknown)
     serving: int | None = None  # the version its tokens come from now: ``version`` from the moment it is resumed

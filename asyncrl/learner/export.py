@@ -29,7 +29,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.config import LoraConfig
-from asyncrl.engine.kinds import engine_kind
+from asyncrl.config.engine_kinds import engine_kind
 from asyncrl.engine.protocol import FullWeights, WeightUpdate
 from asyncrl.learner.lora import adapter_update, base_copy, merged_copy, merged_targets
 
@@ -38,7 +38,7 @@ UpdateKind = Literal["full", "merged", "merged_every_weight", "adapters"]
 
 def update_kind(lora: LoraConfig | None, *, engine: str = "torch", same_dtype: bool = True) -> UpdateKind:
     """The run's kind of update. ``engine``: the ``engine:`` value, read through its row of
-    the kinds table (``asyncrl/engine/kinds.py``: whether it takes adapters alone, merges them
+    the kinds table (``asyncrl/config/engine_kinds.py``: whether it takes adapters alone, merges them
     in its own dtype, takes a subset of the weights); ``same_dtype``: the engines' weights
     are in the learner's dtype (``rollout.dtype`` unset or equal to ``model.dtype``). An
     explicit ``model.lora.sync=adapters`` the engine cannot take is refused by the config."""

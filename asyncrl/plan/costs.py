@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from asyncrl.engine.kinds import engine_kind
+from asyncrl.config.engine_kinds import engine_kind
 from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
 from asyncrl.plan.engine import EngineCosts, generation_time

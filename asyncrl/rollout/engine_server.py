@@ -55,7 +55,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
 from asyncrl.config import Config, ConfigError, EngineServerConfig
-from asyncrl.engine.kinds import ENGINE_KINDS, EngineKind, engine_kind
+from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind, engine_kind
 from asyncrl.engine.protocol import (
     AdapterUpdate,
     EngineClosedError,
@@ -184,7 +184,8 @@ class EngineServer:
         return web.Response(status=200)
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.model_name, "object": "model", "owned_by": "asyncrl", "root": self.model_name,
+        root = str(self.base_path) if self.base_path is not None else self.model_name
+        card = {"id": self.model_name, "object": "model", "owned_by": "asyncrl", "root": root,
                 "max_model_len": self.max_model_len}
         adapters = [{"id": name, "object": "model", "owned_by": "asyncrl", "root": path, "parent": self.model_name}
                     for name, path in self.adapters.items()]

@@ -6,9 +6,10 @@ evaluate beside training?), never an engine's name. Adding a kind is its own mod
 row here and its docs: the factory (``asyncrl/engine/factory.py``) builds it from the row's
 ``builder``, and every check below reads the row.
 
-This module sits on the ground floor (``config`` validates against it), so it imports
-nothing but the standard library: the builders are named as ``module:function`` and
-imported only when an engine is built.
+It lives beside the config, which validates against it (the engines import the config,
+so in ``engine/`` the two folders would import each other), and imports nothing but the
+standard library: the builders are named as ``module:function`` and imported only when an
+engine is built.
 """
 
 from __future__ import annotations
