@@ -8,6 +8,8 @@ import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from asyncrl.tools.sandbox import SandboxUnavailable, bwrap_path
+
 # Under pytest-xdist (pyproject's addopts) each test process gets its share of the cores,
 # so two processes' math does not fight over both of them.
 torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
@@ -20,6 +22,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray" in item.nodeid.lower().replace("array", ""):
             item.add_marker(pytest.mark.xdist_group("ray"))
+    missing = sandbox_missing()
+    for item in items:
+        if missing and item.get_closest_marker("sandbox"):
+            item.add_marker(pytest.mark.skip(reason=f"{SANDBOX_SKIP}: {missing}"))
+
+
+SANDBOX_SKIP = "needs the sandbox's bubblewrap"
+"""The reason every test marked ``sandbox`` is skipped with where ``bwrap`` is missing: the
+terminal summary counts the skips by it."""
+
+
+def sandbox_missing() -> str | None:
+    """Why the sandbox cannot run here (the library's own message, naming the package to
+    install), or None: the one place the sandbox tests' skip is decided, at collection."""
+    try:
+        bwrap_path()
+    except SandboxUnavailable as exc:
+        return str(exc)
+    return None
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Say, where the summary is read, which tests did not run for want of bubblewrap and
+    how to run them: a newcomer should not have to work it out from a skip count. Counted
+    from the skip reports, so it holds under xdist too (its workers collect, not this one)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if isinstance(r.longrepr, tuple) and SANDBOX_SKIP in r.longrepr[2]]
+    if skipped:
+        terminalreporter.write_sep("-", "sandbox tests skipped")
+        terminalreporter.write_line(
+            f"sandbox tests skipped: {len(skipped)} tests run model-written code in the sandbox, and bubblewrap "
+            "(bwrap) is not found on PATH; apt-get install bubblewrap (Debian/Ubuntu; .ci/run installs it) "
+            "runs them")
 
 
 def make_model(seed: int = 0, vocab_size: int = 96, max_positions: int = 512) -> Qwen2ForCausalLM:

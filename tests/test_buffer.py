@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 
-from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup
+import pytest
+
+from asyncrl.orchestrator.buffer import GroupBuffer, ReadyGroup, trainable
 from asyncrl.orchestrator.staleness import AsyncStalenessGate, StalenessGate
 from asyncrl.types import Episode, Group, Trajectory
 
@@ -72,3 +74,14 @@ def test_before_the_first_take_one_batch_holds_quota_and_a_rejection_or_the_take
         assert gate.gate.started == 6 and not gate.gate.can_start()
 
     asyncio.run(main())
+
+
+def test_a_group_short_of_advantages_is_refused_naming_it_not_trained_in_part():
+    whole = ready("whole", 0, order=1)
+    episodes = [*whole.group.episodes, *ready("x", 0, order=2).group.episodes]
+    short = ReadyGroup(Group("short", episodes, [0.5]), 2)  # two episodes, one advantage
+    unscored = ReadyGroup(Group("unscored", episodes[:1]), 3)  # advantages None
+    assert len(trainable([whole], 1, 1)[0]) == 1
+    for bad in (short, unscored):
+        with pytest.raises(ValueError, match=f"task {bad.group.task_id} holds {len(bad.group.episodes)} episodes"):
+            trainable([whole, bad], 1, 1)

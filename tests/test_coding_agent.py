@@ -20,7 +20,7 @@ pytest.importorskip("openai")
 
 from real_model import smollm2_path
 
-from asyncrl.tools.sandbox import SandboxUnavailable, bwrap_path, recording_seconds
+from asyncrl.tools.sandbox import recording_seconds
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples/coding_agent"
@@ -41,13 +41,6 @@ def _load(name: str):
 agent = _load("agent")
 make_data = _load("make_data")
 SHARES = {"tested": 0.3, "wrong": 0.2}
-
-
-def _needs_sandbox() -> None:
-    try:
-        bwrap_path()
-    except SandboxUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 def _score(task: dict, answer: str) -> float:
@@ -112,8 +105,8 @@ def test_the_answers_code_is_the_last_fenced_block_or_the_lines_that_parse():
 
 
 # ---- the reward, through the sandbox -------------------------------------------------------
+@pytest.mark.sandbox
 def test_a_reference_solution_scores_1_and_its_slip_0():
-    _needs_sandbox()
     train, heldout, _ = make_data.make_all(0, 0, SHARES)
     r = random.Random(0)
     for task in r.sample(train, 3) + r.sample(heldout, 3):
@@ -135,16 +128,16 @@ def _k(family, name: str) -> int | None:
     "import os\nos.system('echo hi > /tmp/escaped')\ndef double(x):\n    return 2 * x + 1\n",
     "def double(x)\n    return 2 * x\n",  # a syntax error
 ])
+@pytest.mark.sandbox
 def test_a_wrong_or_malicious_answer_scores_0(answer, monkeypatch):
-    _needs_sandbox()
     monkeypatch.setattr(agent, "TEST_TIMEOUT_S", 2.0)
     task = {"tests": "from solution import double\nassert double(3) == 6\nassert double(-2) == -4\n"}
     assert _score(task, answer) == 0.0
     assert _score(task, "def double(x):\n    return 2 * x\n") == 1.0  # the same tests pass a right answer
 
 
+@pytest.mark.sandbox
 def test_the_sandbox_seconds_of_an_episode_are_recorded():
-    _needs_sandbox()
     task = {"tests": "from solution import double\nassert double(3) == 6\n"}
 
     async def episode() -> list[float]:
@@ -175,11 +168,11 @@ class _ScriptedResponses:
         return SimpleNamespace(id=f"resp_{len(self.requests)}", output=output, output_text=text)
 
 
+@pytest.mark.sandbox
 def test_the_agent_runs_a_call_in_the_sandbox_and_answers_on_previous_response_id():
     """The Responses loop, the model scripted: a ``function_call`` is run in the sandbox, its
     output goes back as a ``function_call_output`` on ``previous_response_id`` with the
     instructions again, and the reply without a call is the answer."""
-    _needs_sandbox()
     program = "def double(x):\n    return 2 * x\nprint(double(21))\n"
     responses = _ScriptedResponses([
         [_Item(type="function_call", call_id="call_0", name="run_python", arguments=json.dumps({"code": program}))],
@@ -195,8 +188,8 @@ def test_the_agent_runs_a_call_in_the_sandbox_and_answers_on_previous_response_i
     assert [i["type"] for i in items[1:]] == ["function_call", "function_call_output", "message"]
 
 
+@pytest.mark.sandbox
 def test_the_agent_stops_after_max_turns_of_calls_with_no_answer():
-    _needs_sandbox()
     call = _Item(type="function_call", call_id="c", name="run_python", arguments=json.dumps({"code": "print(1)"}))
     responses = _ScriptedResponses([[call]] * agent.MAX_TURNS)
     answer, _ = asyncio.run(agent.converse(SimpleNamespace(responses=responses), "Write f.", agent.RESPONSES_TOOLS))
@@ -224,12 +217,12 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_the_agent_trains_through_the_responses_api_with_the_sandbox_seconds_in_the_rows(tmp_path):
     """Two steps of ``async.yaml`` on SmolLM2 (base: no SFT, tiny sizes): the agent's Responses
     calls run through the gateway, every episode's reward is its tests in the sandbox, and the
     step rows carry ``sandbox/seconds_mean``. A smoke run: it proves the plumbing, not learning."""
-    _needs_sandbox()
     smollm2_dir = smollm2_path()  # skips, naming why, where SmolLM2 cannot be fetched
     from asyncrl.cli import main
 
@@ -248,13 +241,13 @@ def test_the_agent_trains_through_the_responses_api_with_the_sandbox_seconds_in_
     assert samples and all(s["reward"] in (0.0, 1.0) for s in samples)
 
 
+@pytest.mark.sandbox
 @pytest.mark.slow
 def test_a_tool_call_runs_in_the_sandbox_through_the_gateway_with_its_output_masked(tmp_path, policy_dir):
     """A random tiny policy cannot write code, so every task asks for the same function:
     ``asyncrl sft`` on the example's own ``tested`` trace of it makes the policy call
     ``run_python``, then ``async.yaml`` runs the Responses agent through the gateway: the
     call's output comes back from the sandbox as an environment segment (mask 0)."""
-    _needs_sandbox()
     pytest.importorskip("asyncrl.sft")
     from asyncrl.cli import main
 

@@ -39,28 +39,50 @@ TEN_MB = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" 
 
 
 class Served:
-    """``asyncrl serve`` in a process of its own; its stderr is collected line by line."""
+    """``asyncrl serve`` in a process of its own; its stderr is collected line by line: the
+    start banner (the address line and its indented notes) in ``banner``, every line after
+    it in ``lines``, so a test that counts lines sees only what came after the banner —
+    however late the reader thread gets to the notes."""
 
     def __init__(self, *overrides: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "asyncrl.cli", "serve", "examples/countdown/eval.yaml", "gateway.port=0",
              *overrides], cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.banner: list[str] = []
         self.lines: list[str] = []
         self._url: list[str] = []
-        self._ready = threading.Event()
+        self._listening = threading.Event()
+        self._healthy = False
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
+        in_banner = False
         for line in self.proc.stderr:
-            self.lines.append(line.rstrip("\n"))
+            line = line.rstrip("\n")
             if m := re.search(r" at (http://\S+)/v1 ", line):
                 self._url.append(m.group(1))
-                self._ready.set()
-        self._ready.set()
+                in_banner = True
+            elif in_banner and not line.startswith("  "):  # a note is indented; the banner ends before this
+                in_banner = False
+            (self.banner if in_banner else self.lines).append(line)
+            if self._url:
+                self._listening.set()
+        self._listening.set()
 
     def url(self, timeout_s: float = 120) -> str:
-        self._ready.wait(timeout_s)
+        """The server's address, once it answers ``/health``: printing the address is not
+        being ready, so the fixture returns on an answer."""
+        self._listening.wait(timeout_s)
         assert self._url, "asyncrl serve did not start:\n" + "\n".join(self.lines[-20:])
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy:
+            try:
+                with urllib.request.urlopen(self._url[0] + "/health", timeout=10):
+                    self._healthy = True  # an error status raises: only an answer of 2xx gets here
+            except OSError as exc:
+                assert self.proc.poll() is None and time.monotonic() < deadline, \
+                    f"asyncrl serve never answered /health ({exc}):\n" + "\n".join(self.lines[-20:])
+                time.sleep(0.1)
         return self._url[0]
 
     def stop(self) -> None:

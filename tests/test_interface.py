@@ -201,6 +201,30 @@ def test_every_taught_name_imports():
     assert sys.modules["asyncrl.workflows.base"].WorkflowContext is WorkflowContext  # one class, not a copy
 
 
+RENAMED_NAMES = [  # (module where the old name was importable, old name, its replacement there)
+    (module, old, new) for module in ("asyncrl.rollout.gateway.tool_calls.formats",  # where they were defined
+                                      "asyncrl.rollout.gateway.tool_calls", "asyncrl.rollout.gateway")
+    for old, new in (("PARSERS", "FORMATS"), ("get_parser", "get_format"))
+]
+
+
+@pytest.mark.parametrize("module,old,new", RENAMED_NAMES)
+def test_a_renamed_name_still_imports_where_it_was_warning_at_the_importing_line(module, old, new):
+    """A user's ``from <module> import PARSERS`` keeps working where the name lived, the
+    warning naming the replacement and pointing at the user's line, not at ours."""
+    import importlib
+
+    importlib.import_module(module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        value = getattr(importlib.import_module(module), old)
+    [said] = [w for w in caught if w.category is DeprecationWarning]
+    assert f"{old} is deprecated: use" in str(said.message) and new in str(said.message), str(said.message)
+    assert said.filename == __file__, said.filename
+    replacement = getattr(importlib.import_module("asyncrl.rollout.gateway.tool_calls.formats"), new)
+    assert value is replacement
+
+
 def test_the_sandbox_keeps_its_promised_signature_and_result():
     import dataclasses
     import inspect

@@ -25,6 +25,7 @@ from asyncrl.runtime.fork_server import fork_server
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rank_processes import RankProcesses
 from asyncrl.runtime.transport import CallDeadlines, LearnerGroup, LearnerRankError
+from own_resources import alive, descendants, shm_held, shm_left
 from test_sharded_learner import config
 from test_stoppable import train_process
 
@@ -45,38 +46,6 @@ def test_a_calls_deadline_is_its_floor_or_a_multiple_of_the_slowest_and_a_stop_s
 
 
 # ------------------------------------------------------------------ runs in a child process
-def descendants(pid: int) -> set[int]:
-    """Every live process below ``pid`` (its children, theirs, …), from ``/proc``."""
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] not in "ZX":
-                parents[int(entry)] = int(fields[1])
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {child for child, parent in parents.items() if parent in frontier} - found
-        found |= frontier
-    return found
-
-
-def alive(pids: set[int]) -> set[int]:
-    """Those of ``pids`` still running (a zombie counts as gone)."""
-    left = set()
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] not in "ZX":
-                    left.add(pid)
-        except OSError:
-            pass
-    return left
-
-
 def rank_of(pids: set[int]) -> int:
     """The learner's rank process among ``pids`` (named ``asyncrl-rank0``)."""
     for pid in pids:
@@ -179,12 +148,12 @@ def test_a_first_signal_ends_a_hung_learner_call_within_its_grace(tmp_path, poli
                                   "the whole process group"])
 @pytest.mark.slow
 def test_nothing_of_a_run_outlives_its_driver(tmp_path, policy_dir, kill):
-    shm_before = set(os.listdir("/dev/shm"))
     hang = ["algorithm.policy_loss=test_stoppable:hang_loss"] if "hung" in kill else []
     with training(tmp_path, f"model.path={policy_dir}", *hang) as (proc, out, marker):
         wait_until(marker.exists if hang else lambda: steps_logged(out) >= 2, proc, "the learner at work")
         run = descendants(proc.pid)
         assert len(run) >= 2, run  # the fork server and the learner at least
+        held = shm_held({proc.pid, *run})  # the run's own names, not the machine's: others come and go
         if "stopped" in kill:
             os.kill(rank_of(run), signal.SIGSTOP)
         if kill == "the whole process group":
@@ -200,9 +169,8 @@ def test_nothing_of_a_run_outlives_its_driver(tmp_path, policy_dir, kill):
               f"{time.monotonic() - deadline + 10:.1f} s after the driver's exit")
         err = proc.stderr.read().decode() if not left else ""
     assert left == set(), f"alive 10 s after the driver was killed: {sorted(left)}"
-    # no block, whatever the kill (the weights' block has no name; other programs' semaphores
-    # come and go in /dev/shm meanwhile, so those are not counted against the run)
-    assert {e for e in set(os.listdir("/dev/shm")) - shm_before if not e.startswith("sem.")} == set()
+    # no name the run held is left in /dev/shm, whatever the kill (the weights' block has no name)
+    assert shm_left(held) == set(), f"the run held {sorted(held)}"
     # the survivors went quietly: no traceback of a lost driver, no tracker's warnings
     assert "Traceback" not in err and "leaked" not in err and "ConnectionResetError" not in err, err[-3000:]
 

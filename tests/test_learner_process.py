@@ -17,6 +17,7 @@ from asyncrl.runtime import learner_processes
 from asyncrl.runtime.rank_processes import RankProcesses
 from asyncrl.runtime.shared_weights import ALIGN, Layout, WeightBlock, WeightReader
 from asyncrl.runtime.transport import LearnerGroup
+from own_resources import is_anonymous, shm_held
 from test_sharded_learner import assert_same_metrics, assert_same_weights, batch, config, one_rank
 
 
@@ -38,7 +39,7 @@ def weights(seed):
 def test_shared_weights_cross_exactly_and_the_driver_owns_its_copy():
     layout = Layout.of(weights(0))
     assert all(offset % ALIGN == 0 for offset in layout.offsets) and layout.nbytes >= 15 * 4 + 7 * 2 + 4 * 8 + 4
-    shm_before = set(os.listdir("/dev/shm"))
+    held_before = shm_held([os.getpid()])  # this process's own names: other programs' come and go
     block, reader = WeightBlock(), WeightReader()
 
     def received(snapshot):  # the descriptor as the driver receives it: its own copy of it
@@ -62,7 +63,8 @@ def test_shared_weights_cross_exactly_and_the_driver_owns_its_copy():
         with pytest.raises(RuntimeError, match="descriptor never arrived"):  # the old mapping is not read again
             reader.read(moved)
         assert_same_weights(received(moved), grown)
-        assert set(os.listdir("/dev/shm")) == shm_before  # anonymous: no name any kill could leave behind
+        assert is_anonymous(block.descriptor())  # anonymous: no name any kill could leave behind
+        assert shm_held([os.getpid()]) == held_before  # and neither side opened a named one
     finally:
         reader.close()
         block.close()
@@ -78,16 +80,18 @@ def test_one_rank_in_its_own_process_takes_the_in_process_step_and_publishes_it_
             await learner.transport.start()
             metrics = await learner.train_step(batch(0), False)
             published = await learner.publish()
-            return metrics, published, learner.transport._weights._id
+            # what the driver and the rank hold while both live: their own names, not the machine's
+            held = shm_held([os.getpid(), *(p.pid for p in learner.transport.procs)])
+            return metrics, published, learner.transport._weights._id, held
         finally:
             await learner.shutdown()
 
-    shm_before = set(os.listdir("/dev/shm"))
-    metrics, published, block = asyncio.run(scenario())
+    held_before = shm_held([os.getpid()])
+    metrics, published, block, held = asyncio.run(scenario())
     assert_same_metrics(metrics, expected_metrics)
     assert_same_weights(published, expected_weights)
     assert block == 1  # the weights came through the rank's one shared block, not the pipe
-    assert set(os.listdir("/dev/shm")) == shm_before  # and it was anonymous: nothing named is left
+    assert held <= held_before  # and it was anonymous: neither side held a name a kill could leave behind
 
 
 def test_an_async_run_with_its_learner_in_a_process_trains_within_the_bound(tmp_path, policy_dir):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -17,8 +16,6 @@ import pytest
 from asyncrl.tools import sandbox
 from asyncrl.tools.sandbox import SandboxUnavailable, passes_tests, python_tool, run_python
 
-needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None,
-                                 reason="bubblewrap is not installed (.ci/run installs it: apt-get install bubblewrap)")
 
 
 def run(code: str, **limits) -> sandbox.SandboxResult:
@@ -26,7 +23,7 @@ def run(code: str, **limits) -> sandbox.SandboxResult:
     return asyncio.run(run_python(code, **limits))
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_code_runs_as_nobody_in_its_private_directory_with_its_files():
     result = run("import os; print(os.getuid(), os.getcwd(), open('data.txt').read())", files={"data.txt": "42"})
     assert result.ok, result
@@ -34,7 +31,7 @@ def test_code_runs_as_nobody_in_its_private_directory_with_its_files():
     assert result.stopped_by is None
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_a_host_file_outside_the_sandbox_cannot_be_read(tmp_path: Path):
     secret = tmp_path / "secret.txt"
     secret.write_text("host secret")
@@ -50,7 +47,7 @@ def test_a_host_file_outside_the_sandbox_cannot_be_read(tmp_path: Path):
     assert lines["/root/.bash_history"] == "FileNotFoundError"
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_nothing_outside_the_private_directory_can_be_written(tmp_path: Path):
     marker = f"asyncrl-escape-{uuid.uuid4().hex}"
     targets = [f"/usr/{marker}", f"/tmp/{marker}", str(tmp_path / marker), f"/{marker}",
@@ -66,7 +63,7 @@ def test_nothing_outside_the_private_directory_can_be_written(tmp_path: Path):
     assert f"{os.path.realpath(sys.prefix)}/{marker} OSError" in result.stdout
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_no_network():
     with socket.socket() as server:  # a host server on loopback the code must not reach either
         server.bind(("127.0.0.1", 0))
@@ -79,48 +76,48 @@ def test_no_network():
     assert result.stdout.count("refused") == 2
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_a_fork_bomb_is_stopped_at_the_process_limit():
     result = run("import os\nwhile True:\n    os.fork()", max_processes=8)
     assert result.stopped_by == "processes", result
     assert result.exit_code != 0
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_memory_past_the_limit_is_refused():
     result = run("x = bytearray(1024 * 1024 * 1024)\nprint('allocated')", memory_mb=256)
     assert result.stopped_by == "memory", result
     assert "allocated" not in result.stdout
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_an_endless_loop_is_stopped_by_time():
     result = run("while True:\n    pass", timeout_s=2.0)
     assert result.stopped_by == "time", result
     assert result.exit_code != 0
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_the_cpu_limit_stops_a_loop_before_the_wall_deadline():
     result = run("while True:\n    pass", timeout_s=60.0, cpu_s=1.0)
     assert result.stopped_by == "time", result
     assert result.wall_s < 60.0
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_gigabytes_of_output_are_cut_and_named():
     result = run("import sys\nwhile True:\n    sys.stdout.write('x' * 65536)", max_output_bytes=100_000)
     assert result.stopped_by == "output", result
     assert len(result.stdout) + len(result.stderr) <= 100_000
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_a_file_past_its_limit_is_named():
     result = run("open('big', 'wb').write(b'x' * (8 * 2**20))", max_file_mb=1)
     assert result.stopped_by == "output", result
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_no_process_is_left_behind():
     tag = f"asyncrl-left-behind-{uuid.uuid4().hex}"
     result = run("import subprocess\n"
@@ -131,14 +128,14 @@ def test_no_process_is_left_behind():
     assert left.stdout == "", f"processes left behind: {left.stdout}"
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_a_killed_process_is_named_signal():
     result = run("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)")
     assert result.stopped_by == "signal"
     assert result.exit_code == -15
 
 
-@needs_bwrap
+@pytest.mark.sandbox
 def test_the_reward_helper_and_the_tool():
     solution = "def add(a, b):\n    return a + b\n"
     assert asyncio.run(passes_tests(solution, "from solution import add\nassert add(2, 3) == 5\n")) == 1.0
@@ -147,9 +144,8 @@ def test_the_reward_helper_and_the_tool():
     assert "[stopped by the sandbox's time limit]" in asyncio.run(python_tool("while True: pass", timeout_s=1.0))
 
 
+@pytest.mark.sandbox
 def test_a_file_path_that_leaves_the_sandbox_is_refused():
-    if shutil.which("bwrap") is None:
-        pytest.skip("bubblewrap is not installed")
     with pytest.raises(ValueError, match="outside the sandbox directory"):
         run("print(1)", files={"../escape.py": "x"})
 
@@ -167,3 +163,16 @@ def test_without_bubblewrap_nothing_runs(monkeypatch, tmp_path: Path):
     assert cli.returncode == 2
     assert "bubblewrap" in cli.stderr
     assert not marker.exists()
+
+
+@pytest.mark.slow
+def test_without_bubblewrap_the_sandbox_tests_skip_and_the_summary_says_why(tmp_path: Path):
+    """The skip is decided once, at collection (tests/conftest.py), and said in the summary
+    with the install line: a newcomer running the README's command learns it there."""
+    chosen = "runs_as_nobody or leaves_the_sandbox"
+    run = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-p", "no:cacheprovider", __file__, "-k", chosen],
+                         env={**os.environ, "PATH": str(tmp_path)}, cwd=Path(__file__).parents[1],
+                         capture_output=True, text=True, timeout=600)  # no bwrap on that PATH
+    assert run.returncode == 0 and "2 skipped" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert ("sandbox tests skipped: 2 tests run model-written code in the sandbox, and bubblewrap (bwrap) is not "
+            "found on PATH; apt-get install bubblewrap") in run.stdout, run.stdout[-3000:]

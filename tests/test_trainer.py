@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import os
@@ -20,6 +21,7 @@ from asyncrl.cli import main
 from asyncrl.config import AlgorithmConfig, OptimConfig
 from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.learner import micro_batch_bounds
+from asyncrl.orchestrator.train_steps import TrainSteps
 from asyncrl.tiny import build_tiny_model
 from asyncrl.types import Trajectory
 
@@ -65,9 +67,39 @@ def test_one_step_off_is_at_most_one_behind(tmp_path, policy_dir):
     assert all(not s["resumed"] for s in samples)
 
 
-def test_async_abort_resumes_and_respects_eta(tmp_path, policy_dir):
+async def freeze_mid_generation(worker, _index: int, timeout_s: float = 300) -> int:
+    """Stop ``worker``'s engine between two of its steps (``pause("keep")``: the rows keep
+    their place) at a moment it runs a generation — every running row has sampled a token
+    by then, as a prefill samples one. Returns how many rows it froze; the weight sync
+    that comes next aborts them, and its ``resume`` lets the engine go on."""
+    engine = await worker.ready_engine()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        await engine.pause("keep")
+        running = engine.queue_state().running
+        if running:
+            return running
+        await engine.resume()
+        assert time.monotonic() < deadline, f"no generation ran within {timeout_s} s of the learner's first step"
+        await asyncio.sleep(0.01)
+
+
+def test_async_abort_resumes_and_respects_eta(tmp_path, policy_dir, monkeypatch):
+    """A weight sync lands mid-generation by arrangement, not by the machine's timing: the
+    learner's first step starts only once a generation runs, and the engine waits frozen
+    there until that step's sync aborts it (the first take lets the next groups start, so
+    one always comes)."""
+    frozen, learn = [], TrainSteps._learn
+
+    async def learn_beside_a_frozen_generation(self, trained, step, call):
+        if step == 1:
+            frozen.extend(await self.rollout.apply(freeze_mid_generation))
+        return await learn(self, trained, step, call)
+
+    monkeypatch.setattr(TrainSteps, "_learn", learn_beside_a_frozen_generation)
     _, samples, metrics = train_run(tmp_path, policy_dir, "async", "mode=async", "max_staleness=2",
                                     "partial_rollout=abort", "total_steps=6", "sampling.max_tokens=96")
+    assert sum(frozen) >= 1
     assert max(staleness(samples)) <= 2
     resumed = [s for s in samples if s["resumed"]]
     assert resumed, "weight syncs mid-generation should abort and resume some trajectories"

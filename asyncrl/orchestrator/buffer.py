@@ -226,10 +226,17 @@ def trainable(groups: list[ReadyGroup], trained_version: int,
     at most ``max_staleness`` versions old at ``trained_version`` (the learner's side of
     the bound: anything older is a bug upstream, and stops the run). A trajectory with no
     model token (only prompt or tool tokens) has nothing to train and no version: it is
-    left out, and counted in the step's ``rollout/untrainable_episodes``."""
+    left out, and counted in the step's ``rollout/untrainable_episodes``. Every episode
+    has its advantage, or this raises naming the group: a group short of advantages
+    would otherwise train partly, silently."""
     trajectories, advantages = [], []
     for g in groups:
-        for episode, advantage in zip(g.group.episodes, g.group.advantages or []):
+        scored = g.group.advantages or []
+        if len(scored) != len(g.group.episodes):
+            raise ValueError(f"the group of task {g.group.task_id} holds {len(g.group.episodes)} episodes and "
+                             f"{len(scored)} advantages: the rollout loop scores every episode of a group before "
+                             "it is buffered, so this group was put in unscored or cut after scoring (a bug upstream)")
+        for episode, advantage in zip(g.group.episodes, scored, strict=True):
             for t in episode.trajectories:
                 if not t.num_model_tokens:
                     continue

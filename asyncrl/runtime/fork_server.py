@@ -95,7 +95,7 @@ class ForkedProcess:
         if self.is_alive():
             try:
                 os.kill(self.pid, signal.SIGKILL)
-            except ProcessLookupError:
+            except ProcessLookupError:  # it ended between the check and the kill: what the kill was for
                 pass
 
     def close(self) -> None:
@@ -201,7 +201,7 @@ def serve() -> None:
             for pid in children:
                 try:
                     os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                except ProcessLookupError:  # already gone (its status not yet reaped): nothing left to end
                     pass
             os._exit(0)
         status_w, *child_fds = fds
@@ -278,5 +278,5 @@ def _set_title(name: str) -> None:
     try:
         libc = ctypes.CDLL(None)
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
-    except (OSError, AttributeError):
+    except (OSError, AttributeError):  # not Linux: the rank keeps Python's name, and runs the same
         pass

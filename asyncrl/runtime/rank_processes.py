@@ -263,8 +263,8 @@ class RankProcesses:
             try:
                 await asyncio.wait_for(self.call("leave"), timeout=30)
                 grace = 10.0
-            except (LearnerRankError, TimeoutError):
-                pass
+            except (LearnerRankError, TimeoutError):  # a rank that cannot leave is killed at once (grace 0):
+                pass  # the run is ending either way, and a failed call already said what failed
         await asyncio.to_thread(self._kill, grace)
         self._weights.close()
         for conn in self.conns:

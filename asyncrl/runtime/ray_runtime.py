@@ -183,7 +183,7 @@ class RayActors:
         if self._failed is None and not self._lock.locked():
             try:
                 await asyncio.wait_for(self.call("leave"), timeout=30)
-            except (LearnerRankError, TimeoutError):
+            except (LearnerRankError, TimeoutError):  # a rank that cannot leave: its actor is killed just below
                 pass
         self._kill()
         remove_placement_group(self.group)
@@ -256,7 +256,7 @@ class RayRollouts:
         calls = asyncio.gather(*[w.shutdown.remote() for w in self.workers], return_exceptions=True)
         try:
             await asyncio.wait_for(calls, timeout=60)
-        except TimeoutError:
+        except TimeoutError:  # an engine that will not stop within 60 s: its actor is killed just below
             pass
         for worker in self.workers:
             ray.kill(worker)

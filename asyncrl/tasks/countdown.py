@@ -178,7 +178,7 @@ def _expressions(nums: Sequence[int], ops: str) -> Iterator[tuple[str, int, Frac
                     if lv is not None and rv is not None:
                         try:
                             value = apply_op(op, lv, rv)
-                        except ZeroDivisionError:
+                        except ZeroDivisionError:  # the tree divides by zero: its value stays None
                             pass
                     left_paren = lp < prec
                     # a-(b+c), a-(b-c), a/(b*c) change meaning without parentheses.

@@ -272,7 +272,7 @@ def _kill_tree(pid: int) -> None:
     """SIGKILL the sandbox's session: bwrap and, through its pid namespace, all it started."""
     try:
         os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except ProcessLookupError:  # the session already ended, every process of it with it
         pass
 
 

@@ -83,7 +83,7 @@ def node_host() -> str:
 
         if ray.is_initialized():
             return ray.util.get_node_ip_address()
-    except ImportError:
+    except ImportError:  # Ray not installed: not in an actor, so this machine's loopback
         pass
     return "127.0.0.1"
 

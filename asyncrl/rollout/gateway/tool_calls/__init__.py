@@ -6,9 +6,9 @@ parse, never an exception); ``parsers.py``: the built-in formats' parsers; ``for
 a template's rendering), a format by name or ``auto`` from the chat template.
 """
 
-import warnings
 from typing import Any
 
+from asyncrl.rollout.gateway.tool_calls import formats
 from asyncrl.rollout.gateway.tool_calls.formats import (
     AUTO,
     FORMATS,
@@ -23,16 +23,10 @@ from asyncrl.rollout.gateway.tool_calls.reply import ParsedReply, ToolCall, Tool
 __all__ = ["AUTO", "FORMATS", "ParsedReply", "ToolCall", "ToolFormat", "ToolParser", "check_format_name",
            "get_format", "hermes", "llama3_json", "mistral", "pythonic", "qwen3_xml", "resolve_format"]
 
-_RENAMED = {"PARSERS": ("FORMATS", FORMATS), "get_parser": ("get_format", get_format)}  # old name -> new
-
 
 def __getattr__(name: str, stacklevel: int = 2) -> Any:
-    """Names this package exported before the formats were one table: still there, with a
-    ``DeprecationWarning`` naming what replaced them (a format is itself a parser).
-    ``stacklevel``: for a package that hands these names on, where its caller is."""
-    if name not in _RENAMED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    new, value = _RENAMED[name]
-    warnings.warn(f"{__name__}.{name} is deprecated: use {__name__}.{new} (a ToolFormat is itself a parser)",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return value
+    """Names this package exported before the formats were one table (``formats.RENAMED``):
+    still there, with a ``DeprecationWarning`` naming what replaced them (a format is
+    itself a parser). ``stacklevel``: for a package that hands these names on, where its
+    caller is."""
+    return formats.renamed(__name__, name, stacklevel)

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 import logging
+import warnings
 from dataclasses import dataclass, replace
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -160,3 +162,26 @@ def _reads_probe(parse: ToolParser, text: str) -> bool:
     calls = parse(text).tool_calls
     return (len(calls) == 1 and calls[0].name == chat_format.PROBE_FUNCTION
             and json.loads(calls[0].arguments) == chat_format.PROBE_ARGUMENTS)
+
+
+RENAMED = {"PARSERS": "FORMATS", "get_parser": "get_format"}
+"""Names this module (and the package, which handed them on) held before the formats were
+one table -> the name that replaced them. A moved name keeps working where it was."""
+
+
+def renamed(module: str, name: str, stacklevel: int = 2) -> Any:
+    """``name``'s replacement (see :data:`RENAMED`), with a ``DeprecationWarning`` naming it
+    in ``module``; ``AttributeError`` for any other name. ``stacklevel``: the caller of
+    the module ``__getattr__`` that asks is 2 (for a package that hands these names on,
+    add one per module it passes through)."""
+    if name not in RENAMED:
+        raise AttributeError(f"module {module!r} has no attribute {name!r}")
+    new = RENAMED[name]
+    warnings.warn(f"{module}.{name} is deprecated: use {module}.{new} (a ToolFormat is itself a parser)",
+                  DeprecationWarning, stacklevel=stacklevel + 1)
+    return globals()[new]
+
+
+def __getattr__(name: str) -> Any:
+    """``PARSERS`` and ``get_parser``, defined here before the formats were one table."""
+    return renamed(__name__, name)
