@@ -15,11 +15,10 @@ the same process boundary; torch threads are split evenly over the ranks (``thre
 A step's time is the slowest rank's, from a barrier to the end of the optimizer step
 (median of ``repeats`` after a warm-up step). Memory per rank: the bytes of parameters,
 gradients and optimizer state the rank holds, counted exactly from the tensors' local
-shards (what FSDP2 divides by N and DDP does not), and the process's peak RSS when the
-policy had loaded and after the steps (both hold the interpreter and the libraries; FSDP2
-ranks read only their shards from the files, ``asyncrl/learner/sharded_load.py``, where
-DDP's and one rank load the whole model); on CUDA, ``torch.cuda.max_memory_allocated`` per
-rank.
+shards (what FSDP2 divides by N and DDP does not), and the process's peak RSS after the
+steps (which also holds the interpreter and the libraries; how much a rank's loading takes
+is ``examples/sharded_load/measure_rss.py``'s); on CUDA, ``torch.cuda.max_memory_allocated``
+per rank.
 """
 
 from __future__ import annotations
@@ -152,7 +151,6 @@ def run_config(s: LearnerBenchSettings, name: str, path: Path, batch: TrainBatch
                     "threads_per_rank": threads, "step_s": step_s,
                     "step_s_all": times, "memory": memory, "state_bytes_per_rank": state,
                     "peak_rss_per_rank": max(m["peak_rss"] for m in memory),
-                    "loaded_rss_per_rank": max(m["loaded_rss"] for m in memory),
                     **({"cuda_max_allocated_per_rank": max(m["cuda_max_allocated"] for m in memory)}
                        if "cuda_max_allocated" in memory[0] else {})}
         finally:
@@ -200,8 +198,7 @@ def run_learner_bench(overrides: list[str]) -> dict[str, Any]:
 def table(result: dict[str, Any]) -> str:
     head = (f"{'model':22s} {'params':>8s} {'LoRA r':>6s} {'ranks':>5s} {'strategy':>8s} {'step s':>8s} "
             f"{'speedup':>7s} "
-            f"{'params+grads+optim MiB/rank':>27s} {'vs 1 rank':>9s} {'RSS loaded MiB/rank':>19s} "
-            f"{'peak RSS MiB/rank':>17s}")
+            f"{'params+grads+optim MiB/rank':>27s} {'vs 1 rank':>9s} {'peak RSS MiB/rank':>17s}")
     cuda = any("cuda_max_allocated_per_rank" in r for m in result["models"].values() for r in m["runs"])
     head += f" {'CUDA max alloc MiB/rank':>23s}" if cuda else ""
     lines = [head]
@@ -210,8 +207,7 @@ def table(result: dict[str, Any]) -> str:
             line = (f"{name:22s} {m['params'] / 1e6:7.1f}M {r['lora_rank'] or '-':>6} {r['world_size']:5d} "
                     f"{r['strategy'] or '-':>8s} "
                     f"{r['step_s']:8.3f} {r['speedup_vs_1']:7.2f} {r['state_bytes_per_rank'] / 2**20:27.1f} "
-                    f"{r['state_ratio_vs_1']:9.2f} {r['loaded_rss_per_rank'] / 2**20:19.0f} "
-                    f"{r['peak_rss_per_rank'] / 2**20:17.0f}")
+                    f"{r['state_ratio_vs_1']:9.2f} {r['peak_rss_per_rank'] / 2**20:17.0f}")
             if cuda:
                 line += f" {r.get('cuda_max_allocated_per_rank', 0) / 2**20:23.1f}"
             lines.append(line)

@@ -29,7 +29,6 @@ caller then loads the whole model and shards it, as every rank did before.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,32 +73,22 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
 
 class CheckpointReader:
-    """Reads tensors, or rows of them, from a model's safetensors files, each file opened
-    once. Use as a context manager: the files are closed (unmapped) at its end."""
+    """Reads tensors, or rows of them, from a model's safetensors files. Each read opens its
+    file and lets it go: a handle keeps every page read through it mapped, so a rank
+    reading all its slices through one handle held them twice at its peak (its pieces, and
+    the file's pages they came from: resident until the handle closes)."""
 
     def __init__(self, files: dict[str, Path]) -> None:
         self.files = files
-        self._open: dict[Path, object] = {}
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> CheckpointReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def _file(self, name: str):  # noqa: ANN202 (safetensors' handle has no public type)
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = self._stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-        return self._open[path]
 
     def rows(self, name: str, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of dim 0 of tensor ``name``: only their bytes are read."""
-        return self._file(name).get_slice(name)[start:stop]
+        with safe_open(self.files[name], framework="pt", device="cpu") as f:
+            return f.get_slice(name)[start:stop]
 
     def whole(self, name: str) -> torch.Tensor:
-        return self._file(name).get_tensor(name)
+        with safe_open(self.files[name], framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
 
 
 def persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -143,7 +132,8 @@ def load_sharded(cfg: ModelConfig, sharding: Sharding) -> PreTrainedModel:
     model, files = build_skeleton(cfg)
     sharding.shard(model)
     model.to_empty(device=sharding.device)
-    with torch.no_grad(), CheckpointReader(files) as reader:
+    reader = CheckpointReader(files)
+    with torch.no_grad():
         for name, param in model.named_parameters():
             fill_local(name, param, reader)
         for name, buffer in persistent_buffers(model):

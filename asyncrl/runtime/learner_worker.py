@@ -61,7 +61,6 @@ class LearnerWorker:
         self.thread_budget = thread_budget
         self._policy = (model, tokenizer) if model is not None and tokenizer is not None else None
         self.learner: Learner | None = None  # set by join()
-        self.loaded_rss = 0  # peak RSS when join() had loaded the policy
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight sender); closed by leave()
         self._heap = HeapTrimmer()  # a step frees its activations: hand them back (asyncrl/heap.py)
 
@@ -104,7 +103,6 @@ class LearnerWorker:
             sharding = Sharding.current(self.cfg.learner.effective_strategy, device)
         model, tokenizer = self._policy or self._load(sharding)
         self._policy = None
-        self.loaded_rss = peak_rss()
         c = self.cfg
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
                                temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
@@ -206,11 +204,10 @@ class LearnerWorker:
 
     def memory(self) -> dict[str, Any]:
         """Bytes of parameters, gradients and optimizer state this rank holds (its shards,
-        counted exactly), its peak RSS so far and when the policy had loaded (``loaded_rss``),
-        and on CUDA the allocator's peak."""
+        counted exactly), its peak RSS, and on CUDA the allocator's peak."""
         learner = self.learner
         out: dict[str, Any] = {"rank": self.rank, **local_bytes(learner.model, learner.optimizer),
-                               "peak_rss": peak_rss(), "loaded_rss": self.loaded_rss}
+                               "peak_rss": peak_rss()}
         if learner.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(learner.device)
         return out
