@@ -8,23 +8,26 @@
    fails loudly rather than loading the wrong rows).
 3. ``to_empty`` allocates only those local pieces, on the rank's device, and each is filled
    from the safetensors files with exactly its rows (``get_slice(name)[start:stop]``: the
-   file is memory-mapped, and only those bytes are read). Over all ranks every row is read
-   once.
+   file is memory-mapped, and only those bytes are read; :class:`CheckpointReader` says why
+   each read opens the file afresh). Over all ranks every row is read once.
 4. What the files do not hold is made as ``from_pretrained`` makes it. Tied weights are one
    parameter in the skeleton already (FSDP2 shards it once; ``to_empty`` keeps the tie).
    Non-persistent buffers (RoPE's ``inv_freq``) are computed by the model's own
    ``_init_weights``, the mechanism transformers' loader itself uses for them, after each is
    filled with a marker (NaN, or the integer type's minimum): a buffer still holding its
-   marker fails the load naming it, rather than training on uninitialised memory.
+   marker is named, rather than trained on as uninitialised memory.
 
 Invariant: every parameter's local piece equals, bit for bit, the same rows of the model
-``load_policy`` returns on one rank (both cast the stored tensor with ``Tensor.to``), and
-every buffer equals that model's (``tests/test_sharded_learner.py``).
+``load_policy`` returns on one rank (the same rounding casts the stored tensor to
+``model.dtype``), and every buffer equals that model's (``tests/test_sharded_learner.py``,
+``tests/test_sharded_load.py``).
 
-What this cannot load so raises :class:`WholeLoadNeeded` naming why, before any storage is
-allocated where it can be known then (no safetensors files, a LoRA adapter directory, a
-tensor the files lack under the model's name, a buffer of a type it cannot check); the
-caller then loads the whole model and shards it, as every rank did before.
+What this cannot load so raises :class:`WholeLoadNeeded` naming why: before any storage is
+allocated where that can be known then (no safetensors files, a LoRA adapter directory, a
+tensor the files lack under the model's name, a buffer of a type it cannot check), else
+once its buffers are computed (one left uncomputed). Every rank decides alike (the same
+files, the same model), so all of them then load the whole model and shard it, as every
+rank did before.
 """
 
 from __future__ import annotations
