@@ -21,6 +21,7 @@ from asyncrl.cli import main
 from asyncrl.config import load_config
 from asyncrl.learner import pack_batch
 from asyncrl.learner.distributed import row_range
+from asyncrl.policy import load_policy
 from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.runtime.rank_processes import RankProcesses
 from asyncrl.runtime.transport import LearnerGroup, LearnerRankError
@@ -100,6 +101,26 @@ async def started(cfg, **kwargs):
     return learner
 
 
+def held(worker):
+    """Each parameter as this rank holds it (its local piece under FSDP2), and its buffers."""
+    module = worker.learner.module
+    return ({name: (p.to_local() if hasattr(p, "to_local") else p).detach().clone()
+             for name, p in module.named_parameters()}, {name: b.clone() for name, b in module.named_buffers()})
+
+
+def assert_rank_holds_its_slices(held_by_ranks, expected, sharded):
+    """Each rank's parameters are exactly its ``torch.chunk`` rows of the one-rank model's
+    (FSDP2's ``Shard(0)``), or the whole of each (DDP); its buffers exactly the model's."""
+    params = dict(expected.named_parameters())
+    for rank, (pieces, buffers) in enumerate(held_by_ranks):
+        assert set(pieces) == set(params)
+        for name, full in params.items():
+            chunks = full.detach().chunk(len(held_by_ranks)) if sharded else [full.detach()] * len(held_by_ranks)
+            want = chunks[rank] if rank < len(chunks) else full[:0]
+            assert_within(pieces[name], want, 0.0, f"rank {rank}'s {name}")
+        assert_same_weights(buffers, dict(expected.named_buffers()))
+
+
 def test_rows_split_evenly_and_cover_the_batch():
     assert [row_range(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
     assert [row_range(1, r, 3) for r in range(3)] == [(0, 1), (1, 1), (1, 1)]
@@ -109,7 +130,9 @@ def test_rows_split_evenly_and_cover_the_batch():
 @pytest.mark.slow
 @pytest.mark.equivalence
 def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir, strategy, micro, aggregation):
-    """Rank 0 gets 3 rows, rank 1 two; with micro-batches of 1, rank 1 runs a filler pass.
+    """First what each rank holds as it joined: under FSDP2 exactly its rows of the one-rank
+    model (each rank read only those from the files: ``sharded_load.py``), under DDP the whole.
+    Rank 0 gets 3 rows, rank 1 two; with micro-batches of 1, rank 1 runs a filler pass.
     The one-rank reference takes each batch whole: the steps must not depend on either
     split. Then checkpoints: saved by 2 ranks, loaded by ``from_pretrained`` with the
     learner's logits, and resumed by 2 ranks and by 1; saved by 1 rank (and in the format
@@ -132,7 +155,8 @@ def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir,
         learner = await started(config(policy_dir, *base, "learner.world_size=2", f"learner.strategy={strategy}",
                                        f"optim.micro_batch_size={micro}"))
         try:
-            out = {"metrics": await learner.train_step(batch(0), False), "one": await learner.publish(),
+            out = {"held": await learner.apply(held),
+                   "metrics": await learner.train_step(batch(0), False), "one": await learner.publish(),
                    "path": await learner.save_checkpoint(tmp_path / "two_ranks", {"step": 1},
                                                          {"run_state.json": "{}"})}
             await learner.train_step(batch(1), False)
@@ -146,6 +170,7 @@ def test_two_ranks_take_the_one_rank_steps_save_and_resume(tmp_path, policy_dir,
             await learner.shutdown()
 
     out = asyncio.run(scenario())
+    assert_rank_holds_its_slices(out["held"], load_policy(single.model)[0], sharded=strategy == "fsdp2")
     assert_same_weights(out["one"], after_one, step_one)
     assert_same_metrics(out["metrics"], expected_metrics)
     assert out["metrics"]["actor/grad_norm"] > 0.1  # the clip was active

@@ -15,9 +15,10 @@ the same process boundary; torch threads are split evenly over the ranks (``thre
 A step's time is the slowest rank's, from a barrier to the end of the optimizer step
 (median of ``repeats`` after a warm-up step). Memory per rank: the bytes of parameters,
 gradients and optimizer state the rank holds, counted exactly from the tensors' local
-shards (what FSDP2 divides by N and DDP does not), and the process's peak RSS (which also
-holds the full model each rank loads before sharding, the interpreter and the libraries);
-on CUDA, ``torch.cuda.max_memory_allocated`` per rank.
+shards (what FSDP2 divides by N and DDP does not), and the process's peak RSS after the
+steps (which also holds the interpreter and the libraries; how much a rank's loading takes
+is ``examples/sharded_load/measure_rss.py``'s); on CUDA, ``torch.cuda.max_memory_allocated``
+per rank.
 """
 
 from __future__ import annotations

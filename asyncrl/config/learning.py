@@ -114,8 +114,10 @@ class LearnerConfig(Section):
     (``object_store``) or broadcasts them to the engines (``collective``)."""
     strategy: Literal["fsdp2", "ddp"] | None = None
     """``fsdp2``: parameters, gradients and optimizer state sharded over the ranks (PyTorch's
-    ``fully_shard`` per decoder layer), ~1/N of them per rank; ``ddp``: full replicas,
-    gradients all-reduced. ``None``: fsdp2. Ignored at world_size 1."""
+    ``fully_shard`` per decoder layer), ~1/N of them per rank, each rank reading only its
+    shards from the model's safetensors files (no rank loads the whole model; docs/scaling.md
+    says when it still does); ``ddp``: full replicas, gradients all-reduced. ``None``: fsdp2.
+    Ignored at world_size 1."""
     backend: Literal["gloo", "nccl"] | None = None
     """The process group's transport; ``None``: nccl when the ranks train on CUDA, gloo on
     CPU. nccl needs one GPU per rank."""

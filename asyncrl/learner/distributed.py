@@ -97,8 +97,12 @@ class Sharding:
     def wrap(self, model: nn.Module) -> nn.Module:
         """The model as this rank trains it. Every rank must pass identical weights (they
         all load ``model.path``): FSDP keeps this rank's shard of its own copy, DDP
-        broadcasts rank 0's. Mixed precision (bf16 compute, fp32 gradient reduction and
-        master weights) only on CUDA; CPU stays fp32."""
+        broadcasts rank 0's. A model already sharded as it loaded (``sharded_load.py``)
+        is returned as it is."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            return model
         model = model.to(self.device)
         if self.strategy == "ddp":
             from torch.nn.parallel import DistributedDataParallel
@@ -106,6 +110,13 @@ class Sharding:
             ids = [self.device.index] if self.device.type == "cuda" else None
             # buffers (RoPE frequencies) are equal everywhere; broadcasting them per forward buys nothing
             return DistributedDataParallel(model, device_ids=ids, forward_sync_buffers=False)
+        return self.shard(model)
+
+    def shard(self, model: nn.Module) -> nn.Module:
+        """FSDP2 over ``model``, in place: ``fully_shard`` per decoder layer, then the root.
+        Mixed precision (bf16 compute, fp32 gradient reduction and master weights) only on
+        CUDA; CPU stays fp32. ``model`` may be on the meta device (``sharded_load.py``
+        then allocates and reads only this rank's pieces)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

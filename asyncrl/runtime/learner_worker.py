@@ -11,6 +11,7 @@ are gathered to rank 0, each writes its optimizer shard.
 
 from __future__ import annotations
 
+import logging
 import os
 import resource
 import time
@@ -36,10 +37,17 @@ from asyncrl.learner.distributed import (
     rank_device,
 )
 from asyncrl.learner.export import update_kind
-from asyncrl.policy import load_policy
+from asyncrl.learner.sharded_load import WholeLoadNeeded, load_sharded
+from asyncrl.policy import check_policy, load_policy
 from asyncrl.core_budget import ThreadBudget
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class LearnerWorker:
@@ -93,7 +101,7 @@ class LearnerWorker:
             init_process_group(rank=self.rank, world_size=self.world_size, init_method=init_method,
                                backend=backend, timeout_s=self.cfg.learner.timeout_s)
             sharding = Sharding.current(self.cfg.learner.effective_strategy, device)
-        model, tokenizer = self._policy or load_policy(self.cfg.model)
+        model, tokenizer = self._policy or self._load(sharding)
         self._policy = None
         c = self.cfg
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
@@ -102,6 +110,23 @@ class LearnerWorker:
                                update=update_kind(c.model.lora, engine=c.engine,
                                                   same_dtype=c.engine_dtype == c.model.dtype))
         self.learner.thread_budget = self.thread_budget
+
+    def _load(self, sharding: Sharding | None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        """The policy: with FSDP2, straight into this rank's shards, no rank holding the whole
+        model (``asyncrl/learner/sharded_load.py``); else whole, as one rank and DDP's
+        replicas need it, and where the run keeps a full copy anyway (the KL reference) or
+        the model cannot be read a slice at a time (said once, by rank 0)."""
+        if sharding is not None and sharding.strategy == "fsdp2":
+            why = ("algorithm.kl_coef > 0 keeps a full frozen reference on every rank"
+                   if self.cfg.algorithm.kl_coef > 0 else None)
+            if why is None:
+                try:
+                    return load_sharded(self.cfg.model, sharding), check_policy(self.cfg.model)
+                except WholeLoadNeeded as exc:
+                    why = str(exc)
+            if self.rank == 0:
+                logger.warning("learner ranks load the whole model before sharding it: %s", why)
+        return load_policy(self.cfg.model)
 
     def leave(self) -> None:
         """Close what ``apply`` attached, then leave the process group."""
@@ -182,7 +207,7 @@ class LearnerWorker:
         counted exactly), its peak RSS, and on CUDA the allocator's peak."""
         learner = self.learner
         out: dict[str, Any] = {"rank": self.rank, **local_bytes(learner.model, learner.optimizer),
-                               "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                               "peak_rss": peak_rss()}
         if learner.device.type == "cuda":
             out["cuda_max_allocated"] = torch.cuda.max_memory_allocated(learner.device)
         return out
