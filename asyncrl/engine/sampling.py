@@ -88,9 +88,9 @@ def sample_tokens(
         uniform = seeded_uniform(rows.seeds, positions, masked.shape[-1])
     else:
         uniform = torch.rand(masked.shape, generator=generator, device=masked.device)
-        if rows.any_seeded:
-            seeded = rows.seeds >= 0
-            uniform[seeded] = seeded_uniform(rows.seeds[seeded], positions[seeded], masked.shape[-1])
+        if rows.any_seeded:  # a where, not a boolean index: no host synchronisation
+            seeded = (rows.seeds >= 0)[:, None]
+            uniform = torch.where(seeded, seeded_uniform(rows.seeds, positions, masked.shape[-1]), uniform)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
     tokens = (masked + gumbel).argmax(dim=-1)
     if rows.any_greedy:
