@@ -116,6 +116,90 @@ def test_update_weights_copies_into_the_parameters_and_the_next_token_uses_them(
     assert after.token_ids == expected[0, len(prompt):].tolist()
 
 
+def test_an_aborted_seeded_request_resumes_to_the_uninterrupted_sample_on_the_static_path(model):
+    """pause("abort") ends the rows with their partial tokens and drops the batch (the buffers
+    stay); resumed as prompt + partial with the same seed, it samples what it would have."""
+    prompt, seeded = REQUESTS[1][0], SamplingParams(max_tokens=40, seed=1234)
+
+    async def main():
+        engine = TorchEngine(model, max_batch_size=4, kv_cache="static")
+        whole = await engine.generate(prompt, seeded)
+        task = asyncio.create_task(engine.generate(prompt, seeded))
+        others = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=n))) for p, n in REQUESTS[:2]]
+        while engine.stats.tokens < len(whole.token_ids) + 12:
+            await asyncio.sleep(0.001)
+        assert await engine.pause("abort") >= 1
+        partial = await task
+        await engine.resume()
+        rest = await engine.generate(prompt + partial.token_ids,
+                                     SamplingParams(max_tokens=40 - len(partial.token_ids), seed=1234))
+        await asyncio.gather(*others)
+        await engine.shutdown()
+        return whole, partial, rest
+
+    whole, partial, rest = asyncio.run(main())
+    assert partial.finish_reason == "abort" and 0 < len(partial.token_ids) < 40
+    assert partial.token_ids + rest.token_ids == whole.token_ids
+
+
+def test_group_prefill_and_the_prefix_cache_on_the_static_path(model):
+    """A group's samples share one prefill and a later sample of it forks the cached rows;
+    the tokens are those of separate prefills on the dynamic cache."""
+    prompt = [5, 6, 7, 8, 9, 10, 11, 12]
+    group = [(prompt, i) for i in range(6)]
+
+    def sample(kv_cache: str, group_prefill: bool):
+        async def main():
+            engine = TorchEngine(model, max_batch_size=8, kv_cache=kv_cache, group_prefill=group_prefill)
+            await engine.pause()  # queue the group together: one prefill step admits it all
+            tasks = [asyncio.create_task(engine.generate(p, SamplingParams(max_tokens=20, seed=i))) for p, i in group]
+            while engine.num_in_flight < len(tasks):
+                await asyncio.sleep(0)
+            await engine.resume()
+            while engine.stats.tokens < 3 * len(tasks):
+                await asyncio.sleep(0.001)
+            late = await engine.generate(prompt, SamplingParams(max_tokens=20, seed=99))  # admitted later
+            done = await asyncio.gather(*tasks)
+            await engine.shutdown()
+            return [c.token_ids for c in done] + [late.token_ids], engine.stats
+
+        return asyncio.run(main())
+
+    static, stats = sample("static", group_prefill=True)
+    separate, _ = sample("dynamic", group_prefill=False)
+    assert static == separate
+    assert (stats.prefill_rows, stats.prefill_reused) == (1, len(group))
+
+
+def test_lora_adapters_load_into_the_static_engines_parameters(model):
+    """An AdapterUpdate is merged and copied into the parameters in place: the same
+    addresses, and the tokens of a dynamic-cache engine given the same adapters."""
+    from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
+
+    torch.manual_seed(3)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    out_features, in_features = dict(model.named_parameters())[name].shape
+    update = AdapterUpdate({name: LayerAdapter(torch.randn(4, in_features), torch.randn(out_features, 4), 0.5)},
+                           rank=4, alpha=2.0)
+
+    def sample(kv_cache: str):
+        engine_model = make_model()
+
+        async def main():
+            engine = TorchEngine(engine_model, max_batch_size=4, kv_cache=kv_cache)
+            address = dict(engine.model.named_parameters())[name].data_ptr()
+            await engine.update_weights(update, version=1)
+            assert dict(engine.model.named_parameters())[name].data_ptr() == address
+            done = await asyncio.gather(*[engine.generate(p, SamplingParams(max_tokens=16, seed=i))
+                                          for i, (p, _) in enumerate(REQUESTS[:4])])
+            await engine.shutdown()
+            return [c.token_ids for c in done]
+
+        return asyncio.run(main())
+
+    assert sample("static") == sample("dynamic")
+
+
 @pytest.mark.slow
 @pytest.mark.equivalence
 def test_a_compiled_step_decodes_the_eager_steps_tokens(model):

@@ -173,13 +173,16 @@ class StaticKV:
             self.reset()
             return None
         first = min(self.row_starts[i] for i in keep)
-        index = torch.tensor(keep, device=self.device)
         k, end = len(keep), self.length
-        for layer in self.cache.layers:
-            for buffer in (layer.buffer_keys, layer.buffer_values):
-                buffer[:k, :, :end - first] = buffer[index, :, first:end]
-        self.last_tokens[:k] = self.last_tokens[index]
-        self.position_ids[:k] = self.position_ids[index]
+        # rows before the first that leaves stay where they are, unless columns go too
+        stay = 0 if first else next((j for j, i in enumerate(keep) if i != j), k)
+        if stay < k:  # else only the last rows left: nothing moves
+            index = torch.tensor(keep[stay:], dtype=torch.long, device=self.device)
+            for layer in self.cache.layers:
+                for buffer in (layer.buffer_keys, layer.buffer_values):
+                    buffer[stay:k, :, :end - first] = buffer[index, :, first:end]
+            self.last_tokens[stay:k] = self.last_tokens[index]
+            self.position_ids[stay:k] = self.position_ids[index]
         self.row_starts = [self.row_starts[i] - first for i in keep]
         self.n, self.length = k, end - first
         self.params = [self.params[i] for i in keep]

@@ -95,7 +95,7 @@ class StepRunner:
 KVCache = Literal["auto", "dynamic", "static"]
 # kv_cache="auto" on each device type: static buffers where they were measured no slower
 # than the dynamic cache (docs/engine.md, "The decode path on a GPU")
-STATIC_BY_DEFAULT = {"cuda": True, "cpu": True}
+STATIC_BY_DEFAULT = {"cuda": True, "cpu": False}
 
 
 def decode_runner(model: torch.nn.Module, max_rows: int, kv_cache: KVCache,
