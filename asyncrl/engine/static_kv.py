@@ -17,6 +17,8 @@ right-aligned at T (the running rows move right first when a newcomer's prompt i
 finished rows leave by a gather of the kept rows to the top, dropping columns that are
 padding in every kept row. The buffers grow (doubling their columns, copied once) only when
 a row outgrows them; growing drops the captured graphs, which hold the old addresses.
+Memory: ``max_rows`` rows from the first step (a full batch's), times the longest row's
+columns rounded up to a power of two.
 
 Invariant: every attended buffer value is finite. Rows past the live ones (a bucket's
 padding) keep start 0, so their mask is never empty (an empty softmax row is NaN, and a NaN
@@ -33,7 +35,7 @@ from transformers.cache_utils import DynamicLayer
 
 from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch
-from asyncrl.engine.sampling import RowParams
+from asyncrl.engine.sampling import RowParams, to_device
 from asyncrl.types import SamplingParams
 
 # The attention implementations that take a prepared 4-D mask as we build it: a boolean one
@@ -177,7 +179,7 @@ class StaticKV:
         # rows before the first that leaves stay where they are, unless columns go too
         stay = 0 if first else next((j for j, i in enumerate(keep) if i != j), k)
         if stay < k:  # else only the last rows left: nothing moves
-            index = torch.tensor(keep[stay:], dtype=torch.long, device=self.device)
+            index = to_device(keep[stay:], torch.long, self.device)
             for layer in self.cache.layers:
                 for buffer in (layer.buffer_keys, layer.buffer_values):
                     buffer[stay:k, :, :end - first] = buffer[index, :, first:end]
@@ -204,7 +206,7 @@ class StaticKV:
     def _upload_starts(self) -> None:
         self.starts.zero_()  # padding rows attend from column 0: never an empty mask
         if self.n:
-            self.starts[:self.n] = torch.tensor(self.row_starts, dtype=torch.long)
+            self.starts[:self.n] = to_device(self.row_starts, torch.long, self.device)
 
     def _ensure(self, columns: int, like: KVBatch | None = None) -> None:
         """Buffers of at least ``columns`` columns, the live rows' contents kept. The first
@@ -238,7 +240,8 @@ class StaticKV:
         """(rows, columns) of the next decode: exact, or bucketed for a captured step."""
         if not self.bucketed:
             return self.n, self.length + 1
-        return bucket(self.n, self.max_rows), bucket(self.length + 1, self.cache.layers[0].buffer_keys.shape[2])
+        columns = self.cache.layers[0].buffer_keys.shape[2]  # ≥ 64: short rows share one bucket
+        return bucket(self.n, self.max_rows), bucket(max(self.length + 1, 64), columns)
 
     def prepare(self) -> tuple[int, int]:
         """Room and the write column for the next decode; returns its (rows, columns)."""

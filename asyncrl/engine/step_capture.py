@@ -87,7 +87,9 @@ class StepRunner:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # thread_local: the learner may be computing on this device from its own thread meanwhile
+        # (colocated); the default (global) mode would fail its calls during the capture
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             logits = forward(rows, columns)
         return graph, logits
 
