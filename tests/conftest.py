@@ -18,8 +18,12 @@ torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT"
 def pytest_collection_modifyitems(config, items):
     """Every test that starts Ray runs in one test process (xdist's ``ray`` group), one
     after another: two local clusters at once would double Ray's memory and processes
-    for nothing, and a module-scoped cluster fixture would start once per process."""
+    for nothing, and a module-scoped cluster fixture would start once per process. A test
+    marked ``cuda`` is skipped where torch sees no CUDA device."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (the `cuda` marker) and torch sees none")
     for item in items:
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
         if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray" in item.nodeid.lower().replace("array", ""):
             item.add_marker(pytest.mark.xdist_group("ray"))
     missing = sandbox_missing()
@@ -65,6 +69,13 @@ def make_model(seed: int = 0, vocab_size: int = 96, max_positions: int = 512) ->
     return Qwen2ForCausalLM(config).eval()
 
 
+@pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where a test that can run on either puts its model: the GPU when there is one (the
+    equivalence tests then check the device's kernels), else the CPU."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 @pytest.fixture
 def model() -> Qwen2ForCausalLM:
     return make_model()
@@ -72,9 +83,9 @@ def model() -> Qwen2ForCausalLM:
 
 def reference_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / T) of ``tokens`` from one plain forward pass: what a learner computes."""
-    ids = torch.tensor([prompt + tokens])
+    ids = torch.tensor([prompt + tokens], device=model.device)
     with torch.no_grad():
-        logits = model(ids).logits[0, len(prompt) - 1:-1].float() / temperature
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float().cpu() / temperature
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(tokens)[:, None]).squeeze(-1)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import re
 
 import pytest
+import torch
 
 from asyncrl.bench.progress import phase
 from asyncrl.cli import main
@@ -42,12 +43,16 @@ def test_bench_engine_smoke(tmp_path, capsys):
                  "longtail_requests=8", "short_tokens=[2,4]", "long_tokens=[8,12]", "repeats=1",
                  "--out", str(out)]) == 0
     result = json.loads((out / "bench.json").read_text())
-    assert {"tokens_per_s", "ratio_vs_generate_uniform", "ratio_vs_generate_longtail"} <= set(result)
-    assert set(result["tokens_per_s"]) == {"generate", "torch"}
+    assert {"tokens_per_s", "ratio_vs_generate_uniform", "ratio_vs_generate_longtail",
+            "ratio_vs_generate_static_uniform", "ratio_vs_generate_static_longtail"} <= set(result)
+    assert set(result["tokens_per_s"]) == {"generate", "torch", "generate_static"}
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # device=auto
+    assert (result["device"], result["dtype"]) == (device, "bfloat16" if device == "cuda" else "float32")
+    assert result["engine"]["kv_cache"] in {"static", "dynamic"}
     tok_s = r"[\d,]+ tok/s"
     assert_phases(capsys.readouterr().out, "engine", {
-        "warm-up": "done", "uniform": f"model.generate {tok_s}, TorchEngine {tok_s}",
-        "longtail": f"model.generate {tok_s}, TorchEngine {tok_s}"})
+        "warm-up": "done", "uniform": f"model.generate {tok_s}, TorchEngine {tok_s}, generate\\(static\\) {tok_s}",
+        "longtail": f"model.generate {tok_s}, TorchEngine {tok_s}, generate\\(static\\) {tok_s}"})
 
 
 @pytest.mark.slow
@@ -115,6 +120,9 @@ def test_bench_trl_smoke(tmp_path, capsys):
         assert all((out / name / "checkpoints" / f"step_{k}").is_dir() for k in (1, 2))
     assert (out / "asyncrl_sync" / "checkpoints" / "step_2" / "optimizer").is_dir()  # whole, resumable
     assert set(systems) == {"trl", "asyncrl_sync", "asyncrl_async"}
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # model.device=auto: TRL follows asyncrl
+    assert {(v["device"], v["dtype"], v["autocast"]) for v in systems.values()} == {
+        (device, "float32", "bfloat16" if device == "cuda" else "off")}
     assert {"sync_vs_trl_samples_per_s", "async_vs_trl_samples_per_s", "async_vs_trl_time_to_target", "unmatched",
             "target_reward", "target_rule", "target_above_start"} <= set(result)
     assert "sizes" not in result  # one size: its keys at the top level only
@@ -367,3 +375,18 @@ def test_bench_trl_runs_each_ablation_in_each_listed_mode(tmp_path, monkeypatch)
     assert [(out.name, mode, sharing, extra) for _, out, mode, sharing, extra in calls[-2:]] == [
         ("asyncrl_sync_zv", "sync", "split", ("algorithm.filter_zero_variance=true",)),
         ("asyncrl_async_zv", "async", "split", ("algorithm.filter_zero_variance=true",))]
+
+
+def test_bench_trl_gives_trl_the_device_and_precision_asyncrl_trains_in():
+    """TRL is pinned to the CPU only where asyncrl's learner is on it, and autocasts to bf16
+    exactly where asyncrl's learner does (``learner.autocast``, by default on CUDA)."""
+    from asyncrl.bench.trl import TrlBenchSettings, precision, task_config, trl_precision_args
+
+    cpu = precision(task_config(TrlBenchSettings(), ["model.device=cpu"]))
+    assert cpu == {"device": "cpu", "dtype": "float32", "autocast": "off"}
+    assert trl_precision_args(cpu) == {"use_cpu": True, "bf16": False, "model_init_kwargs": {"dtype": "float32"}}
+    cast = precision(task_config(TrlBenchSettings(), ["model.device=cpu", "learner.autocast=bfloat16"]))
+    assert trl_precision_args(cast)["bf16"] is True
+    gpu = precision(task_config(TrlBenchSettings(), ["model.device=cuda"]))  # a config names cuda without one
+    assert gpu == {"device": "cuda", "dtype": "float32", "autocast": "bfloat16"}
+    assert trl_precision_args(gpu) == {"use_cpu": False, "bf16": True, "model_init_kwargs": {"dtype": "float32"}}

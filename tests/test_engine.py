@@ -22,7 +22,9 @@ async def wait_for_tokens(engine: TorchEngine, n: int) -> None:
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
-def test_logprobs_equal_model_log_softmax(model, temperature):
+def test_logprobs_equal_model_log_softmax(model, device, temperature):
+    model = model.to(device)  # the device's kernels where there is a GPU (conftest's `device`)
+
     async def main():
         engine = TorchEngine(model, max_batch_size=8)
         # top-k/top-p change which tokens may be drawn, not the reported distribution

@@ -61,7 +61,8 @@ async def wait_for_tokens(engine: TorchEngine, n: int) -> None:
 
 @pytest.mark.equivalence
 @pytest.mark.parametrize("seeded", [True, False], ids=["own-seeds", "engine-generator"])
-def test_forks_sample_what_separate_prefills_sample(model, seeded):
+def test_forks_sample_what_separate_prefills_sample(model, device, seeded):
+    model = model.to(device)  # the device's kernels where there is a GPU (conftest's `device`)
     requests = group_requests(seeded=seeded, top_k=40)
     forked, on = run(model, requests, group_prefill=True)
     separate, off = run(model, requests, group_prefill=False)

@@ -9,6 +9,11 @@ loss aggregation, no zero-variance filtering, no activation checkpointing (TRL 1
 ``GRPOConfig`` turns gradient checkpointing on by default; asyncrl's learner keeps its
 activations, so the bench turns TRL's off: recomputing them would slow TRL's backward
 pass for a memory saving neither side needs here; docs/results.md says since when).
+Device and precision: TRL trains on the device asyncrl's learner uses (``model.device``:
+on CUDA when there is one) and in its precision: weights loaded in ``model.dtype``, and
+bf16 autocast (``GRPOConfig(bf16=True)``: float32 master weights, bf16 matmuls) exactly
+where asyncrl's learner autocasts (``learner.autocast``; by default on CUDA). Each system
+in ``bench.json`` says its ``device``, ``dtype`` and ``autocast``.
 Not matched, and why: TRL generates with
 ``model.generate`` in the training process (asyncrl uses its own engine — that is what
 is being compared); TRL computes the old-policy logprobs itself while asyncrl uses the
@@ -69,13 +74,13 @@ from typing import Annotated, Any, Literal
 from pydantic import Field
 
 from asyncrl.bench.progress import phase
-from asyncrl.bench.staleness import ci95
+from asyncrl.bench.trl_report import print_seed_table, print_size_table, print_table, summarise_seeds
 from asyncrl.config import Config, ConfigError, EvalConfig, Section, apply_overrides, load_config, validate
 from asyncrl.jsonl import read_jsonl
 from asyncrl.orchestrator.eval_command import run_eval
 from asyncrl.orchestrator.task_stream import TaskStream
 from asyncrl.orchestrator.trainer import Trainer
-from asyncrl.policy import resolve_model_path
+from asyncrl.policy import resolve_device, resolve_model_path
 from asyncrl.rollout.workflows.registry import build_reward_fn, build_tasks
 from asyncrl.tasks.base import Task
 
@@ -155,6 +160,21 @@ def task_config(s: TrlBenchSettings, overrides: list[str]) -> Config:
                 "sampling.temperature=1.0"]
         return load_config(None, [*base, *model, f"seed={s.seed}", *tokens, *overrides])
     return load_config(s.config, [*model, f"seed={s.seed}", *tokens, *overrides])
+
+
+def precision(cfg: Config) -> dict[str, str]:
+    """The device and precision asyncrl's learner trains in under ``cfg`` (``learner.autocast``
+    resolved as the trainer resolves it), which TRL is given too."""
+    device = resolve_device(cfg.model.device)
+    autocast = cfg.learner.autocast or ("bfloat16" if device.type == "cuda" else "off")
+    return {"device": device.type, "dtype": cfg.model.dtype, "autocast": autocast}
+
+
+def trl_precision_args(side: dict[str, str]) -> dict[str, Any]:
+    """``GRPOConfig``'s arguments for ``side`` (``precision``'s dict): the CPU only where
+    asyncrl is on it, bf16 autocast where asyncrl autocasts, the weights in its dtype."""
+    return {"use_cpu": side["device"] == "cpu", "bf16": side["autocast"] == "bfloat16",
+            "model_init_kwargs": {"dtype": side["dtype"]}}
 
 
 def trl_prompt(cfg: Config, task: Task) -> Any:
@@ -293,7 +313,7 @@ def _trl_run(s: TrlBenchSettings, out: Path) -> Run:
         num_generations=s.group_size, max_completion_length=cfg.sampling.max_tokens,
         temperature=cfg.sampling.temperature, top_k=0, top_p=1.0,
         learning_rate=s.lr, lr_scheduler_type="constant", warmup_steps=0, max_steps=s.steps, beta=0.0,
-        epsilon=0.2, epsilon_high=0.28, scale_rewards="group", loss_type="dapo", use_cpu=True, bf16=False,
+        epsilon=0.2, epsilon_high=0.28, scale_rewards="group", loss_type="dapo", **trl_precision_args(precision(cfg)),
         gradient_checkpointing=False, report_to="none", logging_steps=1, save_strategy="no", seed=s.seed,
         shuffle_dataset=False,
     )
@@ -324,7 +344,7 @@ def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     sizes = [s.model_copy(update={"batch_size": b, "batch_sizes": None}) for b in s.sizes()]
     if len(sizes) == 1:  # one size: its directories and phase names as they always were
         result = {"settings": s.model_dump(), **_bench_size(sizes[0], out, "")}
-        _print_table(result)
+        print_table(result)
         return result
     per_size = {}
     for size in sizes:
@@ -332,8 +352,8 @@ def run_trl_bench(overrides: list[str], out: Path) -> dict[str, Any]:
     result = {"settings": s.model_dump(), **per_size[sizes[0].label()], "sizes": per_size}
     for label, size_result in per_size.items():
         print(f"--- {label} ({size_result['samples_per_step']} samples per step)")
-        _print_table(size_result)
-    _print_size_table(per_size)
+        print_table(size_result)
+    print_size_table(per_size)
     return result
 
 
@@ -349,46 +369,11 @@ def _across_seeds(s: TrlBenchSettings, out: Path) -> dict[str, Any]:
         one = s.model_copy(update={"seed": seed, "seeds": 1, "batch_sizes": None,
                                    "batch_size": s.sizes()[0]})
         sitting = {"seed": seed, **_bench_size(one, out / f"seed_{seed}", f"seed {seed}: ")}
-        _print_table(sitting)
+        print_table(sitting)
         sittings.append(sitting)
     summary = summarise_seeds(sittings)
-    _print_seed_table(summary)
+    print_seed_table(summary)
     return {"settings": s.model_dump(), "seeds": sittings, "across_seeds": summary}
-
-
-def mean_ci(values: list[float]) -> dict[str, float | None]:
-    return {"mean": statistics.mean(values) if values else None, "ci95": ci95(values) if values else None}
-
-
-def summarise_seeds(sittings: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per system over the sittings: time to target (each seed's; reached count; mean ± CI95
-    over the seeds that reached it), held-out final and samples/s (mean ± CI95); and the
-    seeds whose target lies above the start, without which a time to target ranks nothing."""
-    systems = {}
-    for name in sittings[0]["systems"]:  # SYSTEMS, an async system per async_sharing setting, a sync per ablation
-        runs = [r["systems"][name] for r in sittings]
-        times = [r["time_to_target_s"] for r in runs]
-        reached = [t for t in times if t is not None]
-        finals = [r["final_held_out_reward"] for r in runs if r["final_held_out_reward"] is not None]
-        systems[name] = {"time_to_target_s": times, "reached": len(reached), "of": len(times),
-                         "time_to_target": mean_ci(reached), "final_held_out_reward": mean_ci(finals),
-                         "samples_per_s": mean_ci([r["samples_per_s"] for r in runs])}
-    return {"systems": systems, "seeds": [r["seed"] for r in sittings],
-            "targets": [r["target_reward"] for r in sittings],
-            "target_above_start": [r["target_above_start"] for r in sittings]}
-
-
-def _print_seed_table(summary: dict[str, Any]) -> None:
-    def cell(v: dict[str, float | None], spec: str) -> str:
-        return "n/a" if v["mean"] is None else f"{v['mean']:{spec}} ± {v['ci95']:{spec}}"
-
-    print(f"--- across seeds {summary['seeds']}; targets {[round(t, 3) for t in summary['targets'] if t is not None]}"
-          f" (above the start: {summary['target_above_start']})")
-    print(f"{'system':14s} {'time to target s (mean ± CI95 of those reached)':>48s} {'reached':>8s} "
-          f"{'held-out final':>16s} {'samples/s':>14s}")
-    for name, v in summary["systems"].items():
-        print(f"{name:14s} {cell(v['time_to_target'], '.1f'):>48s} {v['reached']:>4d}/{v['of']:<3d} "
-              f"{cell(v['final_held_out_reward'], '.3f'):>16s} {cell(v['samples_per_s'], '.1f'):>14s}")
 
 
 def _in_own_process(train: Callable[..., Run], *args: Any) -> Run:
@@ -442,6 +427,7 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
 
     target = (s.target if s.target is not None else held_out["trl"][-1]["reward_mean"]) if s.held_out else None
     systems = {}
+    side = precision(task_config(s, []))
     for name, run in runs.items():
         systems[name] = {
             "samples_per_s": samples[name] / run.wall_s, "wall_s": run.wall_s,
@@ -449,6 +435,7 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
             "time_to_target_s": time_to_target(held_out[name], target) if s.held_out else None,
             "final_held_out_reward": held_out[name][-1]["reward_mean"] if s.held_out else None,
             "held_out": held_out[name], "save_s": run.save_s, "train_curve": run.train_curve,
+            **side,  # device, dtype, autocast: TRL is given asyncrl's (trl_precision_args)
         }
     trl_t, async_t = systems["trl"]["time_to_target_s"], systems["asyncrl_async"]["time_to_target_s"]
     trl_rate = systems["trl"]["samples_per_s"]
@@ -471,47 +458,3 @@ def _bench_size(s: TrlBenchSettings, out: Path, prefix: str) -> dict[str, Any]:
     }
 
 
-def _print_table(result: dict[str, Any]) -> None:
-    systems = result["systems"]
-    print(f"{'system':14s} {'wall_s':>7s} {'save_s':>6s} {'samples/s':>10s} {'train reward':>12s} "
-          f"{'held-out final':>14s} {'time to target':>14s}")
-    held = result["target_reward"] is not None
-    if "async_vs_sync_samples_per_s" in result:  # absent from a bench.json written before it
-        print("async against sync, samples/s: " + ", ".join(
-            f"{name} {ratio:.2f}×" for name, ratio in result["async_vs_sync_samples_per_s"].items()))
-    for name, v in systems.items():
-        ttt = "never" if v["time_to_target_s"] is None else f"{v['time_to_target_s']:.1f}s"
-        final = f"{v['final_held_out_reward']:14.3f}" if held else f"{'skipped':>14s}"
-        print(f"{name:14s} {v['wall_s']:7.1f} {v['save_s']:6.2f} {v['samples_per_s']:10.1f} {v['final_reward']:12.3f} "
-              f"{final} {ttt if held else 'skipped':>14s}")
-    if not held:
-        print(f"held-out evaluation skipped (held_out=false); sync_vs_trl_samples_per_s="
-              f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_samples_per_s="
-              f"{result['async_vs_trl_samples_per_s']:.2f}")
-        print("not matched:", result["unmatched"])
-        return
-    steps = max(([p["step"] for p in v["held_out"]] for v in systems.values()), key=len)  # asyncrl_steps: longer
-    print("held-out reward (pass@1) [time s] by step:")
-    print(f"{'step':14s} " + " ".join(f"{k:>20d}" for k in steps))
-    for name, v in systems.items():
-        cells = [f"{p['reward_mean']:.3f} ({p['pass@1']:.3f}) [{p['time_s']:.1f}]" for p in v["held_out"]]
-        print(f"{name:14s} " + " ".join(f"{c:>20s}" for c in cells))
-    ratio = result["async_vs_trl_time_to_target"]
-    print(f"target = {result['target_rule']}: {result['target_reward']:.3f}; sync_vs_trl_samples_per_s="
-          f"{result['sync_vs_trl_samples_per_s']:.2f}; async_vs_trl_samples_per_s="
-          f"{result['async_vs_trl_samples_per_s']:.2f}; async_vs_trl_time_to_target="
-          f"{'n/a' if ratio is None else f'{ratio:.2f}'}")
-    if not result["target_above_start"]:
-        print(f"note: TRL's last held-out reward does not exceed the start policy's "
-              f"({systems['trl']['held_out'][0]['reward_mean']:.3f}), so every system is at the target at step 0: "
-              "the run is too short for time-to-target to rank anything (raise steps)")
-    print("not matched:", result["unmatched"])
-
-
-def _print_size_table(per_size: dict[str, dict[str, Any]]) -> None:
-    """samples/s of each system at each size, and asyncrl's ratios to TRL."""
-    print(f"{'size':8s} {'trl':>10s} {'asyncrl_sync':>13s} {'asyncrl_async':>14s} {'sync/trl':>9s} {'async/trl':>10s}")
-    for label, r in per_size.items():
-        rate = {name: v["samples_per_s"] for name, v in r["systems"].items()}
-        print(f"{label:8s} {rate['trl']:10.1f} {rate['asyncrl_sync']:13.1f} {rate['asyncrl_async']:14.1f} "
-              f"{r['sync_vs_trl_samples_per_s']:9.2f} {r['async_vs_trl_samples_per_s']:10.2f}")

@@ -16,8 +16,9 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PretrainedConfig
+from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
+from asyncrl.engine.hf_cache import forward_with_cache
 from asyncrl.engine.sampling import RowParams
 from asyncrl.types import SamplingParams
 
@@ -47,7 +48,7 @@ class Prefill:
 
 class KVBatch:
     """The running rows. The last sampled token of each row is not in the cache yet: the
-    next decode feeds it (``decode_mask`` makes room for it, ``advance`` books its output)."""
+    next decode feeds it (``forward`` makes room for it, ``advance`` books its output)."""
 
     def __init__(self, cache: DynamicCache, attention_mask: torch.Tensor, last_tokens: torch.Tensor,
                  positions: torch.Tensor, params: list[SamplingParams], rows: RowParams) -> None:
@@ -61,13 +62,23 @@ class KVBatch:
     def __len__(self) -> int:
         return len(self.params)
 
-    def decode_mask(self) -> torch.Tensor:
-        """The mask for the next decode: the cache's columns plus one for the last tokens."""
-        return torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self), 1)], dim=1)
+    @property
+    def width(self) -> int:
+        """Columns the next decode attends over, per row (padding included)."""
+        return self.attention_mask.shape[1] + 1
 
-    def advance(self, mask: torch.Tensor, tokens: torch.Tensor) -> None:
-        """After a decode: the last tokens are in the cache now, ``tokens`` wait to go in."""
-        self.attention_mask, self.last_tokens, self.positions = mask, tokens, self.positions + 1
+    def forward(self, model: PreTrainedModel) -> torch.Tensor:
+        """One decode forward: (rows, vocab) logits; the fed last tokens join the cache (grown
+        by concatenation: ``static_kv`` is the path that writes in place)."""
+        mask = torch.cat([self.attention_mask, self.attention_mask.new_ones(len(self), 1)], dim=1)
+        out = forward_with_cache(model, self.cache, input_ids=self.last_tokens[:, None], attention_mask=mask,
+                                 position_ids=self.positions[:, None])
+        self.attention_mask = mask
+        return out.logits[:, -1]
+
+    def advance(self, tokens: torch.Tensor) -> None:
+        """After a decode: the fed tokens are in the cache now, ``tokens`` wait to go in."""
+        self.last_tokens, self.positions = tokens, self.positions + 1
 
     def merge(self, other: KVBatch) -> KVBatch:
         """``other``'s rows after this batch's, both left-padded to the longer cache."""

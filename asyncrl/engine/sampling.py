@@ -13,17 +13,27 @@ import torch
 from asyncrl.types import SamplingParams
 
 
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA
+    through pinned memory and a non-blocking copy (a plain copy from pageable memory
+    synchronises the stream, a second host synchronisation in a step where rows came or went)."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class RowParams:
     """Per-row sampling parameters of a decode batch as tensors, so one step samples every
     row with its own temperature / top-k / top-p without a Python loop."""
 
     def __init__(self, params: list[SamplingParams], device: torch.device) -> None:
-        self.temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-        self.top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
-        self.top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        self.temperature = to_device([p.temperature for p in params], torch.float32, device)
+        self.top_k = to_device([p.top_k for p in params], torch.long, device)
+        self.top_p = to_device([p.top_p for p in params], torch.float32, device)
         self.any_greedy = any(p.temperature == 0 for p in params)
         self.any_truncation = any(p.top_k > 0 or p.top_p < 1 for p in params)
-        self.seeds = torch.tensor([-1 if p.seed is None else p.seed for p in params], dtype=torch.long, device=device)
+        self.seeds = to_device([-1 if p.seed is None else p.seed for p in params], torch.long, device)
         self.any_seeded = any(p.seed is not None for p in params)
         self.all_seeded = all(p.seed is not None for p in params)
 
@@ -88,9 +98,9 @@ def sample_tokens(
         uniform = seeded_uniform(rows.seeds, positions, masked.shape[-1])
     else:
         uniform = torch.rand(masked.shape, generator=generator, device=masked.device)
-        if rows.any_seeded:
-            seeded = rows.seeds >= 0
-            uniform[seeded] = seeded_uniform(rows.seeds[seeded], positions[seeded], masked.shape[-1])
+        if rows.any_seeded:  # a where, not a boolean index: no host synchronisation
+            seeded = (rows.seeds >= 0)[:, None]
+            uniform = torch.where(seeded, seeded_uniform(rows.seeds, positions, masked.shape[-1]), uniform)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
     tokens = (masked + gumbel).argmax(dim=-1)
     if rows.any_greedy:

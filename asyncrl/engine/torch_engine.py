@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -33,6 +33,8 @@ from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, PauseMode
                                      WeightUpdate, as_update)
 from asyncrl.engine.sampling import RowParams, sample_tokens
 from asyncrl.engine.scheduler import QueueState, ScheduledStep, Scheduler, Sequence
+from asyncrl.engine.static_kv import StaticKV
+from asyncrl.engine.step_capture import Capture, KVCache, decode_runner
 from asyncrl.heap import HeapTrimmer
 from asyncrl.policy import weights_dtype
 from asyncrl.core_budget import ThreadBudget
@@ -74,13 +76,21 @@ class TorchEngine:
 
     ``dtype`` (``rollout.dtype``): the engine casts ``model`` to it in place (the model is
     the engine's own from then on), and :meth:`update_weights` rounds each tensor it is sent
-    to it as it copies, so a float32 learner can feed a bf16 engine. ``None``: as given."""
+    to it as it copies, so a float32 learner can feed a bf16 engine. ``None``: as given.
+
+    ``kv_cache``: ``"static"`` decodes from KV buffers allocated once (``static_kv.py``),
+    ``"dynamic"`` from a ``DynamicCache`` grown by concatenation (``kv_batch.py``), ``"auto"``
+    picks per device (``step_capture.STATIC_BY_DEFAULT``) where the model allows it.
+    ``capture`` (static cache only): ``"graphs"`` replays the decode step from CUDA graphs
+    (CUDA only), ``"compile"`` runs it through ``torch.compile``, ``"auto"``: graphs on CUDA.
+    Either way a weight update copies into the parameters the captured step reads."""
 
     def __init__(
         self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,
         weight_noise: float = 0.0,  # a bench and test facility: see _perturb
         num_threads: int | None = None, group_prefill: bool = True, prefix_cache_size: int = 64,
         dtype: str | torch.dtype | None = None, thread_budget: ThreadBudget | None = None,
+        kv_cache: KVCache = "auto", capture: Capture | Literal["auto"] = "auto",
     ) -> None:
         self.model = model.eval() if dtype is None else model.eval().to(weights_dtype(dtype))
         self.device = next(model.parameters()).device
@@ -94,7 +104,8 @@ class TorchEngine:
         self.group_prefill = group_prefill
         self.prefix_cache_size = prefix_cache_size if group_prefill else 0
         self._scheduler = Scheduler(max_batch_size, self.max_positions)
-        self._kv: KVBatch | None = None  # row i is self._scheduler.running[i]
+        self._decoder = decode_runner(self.model, max_batch_size, kv_cache, capture)  # None: the dynamic cache
+        self._kv: KVBatch | StaticKV | None = None  # row i is self._scheduler.running[i]
         self._prefixes = PrefixCache(self.prefix_cache_size)
         self._version = version
         self._adapters = AdapterMerger()  # an AdapterUpdate's targeted layers: their base, merged here
@@ -119,8 +130,19 @@ class TorchEngine:
 
     @property
     def max_context(self) -> int:
-        """The model's position table (``max_position_embeddings``; 2**30 where it sets none)."""
+        """The model's context in tokens (prompt + completion): ``max_position_embeddings``,
+        or 2**30 when the model sets none (the same number as ``max_positions``)."""
         return self.max_positions
+
+    @property
+    def kv_cache(self) -> str:
+        """The decode path in use: ``"static"`` or ``"dynamic"``."""
+        return "dynamic" if self._decoder is None else "static"
+
+    @property
+    def capture(self) -> str:
+        """How the static decode step runs: ``"graphs"``, ``"compile"`` or ``"off"``."""
+        return "off" if self._decoder is None else self._decoder.capture
 
     @property
     def num_in_flight(self) -> int:
@@ -333,7 +355,9 @@ class TorchEngine:
             self.stats.prefill_s += elapsed
 
     def _postprocess(self, step: ScheduledStep, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
-        token_ids, logprob_values = tokens.tolist(), logprobs.tolist()  # one device sync per step
+        # the step's one host synchronisation: tokens and logprobs come back together
+        both = torch.stack([tokens.double(), logprobs.double()]).cpu()  # float64 holds every token id exactly
+        token_ids, logprob_values = both[0].long().tolist(), both[1].tolist()
         version = self._version  # <- every token is stamped with the weights that sampled it
         self.stats.tokens += len(token_ids)
         finished = self._scheduler.postprocess(step.sequences, token_ids, logprob_values, version)
@@ -381,7 +405,11 @@ class TorchEngine:
         rows = RowParams(params, self.device)
         tokens, logprobs = sample_tokens(logits, rows, self._generator, positions)
         joined = KVBatch(cache, mask, tokens, positions, params, rows)
-        self._kv = joined if self._kv is None else self._kv.merge(joined)
+        if self._decoder is not None:  # copied into the buffers allocated once
+            static = self._decoder.kv if self._kv is not None else self._decoder.kv.reset()
+            self._kv = static.merge(joined, lengths)
+        else:
+            self._kv = joined if self._kv is None else self._kv.merge(joined)
         return tokens, logprobs
 
     def _forward_prompts(self, prompts: list[list[int]]) -> tuple[Prefill, DynamicCache]:
@@ -398,12 +426,10 @@ class TorchEngine:
     def _run_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv
         assert kv is not None
-        mask = kv.decode_mask()
-        self.stats.decode_positions += mask.numel()
-        out = forward_with_cache(self.model, kv.cache, input_ids=kv.last_tokens[:, None], attention_mask=mask,
-                                 position_ids=kv.positions[:, None])
-        tokens, logprobs = sample_tokens(out.logits[:, -1], kv.rows, self._generator, kv.positions + 1)
-        kv.advance(mask, tokens)
+        self.stats.decode_positions += len(kv) * kv.width
+        logits = kv.forward(self.model) if self._decoder is None else self._decoder()  # (rows, vocab)
+        tokens, logprobs = sample_tokens(logits, kv.rows, self._generator, kv.positions + 1)  # on the device
+        kv.advance(tokens)
         return tokens, logprobs
 
     # -------------------------------------------------------- finishing rows

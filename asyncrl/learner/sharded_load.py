@@ -181,7 +181,7 @@ def compute_buffers(model: PreTrainedModel) -> None:
     model's ``_init_weights``, as ``from_pretrained`` computes them; the parameters of their
     modules are marked initialised first, so their loaded values stay. A buffer left
     uncomputed (it still holds its marker) raises, naming it."""
-    owners = [(module, [n for n in module._non_persistent_buffers_set if module._buffers.get(n) is not None])
+    owners = [(module, [n for n in sorted(module._non_persistent_buffers_set) if module._buffers.get(n) is not None])
               for module in model.modules()]
     with torch.no_grad():
         for module, names in owners:
