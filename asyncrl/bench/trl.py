@@ -27,9 +27,9 @@ all three), is scored by the same evaluator: ``asyncrl eval``'s ``run_eval`` on 
 Countdown validation split (the first ``eval_tasks`` tasks, ``eval_samples`` samples
 each, the evaluator's temperature, ``max_tokens``; per-sample seeds, so every checkpoint
 sees the same draws). Evaluation runs after training, so it slows none of the clocks.
-Saving does run inside them, and is material: ~20 ms per TRL save (weights and
-tokenizer), ~0.2 s per asyncrl save (it also writes the optimizer state and flushes the
-logs), a few % of a 40-step run. So each save is timed and its duration subtracted from
+Saving does run inside them, and is material: an asyncrl save also writes the optimizer
+state and flushes the logs, ten times a TRL save of weights and tokenizer (docs/design.md),
+a few % of a 40-step run. So each save is timed and its duration subtracted from
 every later time stamp and from ``wall_s`` (``save_s``: the total subtracted).
 
 Target rule (``target_rule``): the held-out reward of TRL's last checkpoint. A system's
@@ -135,8 +135,8 @@ class TrlBenchSettings(Section):
     overlaps the learner and so may pay less for it (the zero-variance filter's refills)."""
     keep_checkpoints: bool = False
     """Keep every checkpoint once scored; false: each is deleted after its held-out score is
-    written (an asyncrl checkpoint of SmolLM2 with its optimizer state is ~1.6 GB: three seeds
-    of the SmolLM2 bench wrote 31 GB and filled this machine's disk)."""
+    written (an asyncrl checkpoint holds the optimizer state, twice the weights: three seeds of
+    the SmolLM2 bench once filled a disk; docs/design.md has the sizes)."""
 
     def sizes(self) -> list[int]:
         return list(self.batch_sizes) if self.batch_sizes else [self.batch_size]
@@ -264,7 +264,7 @@ def _asyncrl_run(s: TrlBenchSettings, out: Path, mode: str, sharing: str = "spli
     for _, _, path in run.checkpoints if not s.keep_checkpoints else ():
         # Scored after every system of the sitting has trained, then deleted: their optimizer
         # state (twice the weights) goes now, so that a SmolLM2 sitting with its sharing arms
-        # peaks at a third of the ~19 GB it took before (1.6 GB a checkpoint, 12 a seed).
+        # peaks at a third of the disk it took before (docs/design.md).
         shutil.rmtree(path / "optimizer", ignore_errors=True)
     run.save_s = sum(d for k, d in trainer.save_seconds.items() if k < total)
     run.wall_s = run.train_curve[-1][0]

@@ -1,8 +1,9 @@
 """The built-in rollout engine: continuous batching over any Hugging Face causal LM.
 
-Why our own decode loop: on the 2-core CPU, transformers' continuous-batching manager ran
-at ~1/3 of ``model.generate`` (docs/design.md), while a plain loop over ``model.forward`` with
-a ``DynamicCache`` matches ``generate`` and lets sequences join and leave between steps.
+Why our own decode loop: on the CPU, transformers' continuous-batching manager ran well
+below ``model.generate`` (the figure is in docs/design.md), while a plain loop over
+``model.forward`` with a ``DynamicCache`` matches ``generate`` and lets sequences join and
+leave between steps.
 
 Three parts, as in nano-vllm: ``scheduler.py`` decides (admit, decode, finish, abort) on
 plain records; ``kv_batch.py`` holds the running batch's tensors and the surgery on them

@@ -1,6 +1,6 @@
 """A rollout engine on vLLM's ``AsyncLLM``: the same contract as ``TorchEngine``, vLLM's kernels.
 
-vLLM is optional and heavy (a process per engine core and worker, ~20-30 s to start), so this
+vLLM is optional and heavy (a process per engine core and worker, tens of seconds to start), so this
 module imports it only inside ``VLLMEngine.start``: importing the module needs no vLLM.
 
 How the contract maps onto vLLM (checked against vLLM 0.32, CPU build):
@@ -247,7 +247,7 @@ class VLLMEngine:
                         await self.resume()
 
     async def shutdown(self) -> None:
-        """Blocks the loop while vLLM stops its processes (~4 s on the 2-core CPU box): from a
+        """Blocks the loop while vLLM stops its processes (seconds): from a
         thread, vLLM's output task would first see the dead engine and log it as a failure."""
         llm, self._llm = self._llm, None
         if llm is not None:
