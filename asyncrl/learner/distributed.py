@@ -1,8 +1,9 @@
 """Data-parallel sharding of the learner over the ranks of one ``torch.distributed``
 process group (``learner.world_size`` > 1).
 
-Each rank holds its own copy of the policy (RL's :class:`~asyncrl.learner.Learner`, or
-an ``asyncrl sft`` rank), wrapped here: ``fsdp2`` shards parameters, gradients and
+Each rank holds its policy (RL's :class:`~asyncrl.learner.Learner`, or an ``asyncrl sft``
+rank) — with ``fsdp2``, read straight into its own shards where it can be
+(``sharded_load.py``), else whole and then wrapped here: ``fsdp2`` shards parameters, gradients and
 optimizer state across the ranks (``fully_shard`` per decoder layer, then the root, which
 keeps the tied embedding and LM head in one unit); ``ddp`` keeps full replicas and
 all-reduces gradients. The step's math stays with its loss (``Learner.train_step``, the

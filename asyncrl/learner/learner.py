@@ -116,7 +116,8 @@ class Learner:
                  lora: LoraConfig | None = None, update: UpdateKind | None = None,
                  autocast: str | None = None) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
-        rank's full copy of the policy, wrapped here (the KL reference, if any, stays a
+        rank's policy, wrapped here — already its own shards when it was loaded that way
+        (``learner/sharded_load.py``), else a whole copy (the KL reference, if any, stays a
         full frozen copy on every rank: it only runs forward passes). ``seed``: the run's,
         from which each batch's mini-batch shuffle derives (with the version, so a resumed
         run shuffles as the uninterrupted one would). ``lora``: train LoRA adapters on
