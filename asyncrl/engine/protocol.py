@@ -141,6 +141,11 @@ class RolloutEngineStats(Protocol):
         """Seconds spent generating so far."""
         ...
 
+    def counts(self) -> dict[str, float]:
+        """What else it counts, by name (decode steps, prefills, tokens: what it knows of its
+        own work; an engine elsewhere knows less)."""
+        ...
+
 
 class RolloutEngine(Protocol):
     @property

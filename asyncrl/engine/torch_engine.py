@@ -67,6 +67,10 @@ class EngineStats:
     busy_s: float = 0.0
     prefill_s: float = 0.0  # of busy_s, in prefill steps (the planner fits the two apart)
 
+    def counts(self) -> dict[str, float]:
+        """Every count above but ``busy_s`` (``RolloutEngineStats.counts``)."""
+        return {name: value for name, value in vars(self).items() if name != "busy_s"}
+
 
 class TorchEngine:
     """Continuous-batching engine over a transformers causal LM (CPU or CUDA).

@@ -65,6 +65,10 @@ class VLLMStats:
     def busy_s(self) -> float:
         return self._busy_s + (time.perf_counter() - self._since if self._since is not None else 0.0)
 
+    def counts(self) -> dict[str, float]:
+        """The tokens it sampled: vLLM keeps its step counts to itself."""
+        return {"tokens": self.tokens}
+
     def set_busy(self, busy: bool) -> None:
         if busy and self._since is None:
             self._since = time.perf_counter()

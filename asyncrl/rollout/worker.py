@@ -154,8 +154,9 @@ class RolloutWorker:
         if not self._ready.is_set() or self.engine is None:
             return {"busy_s": 0.0}
         stats = self.engine.stats
+        counts = stats.counts()  # what this kind of engine counts of its own work
         return {"busy_s": stats.busy_s, "drain_s": self.drain_s, **self.episode_times,
-                **{name: getattr(stats, field) for name, field in ENGINE_COUNTS.items() if hasattr(stats, field)},
+                **{name: counts[field] for name, field in ENGINE_COUNTS.items() if field in counts},
                 **(self.thread_budget.counters() if self.thread_budget is not None else {})}
 
     async def engine_fleet(self) -> dict[str, float | str]:
