@@ -224,12 +224,13 @@ def test_no_two_folders_import_each_other():
     assert two_way(graph, packages) == []
 
 
-def test_the_train_loop_reads_in_one_short_module_and_the_orchestrators_modules_stay_small():
+def test_the_train_loop_reads_in_one_short_module_and_every_module_stays_small():
     """The trainer is the story (take B groups, train, sync, evaluate, log, hooks, checkpoint)
     and its bookkeeping lives beside it in modules named for their concept: it stays within
-    300 lines, every module of the orchestrator within 500."""
-    sizes = {p.name: len(p.read_text().splitlines()) for p in (ROOT / "orchestrator").glob("*.py")}
-    assert sizes["trainer.py"] <= 300
+    300 lines, every module of the package within 500 (one grown past is split by concern,
+    as ``engine/remote.py`` was into the fleet, the weights and the wire)."""
+    sizes = {str(p.relative_to(ROOT)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert sizes["orchestrator/trainer.py"] <= 300
     assert {name: n for name, n in sizes.items() if n > 500} == {}
 
 
