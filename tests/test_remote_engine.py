@@ -29,7 +29,6 @@ from conftest import make_model, reference_logprobs
 from asyncrl.config import ConfigError, EngineServerConfig, RemoteConfig, load_config
 from asyncrl.engine import EngineClosedError, TorchEngine
 from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
-from asyncrl.config.engine_kinds import ENGINE_KINDS
 from asyncrl.engine.remote import ControlError, RemoteEngine
 from asyncrl.json_api import listen
 from asyncrl.rollout.engine_server import EngineServer, check_exposure
@@ -457,7 +456,7 @@ def test_the_delivery_check_probes_each_server_and_names_the_one_that_loaded_a_w
             async def ready_engine():
                 return remote
 
-            rollout = type("Worker", (), {"ready_engine": staticmethod(ready_engine), "kind": ENGINE_KINDS["remote"]})()
+            rollout = type("Worker", (), {"ready_engine": staticmethod(ready_engine)})()
             learner_worker = type("Worker", (), {"learner": type("L", (), {"model": learner, "device": "cpu"})()})()
             check = DeliveryCheck(_Handle(learner_worker, False), _Handle(rollout, True), _Tokenizer(), every=1,
                                   tolerance=FLOAT32_TOLERANCE)

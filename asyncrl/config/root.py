@@ -166,7 +166,8 @@ class Config(Section):
                              f"{self.learner.world_size}; set learner.world_size=1 (the adapters and their optimizer "
                              "state are small), or model.lora=null")
         if self.model.lora is not None and self.model.lora.sync == "adapters" and "adapters" not in kind.deliveries:
-            raise ValueError("model.lora.sync=adapters needs an engine kind that takes adapters alone ("
+            raise ValueError("model.lora.sync=adapters needs the built-in engine, which merges them itself, or "
+                             "another kind that takes adapters alone ("
                              + ", ".join(k.name for k in ENGINE_KINDS.values() if "adapters" in k.deliveries)
                              + f"); engine={kind.name} loads whole weights: use model.lora.sync=merged")
         if kind.fleet and self.remote.weight_transfer == "nccl":

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
-from asyncrl.config.engine_kinds import PauseMode
+from asyncrl.config.engine_kinds import EngineKind, PauseMode
 from asyncrl.types import Completion, SamplingParams
 
 TokenSink = Callable[[list[int]], None]
@@ -148,6 +148,9 @@ class RolloutEngineStats(Protocol):
 
 
 class RolloutEngine(Protocol):
+    kind: ClassVar[EngineKind]
+    """What it can do: its row of the kinds table (``asyncrl/config/engine_kinds.py``)."""
+
     @property
     def version(self) -> int: ...
 

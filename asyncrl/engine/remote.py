@@ -68,7 +68,7 @@ import contextlib
 import re
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -79,6 +79,7 @@ from asyncrl.engine.remote_nccl import WeightBroadcast
 from asyncrl.engine.remote_weights import ADAPTER_PREFIX, FleetWeights
 from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, ServersUnusable, stream_completion
 from asyncrl.types import Completion, FinishReason, SamplingParams
+from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
 
 __all__ = ["ADAPTER_PREFIX", "ControlError", "EngineClosedError", "RemoteEngine", "ServerLost", "ServersUnusable"]
 
@@ -91,6 +92,8 @@ class RemoteEngine:
     """``StreamingEngine`` over the servers at ``settings.urls``. Build it with
     ``await RemoteEngine.connect(settings, version=…)``. ``broadcast``: what moves the
     tensors with ``remote.weight_transfer=nccl`` (``remote_weights.FleetWeights``)."""
+
+    kind: ClassVar[EngineKind] = ENGINE_KINDS["remote"]  # what it can do: the kinds table's row
 
     def __init__(self, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
                  fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> None:

@@ -22,7 +22,7 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -41,6 +41,7 @@ from asyncrl.policy import weights_dtype
 from asyncrl.core_budget import ThreadBudget
 from asyncrl.threads import settle_threadsafe
 from asyncrl.types import Completion, SamplingParams
+from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
 
 T = TypeVar("T")
 
@@ -89,6 +90,8 @@ class TorchEngine:
     ``capture`` (static cache only): ``"graphs"`` replays the decode step from CUDA graphs
     (CUDA only), ``"compile"`` runs it through ``torch.compile``, ``"auto"``: graphs on CUDA.
     Either way a weight update copies into the parameters the captured step reads."""
+
+    kind: ClassVar[EngineKind] = ENGINE_KINDS["torch"]  # what it can do: the kinds table's row
 
     def __init__(
         self, model: PreTrainedModel, *, max_batch_size: int = 64, seed: int = 0, version: int = 0,

@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from safetensors import safe_open
@@ -43,6 +43,7 @@ from safetensors.torch import load_file, save_file
 from asyncrl.config import VLLMConfig
 from asyncrl.engine.protocol import AdapterUpdate, EngineClosedError, PauseMode, TokenSink, WeightUpdate, as_update
 from asyncrl.types import Completion, FinishReason, SamplingParams
+from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
 
 if TYPE_CHECKING:
     from vllm.outputs import CompletionOutput
@@ -79,6 +80,8 @@ class VLLMStats:
 
 class VLLMEngine:
     """``RolloutEngine`` over vLLM's ``AsyncLLM``. Build it with ``await VLLMEngine.start(...)``."""
+
+    kind: ClassVar[EngineKind] = ENGINE_KINDS["vllm"]  # what it can do: the kinds table's row
 
     def __init__(self, llm: AsyncLLM, *, version: int, param_names: frozenset[str] | None) -> None:
         self._llm: AsyncLLM | None = llm

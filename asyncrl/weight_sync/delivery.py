@@ -103,7 +103,7 @@ async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> lis
     the engine, or for each server of a fleet (a kind whose ``fleet`` is true)."""
     engine = await worker.ready_engine()
     sampling = SamplingParams(max_tokens=PROBE_TOKENS, temperature=0.0)
-    if worker.kind.fleet:  # one client, many servers: each probed apart
+    if engine.kind.fleet:  # one client, many servers: each probed apart
         return [(f"rollout worker {index}'s {who}", [(c.token_ids, c.logprobs, c.versions) for c in done])
                 for who, done in await engine.probe_each(prompts, sampling)]
     done = await asyncio.gather(*[engine.generate(list(p), sampling) for p in prompts])

@@ -12,7 +12,6 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncrl.config.engine_kinds import EngineKind
 from asyncrl.engine.protocol import flatten_update, unflatten_update
 from asyncrl.learner import Learner
 from asyncrl.weight_sync.buckets import fingerprint
@@ -33,7 +32,6 @@ class RolloutEnd(Protocol):
     """What a rollout worker offers (``asyncrl/rollout/worker.py``)."""
 
     attached: dict[str, Any]
-    kind: EngineKind  # what its engine can do (the kinds table's row)
 
     async def sync_weights(self, weights: Any, version: int, mode: str) -> list[int]: ...
 
@@ -130,7 +128,7 @@ async def served_fingerprint(worker: RolloutEnd, index: int) -> tuple[int, str]:
     """``(version, digest of the engine's weights)``: a pass over every weight, for checks
     (tests, ``asyncrl bench sync``), torch engine only."""
     engine = await worker.ready_engine()
-    if not worker.kind.in_process:
+    if not engine.kind.in_process:
         raise NotImplementedError(f"a fingerprint reads the engine's weights in this process; engine="
-                                  f"{worker.kind.name} keeps them in {worker.kind.placement} of its own")
+                                  f"{engine.kind.name} keeps them in {engine.kind.placement} of its own")
     return engine.version, await asyncio.to_thread(fingerprint, engine.model.named_parameters())
