@@ -13,6 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("peft")
@@ -313,3 +314,33 @@ def test_a_checkpoint_name_that_would_leave_its_directory_is_refused(service_cli
     client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
     with pytest.raises(tinker.BadRequestError, match=r"checkpoint name '\.\.'"):
         client.save_state("..").result()
+
+
+def test_external_weights_download_as_the_peft_adapter_the_client_trained(server, service_client, tmp_path):
+    """``save_weights_external`` then ``get_external_weights_urls``: each file downloads, with no
+    key, from the URL the server issued; the adapter they make is the client's own (its
+    sampler's logprobs are the engine's with those adapters merged) — what a learner by URL
+    hands its engines. A deleted checkpoint's URLs stop working."""
+    from asyncrl.engine.remote_wire import read_peft_adapter
+
+    client = service_client.create_lora_training_client(base_model=NAME, rank=4, seed=3).result()
+    train(client, 2)
+    path = client.save_weights_external("v2").result().path
+    assert path == f"tinker://{client.model_id}/external_weights/v2"
+    rest = tinker.RestClient(base_url=server.url, api_key=KEY)
+    urls = rest.get_external_weights_urls(path).result().urls
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= set(urls)  # peft adds a README.md
+    for name, url in urls.items():
+        response = httpx.get(url)  # no key: the URL is the signature
+        assert response.status_code == 200, (name, response.text)
+        (tmp_path / name).write_bytes(response.content)
+    downloaded = read_peft_adapter(tmp_path)
+    trained = server.service.run(client.model_id).adapters()
+    assert downloaded.rank == trained.rank == 4 and downloaded.alpha == trained.alpha
+    assert sorted(downloaded.layers) == sorted(trained.layers)
+    for name, layer in trained.layers.items():
+        assert torch.equal(downloaded.layers[name].a, layer.a) and torch.equal(downloaded.layers[name].b, layer.b)
+    assert any(layer.b.abs().sum() > 0 for layer in trained.layers.values()), "two steps moved the adapters"
+    assert httpx.get(urls["adapter_config.json"].replace("/files/", "/files/x")).status_code == 404
+    rest.delete_checkpoint_from_tinker_path(path).result()
+    assert httpx.get(urls["adapter_config.json"]).status_code == 404

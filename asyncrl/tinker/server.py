@@ -26,6 +26,7 @@ import importlib.util
 import signal
 import sys
 import threading
+from datetime import datetime, timedelta, timezone
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from asyncrl.tinker.wire import WireError, decode_forward_backward
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 HEALTH = "/api/v1/healthz"
+FILES = "/files"
+"""Where an external checkpoint's files are downloaded: ``/files/<its token>/<file>``, no key."""
 CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "parallel_fwdbwd_chunks": False,
                  "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
@@ -103,6 +106,7 @@ class TinkerServer:
         post("/api/v1/optim_step", self._optim_step)
         post("/api/v1/save_weights", self._save_weights)
         post("/api/v1/save_weights_for_sampler", self._save_for_sampler)
+        post("/api/v1/save_weights_external", self._save_external)
         post("/api/v1/load_weights", self._load_weights)
         post("/api/v1/create_sampling_session", self._create_sampling_session)
         post("/api/v1/asample", self._asample)
@@ -110,6 +114,9 @@ class TinkerServer:
         post("/api/v1/weights_info", self._weights_info)
         get("/api/v1/samplers/{sampler_id}", self._get_sampler)
         get("/api/v1/training_runs/{run_id}/checkpoints", self._list_checkpoints)
+        get("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:.+}/external_weights_urls",
+            self._external_urls)
+        get(FILES + "/{token}/{relative:.+}", self._external_file)  # the URLs above: the token is the key
         app.router.add_delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:.+}", self._delete_checkpoint)
         self._runner, self.base_url = await listen(app, self.settings.host, self.settings.port)
         return self.base_url
@@ -127,7 +134,8 @@ class TinkerServer:
         @web.middleware
         async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
             sent = request.headers.get("X-API-Key", "").encode()
-            if key is not None and request.path != HEALTH and not hmac.compare_digest(sent, key):
+            keyless = request.path == HEALTH or request.path.startswith(FILES + "/")
+            if key is not None and not keyless and not hmac.compare_digest(sent, key):
                 return error_response(wrong_key)
             try:
                 return await handler(request)
@@ -183,6 +191,25 @@ class TinkerServer:
         body = await _body(request, types.SaveWeightsForSamplerRequest)
         return web.json_response(self.service.save_for_sampler(body.model_id, body.seq_id, body.path,
                                                                body.sampling_session_seq_id))
+
+    async def _save_external(self, request: web.Request) -> web.Response:
+        body = await _body(request, types.SaveWeightsExternalRequest)
+        if body.age_encryption_recipients:
+            raise UserError("age_encryption_recipients is not served: the files stay on this server's disk")
+        return web.json_response(self.service.save_external(body.model_id, body.seq_id, body.path))
+
+    async def _external_urls(self, request: web.Request) -> web.Response:
+        """Download URLs, one a file, on this server (the hosted service signs bucket URLs;
+        here the checkpoint's random token is the signature, valid until it is deleted)."""
+        token, files = self.service.external_files(request.match_info["run_id"], request.match_info["checkpoint_id"])
+        base = str(request.url.origin())
+        expires = datetime.now(timezone.utc) + timedelta(days=3650)
+        return web.json_response({"urls": {f: f"{base}{FILES}/{token}/{f}" for f in files},
+                                  "expires": expires.isoformat()})
+
+    async def _external_file(self, request: web.Request) -> web.StreamResponse:
+        return web.FileResponse(self.service.external_file(request.match_info["token"],
+                                                           request.match_info["relative"]))
 
     async def _load_weights(self, request: web.Request) -> web.Response:
         body = await _body(request, types.LoadWeightsRequest)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import secrets
 import shutil
 import uuid
 from collections.abc import Callable
@@ -56,10 +57,11 @@ class NotFound(LookupError):
 class Checkpoint:
     path: str  # tinker://<model id>/<kind>/<name>
     run_id: str
-    kind: str  # training | sampler
+    kind: str  # training | sampler | external
     directory: Path
     lora: TinkerLora
     adapters: AdapterUpdate | None = None  # a sampler's weights, copied when saved
+    token: str | None = None  # an external checkpoint's: its files' download URLs carry it
     created: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
     deleted: bool = False
 
@@ -227,6 +229,41 @@ class TinkerService:
 
         return self._training_call(run, seq_id, work)
 
+    def save_external(self, model_id: str, seq_id: int | None, name: str) -> dict[str, Any]:
+        """The adapters as a PEFT directory under ``external_weights/<name>``: what
+        ``save_weights_external`` makes, and what a learner by URL (``learner.url``,
+        ``asyncrl/runtime/tinker_learner.py``) downloads file by file to hand its engines."""
+        run = self.run(model_id)
+        directory = self._directory(model_id, "external_weights", name)
+
+        def work() -> Outcome:
+            path = f"tinker://{model_id}/external_weights/{name}"
+            run.save_adapters(directory)
+            self.checkpoints[path] = Checkpoint(path, model_id, "external", directory, run.lora,
+                                                token=secrets.token_urlsafe(24))
+            return Outcome({"path": path, "type": "save_weights_external"})
+
+        return self._training_call(run, seq_id, work)
+
+    def external_files(self, run_id: str, checkpoint_id: str) -> tuple[str, list[str]]:
+        """An external checkpoint's download token and its files (paths relative to it)."""
+        saved = self.checkpoint(f"tinker://{run_id}/{checkpoint_id}")
+        if saved.kind != "external" or saved.token is None:
+            raise UserError(f"tinker://{run_id}/{checkpoint_id} is not an external weights checkpoint "
+                            "(save_weights_external makes those)")
+        files = sorted(str(f.relative_to(saved.directory)) for f in saved.directory.rglob("*") if f.is_file())
+        return saved.token, files
+
+    def external_file(self, token: str, relative: str) -> Path:
+        """The file a download URL names; the token must be a live external checkpoint's."""
+        for saved in self.checkpoints.values():
+            if saved.token is not None and not saved.deleted and secrets.compare_digest(saved.token, token):
+                path = (saved.directory / relative).resolve()
+                if path.is_file() and path.is_relative_to(saved.directory.resolve()):
+                    return path
+                break
+        raise NotFound("no such file: the URL's checkpoint was deleted, or the URL was not issued by this server")
+
     def load_state(self, path: str, optimizer: bool, *, model_id: str | None = None, seq_id: int | None = None,
                    session_id: str | None = None, model_seq_id: int | None = None) -> dict[str, Any]:
         """A saved state into an existing client (``model_id``), or into a new one (``session_id``
@@ -300,7 +337,7 @@ class TinkerService:
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         """Forgets the checkpoint and removes its directory; samplers of it fail from then on."""
         saved = self.checkpoint(f"tinker://{run_id}/{checkpoint_id}")
-        saved.deleted, saved.adapters = True, None
+        saved.deleted, saved.adapters, saved.token = True, None, None
         shutil.rmtree(saved.directory, ignore_errors=True)
 
     def weights_info(self, path: str) -> dict[str, Any]:
