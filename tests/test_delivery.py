@@ -18,6 +18,7 @@ from asyncrl.config import load_config
 from asyncrl.engine import TorchEngine
 from asyncrl.learner import Learner, pack_batch
 from asyncrl.types import Trajectory
+from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.weight_sync.delivery import DeliveryCheck, WeightsNotDelivered, engine_weight_bytes, probe_prompts
 
 POLICY = "models/addition-tiny"
@@ -57,7 +58,7 @@ async def sync_and_check(learner: Learner, *, deliver: bool, every: int = 1) -> 
         return engine
 
     try:
-        check = DeliveryCheck(InProcess(SimpleNamespace(learner=learner), False),
+        check = DeliveryCheck(InProcess(worker_of(learner), False),
                               InProcess(SimpleNamespace(ready_engine=ready_engine), True),
                               AutoTokenizer.from_pretrained(POLICY), every=every, tolerance=TOLERANCE)
         first = await check.after_sync(0)  # version 0: both hold model.path
@@ -92,16 +93,23 @@ def test_the_check_runs_every_n_syncs_the_first_included():
     assert "weight_sync/probe_max_abs_diff" not in off["first"] and off["weight_sync/bytes"] > 0
 
 
+def worker_of(learner) -> LearnerWorker:
+    """A learner rank around ``learner`` (only what ``engine_weight_bytes`` asks of it)."""
+    worker = LearnerWorker.__new__(LearnerWorker)
+    worker.learner = learner
+    return worker
+
+
 def test_bytes_per_sync_with_lora_are_the_merged_targeted_layers_only():
-    full = engine_weight_bytes(SimpleNamespace(learner=make_learner()))
+    full = engine_weight_bytes(worker_of(make_learner()))
     model = AutoModelForCausalLM.from_pretrained(POLICY)
     assert full == sum(p.numel() * 4 for p in model.parameters())  # float32, every parameter
-    lora = engine_weight_bytes(SimpleNamespace(learner=make_learner("model.lora.rank=4", "model.lora.sync=merged")))
+    lora = engine_weight_bytes(worker_of(make_learner("model.lora.rank=4", "model.lora.sync=merged")))
     targeted = sum(m.weight.numel() * 4 for name, m in model.named_modules()
                    if type(m).__name__ == "Linear" and not name.endswith("lm_head"))
     assert lora == targeted < full
     # the default with the built-in engine: the adapters alone, r × (in + out) a layer
-    adapters = engine_weight_bytes(SimpleNamespace(learner=make_learner("model.lora.rank=4")))
+    adapters = engine_weight_bytes(worker_of(make_learner("model.lora.rank=4")))
     assert adapters == sum(4 * 4 * sum(m.weight.shape) for name, m in model.named_modules()
                            if type(m).__name__ == "Linear" and not name.endswith("lm_head")) < targeted
 

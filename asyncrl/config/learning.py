@@ -133,6 +133,13 @@ class LearnerConfig(Section):
     waits for the others' (docs/faults.md, "The learner's own process", has the figures).
     On a GPU the kernels run without the GIL and the weights need not cross to the CPU:
     in this process."""
+    url: str | None = None
+    """A Tinker-API URL (``http://host:8200`` of ``asyncrl serve-tinker``, or Tinker's hosted
+    service): the learner behind it, the rollout side here (``asyncrl/runtime/tinker_learner.py``,
+    docs/tinker.md). It trains LoRA adapters (``model.lora``) on the base model the server
+    serves under ``tinker.base_model`` (default: ``model.path`` as written), which the engines
+    here load too; the key is ``tinker.api_key`` or ``$TINKER_API_KEY``. ``null``: the learner
+    in process (or its ranks beside it)."""
     streaming: bool = False
     """Start training on a step's groups as they arrive: forward and backward on the groups
     ready now, then on each later one, and the optimizer step once the step has

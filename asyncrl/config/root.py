@@ -188,12 +188,40 @@ class Config(Section):
                              f"engine={kind.name} has not ({kind.summary}: one copy of the weights, which moves on "
                              "with training); set eval.background=false (evaluations then block training), or "
                              "leave it unset")
+        if self.learner.url is not None and (wrong := self._not_through_a_url()):
+            raise ValueError(f"learner.url={self.learner.url} trains LoRA adapters with Tinker's summed ppo/cispo loss "
+                             "(the ratio π_θ/μ, token_mean by scaling the advantages), one optimizer step a batch, "
+                             "the weights handed to the engines as adapters; this config has "
+                             + ", ".join(f"{k}={v} (needs {need})" for k, (v, need) in wrong.items()))
         dog = self.watchdog
         if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
                              f"watchdog.starvation_warn_fraction={dog.starvation_warn_fraction:g}: a run would "
                              "stop before it warned; raise the first or lower the second")
         return self
+
+    def _not_through_a_url(self) -> dict[str, tuple[Any, str]]:
+        """What a learner by URL cannot do, key → (its value, what it needs)."""
+        a, o, lora = self.algorithm, self.optim, self.model.lora
+        needs: dict[str, tuple[Any, Any, str]] = {
+            "model.lora": (lora is None, None, "true: Tinker trains adapters"),
+            "algorithm.policy_loss": (a.policy_loss not in ("decoupled_ppo", "cispo"), a.policy_loss,
+                                      "decoupled_ppo or cispo"),
+            "algorithm.bypass": (not a.bypass, a.bypass, "true: the ratio against μ, as Tinker's losses take it"),
+            "algorithm.aggregation": (a.aggregation != "token_mean", a.aggregation, "token_mean"),
+            "algorithm.kl_coef": (a.kl_coef > 0, a.kl_coef, "0"),
+            "algorithm.is_mask": (a.is_mask != "none", a.is_mask, "none"),
+            "optim.ppo_epochs": (o.ppo_epochs != 1, o.ppo_epochs, "1"),
+            "optim.mini_batches": (o.mini_batches != 1, o.mini_batches, "1"),
+            "learner.streaming": (self.learner.streaming, True, "false"),
+            "learner.world_size": (self.learner.world_size != 1, self.learner.world_size, "1: the server's affair"),
+            "runtime": (self.runtime != "local", self.runtime, "local"),
+            "weight_sync.method": (self.weight_sync.method != "object_store", self.weight_sync.method, "object_store"),
+            "engine": ("adapters" not in self.engine_kind.deliveries, self.engine, "a kind that takes adapters"),
+            "model.lora.sync": (lora is not None and lora.sync == "merged", getattr(lora, "sync", None),
+                                "auto or adapters"),
+        }
+        return {key: (value, need) for key, (bad, value, need) in needs.items() if bad}
 
     # the schedule's keys, read where the INTERFACE names them (``cfg.mode``)
     mode = property(lambda self: self.schedule.mode)

@@ -79,7 +79,7 @@ def _thread_split(cfg: Config, train: bool = True) -> tuple[int, int | None]:
     thread left alone decodes on one core, however many there are (the run that showed it:
     docs/design.md, "Measurements behind choices in the code")."""
     cores = torch.get_num_threads() or 2
-    if not train:
+    if not train or cfg.learner.url is not None:  # no learner here (learner.url: it runs on its server)
         return cfg.rollout.num_threads or cores, None
     half = max(1, cores // 2)
     shared = cfg.mode != "sync"
@@ -142,7 +142,11 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
 
             stack.callback(stop_ray, start_ray(cfg))  # refuses a layout the cluster cannot place
         transport: Transport | None = None
-        if train and cfg.runtime == "ray":
+        if train and cfg.learner.url is not None:  # the learner behind a Tinker-API URL
+            from asyncrl.runtime.tinker_learner import TinkerLearnerWorker
+
+            transport = InProcess(TinkerLearnerWorker(cfg))
+        elif train and cfg.runtime == "ray":
             transport = RayActors(cfg)
         elif train and (ranks := learner_processes(cfg)):  # learner processes; this one keeps the engine
             from asyncrl.runtime.rank_processes import RankProcesses
@@ -166,7 +170,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             await transport.start()
             if checkpoint is not None:
                 await learner.load_checkpoint(checkpoint)
-            if isinstance(transport, InProcess):
+            if isinstance(transport, InProcess) and isinstance(transport.worker, LearnerWorker):
                 model = worker.learner.policy_copy()  # the engine's own copy of the weights
                 if checkpoint is not None and (worker.learner.update_kind == "adapters"
                                                or cfg.engine_kind.loads_model_path):
@@ -191,7 +195,8 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
         if isinstance(rollout_transport, InProcessRollouts):
             await rollout_transport.start()
             engine = rollout_transport.workers[0].engine
-            if cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(engine, TorchEngine) and n == 1:
+            if (cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(transport.worker, LearnerWorker)
+                    and isinstance(engine, TorchEngine) and n == 1):
                 # the engine and the learner take turns: one thread for both, so one OpenMP team
                 transport.share_thread(engine)
             if isinstance(transport, InProcess):

@@ -41,7 +41,6 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import torch
 
 from asyncrl.types import SamplingParams
 from asyncrl.weight_sync.group import WeightSyncError
@@ -113,31 +112,15 @@ async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> lis
 def learner_probe(worker: Any, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
     """log π(token) of each (prompt, completion)'s completion tokens under the learner's
     current weights: raw logits (greedy), the weights' own dtype, eval mode. Every rank
-    runs it (a sharded forward is a collective of the learner's group)."""
-    learner = worker.learner
-    model = learner.model
-    training = model.training
-    model.eval()
-    out = []
-    try:
-        with torch.no_grad():
-            for prompt, completion in sequences:
-                if not completion:
-                    out.append([])
-                    continue
-                ids = torch.tensor([prompt + completion], device=learner.device)
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-                targets = ids[0, len(prompt):]
-                logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, targets[:, None])
-                out.append(logprobs.squeeze(-1).tolist())
-    finally:
-        model.train(training)
-    return out
+    runs it (a sharded forward is a collective of the learner's group). The rank computes
+    it (``LearnerWorker.probe_logprobs``; a learner by URL asks its server,
+    ``asyncrl/runtime/tinker_learner.py``)."""
+    return worker.probe_logprobs(sequences)
 
 
 def engine_weight_bytes(worker: Any) -> int:
     """The bytes of what one engine is sent per sync (``Learner.engine_weights``)."""
-    return worker.learner.engine_weights().nbytes
+    return worker.engine_update_bytes()
 
 
 # ------------------------------------------------------------ the trainer's side

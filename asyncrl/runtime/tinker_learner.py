@@ -1,0 +1,278 @@
+"""A learner behind a Tinker-API URL (``learner.url``): the rollout side here, the learner
+on another machine — ``asyncrl serve-tinker`` (``asyncrl/tinker/``) or Tinker's hosted
+service — reached with Tinker's own SDK.
+
+:class:`TinkerLearnerWorker` has the calls of a learner rank (``learner_worker.py``), so
+the one :class:`~asyncrl.runtime.transport.LearnerGroup` drives it over the ``InProcess``
+transport, with its deadlines, and the trainer, its schedules, its staleness gate and its
+checks read the same whichever learner runs underneath. What each call becomes:
+
+- ``train_step``: one ``forward_backward`` with Tinker's ``ppo`` loss (``cispo`` for
+  ``policy_loss: cispo``) and one ``optim_step``. Tinker's losses are *sums* over target
+  positions with the ratio π_θ/μ; asyncrl's ``decoupled_ppo`` in bypass with ``token_mean``
+  is the same loss divided by N, the step's model tokens. The loss is linear in the
+  advantage and the clip depends on its sign only, so each token's advantage is sent
+  divided by N: the two take the same gradient (``docs/tinker.md``, "asyncrl's trainer
+  with a learner by URL"). The learning rate is asyncrl's schedule at the step
+  (``learner/core.lr_lambda``), sent as ``AdamParams``.
+- ``publish``: ``save_weights_external`` (a PEFT adapter directory on the server), its
+  files downloaded from the URLs ``get_external_weights_urls`` gives, read into an
+  :class:`~asyncrl.engine.protocol.AdapterUpdate` that the engines merge onto their own
+  base (``model.path``, which both sides load); the previous version's files are deleted
+  on the server.
+- ``probe_logprobs`` (the delivery check): ``forward`` with ``cross_entropy``, the
+  server's own logprobs of the engine's greedy tokens.
+- ``save_checkpoint`` / ``load_checkpoint``: ``save_state`` on the server (adapters and
+  Adam state), its ``tinker://`` path in the run's checkpoint beside the trainer state;
+  resuming creates the training client from it (``create_training_client_from_state_
+  with_optimizer``).
+
+Invariant: every call that changes the learner's weights is one SDK call carrying the
+SDK's sequence id, so a retry after a lost reply applies nothing twice (the server keeps
+the first answer, ``asyncrl/tinker/service.py``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+
+from asyncrl.config import Config, ConfigError
+from asyncrl.engine.protocol import AdapterUpdate
+from asyncrl.engine.remote_wire import read_peft_adapter
+from asyncrl.learner import TrainBatch
+from asyncrl.learner.checkpoint_io import rng_state, set_rng_state
+from asyncrl.learner.core import lr_lambda
+
+T = TypeVar("T")
+
+STATE_FILE = "trainer_state.pt"
+"""The run's checkpoint holds what the in-process learner's does here (``checkpoint_io``),
+with the server's saved state's path under :data:`STATE_KEY`."""
+STATE_KEY = "learner_url_state"
+TINKER_LOSS = {"decoupled_ppo": "ppo", "cispo": "cispo"}
+"""asyncrl's objective → the Tinker loss that is it in bypass (``asyncrl/tinker/losses.py``)."""
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+"""What a PEFT adapter directory holds (``read_peft_adapter`` reads these)."""
+ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
+MLP = {"gate_proj", "up_proj", "down_proj"}
+"""Tinker names adapter targets by group (``train_attn``, ``train_mlp``): ``model.lora.
+target_modules`` must be whole groups of these."""
+
+
+def lora_groups(targets: list[str] | str) -> tuple[bool, bool]:
+    """(``train_attn``, ``train_mlp``) for ``model.lora.target_modules``; ConfigError for a
+    set Tinker cannot name."""
+    if targets == "all-linear":
+        return True, True
+    wanted = {targets} if isinstance(targets, str) else set(targets)
+    attn, mlp = ATTENTION <= wanted, MLP <= wanted
+    if wanted != (ATTENTION if attn else set()) | (MLP if mlp else set()) or not wanted:
+        raise ConfigError(f"model.lora.target_modules={sorted(wanted)}: a learner by URL asks Tinker for whole "
+                          f"groups of layers, the attention's {sorted(ATTENTION)} and/or the MLP's {sorted(MLP)}; "
+                          "use all-linear or those lists")
+    return attn, mlp
+
+
+def datums(batch: TrainBatch) -> tuple[list[Any], int]:
+    """The batch as Tinker datums for ``ppo``/``cispo`` (each row's tokens, its targets, μ as
+    ``logprobs``, its advantage on model tokens divided by the step's model-token count N)
+    and N. Prompt, tool and padding positions carry advantage 0: they add nothing to a sum."""
+    from tinker import types
+
+    mask = batch.loss_mask.float()
+    tokens = int(mask.sum().item())
+    scale = 1.0 / max(tokens, 1)
+    rows = []
+    for i in range(batch.size):
+        length = int(batch.attention_mask[i].sum().item())
+        ids = batch.input_ids[i, :length].tolist()
+        advantage = batch.advantages[i] if batch.advantages.dim() == 1 else batch.advantages[i, :length - 1]
+        per_token = (advantage * mask[i, :length - 1] * scale).float()
+        rows.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+            "target_tokens": ids[1:], "logprobs": batch.behavior_logprobs[i, :length - 1].float().tolist(),
+            "advantages": per_token.tolist()}))
+    return rows, tokens
+
+
+class TinkerLearnerWorker:
+    """The learner rank's calls over a Tinker-API URL (see the module docstring)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.version = 0
+        self.service: Any = None
+        self.training: Any = None
+        self.rest: Any = None
+        self.published: str | None = None  # the last external checkpoint's tinker:// path
+        self.published_version = -1  # and the version it holds
+        self.update_bytes = 0
+        self._lr = lr_lambda(cfg.optim, cfg.total_steps)
+        self.base_model = cfg.tinker.base_model or cfg.model.path
+
+    # ------------------------------------------------------------ the group
+    def join(self, init_method: str | None = None, local_rank: int = 0) -> None:
+        """Connect, check the server serves the base model, and create the LoRA client."""
+        try:
+            import tinker
+        except ImportError:
+            raise ConfigError("learner.url needs Tinker's SDK: pip install 'asyncrl[tinker]'") from None
+        url, lora = self.cfg.learner.url, self.cfg.model.lora
+        key = self.cfg.tinker.api_key or os.environ.get("TINKER_API_KEY") or "tml-asyncrl-local"
+        self.service = tinker.ServiceClient(base_url=url, api_key=key)
+        self.rest = tinker.RestClient(base_url=url, api_key=key)
+        served = [m.model_name for m in self.rest.get_server_capabilities().result().supported_models]
+        if self.base_model not in served:
+            raise ConfigError(f"learner.url={url} serves {served}, not {self.base_model!r} (tinker.base_model, or "
+                              "model.path as written): name the served base model in tinker.base_model")
+        attn, mlp = lora_groups(lora.target_modules)
+        self.training = self.service.create_lora_training_client(
+            base_model=self.base_model, rank=lora.rank, seed=self.cfg.seed, train_attn=attn, train_mlp=mlp,
+            train_unembed=False).result()
+
+    def leave(self) -> None:
+        if self.published is not None:
+            self._forget(self.published)
+        if self.service is not None:
+            self.service.close("success").result()
+
+    def apply(self, fn: Callable[..., T], *args: Any) -> T:
+        return fn(self, *args)
+
+    # ------------------------------------------------------------ LearnerHandle's calls
+    def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]:
+        from tinker import types
+
+        algo, optim = self.cfg.algorithm, self.cfg.optim
+        rows, tokens = datums(batch)
+        config = {"clip_low_threshold": 1.0 - algo.clip_low, "clip_high_threshold": 1.0 + algo.clip_high}
+        start = time.perf_counter()
+        fb = self.training.forward_backward(rows, TINKER_LOSS[algo.policy_loss], config).result()
+        lr = optim.lr * self._lr(self.version)
+        step = self.training.optim_step(types.AdamParams(
+            learning_rate=lr, beta1=optim.betas[0], beta2=optim.betas[1], eps=1e-8, weight_decay=optim.weight_decay,
+            grad_clip_norm=optim.grad_clip)).result()
+        self.version += 1
+        metrics = {"actor/loss": float(fb.metrics["loss:sum"]), "actor/lr": lr, "actor/tokens": float(tokens),
+                   "actor/optimizer_steps": 1.0, "time/learner_url_s": time.perf_counter() - start}
+        if step.metrics and "grad_norm:mean" in step.metrics:
+            metrics["actor/grad_norm"] = float(step.metrics["grad_norm:mean"])
+        metrics.update(ratio_metrics(batch, [torch.tensor(out["logprobs"].tolist()) for out in fb.loss_fn_outputs]))
+        return metrics
+
+    def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
+        raise ConfigError("learner.streaming is refused with learner.url (the config check says why)")
+
+    def finish_step(self) -> dict[str, float]:
+        raise ConfigError("learner.streaming is refused with learner.url (the config check says why)")
+
+    def publish(self) -> AdapterUpdate:
+        """The adapters at this version, downloaded from the server (see the module docstring)."""
+        directory = Path(tempfile.mkdtemp(prefix="asyncrl-learner-url-"))
+        try:
+            self._download(directory)
+            update = read_peft_adapter(directory)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        self.update_bytes = update.nbytes
+        return update
+
+    def _download(self, directory: Path) -> None:
+        """This version's adapters as a PEFT directory in ``directory``: saved on the server
+        once a version (``save_weights_external``), the previous version's deleted there."""
+        import httpx
+
+        if self.published is None or self.published_version != self.version:
+            path = self.training.save_weights_external(f"asyncrl-v{self.version}").result().path
+            if self.published is not None:
+                self._forget(self.published)
+            self.published, self.published_version = path, self.version
+        urls = self.rest.get_external_weights_urls(self.published).result().urls
+        for name in ADAPTER_FILES:
+            if name not in urls:
+                raise RuntimeError(f"learner.url: {self.published} has no {name} (its files: {sorted(urls)}); "
+                                   "the server did not save a PEFT adapter")
+            response = httpx.get(urls[name], timeout=self.cfg.watchdog.learner_call_s, follow_redirects=True)
+            response.raise_for_status()
+            (directory / name).write_bytes(response.content)
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path:
+        """The server saves adapters and Adam state (``save_state``); ``path`` gets the
+        trainer state with its ``tinker://`` path and the adapters as a PEFT directory
+        (``PeftModel.from_pretrained(base, path)`` loads them), written under
+        ``<path>.tmp`` and renamed."""
+        saved = self.training.save_state(f"asyncrl-v{self.version}-{os.getpid()}").result().path
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        self._download(tmp)
+        for name, text in files.items():
+            (tmp / name).write_text(text)
+        torch.save({"version": self.version, "rng": rng_state(), STATE_KEY: saved, "learner_url": self.cfg.learner.url,
+                    **extra}, tmp / STATE_FILE)
+        old = path.with_name(path.name + ".old")
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def load_checkpoint(self, path: Path) -> int:
+        state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
+        if STATE_KEY not in state:
+            raise ConfigError(f"{path} was saved by a learner in process, not by learner.url: resume it without "
+                              "learner.url (its weights are in the checkpoint), or start afresh")
+        self.training = self.service.create_training_client_from_state_with_optimizer(state[STATE_KEY]).result()
+        set_rng_state(state["rng"])
+        self.version = int(state["version"])
+        return self.version
+
+    # ------------------------------------------------------------ the delivery check's
+    def probe_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """log π(token) of each completion under the server's current weights (``forward``)."""
+        from tinker import types
+
+        out: list[list[float]] = [[] for _ in sequences]
+        live = [(i, p, c) for i, (p, c) in enumerate(sequences) if c]
+        if not live:
+            return out
+        rows = [types.Datum(model_input=types.ModelInput.from_ints((p + c)[:-1]), loss_fn_inputs={
+            "target_tokens": (p + c)[1:], "weights": [0.0] * (len(p) + len(c) - 1)}) for _, p, c in live]
+        done = self.training.forward(rows, "cross_entropy").result()
+        for (i, p, _), result in zip(live, done.loss_fn_outputs, strict=True):
+            out[i] = result["logprobs"].tolist()[len(p) - 1:]
+        return out
+
+    def engine_update_bytes(self) -> int:
+        return self.update_bytes
+
+    def _forget(self, path: str) -> None:
+        try:
+            self.rest.delete_checkpoint_from_tinker_path(path).result()
+        except Exception as exc:  # noqa: BLE001 - a leftover file on the server is not worth failing a run for
+            print(f"asyncrl: learner.url: could not delete {path} on the server ({exc})", file=sys.stderr)
+
+
+def ratio_metrics(batch: TrainBatch, logprobs: list[torch.Tensor]) -> dict[str, float]:
+    """The step's ratio π_θ/μ on model tokens, from the logprobs the server computed before
+    the step (``forward_backward`` returns them): its mean, the share outside the clip and
+    the k3 estimate of KL(μ‖π_θ)."""
+    ratios = []
+    for i, current in enumerate(logprobs):
+        n = current.numel()
+        mask = batch.loss_mask[i, :n].bool()
+        ratios.append(torch.exp(current.float()[mask] - batch.behavior_logprobs[i, :n].float()[mask]))
+    ratio = torch.cat(ratios) if ratios else torch.zeros(0)
+    if ratio.numel() == 0:
+        return {}
+    return {"actor/ratio_mean": float(ratio.mean()),
+            "actor/k3_kl_to_behavior": float((ratio - 1 - ratio.log()).mean())}

@@ -1,0 +1,106 @@
+"""``learner.url``: ``asyncrl train`` with its learner behind a Tinker-API URL
+(``asyncrl/runtime/tinker_learner.py``), here asyncrl's own ``serve-tinker`` on the shipped
+tiny addition policy, in this process on a free port (``tinker_server.py``).
+
+The claim held to the letter: with η = 0 the run through the URL trains on the very samples
+``sync`` trains on with its learner in process — same tokens every step (the two learners'
+weights agree to float rounding, and the engines sample with the run's seeds) — and takes
+the same steps (losses within float32 rounding of a summed loss against a mean; adapters
+within Adam's rounding bound). The tokens agree because the weights differ by rounding only:
+a sample flips only if its uniform draw lands within that rounding of a boundary of the
+sampling distribution, which over these ~800 draws is a chance of the order of 1e-3."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("tinker")
+pytest.importorskip("peft")
+from safetensors.torch import load_file  # noqa: E402
+from tinker_server import ServerThread  # noqa: E402
+
+from asyncrl.cli import main  # noqa: E402
+from asyncrl.config import Config, load_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+POLICY = ROOT / "models" / "addition-tiny"
+NAME = "addition-tiny"
+RUN = ["examples/addition/sync.yaml", "model.lora=true", "algorithm.bypass=true", "optim.lr=0.003", "eval_every=0",
+       "eval.num_tasks=8", "eval.samples_per_task=2"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    cfg = Config.model_validate({"model": {"path": str(POLICY), "device": "cpu"}, "output_dir": str(
+        tmp_path_factory.mktemp("tinker")), "tinker": {"port": 0, "base_model": NAME}})
+    with ServerThread(cfg) as running:
+        yield running
+
+
+def through(url: str) -> list[str]:
+    return [f"learner.url={url}", f"tinker.base_model={NAME}"]
+
+
+def samples(out: Path) -> list[tuple[int, str, int, str, int, int]]:
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    return sorted((r["step"], r["task_id"], r["episode"], r["response"], r["behavior_version_min"],
+                   r["behavior_version_max"]) for r in rows)
+
+
+def metrics(out: Path, key: str) -> list[float]:
+    return [m[key] for m in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if key in m]
+
+
+def test_eta_zero_through_a_url_trains_on_syncs_samples_in_process(server, tmp_path):
+    local, remote = tmp_path / "sync", tmp_path / "url"
+    assert main(["train", *RUN, "mode=sync", "total_steps=3", f"output_dir={local}"]) == 0
+    assert main(["train", *RUN, "mode=async", "max_staleness=0", "total_steps=3", f"output_dir={remote}",
+                 *through(server.url)]) == 0
+    ours, theirs = samples(local), samples(remote)
+    assert len(ours) == 3 * 8 * 8 and ours == theirs  # every step's tokens, and each token's version
+    assert all(lo == hi == step - 1 for step, _, _, _, lo, hi in theirs)  # η = 0: sampled by the previous version
+    torch.testing.assert_close(torch.tensor(metrics(remote, "actor/loss")), torch.tensor(metrics(local, "actor/loss")),
+                               rtol=1e-4, atol=1e-6)
+    assert metrics(remote, "weight_sync/probe_max_abs_diff")[0] <= 1e-4  # checked against the server's forward
+    a = load_file(local / "checkpoints" / "step_3" / "adapter_model.safetensors")
+    b = load_file(remote / "checkpoints" / "step_3" / "adapter_model.safetensors")
+    assert sorted(a) == sorted(b) and any(t.abs().sum() > 0 for k, t in a.items() if "lora_B" in k)
+    for key in a:  # Adam divides by √v: an element whose gradient is near zero moves up to 2·lr a step on
+        # rounding alone (tests/tolerances.adam_step_atol), so that is the element-wise bound over 3 steps
+        assert (b[key] - a[key]).abs().max() <= 3 * 2 * 0.003, key
+
+
+def test_a_run_through_a_url_resumes_from_the_servers_saved_state(server, tmp_path):
+    out = tmp_path / "run"
+    args = ["train", *RUN, "mode=async", "max_staleness=1", f"output_dir={out}", *through(server.url)]
+    assert main([*args, "total_steps=2"]) == 0
+    state = torch.load(out / "checkpoints" / "step_2" / "trainer_state.pt", weights_only=False)
+    assert state["version"] == 2 and state["learner_url_state"].startswith("tinker://")
+    assert main([*args, "total_steps=3", "resume=true"]) == 0
+    assert metrics(out, "step")[1:] == [1, 2, 3]  # each step once (step 0 is the first evaluation's)
+    assert {(lo, hi) for step, _, _, _, lo, hi in samples(out) if step == 3} <= {(1, 1), (2, 2), (1, 2)}  # η = 1
+    before = load_file(out / "checkpoints" / "step_2" / "adapter_model.safetensors")
+    after = load_file(out / "checkpoints" / "step_3" / "adapter_model.safetensors")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the resumed client trained on
+
+
+def test_an_unknown_base_model_is_refused_naming_the_served_one(server, tmp_path, capsys):
+    code = main(["train", *RUN, "mode=async", "total_steps=1", f"output_dir={tmp_path / 'x'}",
+                 f"learner.url={server.url}", "tinker.base_model=other-model"])
+    assert code == 2
+    assert f"serves ['{NAME}'], not 'other-model'" in capsys.readouterr().err
+
+
+def test_what_a_url_cannot_train_is_refused_naming_each_key():
+    with pytest.raises(Exception) as refused:
+        load_config(None, ["learner.url=http://127.0.0.1:9", "algorithm.policy_loss=gspo", "optim.ppo_epochs=2"])
+    text = str(refused.value)
+    for named in ("model.lora=None (needs true", "algorithm.policy_loss=gspo (needs decoupled_ppo or cispo)",
+                  "algorithm.bypass=False", "optim.ppo_epochs=2 (needs 1)"):
+        assert named in text
+    assert load_config(None, [f"model.path={POLICY}", "learner.url=http://127.0.0.1:9", "model.lora=true",
+                              "algorithm.bypass=true"]).learner.url == "http://127.0.0.1:9"
