@@ -35,6 +35,7 @@ from transformers import Qwen2ForCausalLM
 from asyncrl.config import RemoteConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.plan.fleet import vllm_serve
+from asyncrl.tiny import build_char_tokenizer
 from asyncrl.types import SamplingParams
 
 START_LIMIT_S = 600.0  # two CPU servers loading at once on a loaded 2-core machine
@@ -60,7 +61,7 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the command docs/vllm.md shows and `asyncrl plan` prints (asyncrl/plan/fleet.py), then this
-        # lane's own additions: a small cache and batch for two servers on two cores, no tokenizer
+        # lane's own additions: a small cache and batch for two servers on two cores
         served_env, words = vllm_serve(str(model_dir), host="127.0.0.1", port=self.port, dtype="float32",
                                        on_cpu=True, lora_rank=8, max_model_len=MAX_MODEL_LEN)
         env = {**os.environ, **served_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -68,7 +69,7 @@ class VllmServer:
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, *words[1:], "--skip-tokenizer-init", "--enforce-eager", "--max-num-seqs", "16",
+            [sys.executable, *words[1:], "--enforce-eager", "--max-num-seqs", "16",
              "--max-loras", "2"],
             stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -110,9 +111,9 @@ class Fleet:
     def __init__(self, model: Qwen2ForCausalLM, model_dir: Path, servers: list[VllmServer], tmp: Path) -> None:
         self.model, self.model_dir, self.servers, self.tmp = model, model_dir, servers, tmp
         self.loop = asyncio.new_event_loop()
-        self.engine = self.run(RemoteEngine.connect(
+        self.engine = self.run(RemoteEngine.connect(  # with the servers' tokenizer: the model check passes
             RemoteConfig(urls=[s.url for s in servers], weights_dir=str(tmp / "weights"), health_interval_s=0.5,
-                         control_timeout_s=120)))
+                         control_timeout_s=120), tokenizer=build_char_tokenizer(), model_path=str(model_dir)))
 
     def run(self, coro):
         return self.loop.run_until_complete(asyncio.wait_for(coro, CALL_LIMIT_S))
@@ -123,6 +124,7 @@ def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-remote")
     model = make_model()
     model.save_pretrained(tmp / "model")
+    build_char_tokenizer().save_pretrained(tmp / "model")  # vLLM's /tokenize: the model check at connect
     servers: list[VllmServer] = []
     f: Fleet | None = None
     try:
@@ -263,6 +265,50 @@ def test_lora_adapters_alone_reach_every_server_through_vllms_lora_loading(fleet
 
 async def _served_models(engine: RemoteEngine) -> list[list[str]]:
     return [[card["id"] for card in (await engine._call(s, "GET", "/v1/models"))["data"]] for s in engine.servers]
+
+
+class _Shifted:
+    """A tokenizer that is not the servers': every id one higher (another model's, as far as
+    the check can tell)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [i + 1 for i in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def test_a_server_on_another_model_is_refused_at_connect_naming_both(fleet):
+    """``vllm serve`` on one model, a trainer on another: refused at connect, in one line
+    naming the server's model and the trainer's ``model.path`` (it once trained on, or
+    failed with "prompt too long")."""
+    from asyncrl.engine.remote_wire import ServersUnusable
+
+    async def main():
+        with pytest.raises(ServersUnusable) as refused:
+            await RemoteEngine.connect(RemoteConfig(urls=[fleet.servers[0].url], control_timeout_s=120),
+                                       tokenizer=_Shifted(build_char_tokenizer()), model_path="models/other")
+        return str(refused.value)
+
+    said = fleet.run(main())
+    assert f"serves {str(fleet.model_dir)!r}" in said and "model.path 'models/other'" in said
+
+
+def test_requests_after_the_servers_closed_idle_connections_all_arrive(fleet):
+    """vLLM's server closes a keep-alive connection idle past its timeout (5 s); the client's
+    next request on it once read as a lost server (1 in 30 bursts). After 7 s idle, a burst
+    on both servers: every request answered, no server lost."""
+    engine = fleet.engine
+    lost = engine.stats.servers_lost
+
+    async def main():
+        await asyncio.sleep(7)
+        return await asyncio.gather(*[engine.generate([40 + i, 41], SamplingParams(max_tokens=4, temperature=1.0,
+                                                                                  seed=i)) for i in range(8)])
+
+    done = fleet.run(main())
+    assert [len(c.token_ids) for c in done] == [4] * 8
+    assert engine.stats.servers_lost == lost and all(s.usable for s in engine.servers)
 
 
 def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(fleet, capsys):
