@@ -51,12 +51,24 @@ class FutureStore:
 
     def __init__(self) -> None:
         self._futures: OrderedDict[str, asyncio.Future[Outcome]] = OrderedDict()
+        self.boot = uuid.uuid4().hex[:8]
+        """This server process's own mark in every request id it issues: an id without it
+        was issued before a restart (or by another server), and its work died with that one."""
+
+    def unknown(self, request_id: str) -> str:
+        """Why ``request_id`` is not here, in words for the client."""
+        parts = request_id.split("-")
+        if len(parts) == 3 and parts[1] != self.boot:
+            return (f"request {request_id!r} was issued before this server restarted (or by another server) and "
+                    "died with it: what it would have done was not kept (training clients live in the server's "
+                    "memory). Continue from your last save_state with create_training_client_from_state_with_optimizer")
+        return f"no request {request_id!r} on this server (forgotten: the server keeps the latest {KEEP} finished ones)"
 
     def submit(self, work: Awaitable[Outcome], *, prefix: str = "req") -> str:
         """Await ``work`` (a coroutine, or a future of the training thread) in a task: its
         :class:`Outcome`, or what it raises — a :class:`UserError` the client's fault, anything
         else the server's. Returns the new request id."""
-        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        request_id = f"{prefix}-{self.boot}-{uuid.uuid4().hex}"
         future: asyncio.Future[Outcome] = asyncio.get_running_loop().create_future()
         self._futures[request_id] = future
         self._trim()

@@ -241,7 +241,7 @@ class TinkerServer:
     async def _retrieve_future(self, request: web.Request) -> web.StreamResponse:
         body = await _body(request, types.FutureRetrieveRequest)
         if not self.service.futures.known(body.request_id):
-            raise NotFound(f"no request {body.request_id!r} on this server (issued by another, or forgotten)")
+            raise NotFound(self.service.futures.unknown(body.request_id))
         outcome = await self.service.futures.retrieve(body.request_id)
         if outcome is None:
             return web.json_response(try_again(body.request_id))

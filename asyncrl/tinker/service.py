@@ -107,8 +107,11 @@ class TinkerService:
 
     def run(self, model_id: str) -> TrainingRun:
         if model_id not in self.runs:
-            raise NotFound(f"no training client {model_id!r} on this server (created by another server, or before "
-                           "it restarted?)")
+            saved = self._saved_states(model_id)
+            raise NotFound(f"no training client {model_id!r} on this server: training clients live in the server's "
+                           "memory, and this one was created by another server or before this one restarted; "
+                           + (f"its saved states here: {', '.join(saved)} — create_training_client_from_state_with_"
+                              "optimizer(path) continues from one" if saved else "it saved no state here (save_state)"))
         return self.runs[model_id]
 
     def _training_call(self, run: TrainingRun, seq_id: int | None, fn: Callable[[], Outcome]) -> dict[str, Any]:
@@ -119,6 +122,15 @@ class TinkerService:
         if seq_id is not None:
             run.requests[seq_id] = request_id
         return {"request_id": request_id, "model_id": run.model_id}
+
+    def _saved_states(self, model_id: str) -> list[str]:
+        """The ``tinker://`` paths of the states ``model_id`` saved on this server's disk, oldest first."""
+        if not _NAME.match(model_id):
+            return []
+        states = self.checkpoint_dir / model_id.replace(":", "_") / "weights"
+        found = sorted((p for p in states.glob("*") if p.is_dir() and not p.name.endswith(".tmp")),
+                       key=lambda p: p.stat().st_mtime)
+        return [f"tinker://{model_id}/weights/{p.name}" for p in found]
 
     def _check_base(self, base_model: str | None) -> None:
         if base_model is not None and base_model != self.name:
