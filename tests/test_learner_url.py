@@ -66,6 +66,8 @@ def test_eta_zero_through_a_url_trains_on_syncs_samples_in_process(server, tmp_p
     torch.testing.assert_close(torch.tensor(metrics(remote, "actor/loss")), torch.tensor(metrics(local, "actor/loss")),
                                rtol=1e-4, atol=1e-6)
     assert metrics(remote, "weight_sync/probe_max_abs_diff")[0] <= 1e-4  # checked against the server's forward
+    lag0 = metrics(remote, "mismatch/k3_lag0")  # what asyncrl doctor checks first, from the server's logprobs
+    assert len(lag0) == 3 and max(lag0) <= 1e-6
     a = load_file(local / "checkpoints" / "step_3" / "adapter_model.safetensors")
     b = load_file(remote / "checkpoints" / "step_3" / "adapter_model.safetensors")
     assert sorted(a) == sorted(b) and any(t.abs().sum() > 0 for k, t in a.items() if "lora_B" in k)

@@ -45,6 +45,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from asyncrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.engine.remote_wire import read_peft_adapter
@@ -153,6 +154,7 @@ class TinkerLearnerWorker:
 
         algo, optim = self.cfg.algorithm, self.cfg.optim
         rows, tokens = datums(batch)
+        trained = self.version  # the weights the server computes this step's logprobs with
         config = {"clip_low_threshold": 1.0 - algo.clip_low, "clip_high_threshold": 1.0 + algo.clip_high}
         start = time.perf_counter()
         fb = self.training.forward_backward(rows, TINKER_LOSS[algo.policy_loss], config).result()
@@ -165,7 +167,8 @@ class TinkerLearnerWorker:
                    "actor/optimizer_steps": 1.0, "time/learner_url_s": time.perf_counter() - start}
         if step.metrics and "grad_norm:mean" in step.metrics:
             metrics["actor/grad_norm"] = float(step.metrics["grad_norm:mean"])
-        metrics.update(ratio_metrics(batch, [torch.tensor(out["logprobs"].tolist()) for out in fb.loss_fn_outputs]))
+        metrics.update(ratio_metrics(batch, [torch.tensor(out["logprobs"].tolist()) for out in fb.loss_fn_outputs],
+                                     trained))
         return metrics
 
     def accumulate(self, batch: TrainBatch, on_policy: bool) -> None:
@@ -262,17 +265,20 @@ class TinkerLearnerWorker:
             print(f"asyncrl: learner.url: could not delete {path} on the server ({exc})", file=sys.stderr)
 
 
-def ratio_metrics(batch: TrainBatch, logprobs: list[torch.Tensor]) -> dict[str, float]:
-    """The step's ratio π_θ/μ on model tokens, from the logprobs the server computed before
-    the step (``forward_backward`` returns them): its mean, the share outside the clip and
-    the k3 estimate of KL(μ‖π_θ)."""
-    ratios = []
-    for i, current in enumerate(logprobs):
-        n = current.numel()
-        mask = batch.loss_mask[i, :n].bool()
-        ratios.append(torch.exp(current.float()[mask] - batch.behavior_logprobs[i, :n].float()[mask]))
-    ratio = torch.cat(ratios) if ratios else torch.zeros(0)
-    if ratio.numel() == 0:
+def ratio_metrics(batch: TrainBatch, logprobs: list[torch.Tensor], version: int) -> dict[str, float]:
+    """From the logprobs the server computed at the start of the step (``forward_backward``
+    returns them; π_θ = π_prox there): the ratio π_θ/μ's mean over model tokens, and the
+    engine–learner mismatch by version lag that the learner in process logs
+    (``asyncrl/algorithms/mismatch.py``: ``asyncrl doctor`` checks lag 0)."""
+    current = torch.zeros_like(batch.behavior_logprobs, dtype=torch.float32)
+    for i, row in enumerate(logprobs):
+        current[i, :row.numel()] = row.float()
+    mask = batch.loss_mask.float()
+    if not bool(mask.any()):
         return {}
-    return {"actor/ratio_mean": float(ratio.mean()),
-            "actor/k3_kl_to_behavior": float((ratio - 1 - ratio.log()).mean())}
+    behavior = batch.behavior_logprobs.float()
+    ratio = torch.exp(current - behavior)[mask > 0]
+    out = {"actor/ratio_mean": float(ratio.mean())}
+    if batch.versions is not None:
+        out |= mismatch_metrics(mismatch_sums(behavior, current, mask, version - batch.versions))
+    return out
