@@ -61,6 +61,7 @@ def test_each_figure_says_its_date_and_commit_where_the_doc_shows_it():
             "doc", "command", "date", "commit", "says", "reads", "not_remeasured"}, entry
         text = (ROOT / entry["doc"]).read_text()
         assert entry["says"] in text, f"{entry['doc']} no longer says {entry['says']!r}"
+        assert isinstance(entry["commit"], str), f"{entry}: quote the commit (YAML reads 7700020 as a number)"
         day = entry["date"] if isinstance(entry["date"], date) else date.fromisoformat(entry["date"])
         assert day.isoformat() in entry["says"] and entry["commit"] in entry["says"], entry
         assert re.fullmatch(r"[0-9a-f]{7,40}", entry["commit"]), entry
