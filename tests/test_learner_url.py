@@ -106,3 +106,16 @@ def test_what_a_url_cannot_train_is_refused_naming_each_key():
         assert named in text
     assert load_config(None, [f"model.path={POLICY}", "learner.url=http://127.0.0.1:9", "model.lora=true",
                               "algorithm.bypass=true"]).learner.url == "http://127.0.0.1:9"
+
+
+def test_nothing_listening_at_the_url_is_a_usage_error_in_one_line(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = main(["train", *RUN, "mode=async", "total_steps=1", f"output_dir={tmp_path / 'x'}",
+                 f"learner.url=http://127.0.0.1:{port}", f"tinker.base_model={NAME}"])
+    err = capsys.readouterr().err
+    assert code == 2 and f"learner.url: nothing answers at http://127.0.0.1:{port}" in err
+    assert "Traceback" not in err

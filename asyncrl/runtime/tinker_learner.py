@@ -69,6 +69,30 @@ MLP = {"gate_proj", "up_proj", "down_proj"}
 target_modules`` must be whole groups of these."""
 
 
+REFUSED_GRACE_S = 5.0
+"""How long a refused connection at ``learner.url`` is retried before the run is refused: a
+server starting beside the trainer binds its port within it; a wrong URL fails in seconds
+rather than behind the SDK's minutes of retries."""
+
+
+def reachable(url: str) -> None:
+    """Something answers HTTP at ``url`` (any status: the SDK says the rest), or a
+    ConfigError (exit 2) in one line naming the URL and what to do."""
+    import httpx
+
+    deadline = time.monotonic() + REFUSED_GRACE_S
+    while True:
+        try:
+            httpx.get(url.rstrip("/") + "/api/v1/healthz", timeout=10.0)
+            return
+        except (httpx.ConnectError, httpx.TimeoutException) as exc:
+            if time.monotonic() >= deadline:
+                raise ConfigError(f"learner.url: nothing answers at {url} ({type(exc).__name__}: {exc}). Start the "
+                                  "server first (asyncrl serve-tinker CONFIG prints its URL), or correct the URL"
+                                  ) from None
+            time.sleep(0.5)
+
+
 def lora_groups(targets: list[str] | str) -> tuple[bool, bool]:
     """(``train_attn``, ``train_mlp``) for ``model.lora.target_modules``; ConfigError for a
     set Tinker cannot name."""
@@ -128,6 +152,7 @@ class TinkerLearnerWorker:
             raise ConfigError("learner.url needs Tinker's SDK: pip install 'asyncrl[tinker]'") from None
         url, lora = self.cfg.learner.url, self.cfg.model.lora
         key = self.cfg.tinker.api_key or os.environ.get("TINKER_API_KEY") or "tml-asyncrl-local"
+        reachable(url)
         self.service = tinker.ServiceClient(base_url=url, api_key=key)
         self.rest = tinker.RestClient(base_url=url, api_key=key)
         served = [m.model_name for m in self.rest.get_server_capabilities().result().supported_models]
