@@ -25,7 +25,8 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
     return "\n".join([
         f"asyncrl train → {Path(cfg.output_dir)}" + (f" (resuming from step {resumed.step})" if resumed else ""),
         f"  mode {cfg.mode}, η = {cfg.effective_max_staleness}, partial rollouts: {cfg.effective_partial_rollout}; "
-        f"runtime {cfg.runtime}, engine {cfg.engine}, weight sync {cfg.weight_sync.method}",
+        f"runtime {cfg.runtime}, engine {cfg.engine}, weight sync {cfg.weight_sync.method}"
+        + (f"; the learner at {cfg.learner.url} (learner.url)" if cfg.learner.url else ""),
         f"  model {cfg.model.path}; task {cfg.task.name} ({len(splits.train)} train, "
         f"{min(cfg.eval.num_tasks, len(splits.validation))} validation tasks scored)",
         f"  {cfg.total_steps} steps × {cfg.batch_size} groups × {cfg.group_size} samples; evaluation {evals}"
