@@ -21,6 +21,7 @@ from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.learner import autocast_dtype
 from asyncrl.orchestrator.invariants import Limits
 from asyncrl.types import Trajectory
+from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.weight_sync.delivery import (
     FLOAT32_TOLERANCE,
     ROUNDED_TOLERANCE,
@@ -140,7 +141,7 @@ def test_the_delivery_probe_of_a_bf16_engine_passes_the_picked_tolerance_not_flo
             return engine
 
         try:
-            check = DeliveryCheck(InProcess(SimpleNamespace(learner=trained), False),
+            check = DeliveryCheck(InProcess(rank_of(trained), False),
                                   InProcess(SimpleNamespace(ready_engine=ready_engine), True),
                                   AutoTokenizer.from_pretrained(POLICY), every=1,
                                   tolerance=check_tolerance(None, "float32", "bfloat16"))
@@ -199,3 +200,10 @@ def test_on_policy_batches_skip_the_recompute_only_when_the_engine_computes_as_t
     assert not exact("learner.autocast=bfloat16")
     assert not exact("rollout.dtype=bfloat16")
     assert not exact("rollout.engine_weight_noise=0.1", "weight_sync.check_every=0")
+
+
+def rank_of(learner) -> LearnerWorker:
+    """A learner rank around ``learner`` (what the delivery check asks of a rank)."""
+    worker = LearnerWorker.__new__(LearnerWorker)
+    worker.learner = learner
+    return worker

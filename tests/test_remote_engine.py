@@ -32,6 +32,7 @@ from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
 from asyncrl.engine.remote import ControlError, RemoteEngine
 from asyncrl.json_api import listen
 from asyncrl.rollout.engine_server import EngineServer, check_exposure
+from asyncrl.runtime.learner_worker import LearnerWorker
 from asyncrl.types import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -457,7 +458,8 @@ def test_the_delivery_check_probes_each_server_and_names_the_one_that_loaded_a_w
                 return remote
 
             rollout = type("Worker", (), {"ready_engine": staticmethod(ready_engine)})()
-            learner_worker = type("Worker", (), {"learner": type("L", (), {"model": learner, "device": "cpu"})()})()
+            learner_worker = LearnerWorker.__new__(LearnerWorker)  # a rank around the learner's model
+            learner_worker.learner = type("L", (), {"model": learner, "device": "cpu"})()
             check = DeliveryCheck(_Handle(learner_worker, False), _Handle(rollout, True), _Tokenizer(), every=1,
                                   tolerance=FLOAT32_TOLERANCE)
             try:

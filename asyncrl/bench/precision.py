@@ -29,7 +29,6 @@ import copy
 import os
 import statistics
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -42,7 +41,7 @@ from asyncrl.learner import Learner, TrainBatch, pack_batch
 from asyncrl.policy import load_policy
 from asyncrl.rollout.worker import RolloutWorker
 from asyncrl.rollout.workflows.registry import build_tasks
-from asyncrl.weight_sync.delivery import engine_probe, learner_probe, max_abs_diff, probe_prompts
+from asyncrl.weight_sync.delivery import engine_probe, forward_logprobs, max_abs_diff, probe_prompts
 
 ENGINE_DTYPES = ("float32", "bfloat16")
 AUTOCASTS = ("off", "bfloat16")
@@ -138,8 +137,7 @@ def bench_config(path: str, s: PrecisionBenchSettings) -> dict[str, Any]:
                     mismatch(batch.behavior_logprobs, pi, batch.loss_mask))
             # the delivery probe: the learner's plain forward (no autocast) in its float32 weights
             prompts = probe_prompts(tokenizer)
-            learned = learner_probe(SimpleNamespace(learner=learners["off"]),
-                                    list(zip(prompts, [t for t, _ in probed])))
+            learned = forward_logprobs(learners["off"], list(zip(prompts, [t for t, _ in probed])))
             combos[f"engine {dtype} / learner fp32"]["probe_max_abs_diff"] = max_abs_diff([lp for _, lp in probed],
                                                                                          learned)
         batch = _batch(samples["float32"][0], pad_id)

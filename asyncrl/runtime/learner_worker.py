@@ -190,29 +190,10 @@ class LearnerWorker:
 
     # ------------------------------------------------------------ the delivery check's
     def probe_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
-        """log π(token) of each (prompt, completion)'s completion tokens under the current
-        weights: one plain forward, raw logits (what an engine reports for a greedy token),
-        the weights' own dtype (no autocast), eval mode (no dropout): the policy itself
-        (``asyncrl/weight_sync/delivery.py``)."""
-        learner = self.learner
-        model = learner.model
-        training = model.training
-        model.eval()
-        out = []
-        try:
-            with torch.no_grad():  # under apply: its threads and core budget already set
-                for prompt, completion in sequences:
-                    if not completion:
-                        out.append([])
-                        continue
-                    ids = torch.tensor([prompt + completion], device=learner.device)
-                    logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-                    targets = ids[0, len(prompt):]
-                    logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, targets[:, None])
-                    out.append(logprobs.squeeze(-1).tolist())
-        finally:
-            model.train(training)
-        return out
+        """The delivery check's forward on this rank (``weight_sync/delivery.forward_logprobs``)."""
+        from asyncrl.weight_sync.delivery import forward_logprobs
+
+        return forward_logprobs(self.learner, sequences)
 
     def engine_update_bytes(self) -> int:
         """The bytes of what one engine is sent per sync (``Learner.engine_weights``)."""

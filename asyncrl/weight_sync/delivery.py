@@ -42,6 +42,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 
+import torch
+
 from asyncrl.types import SamplingParams
 from asyncrl.weight_sync.group import WeightSyncError
 
@@ -111,11 +113,34 @@ async def engine_probe(worker: Any, index: int, prompts: list[list[int]]) -> lis
 
 def learner_probe(worker: Any, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
     """log π(token) of each (prompt, completion)'s completion tokens under the learner's
-    current weights: raw logits (greedy), the weights' own dtype, eval mode. Every rank
-    runs it (a sharded forward is a collective of the learner's group). The rank computes
-    it (``LearnerWorker.probe_logprobs``; a learner by URL asks its server,
-    ``asyncrl/runtime/tinker_learner.py``)."""
+    current weights. Every rank runs it (a sharded forward is a collective of the learner's
+    group). The rank answers for itself (``LearnerWorker.probe_logprobs``: :func:`forward_logprobs`
+    of its learner; a learner by URL asks its server, ``asyncrl/runtime/tinker_learner.py``)."""
     return worker.probe_logprobs(sequences)
+
+
+def forward_logprobs(learner: Any, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+    """The probe on a learner in this process: one plain forward of its ``model`` per
+    sequence, raw logits (what an engine reports for a greedy token), the weights' own dtype
+    (no autocast), eval mode (no dropout): the policy itself."""
+    model = learner.model
+    training = model.training
+    model.eval()
+    out = []
+    try:
+        with torch.no_grad():
+            for prompt, completion in sequences:
+                if not completion:
+                    out.append([])
+                    continue
+                ids = torch.tensor([prompt + completion], device=learner.device)
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+                targets = ids[0, len(prompt):]
+                logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, targets[:, None])
+                out.append(logprobs.squeeze(-1).tolist())
+    finally:
+        model.train(training)
+    return out
 
 
 def engine_weight_bytes(worker: Any) -> int:
