@@ -24,7 +24,7 @@ from safetensors.torch import load_file  # noqa: E402
 from tinker_server import ServerThread  # noqa: E402
 
 from asyncrl.cli import main  # noqa: E402
-from asyncrl.config import Config, load_config  # noqa: E402
+from asyncrl.config import Config, ConfigError, load_config  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICY = ROOT / "models" / "addition-tiny"
@@ -76,7 +76,22 @@ def test_eta_zero_through_a_url_trains_on_syncs_samples_in_process(server, tmp_p
         assert (b[key] - a[key]).abs().max() <= 3 * 2 * 0.003, key
 
 
-def test_a_run_through_a_url_resumes_from_the_servers_saved_state(server, tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "one_step_off"])
+def test_the_other_schedules_train_through_a_url(server, tmp_path, mode):
+    """``sync`` and ``one_step_off`` through the same calls: each step once, each sample no
+    older than the schedule allows (η = 0 for sync, 1 for one_step_off), and the adapters move."""
+    out = tmp_path / mode
+    assert main(["train", *RUN, f"mode={mode}", "total_steps=2", f"output_dir={out}", *through(server.url)]) == 0
+    assert metrics(out, "step")[1:] == [1, 2]
+    rows = samples(out)
+    assert {step for step, *_ in rows} == {1, 2}
+    eta = 0 if mode == "sync" else 1
+    assert all(step - 1 - lo <= eta and lo <= hi <= step - 1 for step, _, _, _, lo, hi in rows)
+    adapters = load_file(out / "checkpoints" / "step_2" / "adapter_model.safetensors")
+    assert any(t.abs().sum() > 0 for k, t in adapters.items() if "lora_B" in k)  # B starts at 0: it trained
+
+
+def test_a_run_through_a_url_resumes_from_the_servers_saved_state(server, tmp_path, capsys):
     out = tmp_path / "run"
     args = ["train", *RUN, "mode=async", "max_staleness=1", f"output_dir={out}", *through(server.url)]
     assert main([*args, "total_steps=2"]) == 0
@@ -84,10 +99,15 @@ def test_a_run_through_a_url_resumes_from_the_servers_saved_state(server, tmp_pa
     assert state["version"] == 2 and state["learner_url_state"].startswith("tinker://")
     assert main([*args, "total_steps=3", "resume=true"]) == 0
     assert metrics(out, "step")[1:] == [1, 2, 3]  # each step once (step 0 is the first evaluation's)
-    assert {(lo, hi) for step, _, _, _, lo, hi in samples(out) if step == 3} <= {(1, 1), (2, 2), (1, 2)}  # η = 1
+    resumed = {(lo, hi) for step, _, _, _, lo, hi in samples(out) if step == 3}
+    assert resumed and resumed <= {(1, 1), (2, 2), (1, 2)}  # η = 1
     before = load_file(out / "checkpoints" / "step_2" / "adapter_model.safetensors")
     after = load_file(out / "checkpoints" / "step_3" / "adapter_model.safetensors")
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the resumed client trained on
+    # its optimizer state is on the server: resumed without learner.url it is refused, before any model loads
+    assert main(["train", *RUN, "mode=async", "max_staleness=1", f"output_dir={out}", "total_steps=4",
+                 "resume=true"]) == 2
+    assert f"saved by a learner by URL (learner.url={server.url})" in capsys.readouterr().err
 
 
 def test_an_unknown_base_model_is_refused_naming_the_served_one(server, tmp_path, capsys):
@@ -98,12 +118,17 @@ def test_an_unknown_base_model_is_refused_naming_the_served_one(server, tmp_path
 
 
 def test_what_a_url_cannot_train_is_refused_naming_each_key():
-    with pytest.raises(Exception) as refused:
+    with pytest.raises(ConfigError) as refused:
         load_config(None, ["learner.url=http://127.0.0.1:9", "algorithm.policy_loss=gspo", "optim.ppo_epochs=2"])
     text = str(refused.value)
     for named in ("model.lora=None (needs true", "algorithm.policy_loss=gspo (needs decoupled_ppo or cispo)",
                   "algorithm.bypass=False", "optim.ppo_epochs=2 (needs 1)"):
         assert named in text
+    with pytest.raises(ConfigError) as refused:  # the server's LoRA has a fixed scale and no dropout
+        load_config(None, ["learner.url=http://127.0.0.1:9", "model.lora=true", "algorithm.bypass=true",
+                           "model.lora.alpha=16", "model.lora.dropout=0.1"])
+    assert "model.lora.alpha=16.0 (needs 32" in str(refused.value)
+    assert "model.lora.dropout=0.1 (needs 0" in str(refused.value)
     assert load_config(None, [f"model.path={POLICY}", "learner.url=http://127.0.0.1:9", "model.lora=true",
                               "algorithm.bypass=true"]).learner.url == "http://127.0.0.1:9"
 
@@ -111,11 +136,11 @@ def test_what_a_url_cannot_train_is_refused_naming_each_key():
 def test_nothing_listening_at_the_url_is_a_usage_error_in_one_line(tmp_path, capsys):
     import socket
 
-    with socket.socket() as s:  # a port nothing listens on once this closes
+    with socket.socket() as s:  # bound, never listening: refused, and no other test's server can take the port
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    code = main(["train", *RUN, "mode=async", "total_steps=1", f"output_dir={tmp_path / 'x'}",
-                 f"learner.url=http://127.0.0.1:{port}", f"tinker.base_model={NAME}"])
+        code = main(["train", *RUN, "mode=async", "total_steps=1", f"output_dir={tmp_path / 'x'}",
+                     f"learner.url=http://127.0.0.1:{port}", f"tinker.base_model={NAME}"])
     err = capsys.readouterr().err
     assert code == 2 and f"learner.url: nothing answers at http://127.0.0.1:{port}" in err
     assert "Traceback" not in err

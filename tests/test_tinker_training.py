@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tolerances import assert_within, chain_terms, grad_atol
 
 pytest.importorskip("tinker")
 pytest.importorskip("peft")
@@ -52,8 +53,11 @@ def test_micro_batches_add_up_to_the_whole_calls_gradient(base):
     assert metrics_parts["clip_fraction:mean"] == pytest.approx(metrics_whole["clip_fraction:mean"], abs=1e-6)
     for a, b in zip(out_whole, out_parts):
         np.testing.assert_allclose(a["logprobs"], b["logprobs"], atol=1e-5)
-    for a, b in zip(grads(whole), grads(parts)):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    # the same sums in another order: within the derived float32 bound (tests/tolerances.py, item 1),
+    # not a fixed 1e-6, which one element broke by rounding alone on some runs (4.2e-6 of a gradient ~0.03)
+    n = chain_terms(model.config, sum(len(d.tokens) for d in data))
+    for i, (a, b) in enumerate(zip(grads(whole), grads(parts), strict=True)):
+        assert_within(b, a, grad_atol(a, n), f"adapter gradient {i}")
 
 
 def test_clients_share_the_base_tensors_and_leave_the_base_untouched(base):

@@ -23,6 +23,7 @@ class ServerThread:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
 
     async def _main(self) -> None:
+        service = None
         try:
             service = self.service = build_service(self.cfg)
             server = TinkerServer(service, self.cfg.tinker)
@@ -30,6 +31,8 @@ class ServerThread:
         except BaseException as exc:
             self._error = exc
             self._ready.set()
+            if service is not None:  # built, never served: its trainer thread ends here all the same
+                await service.shutdown()
             raise
         self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
         self._ready.set()
@@ -50,3 +53,6 @@ class ServerThread:
         if self._loop is not None and self._stop is not None:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(60)
+        # not over a failure already on its way out: that one says more
+        assert exc[0] is not None or not self._thread.is_alive(), \
+            f"the server at {self.url} did not stop within 60 s of being asked"

@@ -136,7 +136,7 @@ class LearnerConfig(Section):
     url: str | None = None
     """A Tinker-API URL (``http://host:8200`` of ``asyncrl serve-tinker``, or Tinker's hosted
     service): the learner behind it, the rollout side here (``asyncrl/runtime/tinker_learner.py``,
-    docs/tinker.md). It trains LoRA adapters (``model.lora``) on the base model the server
+    docs/tinker.md). It trains LoRA adapters (``model.lora``, alpha 32, no dropout) on the base model the server
     serves under ``tinker.base_model`` (default: ``model.path`` as written), which the engines
     here load too; the key is ``tinker.api_key`` or ``$TINKER_API_KEY``. ``null``: the learner
     in process (or its ranks beside it)."""

@@ -25,7 +25,7 @@ from asyncrl.config.rollout import (
     WorkflowConfig,
 )
 from asyncrl.config.schedule import ScheduleConfig, hoist_schedule_keys
-from asyncrl.config.tinker import TinkerConfig
+from asyncrl.config.tinker import TINKER_LORA_ALPHA, TinkerConfig
 from asyncrl.config.services import (
     GatewayConfig,
     HooksConfig,
@@ -205,6 +205,10 @@ class Config(Section):
         a, o, lora = self.algorithm, self.optim, self.model.lora
         needs: dict[str, tuple[Any, Any, str]] = {
             "model.lora": (lora is None, None, "true: Tinker trains adapters"),
+            "model.lora.alpha": (lora is not None and lora.alpha != TINKER_LORA_ALPHA, getattr(lora, "alpha", None),
+                                 f"{TINKER_LORA_ALPHA:g}: Tinker's LoRA takes a rank, its scale is alpha/rank"),
+            "model.lora.dropout": (lora is not None and lora.dropout > 0, getattr(lora, "dropout", None),
+                                   "0: Tinker's LoRA has no dropout"),
             "algorithm.policy_loss": (a.policy_loss not in ("decoupled_ppo", "cispo"), a.policy_loss,
                                       "decoupled_ppo or cispo"),
             "algorithm.bypass": (not a.bypass, a.bypass, "true: the ratio against μ, as Tinker's losses take it"),

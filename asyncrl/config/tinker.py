@@ -7,6 +7,12 @@ from pydantic import Field
 from asyncrl.config.base import Section
 
 
+TINKER_LORA_ALPHA = 32.0
+"""peft's ``lora_alpha`` of every Tinker LoRA client (scale alpha / rank): Tinker's LoRA takes a
+rank, not an alpha, so ``serve-tinker`` uses this one and ``learner.url`` refuses another
+``model.lora.alpha``. Here, on the ground floor, because the config's check reads it."""
+
+
 class TinkerConfig(Section):
     """``asyncrl serve-tinker``: Tinker's training and sampling API (LoRA training clients on
     one base model, sampling clients) for Tinker's own SDK (``docs/tinker.md``)."""

@@ -37,6 +37,11 @@ from asyncrl.config import LoraConfig
 from asyncrl.learner.distributed import Sharding
 from asyncrl.learner.lora import load_adapter_weights
 
+STATE_FILE = "trainer_state.pt"
+"""The learner's state beside its weights: version, schedule, RNG, what the caller adds."""
+URL_STATE_KEY = "learner_url_state"
+"""Set in the state of a checkpoint a learner by URL wrote (``asyncrl/runtime/tinker_learner.py``):
+the ``tinker://`` path of the server's saved state, which holds its optimizer."""
 OPTIMIZER_DIR = "optimizer"
 """A checkpoint's optimizer state, as torch.distributed.checkpoint files keyed by parameter
 name: any number of ranks (one included) can load what any number saved."""
@@ -79,28 +84,34 @@ def write_checkpoint(learner: Checkpointed, path: Path, extra: dict[str, Any] | 
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
         torch.save({"version": learner.version, "scheduler": learner.scheduler.state_dict(), "rng": rng_state(),
-                    **(extra or {})}, tmp / "trainer_state.pt")
+                    **(extra or {})}, tmp / STATE_FILE)
     del weights
     _barrier(sharding)  # tmp/ exists before any rank writes into it
     with _single_process_dcp():
         dcp.save({"optimizer": get_optimizer_state_dict(learner.model, learner.optimizer)},
                  checkpoint_id=tmp / OPTIMIZER_DIR, no_dist=sharding is None)
     if learner.is_main:
-        old = path.with_name(path.name + ".old")
-        if path.exists():  # set aside, not deleted, until the new one is in place
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        place_checkpoint(tmp, path)
     _barrier(sharding)  # no rank returns before the checkpoint is in place
     return path
+
+
+def place_checkpoint(tmp: Path, path: Path) -> None:
+    """Rename the complete ``tmp`` to ``path``; an older ``path`` is set aside as
+    ``<name>.old``, not deleted, until the new one is in place (the module's invariant)."""
+    old = path.with_name(path.name + ".old")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def restore_checkpoint(learner: Checkpointed, path: Path) -> dict[str, Any]:
     """Continue from ``path``: weights, optimizer, LR schedule, RNG streams, version,
     whatever number of ranks saved it. (The KL reference, if any, stays the initial
     policy.) Returns the trainer state. Sharded, every rank calls it."""
-    state = torch.load(path / "trainer_state.pt", weights_only=False, map_location="cpu")
+    state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
     if learner.lora is not None:
         load_adapter_weights(learner.module, path)
     else:

@@ -98,12 +98,22 @@ def read_in_flight(checkpoint: Path) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.is_file() else []
 
 
-def resume_point(output_dir: Path, resume: bool) -> tuple[Path | None, RunState | None, list[dict[str, Any]]]:
+def resume_point(output_dir: Path, resume: bool, learner_url: str | None = None
+                 ) -> tuple[Path | None, RunState | None, list[dict[str, Any]]]:
     """The checkpoint a run continues from (:func:`starting_point`), its run state and its
-    in-flight journals; ``(None, None, [])`` for a fresh start."""
+    in-flight journals; ``(None, None, [])`` for a fresh start. A checkpoint written by a
+    learner by URL (its optimizer state is on that server) resumes only with ``learner.url``,
+    and one written in process only without it: ConfigError otherwise, before any model loads."""
     checkpoint = starting_point(output_dir, resume)
     if checkpoint is None:
         return None, None, []
+    saved_url = torch.load(checkpoint / LEARNER_STATE_FILE, map_location="cpu", weights_only=False).get("learner_url")
+    if (saved_url is None) != (learner_url is None):
+        raise ConfigError(f"{checkpoint} was saved by a learner "
+                          + (f"by URL (learner.url={saved_url}): its optimizer state is on that server; resume with "
+                             "that learner.url" if saved_url else "in process (its weights are in the checkpoint): "
+                             "resume without learner.url")
+                          + ", or start afresh in a new output_dir")
     return checkpoint, RunState.from_json((checkpoint / RUN_STATE_FILE).read_text()), read_in_flight(checkpoint)
 
 

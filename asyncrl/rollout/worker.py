@@ -32,7 +32,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine.factory import EngineRequest, build_engine
-from asyncrl.config.engine_kinds import engine_kind
 from asyncrl.engine.protocol import RolloutEngine, TokenSink, WeightUpdate, as_update
 from asyncrl.frozen.client import close_open_clients
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
@@ -76,7 +75,6 @@ class RolloutWorker:
         if tokenizer is None:
             tokenizer = check_policy(cfg.model)
         self.cfg, self.tokenizer = cfg, tokenizer
-        self.kind = engine_kind(cfg.engine)  # what this worker's engine can do
         self._model, self._weights, self._version = model, weights, version
         self._seed, self._num_threads, self._eval_replica = seed, num_threads, eval_replica
         self.thread_budget = thread_budget
@@ -163,7 +161,7 @@ class RolloutWorker:
         """``RolloutHandle.engine_fleet``: with ``engine: remote``, the servers as the client
         sees them (``RemoteEngine.fleet``) and ``weight_load_s``, the seconds the last weight
         sync's load took across them (the weights written once, every server's load); else {}."""
-        if not self._ready.is_set() or not self.kind.fleet:
+        if not self._ready.is_set() or not self.engine.kind.fleet:
             return {}
         fleet = self.engine.fleet()  # a fleet kind's engine reports its servers
         return fleet if self.load_s is None else {**fleet, "weight_load_s": self.load_s}

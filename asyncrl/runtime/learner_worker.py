@@ -39,6 +39,7 @@ from asyncrl.learner.distributed import (
 from asyncrl.learner.export import update_kind
 from asyncrl.learner.sharded_load import WholeLoadNeeded, load_sharded
 from asyncrl.policy import check_policy, load_policy
+from asyncrl.weight_sync.delivery import forward_logprobs
 from asyncrl.core_budget import ThreadBudget
 
 T = TypeVar("T")
@@ -191,8 +192,6 @@ class LearnerWorker:
     # ------------------------------------------------------------ the delivery check's
     def probe_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         """The delivery check's forward on this rank (``weight_sync/delivery.forward_logprobs``)."""
-        from asyncrl.weight_sync.delivery import forward_logprobs
-
         return forward_logprobs(self.learner, sequences)
 
     def engine_update_bytes(self) -> int:

@@ -8,13 +8,10 @@ transport, with its deadlines, and the trainer, its schedules, its staleness gat
 checks read the same whichever learner runs underneath. What each call becomes:
 
 - ``train_step``: one ``forward_backward`` with Tinker's ``ppo`` loss (``cispo`` for
-  ``policy_loss: cispo``) and one ``optim_step``. Tinker's losses are *sums* over target
-  positions with the ratio π_θ/μ; asyncrl's ``decoupled_ppo`` in bypass with ``token_mean``
-  is the same loss divided by N, the step's model tokens. The loss is linear in the
-  advantage and the clip depends on its sign only, so each token's advantage is sent
-  divided by N: the two take the same gradient (``docs/tinker.md``, "asyncrl's trainer
-  with a learner by URL"). The learning rate is asyncrl's schedule at the step
-  (``learner/core.lr_lambda``), sent as ``AdamParams``.
+  ``policy_loss: cispo``) on the step's batch as Tinker datums, each advantage divided by
+  the step's model tokens (why that is asyncrl's loss: ``asyncrl/learner/tinker_api.py``,
+  where the translation's pure functions are), and one ``optim_step``. The learning rate is
+  asyncrl's schedule at the step (``learner/core.lr_lambda``), sent as ``AdamParams``.
 - ``publish``: ``save_weights_external`` (a PEFT adapter directory on the server), its
   files downloaded from the URLs ``get_external_weights_urls`` gives, read into an
   :class:`~asyncrl.engine.protocol.AdapterUpdate` that the engines merge onto their own
@@ -45,28 +42,21 @@ from typing import Any, TypeVar
 
 import torch
 
-from asyncrl.algorithms.mismatch import mismatch_metrics, mismatch_sums
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.engine.remote_wire import read_peft_adapter
 from asyncrl.learner import TrainBatch
-from asyncrl.learner.checkpoint_io import rng_state, set_rng_state
+from asyncrl.learner.checkpoint_io import STATE_FILE, URL_STATE_KEY, place_checkpoint, rng_state, set_rng_state
 from asyncrl.learner.core import lr_lambda
+from asyncrl.learner.tinker_api import TINKER_LOSS, datums, lora_groups, ratio_metrics
 
 T = TypeVar("T")
 
-STATE_FILE = "trainer_state.pt"
-"""The run's checkpoint holds what the in-process learner's does here (``checkpoint_io``),
-with the server's saved state's path under :data:`STATE_KEY`."""
-STATE_KEY = "learner_url_state"
-TINKER_LOSS = {"decoupled_ppo": "ppo", "cispo": "cispo"}
-"""asyncrl's objective → the Tinker loss that is it in bypass (``asyncrl/tinker/losses.py``)."""
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 """What a PEFT adapter directory holds (``read_peft_adapter`` reads these)."""
-ATTENTION = {"q_proj", "k_proj", "v_proj", "o_proj"}
-MLP = {"gate_proj", "up_proj", "down_proj"}
-"""Tinker names adapter targets by group (``train_attn``, ``train_mlp``): ``model.lora.
-target_modules`` must be whole groups of these."""
+LEAVE_S = 30.0
+"""How long each of the calls that end the session may take: a run ending because its
+server died must not wait behind the SDK's minutes of retries to say so."""
 
 
 REFUSED_GRACE_S = 5.0
@@ -91,41 +81,6 @@ def reachable(url: str) -> None:
                                   "server first (asyncrl serve-tinker CONFIG prints its URL), or correct the URL"
                                   ) from None
             time.sleep(0.5)
-
-
-def lora_groups(targets: list[str] | str) -> tuple[bool, bool]:
-    """(``train_attn``, ``train_mlp``) for ``model.lora.target_modules``; ConfigError for a
-    set Tinker cannot name."""
-    if targets == "all-linear":
-        return True, True
-    wanted = {targets} if isinstance(targets, str) else set(targets)
-    attn, mlp = ATTENTION <= wanted, MLP <= wanted
-    if wanted != (ATTENTION if attn else set()) | (MLP if mlp else set()) or not wanted:
-        raise ConfigError(f"model.lora.target_modules={sorted(wanted)}: a learner by URL asks Tinker for whole "
-                          f"groups of layers, the attention's {sorted(ATTENTION)} and/or the MLP's {sorted(MLP)}; "
-                          "use all-linear or those lists")
-    return attn, mlp
-
-
-def datums(batch: TrainBatch) -> tuple[list[Any], int]:
-    """The batch as Tinker datums for ``ppo``/``cispo`` (each row's tokens, its targets, μ as
-    ``logprobs``, its advantage on model tokens divided by the step's model-token count N)
-    and N. Prompt, tool and padding positions carry advantage 0: they add nothing to a sum."""
-    from tinker import types
-
-    mask = batch.loss_mask.float()
-    tokens = int(mask.sum().item())
-    scale = 1.0 / max(tokens, 1)
-    rows = []
-    for i in range(batch.size):
-        length = int(batch.attention_mask[i].sum().item())
-        ids = batch.input_ids[i, :length].tolist()
-        advantage = batch.advantages[i] if batch.advantages.dim() == 1 else batch.advantages[i, :length - 1]
-        per_token = (advantage * mask[i, :length - 1] * scale).float()
-        rows.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-            "target_tokens": ids[1:], "logprobs": batch.behavior_logprobs[i, :length - 1].float().tolist(),
-            "advantages": per_token.tolist()}))
-    return rows, tokens
 
 
 class TinkerLearnerWorker:
@@ -155,20 +110,27 @@ class TinkerLearnerWorker:
         reachable(url)
         self.service = tinker.ServiceClient(base_url=url, api_key=key)
         self.rest = tinker.RestClient(base_url=url, api_key=key)
-        served = [m.model_name for m in self.rest.get_server_capabilities().result().supported_models]
+        wait = self.cfg.watchdog.learner_call_s
+        served = [m.model_name for m in self.rest.get_server_capabilities().result(timeout=wait).supported_models]
         if self.base_model not in served:
             raise ConfigError(f"learner.url={url} serves {served}, not {self.base_model!r} (tinker.base_model, or "
                               "model.path as written): name the served base model in tinker.base_model")
         attn, mlp = lora_groups(lora.target_modules)
         self.training = self.service.create_lora_training_client(
             base_model=self.base_model, rank=lora.rank, seed=self.cfg.seed, train_attn=attn, train_mlp=mlp,
-            train_unembed=False).result()
+            train_unembed=False).result(timeout=wait)
 
     def leave(self) -> None:
+        """Delete the last published adapters on the server and close the session, each
+        within :data:`LEAVE_S`; a failure is one line, never raised over the run's own end."""
         if self.published is not None:
             self._forget(self.published)
         if self.service is not None:
-            self.service.close("success").result()
+            try:
+                self.service.close("success").result(timeout=LEAVE_S)
+            except Exception as exc:  # noqa: BLE001 - the run has ended; its own status stands
+                print(f"asyncrl: learner.url: the session did not close ({type(exc).__name__}: {exc})",
+                      file=sys.stderr)
 
     def apply(self, fn: Callable[..., T], *args: Any) -> T:
         return fn(self, *args)
@@ -244,22 +206,16 @@ class TinkerLearnerWorker:
         self._download(tmp)
         for name, text in files.items():
             (tmp / name).write_text(text)
-        torch.save({"version": self.version, "rng": rng_state(), STATE_KEY: saved, "learner_url": self.cfg.learner.url,
-                    **extra}, tmp / STATE_FILE)
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+        torch.save({"version": self.version, "rng": rng_state(), URL_STATE_KEY: saved,
+                    "learner_url": self.cfg.learner.url, **extra}, tmp / STATE_FILE)
+        place_checkpoint(tmp, path)
         return path
 
     def load_checkpoint(self, path: Path) -> int:
+        """Continue from ``path`` (the trainer's ``resume_point`` has checked a learner by URL
+        wrote it): a training client created from the server's saved state."""
         state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
-        if STATE_KEY not in state:
-            raise ConfigError(f"{path} was saved by a learner in process, not by learner.url: resume it without "
-                              "learner.url (its weights are in the checkpoint), or start afresh")
-        self.training = self.service.create_training_client_from_state_with_optimizer(state[STATE_KEY]).result()
+        self.training = self.service.create_training_client_from_state_with_optimizer(state[URL_STATE_KEY]).result()
         set_rng_state(state["rng"])
         self.version = int(state["version"])
         return self.version
@@ -285,25 +241,6 @@ class TinkerLearnerWorker:
 
     def _forget(self, path: str) -> None:
         try:
-            self.rest.delete_checkpoint_from_tinker_path(path).result()
+            self.rest.delete_checkpoint_from_tinker_path(path).result(timeout=LEAVE_S)
         except Exception as exc:  # noqa: BLE001 - a leftover file on the server is not worth failing a run for
             print(f"asyncrl: learner.url: could not delete {path} on the server ({exc})", file=sys.stderr)
-
-
-def ratio_metrics(batch: TrainBatch, logprobs: list[torch.Tensor], version: int) -> dict[str, float]:
-    """From the logprobs the server computed at the start of the step (``forward_backward``
-    returns them; π_θ = π_prox there): the ratio π_θ/μ's mean over model tokens, and the
-    engine–learner mismatch by version lag that the learner in process logs
-    (``asyncrl/algorithms/mismatch.py``: ``asyncrl doctor`` checks lag 0)."""
-    current = torch.zeros_like(batch.behavior_logprobs, dtype=torch.float32)
-    for i, row in enumerate(logprobs):
-        current[i, :row.numel()] = row.float()
-    mask = batch.loss_mask.float()
-    if not bool(mask.any()):
-        return {}
-    behavior = batch.behavior_logprobs.float()
-    ratio = torch.exp(current - behavior)[mask > 0]
-    out = {"actor/ratio_mean": float(ratio.mean())}
-    if batch.versions is not None:
-        out |= mismatch_metrics(mismatch_sums(behavior, current, mask, version - batch.versions))
-    return out

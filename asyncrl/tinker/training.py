@@ -38,14 +38,11 @@ from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.core import TrainState, clip_and_step
 from asyncrl.learner.learner import micro_batch_bounds
 from asyncrl.learner.lora import adapter_update, linear_names, load_adapter_weights
+from asyncrl.learner.tinker_api import ATTENTION, LORA_ALPHA, UNEMBED
 from asyncrl.tinker.futures import UserError
 from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, tinker_loss
 from asyncrl.tinker.wire import WireDatum
 
-LORA_ALPHA = 32.0
-"""peft's ``lora_alpha`` of every client (scale alpha / rank): Tinker's LoRA takes a rank, not an alpha."""
-ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj", "c_attn", "out_proj")
-UNEMBED = ("lm_head",)
 LORA_FILE = "tinker_lora.json"
 """A saved state's LoRA settings, beside its adapters: what a client created from it gets."""
 
