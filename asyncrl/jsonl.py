@@ -1,4 +1,5 @@
-"""Reading JSONL files — a run's logs and users' task files — in one way.
+"""Reading JSONL files — a run's logs and users' task files — in one way, and the row logs
+that are written a row at a time (``asyncrl sft``'s ``metrics.jsonl``).
 
 Errors name the file and the 1-based line, so a user with a 100k-line file can fix it
 without bisecting. A broken *last* line is what a process killed mid-write leaves behind:
@@ -8,9 +9,11 @@ line anywhere else means the file is not what the caller thinks it is.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal
 
@@ -60,3 +63,29 @@ def last_row(path: Path) -> dict[str, Any] | None:
     """The last row of one of our own logs, None when it has none (or there is no file)."""
     rows = read_jsonl(path) if path.is_file() else []
     return rows[-1] if rows else None
+
+
+@contextlib.contextmanager
+def row_log(path: Path, *, append: bool = False, write: bool = True) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A row log at ``path``: one JSON object a line, flushed as written (a crash loses no
+    row), each with ``time/elapsed`` since the file was opened; ``append``: after a resume;
+    ``write`` false (a rank but the first): rows go nowhere."""
+    start = time.monotonic()
+    if not write:
+        yield lambda row: None
+        return
+    with path.open("a" if append else "w") as f:
+        def log(row: dict[str, Any]) -> None:
+            f.write(json.dumps({**row, "time/elapsed": round(time.monotonic() - start, 3)}) + "\n")
+            f.flush()
+
+        yield log
+
+
+def keep_rows(path: Path, *, through: int) -> None:
+    """A row log cut back to the rows of steps ``through`` and before: the steps a resumed
+    run takes again are logged again, once."""
+    if not path.exists():
+        return
+    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= through]
+    path.write_text("".join(row + "\n" for row in rows))

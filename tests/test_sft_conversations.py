@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.cli import main
 from asyncrl.config import ConfigError
+from asyncrl.learner.core import TrainEngine
 from asyncrl.model_store import cached_model
 from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.rollout.gateway import Gateway, get_format
@@ -252,7 +253,9 @@ def test_any_micro_batch_split_takes_the_same_step(tmp_path):
         examples = [build_example(tokenizer, c, 512) for c in load_conversations([str(TRAIN)])[:4]]
         model = AutoModelForCausalLM.from_pretrained(TINY)
         before = [p.detach().clone() for p in model.parameters()]
-        loss, tokens, _ = run._train_step(model, torch.optim.SGD(model.parameters(), lr=1.0), examples, 0)
+        engine = TrainEngine(model, model, tokenizer, torch.optim.SGD(model.parameters(), lr=1.0), None,
+                             grad_clip=cfg.optim.grad_clip)
+        loss, tokens, _ = run._train_step(engine, examples, 0)
         return loss, tokens, [p.detach() - b for p, b in zip(model.parameters(), before)]
 
     whole, split = step(4), step(1)

@@ -19,6 +19,7 @@ from asyncrl.algorithms.losses import (
     kl_k3,
     policy_loss,
     register_policy_loss,
+    token_logprobs,
 )
 from asyncrl.algorithms.objectives import cispo_loss, gspo_loss, icepop_loss  # registers them
 
@@ -42,4 +43,5 @@ __all__ = [
     "register_policy_loss",
     "resolve",
     "rloo",
+    "token_logprobs",
 ]

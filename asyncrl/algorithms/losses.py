@@ -124,6 +124,18 @@ def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return torch.expm1(d) - d
 
 
+def token_logprobs(logits: Tensor, targets: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) at each position's ``targets`` token, in float32
+    whatever the logits' dtype (a bf16 log-softmax loses the small differences the
+    importance ratios are made of). logits (..., V), targets (...) -> (...).
+
+    The one place "log-softmax, then gather the sampled token" is written: the learner's
+    π and π_prox, serve-tinker's losses and sampler, the delivery probe and the tiny
+    warm-ups all read a token's logprob through it, so they agree to the bit."""
+    scaled = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Entropy of softmax(logits) per position: ``logsumexp(z) − Σ p·z``. (B, T, V) -> (B, T).
 

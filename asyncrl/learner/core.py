@@ -1,14 +1,14 @@
-"""The training core every kind of training in the house takes its optimizer steps through:
-RL's learner (``learner.py``), ``asyncrl sft`` (``asyncrl/sft/trainer.py``) and the tiny
-warm-ups (``asyncrl/tiny/``). What differs between them is their data and their loss; what
-they share is here, once: the one LR schedule (:func:`lr_lambda`), AdamW over the trainable
-parameters (:func:`make_optimizer`: with LoRA, the adapters alone), the policy made
-trainable (:func:`trainable`: LoRA adapters put on, or the sharded wrap), **the one
-micro-batch loop** (:class:`MicroBatchLoop`: the loss passed in, as verl's
-``train_batch(data, loss_function)``; sharding, autocast and the core budget live there
-only), and the step that clips, refuses a non-finite loss or gradient norm before it
-touches the weights, and steps (:func:`clip_and_step`). :class:`TrainState` is a trained
-model with its optimizer and schedule in the shape the learner's atomic checkpoint I/O
+"""The one training engine (:class:`TrainEngine`): every optimizer step in the house is taken
+through it — RL's learner (``learner.py``), ``asyncrl sft`` (``asyncrl/sft/trainer.py``), the
+tiny warm-ups (``asyncrl/tiny/``) and serve-tinker's training clients
+(``asyncrl/tinker/training.py``). What differs between them is their data and their loss,
+passed in; what they share is here, once: the one LR schedule (:func:`lr_lambda`), AdamW
+over the trainable parameters (:func:`make_optimizer`: with LoRA, the adapters alone), the
+policy made trainable (:func:`trainable`: LoRA adapters put on, or the sharded wrap), the
+micro-batch cut (:func:`micro_batch_bounds`), the micro-batch loop (:class:`MicroBatchLoop`:
+sharding's passes, autocast and the core budget live there only), and the step that clips,
+refuses a non-finite loss or gradient norm before it touches the weights, and steps
+(:func:`clip_and_step`). A :class:`TrainEngine` is also what the atomic checkpoint I/O
 writes and reads (``checkpoint_io.py``), so a supervised run saves and resumes as
 ``asyncrl train`` does.
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import torch
@@ -224,12 +224,46 @@ def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, grad
     return Sharding.norm_value(grad_norm)
 
 
+def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | None) -> list[tuple[int, int]]:
+    """[start, stop) of each micro-batch over rows of these ``lengths``, in order: at most
+    ``max_rows`` rows and ``max_tokens`` padded positions (rows × their longest length;
+    a row longer than that alone). Contiguous and unsorted, so a micro-batch's rows of any
+    whole-batch tensor are a slice and the split never changes which rows train together
+    in a mini-batch: only how many pass through the model at once."""
+    bounds: list[tuple[int, int]] = []
+    start, longest = 0, 0
+    for i, length in enumerate(lengths):
+        rows, widest = i - start + 1, max(longest, length)
+        if rows > max_rows or (max_tokens is not None and rows > 1 and rows * widest > max_tokens):
+            bounds.append((start, i))
+            start, widest = i, length
+        longest = widest
+    if lengths:
+        bounds.append((start, len(lengths)))
+    return bounds
+
+
 @dataclass
-class TrainState:
-    """A model in training with its optimizer and schedule, as ``checkpoint_io`` writes and
-    reads it (its ``Checkpointed``): ``model`` runs the forward (with LoRA the Hugging Face
-    model with the adapters injected), ``module`` saves (with LoRA the ``PeftModel``: its
-    ``save_pretrained`` writes a PEFT adapter directory); ``version`` counts steps taken."""
+class TrainEngine:
+    """The one training engine: every optimizer step in the house — RL's learner, ``asyncrl
+    sft``, the tiny warm-ups, serve-tinker's clients — is taken through one of these. The
+    shape is AReaL's ``TrainEngine`` and verl's ``train_batch(data, loss_fn)``, and Tinker's
+    ``forward_backward`` / ``optim_step`` pair: callers hand it data and a loss, nothing else.
+
+    - :meth:`accumulate` — forward and backward of micro-batches with the loss passed in,
+      gradients added to those since the last step (the first call after a step starts
+      from zero: the engine alone zeroes gradients);
+    - :meth:`step` — clip, refuse a non-finite loss or gradient norm before the weights
+      move, the optimizer step;
+    - :meth:`advance` — the LR schedule and the version, once per version (RL takes several
+      optimizer steps per version with sample reuse; a Tinker client sets its own LR);
+    - :meth:`forward` — scoring without a gradient, under the same passes.
+
+    Micro-batching's passes, autocast, the core budget and sharding are its
+    :class:`MicroBatchLoop`'s. It is also what ``checkpoint_io`` writes and reads (its
+    ``Checkpointed``): ``model`` runs the forward (with LoRA the Hugging Face model with the
+    adapters injected; sharded, the FSDP2/DDP wrap), ``module`` saves (with LoRA the
+    ``PeftModel``); ``version`` counts :meth:`advance` calls."""
 
     model: torch.nn.Module
     module: PreTrainedModel
@@ -240,17 +274,94 @@ class TrainState:
     version: int = 0
     sharding: Sharding | None = None
     is_main: bool = True
+    grad_clip: float = math.inf
+    autocast: torch.dtype | None = None
+    loop: MicroBatchLoop = field(init=False)
+    _accumulating: bool = field(init=False, default=False)  # gradients added since the last step
+
+    def __post_init__(self) -> None:
+        self.loop = MicroBatchLoop(self.model, sharding=self.sharding, autocast=self.autocast)
 
     @classmethod
     def build(cls, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, optim: Schedule, total_steps: int, *,
-              lora: LoraConfig | None = None, seed: int = 0, sharding: Sharding | None = None) -> TrainState:
+              lora: LoraConfig | None = None, seed: int = 0, sharding: Sharding | None = None,
+              autocast: str | None = None, grad_clip: float | None = None, version: int = 0,
+              floor: float = 0.1, decay_start: int | None = None) -> TrainEngine:
         """``model`` made trainable (:func:`trainable`: with ``lora`` fresh adapters drawn
-        from the run's ``seed``, sharded with a ``sharding``), and the optimizer and
-        schedule over what trains."""
+        from the run's ``seed``, sharded with a ``sharding``), AdamW and the one schedule over
+        what trains (:func:`make_optimizer`), the passes autocast as ``autocast``
+        (``learner.autocast``, :func:`autocast_dtype`), gradients clipped to ``grad_clip``
+        (default ``optim.grad_clip``, or none)."""
         forward, module = trainable(model, lora=lora, seed=seed, sharding=sharding)
-        optimizer, scheduler = make_optimizer(forward, optim, total_steps)
-        return cls(forward, module, tokenizer, optimizer, scheduler, lora, sharding=sharding,
-                   is_main=sharding is None or sharding.rank == 0)
+        optimizer, scheduler = make_optimizer(forward, optim, total_steps, floor=floor, decay_start=decay_start)
+        device = sharding.device if sharding is not None else next(forward.parameters()).device
+        clip = grad_clip if grad_clip is not None else getattr(optim, "grad_clip", math.inf)
+        return cls(forward, module, tokenizer, optimizer, scheduler, lora, version=version, sharding=sharding,
+                   is_main=sharding is None or sharding.rank == 0, grad_clip=clip,
+                   autocast=autocast_dtype(autocast, device))
+
+    @property
+    def thread_budget(self) -> ThreadBudget | None:
+        """The cores shared with an engine (``rollout.thread_sharing``), read by the loop."""
+        return self.loop.thread_budget
+
+    @thread_budget.setter
+    def thread_budget(self, budget: ThreadBudget | None) -> None:
+        self.loop.thread_budget = budget
+
+    def accumulate(self, parts: Sequence[P], loss_function: Callable[[P], torch.Tensor],
+                   filler: Callable[[], P] | None = None) -> None:
+        """Forward and backward of each of ``parts`` (this rank's micro-batches), adding the
+        gradient of ``loss_function(part)`` — the part's loss already weighted by its share of
+        the step — to what was accumulated since the last :meth:`step`. Sharded, ``filler()``
+        makes the zero-weight parts of the passes beyond this rank's own."""
+        if not self._accumulating:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._accumulating = True
+        self.loop.backward(parts, loss_function, filler)
+
+    def discard(self) -> None:
+        """Drop what was accumulated since the last step (a step begun and abandoned)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self._accumulating = False
+
+    def step(self, losses: dict[str, torch.Tensor], *, hint: str, grad_norm_name: str = "grad_norm",
+             grad_clip: float | None = None, divide_by: torch.Tensor | float | None = None) -> float:
+        """The optimizer step on the accumulated gradients (first divided by ``divide_by``,
+        where the losses were sums whose count was known only at the end), clipped to
+        ``grad_clip`` (default the engine's). ``losses`` (name → value) and the gradient norm
+        are checked first: a non-finite one raises ``NonFiniteError`` naming it, the step
+        (``version`` + 1) and ``hint``, and the weights stay the last good ones. Returns the
+        gradient norm before clipping. The gradients stay until the next :meth:`accumulate`."""
+        if divide_by is not None:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.div_(divide_by)
+        self._accumulating = False
+        return clip_and_step(self.model, self.optimizer, self.grad_clip if grad_clip is None else grad_clip, losses,
+                             step=self.version + 1, hint=hint, grad_norm_name=grad_norm_name)
+
+    def advance(self, *, schedule: bool = True) -> int:
+        """A new version: the LR schedule's next step (unless ``schedule`` is false: the caller
+        sets the LR itself, as a Tinker client does) and ``version`` + 1, returned."""
+        if schedule:
+            self.scheduler.step()
+        self.version += 1
+        return self.version
+
+    def forward(self, parts: Sequence[P], fn: Callable[[P], R], filler: Callable[[], P] | None = None) -> list[R]:
+        """``fn(part)`` of each of ``parts`` without gradients (a π_prox or reference
+        recompute, a held-out loss, a Tinker ``forward``), under the same autocast, core
+        budget and passes as :meth:`accumulate`; the results of ``parts`` alone, in order."""
+        return self.loop.forward(parts, fn, filler)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step takes."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+
+TrainState = TrainEngine  # an alias: code that imports it keeps working
 
 
 @dataclass(frozen=True)

@@ -47,19 +47,18 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3
+from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3, token_logprobs
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, nonfinite_parameters
 from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
 from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype: their old home)
+from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, micro_batch_bounds: importable here too)
     MicroBatchLoop,
+    TrainEngine,
     autocast_dtype,
-    clip_and_step,
     lr_lambda,
-    make_optimizer,
-    trainable,
+    micro_batch_bounds,
 )
 from asyncrl.learner.distributed import Sharding
 from asyncrl.engine.protocol import FullWeights, WeightUpdate
@@ -83,25 +82,6 @@ def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> 
         order = torch.randperm(size, generator=generator)
         steps += [part.sort().values for part in order.tensor_split(mini_batches) if len(part)]
     return steps
-
-
-def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | None) -> list[tuple[int, int]]:
-    """[start, stop) of each micro-batch over rows of these ``lengths``, in order: at most
-    ``max_rows`` rows and ``max_tokens`` padded positions (rows × their longest length;
-    a row longer than that alone). Contiguous and unsorted, so a micro-batch's rows of any
-    whole-batch tensor are a slice and the split never changes which rows train together
-    in a mini-batch: only how many pass through the model at once."""
-    bounds: list[tuple[int, int]] = []
-    start, longest = 0, 0
-    for i, length in enumerate(lengths):
-        rows, widest = i - start + 1, max(longest, length)
-        if rows > max_rows or (max_tokens is not None and rows > 1 and rows * widest > max_tokens):
-            bounds.append((start, i))
-            start, widest = i, length
-        longest = widest
-    if lengths:
-        bounds.append((start, len(lengths)))
-    return bounds
 
 
 class Learner:
@@ -135,39 +115,68 @@ class Learner:
         # the KL reference: with LoRA this model with its adapters off (reference_logprobs), else a frozen copy
         self.reference = (copy.deepcopy(model).eval().requires_grad_(False)
                           if algorithm.kl_coef > 0 and lora is None else None)
-        # the training core's wrap: the forward model, and the module that saves (names, config, save_pretrained)
-        self.model, self.module = trainable(model, lora=lora, seed=seed, sharding=sharding)
         self.tokenizer = tokenizer
         self.algorithm = algorithm
         self.optim = optim
         self.temperature = temperature if temperature > 0 else 1.0  # greedy rollouts report raw logits
-        self.device = sharding.device if sharding is not None else next(model.parameters()).device
-        # the one micro-batch loop (core.py): sharding's passes, autocast and the core budget
-        self.loop = MicroBatchLoop(self.model, sharding=sharding, autocast=autocast_dtype(autocast, self.device))
-        self.version = version
+        # the one training engine (core.py): the model made trainable, AdamW over what trains
+        # (with LoRA the adapters only), the micro-batch loop, the clip and the schedule
+        self.engine = TrainEngine.build(model, tokenizer, optim, total_steps, lora=lora, seed=seed,
+                                        sharding=sharding, autocast=autocast, version=version)
+        self.device = sharding.device if sharding is not None else next(self.model.parameters()).device
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
-        # the training core's (core.py): with LoRA the adapters only, the frozen base has no optimizer state
-        self.optimizer, self.scheduler = make_optimizer(self.model, optim, total_steps)
         self.pad_id = tokenizer.pad_token_id or 0
         self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
         # the batch's engine–learner mismatch sums by lag (algorithms/mismatch.py), added while
         # the weights are still the batch's starting ones (None: not measuring now)
         self._mismatch: torch.Tensor | None = None
 
+    # the engine's parts, read by checkpoint_io (its ``Checkpointed``), the workers and the tests
+    @property
+    def model(self) -> torch.nn.Module:
+        """The policy as trained (the forward model; wrapped when sharded)."""
+        return self.engine.model
+
+    @property
+    def module(self) -> PreTrainedModel:
+        """The Hugging Face model under it (with LoRA the ``PeftModel``): names, config, saving."""
+        return self.engine.module
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.engine.optimizer
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self.engine.scheduler
+
+    @property
+    def loop(self) -> MicroBatchLoop:
+        return self.engine.loop
+
+    @property
+    def version(self) -> int:
+        """The policy's version: batches trained (the engine's :meth:`~TrainEngine.advance` calls)."""
+        return self.engine.version
+
+    @version.setter
+    def version(self, version: int) -> None:
+        self.engine.version = version
+
     @property
     def thread_budget(self) -> ThreadBudget | None:
         """The cores shared with an engine (``rollout.thread_sharing: colocated``), read by the loop."""
-        return self.loop.thread_budget
+        return self.engine.thread_budget
 
     @thread_budget.setter
     def thread_budget(self, budget: ThreadBudget | None) -> None:
-        self.loop.thread_budget = budget
+        self.engine.thread_budget = budget
 
     # ------------------------------------------------------------------ math
     def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors.
-        Called in the loop's passes (``self.loop``), which autocast the forward
+        Called in the engine's passes (``self.engine``), which autocast the forward
         (``learner.autocast``); logits are read back as float32 before the softmax."""
         shared = prompt_index(batch) if self.share_prompts and self.sharding is None else None
         if shared is not None:  # each distinct prompt once (shared_prompts.py)
@@ -176,7 +185,7 @@ class Learner:
         else:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             logits, targets = logits[:, :-1].float() / self.temperature, batch.input_ids[:, 1:]  # (B, L-1, V)
-        logprobs = torch.log_softmax(logits, -1).gather(-1, targets[..., None]).squeeze(-1)
+        logprobs = token_logprobs(logits, targets)
         entropy = entropy_from_logits(logits.detach()) if with_entropy else None
         if shared is not None:
             logprobs = responses.to_target_axis(logprobs)
@@ -201,8 +210,8 @@ class Learner:
         """(B, L-1) logprobs of the whole batch, computed micro-batch by micro-batch."""
         out = torch.zeros_like(batch.behavior_logprobs)
         parts = self.micro_batches(batch)
-        for (start, part), (lp, _) in zip(parts, self.loop.forward(parts, lambda p: self.token_logprobs(model, p[1]),
-                                                                   self._filler)):
+        for (start, part), (lp, _) in zip(parts, self.engine.forward(
+                parts, lambda p: self.token_logprobs(model, p[1]), self._filler)):
             out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
@@ -231,7 +240,9 @@ class Learner:
         the recompute (a full extra forward pass) is skipped; the step is then exactly
         the bypass form. Metrics are means over the batch's tokens (or sequences) and over
         its epochs; ``actor/grad_norm`` is the mean over optimizer steps (before clipping)."""
-        self._stream = None  # a streamed step left unfinished (a stop) is dropped: zero_grad below
+        if self._stream is not None:  # a streamed step left unfinished (a stop) is dropped
+            self._stream = None
+            self.engine.discard()
         steps = mini_batch_rows(batch.size, epochs=self.optim.ppo_epochs, mini_batches=self.optim.mini_batches,
                                 seed=derive_seed(self.seed, "mini_batches", self.version))
         first, last = self.sharding.rows(batch.size) if self.sharding is not None else (0, batch.size)
@@ -271,14 +282,13 @@ class Learner:
         """After a batch's optimizer steps (their gradient ``norms``): the LR schedule, the
         weights' finite check, the new version, and the metrics from ``sums`` (each already
         the batch's mean over its ``tokens``, or sequences) and ``mismatch``'s sums by lag."""
-        self.scheduler.step()
+        self.engine.advance()  # the LR schedule and the new version
         self.model.eval()
         sums["nonfinite_weights"] = self._local_nonfinite()  # summed over ranks and read with the metrics
         if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
             keys = sorted(sums)
             sums = dict(zip(keys, self.sharding.sum(torch.stack([torch.as_tensor(sums[k]) for k in keys]))))
             mismatch = torch.cat([self.sharding.sum(mismatch[:, :3]), self.sharding.max(mismatch[:, 3:])], dim=1)
-        self.version += 1
         out = {f"actor/{k}": float(v) for k, v in sums.items()}  # one device sync per step
         if out.pop("actor/nonfinite_weights"):
             names = nonfinite_parameters(self._local_parameters())
@@ -304,8 +314,7 @@ class Learner:
         if self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
             raise ValueError("a streamed step is one optimizer step on one rank: it needs learner.world_size=1, "
                              "optim.ppo_epochs=1 and optim.mini_batches=1")
-        if self._stream is None:
-            self.optimizer.zero_grad(set_to_none=True)
+        if self._stream is None:  # the engine starts the step's gradients from zero
             self._stream = _Stream(torch.zeros(2, device=self.device), self._no_mismatch())
         stream, batch = self._stream, batch.to(self.device)
         self._mismatch = stream.mismatch  # the weights stay the batch's starting ones until finish_step
@@ -326,12 +335,9 @@ class Learner:
             raise RuntimeError("finish_step without a part accumulated since the last step")
         tokens, sequences = stream.counts.clamp(min=1)
         per = tokens if self.algorithm.aggregation == "token_mean" else sequences
-        for p in self.model.parameters():
-            if p.grad is not None:
-                p.grad.div_(per)
         sums = {k: v / tokens for k, v in stream.token_sums.items()} | {k: v / per for k, v in stream.own_sums.items()}
         self._mismatch = None
-        return self._end_batch(sums, [self._clip_and_step(stream.losses)], stream.counts[0], stream.mismatch)
+        return self._end_batch(sums, [self._step(stream.losses, divide_by=per)], stream.counts[0], stream.mismatch)
 
     def _optimizer_step(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
                         proximal: torch.Tensor | None, reference: torch.Tensor | None,
@@ -339,11 +345,10 @@ class Learner:
         """One optimizer step on ``batch`` (this rank's rows of one mini-batch, whose whole
         token and sequence ``counts`` weigh each micro-batch's loss); adds its metrics,
         weighted by ``weight`` (token, sequence), to ``sums``. Returns the gradient norm."""
-        self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         self._backward(batch, counts, weight, proximal=proximal, reference=reference, sums=sums, losses=losses,
                        proximal_from_forward=proximal_from_forward)
-        return self._clip_and_step(losses)
+        return self._step(losses)
 
     def _backward(self, batch: TrainBatch, counts: torch.Tensor, weight: torch.Tensor, *,
                   proximal: torch.Tensor | None, reference: torch.Tensor | None, sums: dict[str, torch.Tensor],
@@ -394,17 +399,16 @@ class Learner:
                     into[key] = into.get(key, 0.0) + value.detach() * w
             return loss * share
 
-        self.loop.backward(self.micro_batches(batch), objective, self._filler)
+        self.engine.accumulate(self.micro_batches(batch), objective, self._filler)
 
-    def _clip_and_step(self, losses: list[torch.Tensor]) -> float:
-        """The training core's step (``core.clip_and_step``): clip, refuse a non-finite loss or
-        gradient norm before the weights move, step. Returns the gradient norm (before
+    def _step(self, losses: list[torch.Tensor], divide_by: torch.Tensor | None = None) -> float:
+        """The engine's optimizer step (:meth:`TrainEngine.step`): clip, refuse a non-finite
+        loss or gradient norm before the weights move, step. Returns the gradient norm (before
         clipping); the gradients are the whole mini-batch's on every rank, so the norm is
         global and a NaN on any rank stops every rank."""
-        return clip_and_step(self.model, self.optimizer, self.optim.grad_clip,
-                             {"actor/loss": torch.stack(losses).sum()}, step=self.version + 1,
-                             grad_norm_name="actor/grad_norm", hint="Check the rewards and advantages of this batch "
-                             "(samples.jsonl) and the learning rate")
+        return self.engine.step({"actor/loss": torch.stack(losses).sum()}, divide_by=divide_by,
+                                grad_norm_name="actor/grad_norm", hint="Check the rewards and advantages of this "
+                                "batch (samples.jsonl) and the learning rate")
 
     # --------------------------------------------------------- weights, state
     def _local_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -10,11 +10,16 @@ accumulates the same gradient as one forward over the whole step, up to float ro
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.config import ConfigError
 from asyncrl.learner import core
-from asyncrl.learner.learner import micro_batch_bounds
+from asyncrl.learner.core import micro_batch_bounds
 from asyncrl.seeding import derive_seed
-from asyncrl.sft.render import Example
+from asyncrl.sft.data import Conversation
+from asyncrl.sft.render import Example, build_examples
 
 
 def step_order(num_examples: int, batch_size: int, *, epochs: int, seed: int) -> list[list[int]]:
@@ -48,3 +53,26 @@ def collate(examples: list[Example], pad_id: int) -> core.Batch:
 def trained_tokens(examples: list[Example]) -> int:
     """Tokens the loss counts: the mask's ones, but the first position (nothing predicts it)."""
     return sum(sum(e.mask[1:]) for e in examples)
+
+
+def trainable_examples(tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation], max_length: int,
+                       say: Callable[[str], None]) -> list[Example]:
+    """``conversations`` rendered and masked (``render.build_examples``), those left with no
+    assistant token dropped; what was cut at ``max_length`` or dropped is said through
+    ``say``. Raises ``ConfigError`` when conversations were given and none is left."""
+    built = build_examples(tokenizer, conversations, max_length)
+    kept = [e for e in built if trained_tokens([e])]
+    cut = sum(e.truncated for e in built)
+    if not conversations:
+        return kept
+    lengths = sorted(len(e.ids) for e in built)
+    sources = ", ".join(sorted({c.source.rsplit(":", 1)[0] for c in conversations}))
+    say(f"asyncrl sft: {len(kept)} conversations from {sources}, "
+        f"{sum(trained_tokens([e]) for e in kept)} assistant tokens of {sum(lengths)}, "
+        f"length median {lengths[len(lengths) // 2]} max {lengths[-1]}"
+        + (f"; {cut} cut at data.max_length={max_length}" if cut else "")
+        + (f", {len(built) - len(kept)} dropped with no assistant token left" if len(kept) < len(built) else ""))
+    if not kept:
+        raise ConfigError(f"no conversation of {sources} has an assistant token within "
+                          f"data.max_length={max_length}: raise it")
+    return kept

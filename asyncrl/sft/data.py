@@ -19,10 +19,16 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.rollout.gateway.openai_api import Message
+from asyncrl.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from asyncrl.sft.config import SFTDataConfig
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_LISTED = 20  # problems listed in one DataError; the rest are counted
@@ -60,6 +66,22 @@ def load_conversations(paths: list[str]) -> list[Conversation]:
     if problems:
         raise data_error("conversations that cannot be trained on", problems)
     return found
+
+
+def train_and_held_out(data: SFTDataConfig, seed: int) -> tuple[list[Conversation], list[Conversation]]:
+    """The train and held-out conversations of ``data`` (``data.eval`` files, or a seeded
+    ``data.eval_fraction`` of the train files), every line checked before anything loads."""
+    train = load_conversations(data.train)
+    held_out = load_conversations(data.eval) if data.eval else []
+    if data.eval_fraction:
+        if len(train) < 2:
+            raise ConfigError(f"data.eval_fraction={data.eval_fraction}: {len(train)} conversation cannot be "
+                              "split; give data.eval files or more conversations")
+        order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
+            derive_seed(seed, "sft-eval-split"))).tolist()
+        n = min(len(train) - 1, max(1, round(len(train) * data.eval_fraction)))
+        held_out, train = [train[i] for i in sorted(order[:n])], [train[i] for i in sorted(order[n:])]
+    return train, held_out
 
 
 def data_error(head: str, problems: list[str]) -> DataError:

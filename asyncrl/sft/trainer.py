@@ -27,11 +27,8 @@ on the same order of conversations: the steps an uninterrupted run would have ta
 
 from __future__ import annotations
 
-import contextlib
-import json
 import sys
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -39,8 +36,9 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import ConfigError
+from asyncrl.jsonl import keep_rows, row_log
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.core import MicroBatchLoop, TrainState, autocast_dtype, clip_and_step, summed_loss
+from asyncrl.learner.core import TrainEngine, summed_loss
 from asyncrl.learner.distributed import Sharding, row_range
 from asyncrl.orchestrator.announce import template_notes
 from asyncrl.orchestrator.checkpoint import LEARNER_CHECKPOINT, clear_unfinished, latest_checkpoint, rotate
@@ -48,10 +46,10 @@ from asyncrl.orchestrator.stopping import StopControl
 from asyncrl.policy import check_policy, load_policy
 from asyncrl.rollout.gateway.tool_calls import AUTO, resolve_format
 from asyncrl.seeding import derive_seed
-from asyncrl.sft.batches import collate, micro_batches, step_order, trained_tokens
+from asyncrl.sft.batches import collate, micro_batches, step_order, trainable_examples, trained_tokens
 from asyncrl.sft.config import SFTConfig, save_sft_config
-from asyncrl.sft.data import Conversation, load_conversations
-from asyncrl.sft.render import Example, build_examples
+from asyncrl.sft.data import Conversation, train_and_held_out
+from asyncrl.sft.render import Example
 
 METRICS_FILE = "metrics.jsonl"
 CHECKPOINTS_DIR = "checkpoints"
@@ -73,7 +71,7 @@ class SFTRun:
         self.last_saved: Path | None = None
         self.interrupted = False
         self.step = 0
-        self.state: TrainState | None = None
+        self.state: TrainEngine | None = None
         self._stop = StopControl()
 
     def stop(self) -> None:
@@ -96,8 +94,8 @@ class SFTRun:
         order = self._step_order(len(train))
         torch.manual_seed(derive_seed(cfg.seed, "sft-torch"))
         model, _ = load_policy(cfg.model)
-        self.state = state = TrainState.build(model, tokenizer, cfg.optim, len(order), lora=cfg.model.lora,
-                                              seed=cfg.seed, sharding=self.sharding)
+        self.state = state = TrainEngine.build(model, tokenizer, cfg.optim, len(order), lora=cfg.model.lora,
+                                               seed=cfg.seed, sharding=self.sharding, autocast=cfg.learner.autocast)
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self._barrier()  # every rank has read output_dir before rank 0 writes into it
         if self.is_main:
@@ -107,27 +105,25 @@ class SFTRun:
             self.step = state.version
             self.last_saved = resume_from
             if self.is_main:
-                _keep_rows(self.out / METRICS_FILE, through=self.step)
+                keep_rows(self.out / METRICS_FILE, through=self.step)
             self._say(f"asyncrl sft: resuming from {resume_from} (step {self.step} of {len(order)})")
         elif self.is_main:
             save_sft_config(cfg, self.out / "config.yaml")
-        with _metrics(self.out / METRICS_FILE, append=resume_from is not None, write=self.is_main) as log, \
+        with row_log(self.out / METRICS_FILE, append=resume_from is not None, write=self.is_main) as log, \
                 self._stop.signals("asyncrl sft"):
             if held_out and resume_from is None:
-                log({"step": 0, "eval_loss": self._eval_loss(state.model, held_out, pad_id)})
+                log({"step": 0, "eval_loss": self._eval_loss(state, held_out, pad_id)})
             done = self.step
             bar = tqdm(order[done:], desc="asyncrl sft", unit="step", file=sys.stderr, dynamic_ncols=True,
                        initial=done, total=len(order), disable=not self.is_main)
             for self.step, indices in enumerate(bar, done + 1):
                 began, last = time.monotonic(), self.step == len(order)
-                loss, tokens, grad_norm = self._train_step(state.model, state.optimizer, [train[i] for i in indices],
-                                                           pad_id)
+                loss, tokens, grad_norm = self._train_step(state, [train[i] for i in indices], pad_id)
                 row = {"step": self.step, "loss": loss, "tokens": tokens, "lr": state.scheduler.get_last_lr()[0],
                        "grad_norm": grad_norm, "time/step": round(time.monotonic() - began, 3)}
-                state.scheduler.step()
-                state.version = self.step
+                state.advance()  # the schedule's next step; the version is the step taken
                 if held_out and (last or (cfg.eval_every and self.step % cfg.eval_every == 0)):
-                    row["eval_loss"] = self._eval_loss(state.model, held_out, pad_id)
+                    row["eval_loss"] = self._eval_loss(state, held_out, pad_id)
                 log(row)
                 bar.set_postfix({k: f"{row[k]:.4f}" for k in ("loss", "eval_loss") if k in row}, refresh=False)
                 if self._stopping() and not last:
@@ -176,62 +172,33 @@ class SFTRun:
     # -- data -----------------------------------------------------------------
     def _conversations(self) -> tuple[list[Conversation], list[Conversation]]:
         """Train and held-out conversations, all checked before anything else loads."""
-        data = self.cfg.data
-        train = load_conversations(data.train)
-        held_out = load_conversations(data.eval) if data.eval else []
-        if data.eval_fraction:
-            if len(train) < 2:
-                raise ConfigError(f"data.eval_fraction={data.eval_fraction}: {len(train)} conversation cannot be "
-                                  "split; give data.eval files or more conversations")
-            order = torch.randperm(len(train), generator=torch.Generator().manual_seed(
-                derive_seed(self.cfg.seed, "sft-eval-split"))).tolist()
-            n = min(len(train) - 1, max(1, round(len(train) * data.eval_fraction)))
-            held_out, train = [train[i] for i in sorted(order[:n])], [train[i] for i in sorted(order[n:])]
-        return train, held_out
+        return train_and_held_out(self.cfg.data, self.cfg.seed)
 
     def _examples(self, tokenizer: PreTrainedTokenizerBase, conversations: list[Conversation]) -> list[Example]:
-        """Rendered and masked; truncation said, and conversations left with nothing to
-        train dropped (said too). Raises ``DataError`` when no train example is left."""
-        max_length = self.cfg.data.max_length
-        built = build_examples(tokenizer, conversations, max_length)
-        kept = [e for e in built if trained_tokens([e])]
-        cut = sum(e.truncated for e in built)
-        if not conversations:
-            return kept
-        lengths = sorted(len(e.ids) for e in built)
-        self._say(f"asyncrl sft: {len(kept)} conversations from {_sources(conversations)}, "
-                  f"{sum(trained_tokens([e]) for e in kept)} assistant tokens of {sum(lengths)}, "
-                  f"length median {lengths[len(lengths) // 2]} max {lengths[-1]}"
-                  + (f"; {cut} cut at data.max_length={max_length}" if cut else "")
-                  + (f", {len(built) - len(kept)} dropped with no assistant token left" if len(kept) < len(built)
-                     else ""))
-        if not kept:
-            raise ConfigError(f"no conversation of {_sources(conversations)} has an assistant token within "
-                              f"data.max_length={max_length}: raise it")
-        return kept
+        """Rendered and masked, what was cut or dropped said (``render.trainable_examples``)."""
+        return trainable_examples(tokenizer, conversations, self.cfg.data.max_length, self._say)
 
     # -- a step ---------------------------------------------------------------
-    def _train_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, examples: list[Example],
-                    pad_id: int) -> tuple[float, int, float]:
+    def _train_step(self, state: TrainEngine, examples: list[Example], pad_id: int) -> tuple[float, int, float]:
         """One optimizer step on ``examples`` (the whole step's; sharded, this rank trains on
-        its rows of them) through the training core's one micro-batch loop: (mean loss per
-        assistant token, tokens, grad norm). The gradients stay until the next step."""
-        model.train()
-        optimizer.zero_grad(set_to_none=True)
+        its rows of them) through the training engine: (mean loss per assistant token,
+        tokens, grad norm). The loss passed in is each micro-batch's summed cross-entropy
+        divided by the whole step's token count, so any micro-batch split takes one step."""
+        state.model.train()
         total = trained_tokens(examples)  # the whole step's, on every rank: each part's share is of it
         loss_sum = torch.zeros(())
 
-        def loss_function(part: list[Example]) -> torch.Tensor:  # what the loop is passed
+        def loss_function(part: list[Example]) -> torch.Tensor:  # what the engine is passed
             nonlocal loss_sum
-            loss = self._summed_loss(model, part, pad_id)
+            loss = self._summed_loss(state.model, part, pad_id)
             loss_sum = loss_sum.to(loss.device) + loss.detach()
             return loss / total
 
-        self._loop(model).backward(self._micro_batches(self._mine(examples)), loss_function, self._filler)
+        state.accumulate(self._micro_batches(self._mine(examples)), loss_function, self._filler)
         loss_sum = self._summed(loss_sum)
         sources = ", ".join(e.source for e in examples[:4])
-        norm = clip_and_step(model, optimizer, self.cfg.optim.grad_clip, {"loss": loss_sum / total}, step=self.step,
-                             hint=f"Conversations {sources}; a lower optim.lr, or learner.autocast=off, may help")
+        norm = state.step({"loss": loss_sum / total},
+                          hint=f"Conversations {sources}; a lower optim.lr, or learner.autocast=off, may help")
         return (loss_sum / total).item(), total, norm  # the step's one device sync (with the norm)
 
     def _summed_loss(self, model: torch.nn.Module, examples: list[Example], pad_id: int) -> torch.Tensor:
@@ -242,20 +209,14 @@ class SFTRun:
                        use_cache=False).logits
         return summed_loss(logits, batch.labels.to(device))
 
-    def _eval_loss(self, model: torch.nn.Module, examples: list[Example], pad_id: int) -> float:
+    def _eval_loss(self, state: TrainEngine, examples: list[Example], pad_id: int) -> float:
         """Mean loss per assistant token over the held-out conversations (sharded: each rank
         scores its rows, the sums added over ranks)."""
-        model.eval()
+        state.model.eval()
         parts = self._micro_batches(self._mine(examples))
-        total = sum((loss.cpu() for loss in self._loop(model).forward(
-            parts, lambda part: self._summed_loss(model, part, pad_id), self._filler)), torch.zeros(()))
+        total = sum((loss.cpu() for loss in state.forward(
+            parts, lambda part: self._summed_loss(state.model, part, pad_id), self._filler)), torch.zeros(()))
         return round(float(self._summed(total)) / trained_tokens(examples), 6)
-
-    def _loop(self, model: torch.nn.Module) -> MicroBatchLoop:
-        """The training core's micro-batch loop over ``model``, with this run's sharding and
-        ``learner.autocast``."""
-        device = self.sharding.device if self.sharding is not None else next(model.parameters()).device
-        return MicroBatchLoop(model, sharding=self.sharding, autocast=autocast_dtype(self.cfg.learner.autocast, device))
 
     def _micro_batches(self, examples: list[Example]) -> list[list[Example]]:
         optim = self.cfg.optim
@@ -289,7 +250,7 @@ class SFTRun:
             tqdm.write(text, file=sys.stderr)
 
     # -- saving ---------------------------------------------------------------
-    def _save(self, state: TrainState, path: Path) -> Path:
+    def _save(self, state: TrainEngine, path: Path) -> Path:
         """The final model in ``output_dir``: a Hugging Face directory (``model.path`` of
         ``asyncrl train`` takes it), or with ``model.lora`` a PEFT adapter directory.
         Sharded, every rank calls it (the weights are gathered to rank 0, which writes)."""
@@ -302,7 +263,7 @@ class SFTRun:
         self.last_saved = path
         return path
 
-    def _checkpoint(self, state: TrainState) -> Path:
+    def _checkpoint(self, state: TrainEngine) -> Path:
         """``checkpoints/step_N`` through the learner's checkpoint I/O (``.tmp`` then renamed:
         complete or absent; every rank writes its part), the older ones past ``keep_last``
         removed after it by the orchestrator's ``rotate``."""
@@ -315,24 +276,6 @@ class SFTRun:
         return self.last_saved
 
 
-@contextlib.contextmanager
-def _metrics(path: Path, *, append: bool = False, write: bool = True
-             ) -> Iterator[Callable[[dict[str, float | int]], None]]:
-    """``metrics.jsonl``: one JSON row a line, flushed as written (a crash loses no row),
-    each with ``time/elapsed`` since the file was opened; ``append``: after a resume;
-    ``write`` false (a rank but the first): rows go nowhere."""
-    start = time.monotonic()
-    if not write:
-        yield lambda row: None
-        return
-    with path.open("a" if append else "w") as f:
-        def log(row: dict[str, float | int]) -> None:
-            f.write(json.dumps({**row, "time/elapsed": round(time.monotonic() - start, 3)}) + "\n")
-            f.flush()
-
-        yield log
-
-
 def format_notes(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """The lines ``train`` and ``serve`` print (``template_notes``), for the traces: what
     asyncrl renders in place of the chat template, and the tool-call format the calls are
@@ -342,17 +285,3 @@ def format_notes(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     except ConfigError as exc:  # the template's own format, which no built-in parser reads
         return [*template_notes(tokenizer, templated=True, tool_format=None), f"tool calls: {exc}"]
     return template_notes(tokenizer, templated=True, tool_format=tool_format)
-
-
-def _keep_rows(path: Path, *, through: int) -> None:
-    """``metrics.jsonl`` cut back to the rows of steps ``through`` and before: the steps a
-    resumed run takes again are logged again, once."""
-    if not path.exists():
-        return
-    rows = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= through]
-    path.write_text("".join(row + "\n" for row in rows))
-
-
-def _sources(conversations: list[Conversation]) -> str:
-    files = sorted({c.source.rsplit(":", 1)[0] for c in conversations})
-    return ", ".join(files)

@@ -1,6 +1,7 @@
 """One Tinker training client: LoRA adapters on the served base model, trained through
-asyncrl's training core (``asyncrl/learner/core.py``: :class:`TrainState`, AdamW over the
-adapters, ``clip_and_step``), checkpointed by ``asyncrl/learner/checkpoint_io.py``.
+asyncrl's one training engine (``asyncrl/learner/core.py``: :class:`TrainEngine`, AdamW over
+the adapters, its micro-batch loop, clip and finite check), checkpointed by
+``asyncrl/learner/checkpoint_io.py``.
 
 Tinker's split of a step is not asyncrl's learner's: ``forward_backward`` runs the loss and
 **adds** its gradient (the loss is a sum, nothing is divided), any number of times, and
@@ -35,8 +36,8 @@ from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.core import TrainState, clip_and_step
-from asyncrl.learner.learner import micro_batch_bounds
+from asyncrl.algorithms import token_logprobs
+from asyncrl.learner.core import TrainEngine, micro_batch_bounds
 from asyncrl.learner.lora import adapter_update, linear_names, load_adapter_weights
 from asyncrl.learner.tinker_api import ATTENTION, LORA_ALPHA, UNEMBED
 from asyncrl.tinker.futures import UserError
@@ -163,7 +164,7 @@ class TrainingRun:
                             "(tinker.max_lora_rank)")
         self.model_id, self.lora = model_id, lora
         config = LoraConfig(rank=lora.rank, alpha=LORA_ALPHA, target_modules=lora_targets(base, lora))
-        self.state = TrainState.build(tenant_model(base), tokenizer, _Adam(), 1, lora=config, seed=lora.seed or 0)
+        self.state = TrainEngine.build(tenant_model(base), tokenizer, _Adam(), 1, lora=config, seed=lora.seed or 0)
         self.vocab = int(base.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
         self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
@@ -187,56 +188,58 @@ class TrainingRun:
         numbers = {k: v for k, v in config.items() if isinstance(v, float)}
         sums: dict[str, torch.Tensor] = {}
         logprobs: list[torch.Tensor] = []
-        for start, stop in micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens):
-            part, positions = self._pass(rows.part(start, stop), loss_of, numbers, forward_only=forward_only)
-            logprobs.extend(part.pop("logprobs"))
-            for key, value in part.items():  # loss:sum adds; a token mean is weighed by its positions
+
+        def loss_function(part: Rows) -> torch.Tensor:  # what the training engine is passed
+            loss, metrics = self._loss(part, loss_of, numbers, logprobs)
+            positions = sum(part.lengths)
+            for key, value in metrics.items():  # loss:sum adds; a token mean is weighed by its positions
                 sums[key] = sums.get(key, 0) + (value if key.endswith(":sum") else value * positions)
+            return loss
+
+        bounds = micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens)
+        parts = [rows.part(start, stop) for start, stop in bounds]
+        if forward_only:
+            self.state.forward(parts, loss_function)
+        else:
+            self.state.accumulate(parts, loss_function)
         total = sum(rows.lengths)
         metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
         outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
         return outputs, as_floats(metrics)
 
-    def _pass(self, rows: Rows, loss_of: TinkerLoss, config: dict[str, float], *, forward_only: bool
-              ) -> tuple[dict[str, object], int]:
-        """One micro-batch: its loss (backward unless ``forward_only``), its metrics, each datum's
-        target logprobs (under ``logprobs``), and its number of positions."""
+    def _loss(self, rows: Rows, loss_of: TinkerLoss, config: dict[str, float], logprobs: list[torch.Tensor]
+              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One micro-batch's summed loss and its metrics (``loss:sum`` among them, detached);
+        each datum's target logprobs are added to ``logprobs``."""
         device = next(self.state.model.parameters()).device
         ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
         inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
-        with torch.set_grad_enabled(not forward_only):
-            logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
-            logprobs = torch.log_softmax(logits.float(), -1).gather(-1, targets[..., None]).squeeze(-1)  # (B, T)
-            try:
-                loss, metrics = loss_of(logprobs, inputs, mask, config)
-            except LossInputError as exc:
-                raise UserError(str(exc)) from None
-            if not forward_only:
-                loss.backward()
-        detached = logprobs.detach()
-        out: dict[str, object] = {"loss:sum": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
-        out["logprobs"] = [detached[i, :n] for i, n in enumerate(rows.lengths)]
-        return out, sum(rows.lengths)
+        logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
+        token_lps = token_logprobs(logits, targets)  # (B, T)
+        try:
+            loss, metrics = loss_of(token_lps, inputs, mask, config)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        detached = token_lps.detach()
+        logprobs.extend(detached[i, :n] for i, n in enumerate(rows.lengths))
+        return loss, {"loss:sum": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
 
     def optim_step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_clip_norm: float) -> dict[str, float]:
         """AdamW (decoupled weight decay) on the gradient summed since the last step, with this
-        step's parameters; ``grad_clip_norm`` 0 clips nothing. Clears the gradient."""
+        step's parameters; ``grad_clip_norm`` 0 clips nothing. The next ``forward_backward``
+        starts a new gradient."""
         if not (lr >= 0 and 0 <= beta1 < 1 and 0 <= beta2 < 1 and eps > 0 and weight_decay >= 0):
             raise UserError(f"adam_params refused: learning_rate={lr}, beta1={beta1}, beta2={beta2}, eps={eps}, "
                             f"weight_decay={weight_decay} (need lr >= 0, betas in [0, 1), eps > 0, decay >= 0)")
-        optimizer = self.state.optimizer
-        for group in optimizer.param_groups:
+        for group in self.state.optimizer.param_groups:
             group.update(lr=lr, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         try:
-            norm = clip_and_step(self.state.model, optimizer, grad_clip_norm if grad_clip_norm > 0 else math.inf, {},
-                                 step=self.state.version, hint="check the data and learning rate of the last "
-                                 "forward_backward calls")
+            norm = self.state.step({}, grad_clip=grad_clip_norm if grad_clip_norm > 0 else math.inf,
+                                   hint="check the data and learning rate of the last forward_backward calls")
         except NonFiniteError as exc:
             raise UserError(str(exc)) from None
-        finally:
-            optimizer.zero_grad(set_to_none=True)
-        self.state.version += 1
+        self.state.advance(schedule=False)  # the client set this step's LR: no schedule here
         return {"grad_norm:mean": norm}
 
     def adapters(self) -> AdapterUpdate:

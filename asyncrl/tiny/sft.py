@@ -182,8 +182,8 @@ def train_examples(
     order: list[int] = []
     schedule = SimpleNamespace(lr=lr, betas=(0.9, 0.95), weight_decay=0.01, warmup_steps=max(1, warmup_steps),
                                schedule="cosine")
-    optimizer, scheduler = core.make_optimizer(model, schedule, steps, floor=0.0, decay_start=0)
-    loop = core.MicroBatchLoop(model)
+    engine = core.TrainEngine.build(model, None, schedule, steps, autocast="off", grad_clip=1.0, floor=0.0,
+                                    decay_start=0)
     passed: list[torch.Tensor] = []  # the loss of the last pass, for the clip's check and the log
 
     def mean_loss(part: tuple[torch.Tensor, ...]) -> torch.Tensor:  # the loss the core's loop is passed
@@ -213,20 +213,17 @@ def train_examples(
             batch = [examples[i] for i in order[:batch_size]]
             del order[:batch_size]
 
-            loop.backward([collate(batch, pad_id)], mean_loss)  # one pass: the step's whole batch
+            engine.accumulate([collate(batch, pad_id)], mean_loss)  # one pass: the step's whole batch
             loss = passed[-1]
-            core.clip_and_step(model, optimizer, 1.0, {"loss": loss}, step=step + 1,
-                               hint="lower the warm-up's learning rate")
-            optimizer.zero_grad(set_to_none=True)
-            scheduler.step()
-            step += 1
+            engine.step({"loss": loss}, hint="lower the warm-up's learning rate")
+            step = engine.advance()
 
             final_loss = loss.item()
             if step == 1:
                 initial_loss = final_loss
             ema = final_loss if ema is None else 0.95 * ema + 0.05 * final_loss
             bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{optimizer.param_groups[0]['lr']:.1e}", refresh=False)
+            bar.set_postfix(loss=f"{ema:.3f}", lr=f"{engine.lr:.1e}", refresh=False)
             if log_every and step % log_every == 0:
                 entry = {"step": step, "loss": round(ema, 4), "time_s": round(time.perf_counter() - start, 1)}
                 if eval_fn is not None:
