@@ -54,6 +54,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field
 from safetensors.torch import load_file
 
+from asyncrl.algorithms import token_logprobs
 from asyncrl.config import Config, ConfigError, EngineServerConfig
 from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind, engine_kind
 from asyncrl.engine.protocol import (
@@ -244,8 +245,7 @@ class EngineServer:
             with torch.inference_mode():
                 for ids in sequences:
                     x = torch.tensor([ids], device=device)
-                    logprobs = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), dim=-1)  # (L-1, V)
-                    out.append(logprobs.gather(-1, x[0, 1:, None])[:, 0].tolist())
+                    out.append(token_logprobs(model(input_ids=x).logits[0, :-1], x[0, 1:]).tolist())  # (L-1,)
             return out
 
         scored = await call(score)

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.algorithms import token_logprobs
 from asyncrl.tasks import load_tasks
 from asyncrl.tiny.model import build_tiny_model, save_tiny_policy
 from asyncrl.tiny.sft import IGNORE_INDEX, collate, train_examples
@@ -68,9 +69,8 @@ def expected_reward(model: Any, tokenizer: Any, prompts: Sequence[tuple[int, int
         answer = tokenizer.encode(str(a + b), add_special_tokens=False) + [eos]
         rows.append((prompt + answer, [IGNORE_INDEX] * len(prompt) + answer))
     ids, mask, labels = collate(rows, tokenizer.pad_token_id)
-    logprobs = torch.log_softmax(model(input_ids=ids, attention_mask=mask).logits[:, :-1].float(), dim=-1)
     targets = labels[:, 1:]
-    picked = logprobs.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    picked = token_logprobs(model(input_ids=ids, attention_mask=mask).logits[:, :-1], targets.clamp(min=0))
     return float((picked * (targets != IGNORE_INDEX)).sum(-1).exp().mean())
 
 

@@ -44,6 +44,7 @@ from typing import Any, Protocol
 
 import torch
 
+from asyncrl.algorithms import token_logprobs
 from asyncrl.types import SamplingParams
 from asyncrl.weight_sync.group import WeightSyncError
 
@@ -134,10 +135,8 @@ def forward_logprobs(learner: Any, sequences: list[tuple[list[int], list[int]]])
                     out.append([])
                     continue
                 ids = torch.tensor([prompt + completion], device=learner.device)
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
-                targets = ids[0, len(prompt):]
-                logprobs = torch.log_softmax(logits[len(prompt) - 1:-1], -1).gather(-1, targets[:, None])
-                out.append(logprobs.squeeze(-1).tolist())
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0]
+                out.append(token_logprobs(logits[len(prompt) - 1:-1], ids[0, len(prompt):]).tolist())
     finally:
         model.train(training)
     return out
