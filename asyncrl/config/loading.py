@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -83,14 +84,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     data = read_config_file(path) if path is not None else {}
     try:  # the file's `schedule:` keys as the top-level ones they are, so `mode=…` overrides either spelling
         data = flatten_schedule_keys(data)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    overrides = [o.strip().removeprefix("schedule.") for o in overrides]
-    return validate(Config, apply_overrides(data, overrides))
+    return validate(Config, apply_overrides(data, [o.strip().removeprefix("schedule.") for o in overrides]))
 
 
 CONFIG_FILE = "config.yaml"

@@ -30,7 +30,7 @@ CACHE_ARGUMENTS = ("cache", "past_key_values")  # the current name first
 
 
 @functools.cache
-def cache_argument(model_class: type) -> str:
+def cache_argument(model_class: type[PreTrainedModel]) -> str:
     """The name under which ``model_class.forward`` takes its KV cache."""
     parameters = inspect.signature(model_class.forward).parameters
     for name in CACHE_ARGUMENTS:
@@ -44,4 +44,6 @@ def cache_argument(model_class: type) -> str:
 def forward_with_cache(model: PreTrainedModel, cache: DynamicCache, **inputs: Any) -> CausalLMOutputWithPast:
     """``model(**inputs)`` attending over ``cache`` and appending this forward's keys and
     values to it, in place."""
-    return model(**inputs, **{cache_argument(type(model)): cache}, use_cache=True)
+    # a class is hashable, but mypy does not take type[PreTrainedModel] for Hashable
+    argument = cache_argument(type(model))  # type: ignore[arg-type]
+    return model(**inputs, **{argument: cache}, use_cache=True)
