@@ -22,7 +22,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +50,9 @@ class Schedule(Protocol):
     betas: tuple[float, float]
     weight_decay: float
     warmup_steps: int
-    schedule: str
+
+    @property
+    def schedule(self) -> str: ...  # read-only, so that a config's Literal of names is one
 
 
 def lr_lambda(optim: Any, total_steps: int, *, floor: float = 0.1, decay_start: int | None = None
@@ -85,7 +87,8 @@ def make_optimizer(model: torch.nn.Module, optim: Schedule, total_steps: int, *,
     """AdamW over ``model``'s trainable parameters (with LoRA the adapters: the frozen base
     has no gradients and no optimizer state) and the one schedule over ``total_steps``."""
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    betas = cast("tuple[float, float]", tuple(optim.betas))  # a pair (Schedule.betas), as a tuple whatever holds it
+    optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=betas, weight_decay=optim.weight_decay)
     factor = lr_lambda(optim, total_steps, floor=floor, decay_start=decay_start)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -116,9 +119,9 @@ def trainable(model: PreTrainedModel, *, lora: LoraConfig | None, seed: int, sha
             raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
                               "small; a sharded LoRA learner is not built yet)")
         module = add_adapters(model, lora, derive_seed(seed, "lora"))
-        return module.get_base_model(), module
+        return module.get_base_model(), cast(PreTrainedModel, module)  # a PeftModel stands in for the model
     forward = sharding.wrap(model) if sharding is not None else model
-    return forward, Sharding.unwrap(forward)
+    return forward, cast(PreTrainedModel, Sharding.unwrap(forward))  # model, unwrapped
 
 
 class MicroBatchLoop:
@@ -196,7 +199,9 @@ class MicroBatchLoop:
 
     def _padded(self, parts: Sequence[P], filler: Callable[[], P] | None) -> list[P]:
         extra = self.passes(len(parts)) - len(parts)
-        if extra and filler is None:
+        if not extra:
+            return [*parts]
+        if filler is None:
             raise ValueError("a sharded micro-batch loop needs a filler for the passes beyond this rank's own")
         return [*parts, *(filler() for _ in range(extra))]
 

@@ -42,7 +42,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -63,6 +63,7 @@ from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, mic
 from asyncrl.learner.distributed import Sharding
 from asyncrl.engine.protocol import FullWeights, WeightUpdate
 from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
+from asyncrl.learner.lora import peft_model
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 from asyncrl.core_budget import ThreadBudget
@@ -173,14 +174,14 @@ class Learner:
         self.engine.thread_budget = budget
 
     # ------------------------------------------------------------------ math
-    def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
+    def token_logprobs(self, model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors.
         Called in the engine's passes (``self.engine``), which autocast the forward
         (``learner.autocast``); logits are read back as float32 before the softmax."""
         shared = prompt_index(batch) if self.share_prompts and self.sharding is None else None
         if shared is not None:  # each distinct prompt once (shared_prompts.py)
-            responses = response_logits(model, batch, *shared)
+            responses = response_logits(cast(PreTrainedModel, model), batch, *shared)  # unsharded: no wrapper
             logits, targets = responses.logits.float() / self.temperature, responses.targets  # (B, R, V)
         else:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -206,12 +207,14 @@ class Learner:
         return None, TrainBatch.filler(self.pad_id, self.device)
 
     @torch.no_grad()
-    def logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
+    def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         """(B, L-1) logprobs of the whole batch, computed micro-batch by micro-batch."""
         out = torch.zeros_like(batch.behavior_logprobs)
         parts = self.micro_batches(batch)
         for (start, part), (lp, _) in zip(parts, self.engine.forward(
                 parts, lambda p: self.token_logprobs(model, p[1]), self._filler)):
+            if start is None:  # only the loop's own filler passes have none, and they are not zipped here
+                raise RuntimeError("a micro-batch of the batch has no first row")
             out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
@@ -223,11 +226,13 @@ class Learner:
         if self.algorithm.kl_coef <= 0:
             return None
         if self.lora is None:
+            if self.reference is None:
+                raise RuntimeError("no KL reference copy: the learner was built with algorithm.kl_coef=0")
             return self.logprobs(self.reference, batch)
         training = self.model.training
         self.model.eval()
         try:
-            with self.module.disable_adapter():
+            with peft_model(self.module).disable_adapter():
                 return self.logprobs(self.model, batch)
         finally:
             self.model.train(training)
@@ -297,7 +302,7 @@ class Learner:
                                  "is written")
         if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
-        out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
+        out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": float(self.scheduler.get_last_lr()[0]),
                     "actor/tokens": float(tokens), "actor/optimizer_steps": float(len(norms))})
         out.update(mismatch_metrics(mismatch))
         return out
@@ -370,6 +375,8 @@ class Learner:
                 return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
 
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
+            if entropy is None:
+                raise RuntimeError("token_logprobs(with_entropy=True) returned no entropy")
             if self._mismatch is not None and part.versions is not None and start is not None:
                 # π at the version being trained: π_prox where recomputed, else this forward (the
                 # weights have not moved yet); at lag 0 its distance to μ is the mismatch itself

@@ -101,6 +101,12 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Peft
         return peft.get_peft_model(model, config)
 
 
+def peft_model(module: torch.nn.Module) -> PeftModel:
+    """``module`` as the ``PeftModel`` it is when ``model.lora`` is set (the learner's
+    ``module``, typed as the Hugging Face model it stands in for)."""
+    return cast("PeftModel", module)
+
+
 # peft sets fan_in_fan_out in each LoraLayer subclass's __init__, and declares it on none (the ignores below)
 def _weight(layer: torch.nn.Module) -> torch.Tensor:
     """A linear layer's weight (nn.Module types an attribute as a tensor or a module)."""
