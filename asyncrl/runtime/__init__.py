@@ -199,7 +199,7 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
                     and isinstance(engine, TorchEngine) and n == 1):
                 # the engine and the learner take turns: one thread for both, so one OpenMP team
                 transport.share_thread(engine)
-            if isinstance(transport, InProcess):
+            if isinstance(transport, InProcess) and isinstance(transport.worker, LearnerWorker):  # a URL's: no threads
                 transport.worker.num_threads = learner_threads  # the step's own threads from here on
         sync = None
         if learner is not None:  # weight_sync.method; a collective group is formed here and closed first

@@ -106,6 +106,8 @@ class TinkerLearnerWorker:
         except ImportError:
             raise ConfigError("learner.url needs Tinker's SDK: pip install 'asyncrl[tinker]'") from None
         url, lora = self.cfg.learner.url, self.cfg.model.lora
+        if url is None or lora is None:  # the config refuses learner.url without model.lora
+            raise ConfigError("a learner behind a URL needs learner.url and model.lora")
         key = self.cfg.tinker.api_key or os.environ.get("TINKER_API_KEY") or "tml-asyncrl-local"
         reachable(url)
         self.service = tinker.ServiceClient(base_url=url, api_key=key)

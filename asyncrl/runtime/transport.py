@@ -28,6 +28,7 @@ from asyncrl.threads import UserThreads
 
 if TYPE_CHECKING:
     from asyncrl.engine.torch_engine import TorchEngine
+    from asyncrl.runtime.tinker_learner import TinkerLearnerWorker
 
 
 class LearnerRankError(RuntimeError):
@@ -187,7 +188,7 @@ class InProcess:
     FINISH_S = 30.0
     """How long :meth:`close` lets a call under way finish, unless a second signal ended the run."""
 
-    def __init__(self, worker: LearnerWorker) -> None:
+    def __init__(self, worker: LearnerWorker | TinkerLearnerWorker) -> None:
         self.worker = worker
         self._threads = UserThreads(None, name="asyncrl-learner")
         self._engine: TorchEngine | None = None
@@ -228,8 +229,8 @@ class InProcess:
     def describe(self) -> str:
         if self._engine is not None:
             return f"it runs on the engine's thread, at {_stack(self._engine._thread)}"
-        calls = [c for c in self._threads.in_user_code() if c.thread is not None]
-        return f"it runs on a thread of this process, at {_stack(calls[-1].thread)}" if calls else \
+        threads = [c.thread for c in self._threads.in_user_code() if c.thread is not None]
+        return f"it runs on a thread of this process, at {_stack(threads[-1])}" if threads else \
             "it runs on a thread of this process, not yet started"
 
     async def abandon(self, why: str) -> str:
