@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -164,7 +164,7 @@ def changed_settings(before: dict[str, Any], config: Config) -> dict[str, tuple[
     return changed
 
 
-def record_config_changes(output_dir: str | Path, step: int, changed: dict[str, tuple[Any, Any]]) -> Path:
+def record_config_changes(output_dir: str | Path, step: int, changed: Mapping[str, tuple[Any, Any]]) -> Path:
     """Append a resume's changed settings to ``config_changes.jsonl``; returns its path."""
     path = Path(output_dir) / CONFIG_CHANGES_FILE
     row = {"resumed_from_step": step, "time": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -174,7 +174,7 @@ def record_config_changes(output_dir: str | Path, step: int, changed: dict[str, 
     return path
 
 
-def describe_changes(changed: dict[str, tuple[Any, Any]]) -> list[str]:
+def describe_changes(changed: Mapping[str, tuple[Any, Any]]) -> list[str]:
     """``key old → new``, one a setting."""
     def shown(value: Any) -> str:
         return value if isinstance(value, str) and value.strip() == value and value else json.dumps(value)
