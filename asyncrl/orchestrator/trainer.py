@@ -19,7 +19,7 @@ import asyncio
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -83,14 +83,8 @@ class Trainer:
         """The run's newest checkpoint: the one it resumed from until it saves one."""
         return self.checkpoints.last
 
-    def _checkpoint(self) -> Path:
-        """:attr:`last_checkpoint` where there is one: after a save, or resumed from."""
-        if self.last_checkpoint is None:
-            raise RuntimeError(f"no checkpoint in {self.output_dir}, where one was just written or resumed from")
-        return self.last_checkpoint
-
-    def run(self) -> Path:
-        """The whole run in a fresh event loop; returns the final checkpoint. Any thread."""
+    def run(self) -> Path | None:
+        """The whole run in a fresh event loop; returns the final checkpoint (None: none kept). Any thread."""
         return asyncio.run(self.run_async())
 
     @property
@@ -109,11 +103,11 @@ class Trainer:
         step count, kept once (the gate's and the engines' versions follow it by sync)."""
         return self.step
 
-    async def run_async(self) -> Path:
-        """The whole run on the caller's event loop; returns the final checkpoint."""
+    async def run_async(self) -> Path | None:
+        """The whole run on the caller's event loop; returns the final checkpoint (None: none kept)."""
         if self.finished and self.resumed_from is not None:  # a resume with nothing to train: said, no file touched
             print(finished_note(self.cfg, self.resumed_from.step, self.changed_settings), file=sys.stderr, flush=True)
-            return self._checkpoint()
+            return self.last_checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
         state, first_step = self.resumed_from, self.step
         print(banner(self.cfg, self.resumed_from, self.splits, self.tokenizer), file=sys.stderr, flush=True)
@@ -122,17 +116,16 @@ class Trainer:
             async with self._start_runtime(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
-                if runtime.learner is None or runtime.weight_sync is None:
-                    raise RuntimeError("a training run's runtime was started without a learner or a weight sync")
-                self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
+                self.learner, self.rollout, self.weight_sync = runtime.training()
                 self.delivery = DeliveryCheck.for_config(self.learner, self.rollout, self.tokenizer, self.cfg)
                 self.train_steps = TrainSteps.for_run(
                     self.cfg, self.rollouts.buffer, self.learner, self.rollout, self.tokenizer.pad_token_id or 0,
                     self._stop, self.watchdog, self._now, lambda start, end, step: self.log.event("train", start, end,
                                                                                                   step=step))
-                if state is not None:
-                    print(resume_note(self._checkpoint(), state.step, rollback_logs(self.output_dir, state),
-                                      self.rollouts.replay_note()), file=sys.stderr)
+                if state is not None:  # resumed: from a checkpoint
+                    print(resume_note(cast(Path, self.last_checkpoint), state.step,
+                                      rollback_logs(self.output_dir, state), self.rollouts.replay_note()),
+                          file=sys.stderr)
                 self.log = RunLog(self.cfg, self.output_dir, resume_step=state.step if state else None)
                 self.log.errors_unlogged = self.counters.errors_unlogged_before
                 # each invariant's first break said once, live, above the bar (asyncrl doctor checks the whole run)
@@ -147,7 +140,7 @@ class Trainer:
                 finally:
                     self.log.close()
                     await self.rollouts.close()
-        return self._checkpoint()
+        return self.last_checkpoint
 
     async def _loops(self, evaluate_first: bool, first_step: int) -> int:
         """Training, with the rollout loop beside it, until the last step or a stop; then the
@@ -259,7 +252,7 @@ class Trainer:
     async def save(self) -> Path:
         """A kept checkpoint of the current step, now (for a hook); its path."""
         await self._save_kept(self.step)
-        return self._checkpoint()
+        return cast(Path, self.last_checkpoint)  # just saved
 
     async def _save_kept(self, step: int) -> None:
         if not self.checkpoints.mark_kept(step):  # not saved yet (as interim: it is kept now)
