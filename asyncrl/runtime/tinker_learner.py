@@ -83,6 +83,15 @@ def reachable(url: str) -> None:
             time.sleep(0.5)
 
 
+def build(cfg: Config, request: Any) -> Any:
+    """The ``tinker`` row's builder (``asyncrl/config/learner_kinds.py``): this rank driven
+    over the ``InProcess`` transport, as a learner on a thread is."""
+    from asyncrl.runtime.learner_factory import BuiltLearner
+    from asyncrl.runtime.transport import InProcess
+
+    return BuiltLearner(InProcess(TinkerLearnerWorker(cfg)))
+
+
 class TinkerLearnerWorker:
     """The learner rank's calls over a Tinker-API URL (see the module docstring)."""
 

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.learner import TrainBatch
-from asyncrl.runtime.learner_worker import LearnerWorker
-from asyncrl.runtime.protocol import Weights
+from asyncrl.runtime.protocol import LearnerRank, Weights
 from asyncrl.threads import UserThreads
 
 if TYPE_CHECKING:
@@ -187,7 +186,7 @@ class InProcess:
     FINISH_S = 30.0
     """How long :meth:`close` lets a call under way finish, unless a second signal ended the run."""
 
-    def __init__(self, worker: LearnerWorker) -> None:
+    def __init__(self, worker: LearnerRank) -> None:
         self.worker = worker
         self._threads = UserThreads(None, name="asyncrl-learner")
         self._engine: TorchEngine | None = None
