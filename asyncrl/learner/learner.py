@@ -61,7 +61,7 @@ from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, mic
     micro_batch_bounds,
 )
 from asyncrl.learner.distributed import Sharding
-from asyncrl.engine.protocol import FullWeights, WeightUpdate
+from asyncrl.weight_updates import FullWeights, WeightUpdate
 from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.engine.protocol import AdapterUpdate
+from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.engine.remote_wire import read_peft_adapter
 from asyncrl.learner import TrainBatch
 from asyncrl.learner.checkpoint_io import STATE_FILE, URL_STATE_KEY, place_checkpoint, rng_state, set_rng_state
