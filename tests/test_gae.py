@@ -298,6 +298,17 @@ def test_value_loss_without_clip_is_half_the_squared_error():
     close(metrics["value_loss"], t(1.0625))
 
 
+def test_value_loss_aggregates_like_the_policy_loss():
+    # squared errors: row 0 one token, (3 − 1)² = 4; row 1 two tokens, 0 and 0.
+    # seq_mean: rows 4 and 0 ⇒ mean 2 ⇒ loss ½·2 = 1; the metric stays the token mean ½·4/3 = 2/3.
+    values, returns, mask = t([[3.0, 0.0], [1.0, 1.0]]), t([[1.0, 0.0], [1.0, 1.0]]), t([[1, 0], [1, 1]])
+    loss, metrics = value_loss(values, values, returns, mask, clip=None, aggregation="seq_mean")
+    close(loss, t(1.0))
+    close(metrics["value_loss"], t(2 / 3))
+    token, _ = value_loss(values, values, returns, mask, clip=None)
+    close(token, t(2 / 3))
+
+
 # --------------------------------------------------------------------------- explained variance
 
 

@@ -149,8 +149,9 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
     ``values`` (B, T) carry the gradient; ``old_values`` (B, T) are the critic's values when
     the returns were computed, ``returns`` (B, T) GAE's R; all detached but ``values``.
     ``clip=None`` is the plain ½ (V − R)². Returns the loss and detached token means over
-    the actions: ``value_loss``, ``value_clip_frac`` (tokens whose clipped term is strictly
-    the larger, so the clip holds V's gradient at 0) and ``returns_mean``.
+    the actions (whatever ``aggregation`` is): ``value_loss``, ``value_clip_frac`` (tokens
+    whose clipped term is strictly the larger, so the clip holds V's gradient at 0) and
+    ``returns_mean``.
     """
     if clip is not None and not clip > 0:
         raise ValueError(f"clip must be a positive float or None, got {clip!r}")
@@ -166,7 +167,7 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         per_token, clipped_more = torch.maximum(unclipped, clipped), clipped > unclipped
     loss = 0.5 * aggregate(per_token, action, aggregation)
     with torch.no_grad():
-        metrics = {"value_loss": loss.detach(),
+        metrics = {"value_loss": 0.5 * aggregate(per_token.detach(), action, "token_mean"),
                    "value_clip_frac": aggregate(clipped_more.to(values.dtype), action, "token_mean"),
                    "returns_mean": aggregate(returns, action, "token_mean")}
     return loss, metrics
