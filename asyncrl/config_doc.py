@@ -137,10 +137,42 @@ def config_reference(model: type[BaseModel] = Config) -> str:
                 value = value[part]
             out.append(f"| `{prefix}{name}` | {_type(cls.model_fields[name])} | {_default(value)} "
                        f"| {_markdown(docs[name]) or '—'} |")
+    out.append(learner_kinds_table())
     out.append(COMMON_NAMES_HEADER)
     for name, (ours, source, note) in COMMON_NAMES.items():
         out.append(f"| {source} | `{name}` | {f'`{ours}`' if ours else '—'} | {_markdown(note) or '—'} |")
     return "\n".join(out) + "\n"
+
+
+def learner_kinds_table() -> str:
+    """The learner kinds (``asyncrl/config/learner_kinds.py``), a row each with what it can do:
+    read off the table itself, so the page cannot drift from it."""
+    from asyncrl.config.learner_kinds import LEARNER_KINDS
+
+    def yes(flag: bool) -> str:
+        return "yes" if flag else "no"
+
+    lines = [LEARNER_KINDS_HEADER]
+    for kind in LEARNER_KINDS.values():
+        losses = ", ".join(f"`{n}`" for n in kind.losses) if kind.losses else "every registered one"
+        lines.append(f"| {kind.name} | {_markdown(kind.summary)} | {' and '.join(sorted(kind.weights))} | "
+                     f"{yes(kind.streams)} | {yes(kind.shards)} | {yes(kind.sample_reuse)} | {losses} | "
+                     f"{kind.weights_out.replace('_', ' ')} | {kind.optimizer_state} | "
+                     f"{_markdown(kind.install) if kind.needs else '—'} |")
+    return "\n".join(lines)
+
+
+LEARNER_KINDS_HEADER = """
+## Learner kinds
+
+Which learner a run gets follows from the config: `learner.url` set → `tinker`; `runtime: ray`
+→ `ray`; rank processes of its own (`learner.world_size` > 1, or `learner.process`, by default
+on the CPU in every mode but `sync`) → `processes`; else `thread`. What each can do is one row
+of `asyncrl/config/learner_kinds.py`; a config asking more of its kind is refused in one line
+naming each key and what the kind needs.
+
+| kind | where | trains | streams | shards | reuses samples | policy losses | weights leave as | optimizer in | needs |
+|---|---|---|---|---|---|---|---|---|---|"""
 
 
 COMMON_NAMES_HEADER = """

@@ -79,6 +79,7 @@ def test_no_import_cycles():
 
 FLOORS = {
     # 0 ground: definitions and plumbing everything shares
+    "asyncrl.weight_updates": 0,  # what a weight sync sends, typed: both sides speak it
     "asyncrl": 0,  # the package's own __init__ only, not a default for the modules under it
     "asyncrl.types": 0, "asyncrl.modes": 0, "asyncrl.config": 0, "asyncrl.config_doc": 0, "asyncrl.seeding": 0,
     "asyncrl.jsonl": 0, "asyncrl.json_api": 0, "asyncrl.heap": 0, "asyncrl.threads": 0, "asyncrl.plugins": 0,

@@ -9,6 +9,7 @@ from asyncrl.algorithms.advantages import (
     resolve,
     rloo,
 )
+from asyncrl.algorithms.gae import explained_variance, gae, token_rewards, value_loss, whiten
 from asyncrl.algorithms.losses import (
     AGGREGATIONS,
     POLICY_LOSSES,
@@ -33,6 +34,8 @@ __all__ = [
     "compute_advantages",
     "dr_grpo",
     "entropy_from_logits",
+    "explained_variance",
+    "gae",
     "get_policy_loss",
     "grpo",
     "gspo_loss",
@@ -44,4 +47,7 @@ __all__ = [
     "resolve",
     "rloo",
     "token_logprobs",
+    "token_rewards",
+    "value_loss",
+    "whiten",
 ]

@@ -40,8 +40,8 @@ from pydantic import Field
 from transformers import AutoModelForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
 from asyncrl.bench.progress import phase
-from asyncrl.config import Section, apply_overrides, validate
-from asyncrl.engine import TorchEngine
+from asyncrl.config import RolloutConfig, Section, apply_overrides, validate
+from asyncrl.engine.factory import torch_engine
 from asyncrl.engine.torch_engine import EngineStats
 from asyncrl.engine.vllm_engine import VLLMEngine
 from asyncrl.policy import resolve_device, weights_dtype
@@ -141,7 +141,8 @@ def engine_runner(s: EngineBenchSettings):
 def run_torch_engine(model: PreTrainedModel, prompts: torch.Tensor, lengths: list[int], batch_size: int,
                      temperature: float, group_prefill: bool = True, **engine_kwargs: Any) -> tuple[float, EngineStats]:
     async def main() -> tuple[float, EngineStats]:
-        engine = TorchEngine(model, max_batch_size=batch_size, group_prefill=group_prefill, **engine_kwargs)
+        rollout = RolloutConfig(max_batch_size=batch_size, group_prefill=group_prefill, **engine_kwargs)
+        engine = torch_engine(model, rollout)
         try:
             start = time.perf_counter()
             done = await asyncio.gather(*[
@@ -274,7 +275,7 @@ def run_engine_bench(overrides: list[str]) -> dict[str, Any]:
     for workload, lengths in workloads.items():
         print(f"{workload:9s} requests={len(lengths):4d} tokens={sum(lengths):6d} max_len={max(lengths):4d}  " +
               "  ".join(f"{n}={tokens_per_s[n][workload]:8.0f} tok/s" for n in systems))
-    probe = TorchEngine(model, max_batch_size=s.batch_size, kv_cache=s.kv_cache, capture=s.capture)
+    probe = torch_engine(model, RolloutConfig(max_batch_size=s.batch_size, kv_cache=s.kv_cache, capture=s.capture))
     engine_path = {"kv_cache": probe.kv_cache, "capture": probe.capture}
     asyncio.run(probe.shutdown())
     result = {

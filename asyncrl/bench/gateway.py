@@ -35,8 +35,9 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.bench.progress import phase
 from asyncrl.rollout.client import LLMClient, Message
-from asyncrl.config import ModelConfig, Section, apply_overrides, validate
+from asyncrl.config import ModelConfig, RolloutConfig, Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
+from asyncrl.engine.factory import torch_engine
 from asyncrl.rollout.gateway import Gateway, get_format
 from asyncrl.policy import load_policy
 from asyncrl.tasks import load_tasks
@@ -158,7 +159,8 @@ async def _measure(s: GatewayBenchSettings, model: Any, tokenizer: PreTrainedTok
                    chats: list[list[Message]]) -> dict[str, Any]:
     # no stop tokens: every call runs to max_tokens, so all paths do identical engine work
     sampling = SamplingParams(max_tokens=s.max_tokens, temperature=0)
-    engine = TorchEngine(model, max_batch_size=s.max_batch_size, seed=s.seed, num_threads=s.engine_threads)
+    engine = torch_engine(model, RolloutConfig(max_batch_size=s.max_batch_size), seed=s.seed,
+                          num_threads=s.engine_threads)
     gateway = Gateway(tokenizer, get_format("hermes"), model_name=s.model_path, engine=engine, sampling=sampling)
     sdk: AsyncOpenAI | None = None
     try:

@@ -34,8 +34,9 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.bench.progress import phase
 from asyncrl.rollout.client import LLMClient, Message, stop_token_ids
-from asyncrl.config import ModelConfig, Section, apply_overrides, validate
+from asyncrl.config import ModelConfig, RolloutConfig, Section, apply_overrides, validate
 from asyncrl.engine import TorchEngine
+from asyncrl.engine.factory import torch_engine
 from asyncrl.policy import load_policy
 from asyncrl.seeding import derive_seed
 from asyncrl.types import SamplingParams, Trajectory
@@ -185,7 +186,8 @@ async def _chat(engine: TorchEngine, tokenizer: PreTrainedTokenizerBase, samplin
 async def _generate(s: RetokenizeBenchSettings, model: Any, tokenizer: PreTrainedTokenizerBase,
                     chats: list[tuple[str, str, str]], advance: Callable[[], None]
                     ) -> tuple[list[tuple[Trajectory, list[Message], Render]], float]:
-    engine = TorchEngine(model, max_batch_size=s.max_batch_size, seed=s.seed, num_threads=s.engine_threads)
+    engine = torch_engine(model, RolloutConfig(max_batch_size=s.max_batch_size), seed=s.seed,
+                          num_threads=s.engine_threads)
 
     async def one(i: int, first: str, second: str) -> tuple[Trajectory, list[Message], Render]:
         sampling = SamplingParams(max_tokens=s.reply_tokens, temperature=s.temperature,

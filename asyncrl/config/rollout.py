@@ -147,6 +147,16 @@ class RolloutConfig(Section):
     group_prefill: bool = True
     """Built-in engine: prefill a prompt once for the n samples of its group and fork the KV
     rows (each sample keeps its own seed); ``false`` prefills every request on its own."""
+    kv_cache: Literal["auto", "dynamic", "static"] = "auto"
+    """Built-in engine: where decoding keeps its KV cache. ``static``: buffers allocated once
+    for ``max_batch_size`` rows (what a captured decode step needs: a graph holds
+    addresses); ``dynamic``: transformers' growing cache; ``auto``: static on a GPU, dynamic
+    on the CPU (where growing costs little and static buffers would hold memory idle)."""
+    capture: Literal["auto", "off", "graphs", "compile"] = "auto"
+    """Built-in engine, static KV cache: how the decode step runs. ``graphs``: replayed from
+    CUDA graphs captured per batch-size bucket (GPU only); ``compile``: ``torch.compile``;
+    ``off``: eager; ``auto``: graphs on a GPU, off on the CPU. A capture that fails falls back
+    to eager with a warning naming why."""
     dtype: Literal["float32", "bfloat16", "float16"] | None = None
     """The rollout engines' weights' dtype (``None``: ``model.dtype``). ``bfloat16`` with a
     ``float32`` learner: each sync's weights are rounded to bf16 as the engine loads them,

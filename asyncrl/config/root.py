@@ -13,6 +13,7 @@ from pydantic import (
 
 from asyncrl.config.base import Section
 from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind, EngineName
+from asyncrl.config.learner_kinds import LearnerKind, select_learner_kind, unsupported
 from asyncrl.config.engines import EngineServerConfig, RemoteConfig, VLLMConfig
 from asyncrl.config.frozen import JudgeConfig, TeacherConfig
 from asyncrl.config.learning import AlgorithmConfig, LearnerConfig, OptimConfig
@@ -25,7 +26,7 @@ from asyncrl.config.rollout import (
     WorkflowConfig,
 )
 from asyncrl.config.schedule import ScheduleConfig, hoist_schedule_keys
-from asyncrl.config.tinker import TINKER_LORA_ALPHA, TinkerConfig
+from asyncrl.config.tinker import TinkerConfig
 from asyncrl.config.services import (
     GatewayConfig,
     HooksConfig,
@@ -188,44 +189,16 @@ class Config(Section):
                              f"engine={kind.name} has not ({kind.summary}: one copy of the weights, which moves on "
                              "with training); set eval.background=false (evaluations then block training), or "
                              "leave it unset")
-        if self.learner.url is not None and (wrong := self._not_through_a_url()):
-            raise ValueError(f"learner.url={self.learner.url} trains LoRA adapters with Tinker's summed ppo/cispo loss "
-                             "(the ratio π_θ/μ, token_mean by scaling the advantages), one optimizer step a batch, "
-                             "the weights handed to the engines as adapters; this config has "
-                             + ", ".join(f"{k}={v} (needs {need})" for k, (v, need) in wrong.items()))
+        learner = self.learner_kind
+        if wrong := unsupported(learner, self):
+            raise ValueError(f"the learner here is {learner.summary} ({learner.name}), which cannot do what this "
+                             "config asks: " + ", ".join(f"{k}={v} (needs {need})" for k, (v, need) in wrong.items()))
         dog = self.watchdog
         if dog.starvation_stop_fraction < dog.starvation_warn_fraction:
             raise ValueError(f"watchdog.starvation_stop_fraction={dog.starvation_stop_fraction:g} is below "
                              f"watchdog.starvation_warn_fraction={dog.starvation_warn_fraction:g}: a run would "
                              "stop before it warned; raise the first or lower the second")
         return self
-
-    def _not_through_a_url(self) -> dict[str, tuple[Any, str]]:
-        """What a learner by URL cannot do, key → (its value, what it needs)."""
-        a, o, lora = self.algorithm, self.optim, self.model.lora
-        needs: dict[str, tuple[Any, Any, str]] = {
-            "model.lora": (lora is None, None, "true: Tinker trains adapters"),
-            "model.lora.alpha": (lora is not None and lora.alpha != TINKER_LORA_ALPHA, getattr(lora, "alpha", None),
-                                 f"{TINKER_LORA_ALPHA:g}: Tinker's LoRA takes a rank, its scale is alpha/rank"),
-            "model.lora.dropout": (lora is not None and lora.dropout > 0, getattr(lora, "dropout", None),
-                                   "0: Tinker's LoRA has no dropout"),
-            "algorithm.policy_loss": (a.policy_loss not in ("decoupled_ppo", "cispo"), a.policy_loss,
-                                      "decoupled_ppo or cispo"),
-            "algorithm.bypass": (not a.bypass, a.bypass, "true: the ratio against μ, as Tinker's losses take it"),
-            "algorithm.aggregation": (a.aggregation != "token_mean", a.aggregation, "token_mean"),
-            "algorithm.kl_coef": (a.kl_coef > 0, a.kl_coef, "0"),
-            "algorithm.is_mask": (a.is_mask != "none", a.is_mask, "none"),
-            "optim.ppo_epochs": (o.ppo_epochs != 1, o.ppo_epochs, "1"),
-            "optim.mini_batches": (o.mini_batches != 1, o.mini_batches, "1"),
-            "learner.streaming": (self.learner.streaming, True, "false"),
-            "learner.world_size": (self.learner.world_size != 1, self.learner.world_size, "1: the server's affair"),
-            "runtime": (self.runtime != "local", self.runtime, "local"),
-            "weight_sync.method": (self.weight_sync.method != "object_store", self.weight_sync.method, "object_store"),
-            "engine": ("adapters" not in self.engine_kind.deliveries, self.engine, "a kind that takes adapters"),
-            "model.lora.sync": (lora is not None and lora.sync == "merged", getattr(lora, "sync", None),
-                                "auto or adapters"),
-        }
-        return {key: (value, need) for key, (bad, value, need) in needs.items() if bad}
 
     # the schedule's keys, read where the INTERFACE names them (``cfg.mode``). pydantic leaves a property()
     # alone; its mypy plugin takes one assigned without an annotation for an untyped field, hence the ignores
@@ -253,6 +226,30 @@ class Config(Section):
         evaluation runs on the rollout engine and the learner waits, as in ``sync``."""
         return (self.eval.background is not False and self.mode != "sync"
                 and self.engine_kind.background_eval == "replica" and self.rollout.thread_sharing == "split")
+
+    @property
+    def learner_processes(self) -> int:
+        """How many processes of its own the learner of a ``runtime: local`` run has: its
+        ``world_size`` ranks, or for one rank 1 or 0 (on a thread of the trainer's process) as
+        ``learner.process`` says; ``None`` there: its own process where it trains on the CPU
+        beside a generating engine (the field's docstring says why)."""
+        if self.learner.world_size > 1:
+            return self.learner.world_size
+        own = self.learner.process
+        if own is None:
+            import torch  # the device "auto" resolves to; torch is loaded by then in every command
+
+            device = self.model.device
+            on_cpu = device.startswith("cpu") or (device == "auto" and not torch.cuda.is_available())
+            own = self.mode != "sync" and on_cpu
+        return int(own)
+
+    @property
+    def learner_kind(self) -> LearnerKind:
+        """The learner's row of the kinds table (``learner_kinds.py``): where it runs and what
+        it can do. ``learner.url`` set: behind that URL; else Ray actors, rank processes or a
+        thread, as the runtime and :attr:`learner_processes` say."""
+        return select_learner_kind(url=self.learner.url, runtime=self.runtime, processes=self.learner_processes)
 
     @property
     def engine_kind(self) -> EngineKind:

@@ -19,7 +19,9 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from asyncrl.config import Config
+    from asyncrl.config.rollout import RolloutConfig
     from asyncrl.core_budget import ThreadBudget
+    from asyncrl.engine.torch_engine import TorchEngine
 
 
 @dataclass
@@ -96,7 +98,6 @@ async def build_torch(cfg: Config, request: EngineRequest) -> BuiltEngines:
     """The built-in engine on ``request.model`` (or ``model.path``), full weights loaded into
     the model before the engine takes it; adapters merged by each engine onto its own copy
     of the base (``asyncrl/engine/adapters.py``). The evaluation replica is a deep copy."""
-    from asyncrl.engine.torch_engine import TorchEngine
     from asyncrl.policy import load_policy
     from asyncrl.seeding import derive_seed
 
@@ -106,9 +107,8 @@ async def build_torch(cfg: Config, request: EngineRequest) -> BuiltEngines:
         model.load_state_dict(dict(update.tensors), strict=False)  # tied weights appear once in an export
 
     def make(m: Any, seed: int, budget: ThreadBudget | None = None) -> TorchEngine:
-        return TorchEngine(m.eval(), max_batch_size=cfg.rollout.max_batch_size, seed=seed, version=request.version,
-                           num_threads=request.num_threads, weight_noise=cfg.rollout.engine_weight_noise,
-                           group_prefill=cfg.rollout.group_prefill, dtype=cfg.engine_dtype, thread_budget=budget)
+        return torch_engine(m, cfg.rollout, seed=seed, version=request.version, num_threads=request.num_threads,
+                            dtype=cfg.engine_dtype, thread_budget=budget)
 
     eval_engine = None
     if request.eval_replica:
@@ -119,3 +119,19 @@ async def build_torch(cfg: Config, request: EngineRequest) -> BuiltEngines:
             if each is not None:
                 await each.update_weights(update, request.version)
     return BuiltEngines(engine, eval_engine)
+
+
+def torch_engine(model: PreTrainedModel, rollout: RolloutConfig, *, seed: int = 0, version: int = 0,
+                 num_threads: int | None = None, dtype: str | None = None,
+                 thread_budget: ThreadBudget | None = None) -> TorchEngine:
+    """The built-in engine over ``model`` with a config's ``rollout`` settings (batch rows,
+    group prefill, KV cache, decode capture, weight noise; ``dtype``: the engine's weights',
+    None for the model's own). Every ``TorchEngine`` in the house is made here — a run's
+    workers (:func:`build_torch`), serve-tinker's sampler, the tiny policies' scoring, the
+    benchmarks — so a setting of the config's reaches each of them."""
+    from asyncrl.engine.torch_engine import TorchEngine
+
+    return TorchEngine(model.eval(), max_batch_size=rollout.max_batch_size, seed=seed, version=version,
+                       num_threads=num_threads, weight_noise=rollout.engine_weight_noise,
+                       group_prefill=rollout.group_prefill, dtype=dtype, thread_budget=thread_budget,
+                       kv_cache=rollout.kv_cache, capture=rollout.capture)

@@ -30,7 +30,7 @@ from transformers import PreTrainedModel
 
 from asyncrl.config import LoraConfig
 from asyncrl.config.engine_kinds import engine_kind
-from asyncrl.engine.protocol import FullWeights, WeightUpdate
+from asyncrl.weight_updates import FullWeights, WeightUpdate
 from asyncrl.learner.lora import adapter_update, base_copy, merged_copy, merged_targets, peft_model
 
 UpdateKind = Literal["full", "merged", "merged_every_weight", "adapters"]

@@ -10,11 +10,11 @@ still advances once per batch: a version is what the rollout engines are sent, a
 staleness bound, the gate's quota and every token's recorded version count batches, so
 none of them changes meaning with reuse. The learning-rate schedule also counts batches.
 
-Micro-batches accumulate gradients within an optimizer step through the training core's
-one micro-batch loop (``core.MicroBatchLoop``, which owns sharding's passes, autocast and
-the core budget); the loss passed to it is this learner's objective, each micro-batch's
-weighted by its share of the mini-batch's tokens (or sequences), so any micro-batch size
-gives the same step as one big mini-batch.
+Every optimizer step is the one training engine's (``core.TrainEngine``, which owns zeroing
+the gradients, sharding's passes, autocast, the core budget, the clip and the finite check):
+the loss passed to it is this learner's objective, each micro-batch's weighted by its share
+of the mini-batch's tokens (or sequences), so any micro-batch size gives the same step as
+one big mini-batch.
 
 A batch can also come in parts, as its groups finish (``learner.streaming``):
 ``accumulate`` runs forward and backward on each part, ``finish_step`` takes the one
@@ -61,7 +61,7 @@ from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, mic
     micro_batch_bounds,
 )
 from asyncrl.learner.distributed import Sharding
-from asyncrl.engine.protocol import FullWeights, WeightUpdate
+from asyncrl.weight_updates import FullWeights, WeightUpdate
 from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
 from asyncrl.learner.lora import peft_model
 from asyncrl.learner.shared_prompts import prompt_index, response_logits

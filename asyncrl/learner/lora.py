@@ -31,7 +31,7 @@ import torch
 
 from asyncrl.config import ConfigError, LoraConfig, ModelConfig
 from asyncrl.engine.adapters import merged_weight
-from asyncrl.engine.protocol import AdapterUpdate, LayerAdapter
+from asyncrl.weight_updates import AdapterUpdate, LayerAdapter
 from asyncrl.policy import adapter_base, merged_adapters, peft_reads_deprecated, resolve_model_path
 
 if TYPE_CHECKING:

@@ -18,6 +18,12 @@ from asyncrl.rollout.gateway.tool_calls import ToolFormat, resolve_format
 from asyncrl.tasks.base import TaskSplits
 
 
+def _learner_line(cfg: Config) -> str:
+    """Where the learner is, when it is not on this machine (its kind's row says): the URL."""
+    kind = cfg.learner_kind
+    return "" if kind.trains_here else f"; the learner: {kind.summary}, at {cfg.learner.url}"
+
+
 def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer: PreTrainedTokenizerBase) -> str:
     """What a run is about to do, said before it starts."""
     evals = f"every {cfg.eval_every} steps" if cfg.eval_every else "before the first and after the last step"
@@ -26,7 +32,7 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
         f"asyncrl train → {Path(cfg.output_dir)}" + (f" (resuming from step {resumed.step})" if resumed else ""),
         f"  mode {cfg.mode}, η = {cfg.effective_max_staleness}, partial rollouts: {cfg.effective_partial_rollout}; "
         f"runtime {cfg.runtime}, engine {cfg.engine}, weight sync {cfg.weight_sync.method}"
-        + (f"; the learner at {cfg.learner.url} (learner.url)" if cfg.learner.url else ""),
+        + _learner_line(cfg),
         f"  model {cfg.model.path}; task {cfg.task.name} ({len(splits.train)} train, "
         f"{min(cfg.eval.num_tasks, len(splits.validation))} validation tasks scored)",
         f"  {cfg.total_steps} steps × {cfg.batch_size} groups × {cfg.group_size} samples; evaluation {evals}"

@@ -32,6 +32,7 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.config import ConfigError
+from asyncrl.config.learner_kinds import LearnerKind
 from asyncrl.jsonl import read_jsonl
 from asyncrl.learner.checkpoint_io import OPTIMIZER_DIR
 from asyncrl.orchestrator.buffer import ReadyGroup
@@ -98,17 +99,19 @@ def read_in_flight(checkpoint: Path) -> list[dict[str, Any]]:
     return read_jsonl(path) if path.is_file() else []
 
 
-def resume_point(output_dir: Path, resume: bool, learner_url: str | None = None
+def resume_point(output_dir: Path, resume: bool, learner: LearnerKind | None = None
                  ) -> tuple[Path | None, RunState | None, list[dict[str, Any]]]:
     """The checkpoint a run continues from (:func:`starting_point`), its run state and its
-    in-flight journals; ``(None, None, [])`` for a fresh start. A checkpoint written by a
-    learner by URL (its optimizer state is on that server) resumes only with ``learner.url``,
-    and one written in process only without it: ConfigError otherwise, before any model loads."""
+    in-flight journals; ``(None, None, [])`` for a fresh start. The checkpoint must have been
+    written by a learner whose optimizer state lives where ``learner``'s does (its row's
+    ``optimizer_state``: in the checkpoint, or on a learner's server, the checkpoint then
+    holding its path there): ConfigError otherwise, before any model loads."""
     checkpoint = starting_point(output_dir, resume)
     if checkpoint is None:
         return None, None, []
     saved_url = torch.load(checkpoint / LEARNER_STATE_FILE, map_location="cpu", weights_only=False).get("learner_url")
-    if (saved_url is None) != (learner_url is None):
+    on_server = (learner.optimizer_state if learner is not None else "checkpoint") == "server"
+    if (saved_url is not None) != on_server:
         raise ConfigError(f"{checkpoint} was saved by a learner "
                           + (f"by URL (learner.url={saved_url}): its optimizer state is on that server; resume with "
                              "that learner.url" if saved_url else "in process (its weights are in the checkpoint): "

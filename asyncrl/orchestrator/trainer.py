@@ -54,7 +54,7 @@ class Trainer:
         from ``check_inputs`` where it ran already (the CLI, before torch loads)."""
         self._start_runtime = runtime
         self.cfg, self.output_dir = cfg, Path(cfg.output_dir)
-        checkpoint, state, in_flight = resume_point(self.output_dir, cfg.resume, cfg.learner.url)
+        checkpoint, state, in_flight = resume_point(self.output_dir, cfg.resume, cfg.learner_kind)
         # a resume: the settings that differ from those the run last trained with, and whether
         # anything is left to train (a finished run: run() says so and writes nothing)
         self.changed_settings = changed_settings(run_settings(self.output_dir) or {}, cfg) if state else {}

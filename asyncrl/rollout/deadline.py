@@ -5,7 +5,7 @@ tool that hangs, an agent that waits on nothing, an engine that stopped. Under l
 healthy episode spends most of its life in the engine: queued behind up to
 ``rollout.max_concurrent_episodes`` others, then decoding in a batch whose steps a busy
 CPU makes slow. A clock that counted that failed every episode of a run on a loaded
-machine (issue 47), and so did one that counted only the time after admission: on a
+machine, and so did one that counted only the time after admission: on a
 machine loaded enough, a reply gets only a few tokens in a whole ``timeout_s`` of service
 (docs/design.md, "Measurements behind choices in the code").
 

@@ -32,7 +32,8 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.rollout.client import LLMClient, stop_token_ids, takes_sink
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine.factory import EngineRequest, build_engine
-from asyncrl.engine.protocol import RolloutEngine, TokenSink, WeightUpdate, as_update
+from asyncrl.engine.protocol import RolloutEngine, TokenSink
+from asyncrl.weight_updates import WeightUpdate, as_update
 from asyncrl.frozen.client import close_open_clients
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.rollout.gateway import Gateway

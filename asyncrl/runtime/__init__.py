@@ -28,8 +28,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config
 from asyncrl.engine.torch_engine import TorchEngine
-from asyncrl.policy import resolve_device
-from asyncrl.runtime.learner_worker import LearnerWorker
+from asyncrl.runtime.learner_factory import BuiltLearner, LearnerRequest, build_learner
 from asyncrl.runtime.protocol import LearnerHandle, RolloutHandle, Weights
 from asyncrl.runtime.rollout_group import InProcessRollouts, RolloutGroup, RolloutTransport
 from asyncrl.rollout.worker import RolloutWorker
@@ -63,16 +62,9 @@ class RuntimeStarter(Protocol):
 
 
 def learner_processes(cfg: Config) -> int:
-    """How many processes of its own the learner of a ``runtime: local`` run has: its
-    ``world_size`` ranks, or for one rank 1 or 0 (on a thread of this process) as
-    ``learner.process`` says; ``None`` there: its own process where it trains on the CPU
-    beside a generating engine (the field's docstring says why)."""
-    if cfg.learner.world_size > 1:
-        return cfg.learner.world_size
-    own = cfg.learner.process
-    if own is None:
-        own = cfg.mode != "sync" and resolve_device(cfg.model.device).type == "cpu"
-    return int(own)
+    """How many processes of its own the learner of a ``runtime: local`` run has
+    (``Config.learner_processes``, which the learner kinds' selection reads)."""
+    return cfg.learner_processes
 
 
 def _thread_split(cfg: Config, train: bool = True) -> tuple[int, int | None]:
@@ -85,7 +77,7 @@ def _thread_split(cfg: Config, train: bool = True) -> tuple[int, int | None]:
     thread left alone decodes on one core, however many there are (the run that showed it:
     docs/design.md, "Measurements behind choices in the code")."""
     cores = torch.get_num_threads() or 2
-    if not train or cfg.learner.url is not None:  # no learner here (learner.url: it runs on its server)
+    if not train or not cfg.learner_kind.trains_here:  # no learner computing here (behind a URL, say)
         return cfg.rollout.num_threads or cores, None
     half = max(1, cores // 2)
     shared = cfg.mode != "sync"
@@ -144,30 +136,14 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
         learner: LearnerHandle | None = None
         weights = None
         if cfg.runtime == "ray":
-            from asyncrl.runtime.ray_runtime import RayActors, RayRollouts, start_ray, stop_ray
+            from asyncrl.runtime.ray_runtime import RayRollouts, start_ray, stop_ray
 
             stack.callback(stop_ray, start_ray(cfg))  # refuses a layout the cluster cannot place
         transport: Transport | None = None
-        if train and cfg.learner.url is not None:  # the learner behind a Tinker-API URL
-            from asyncrl.runtime.tinker_learner import TinkerLearnerWorker
-
-            transport = InProcess(TinkerLearnerWorker(cfg))
-        elif train and cfg.runtime == "ray":
-            transport = RayActors(cfg)
-        elif train and (ranks := learner_processes(cfg)):  # learner processes; this one keeps the engine
-            from asyncrl.runtime.rank_processes import RankProcesses
-
-            transport = RankProcesses(cfg, world_size=ranks,
-                                      num_threads=max(1, (learner_threads or torch.get_num_threads()) // ranks),
-                                      thread_budget=budget)
-        elif train:
-            # in sync the learner will share the engine's thread; until then (joining, loading a
-            # checkpoint) it runs on a thread of its own with one torch thread, so that thread
-            # forms no OpenMP team that would stay beside the engine's (one_torch_thread)
-            shares = cfg.mode == "sync" and cfg.engine_kind.colocatable
-            worker = LearnerWorker(cfg, model=model, tokenizer=tokenizer, num_threads=1 if shares else learner_threads,
-                                   thread_budget=budget)
-            transport = InProcess(worker)
+        built: BuiltLearner | None = None
+        if train:  # the learner kind's own builder (learner_factory.py): a thread, rank processes, actors, a URL
+            built = build_learner(cfg, LearnerRequest(model, tokenizer, learner_threads, budget))
+            transport = built.transport
         if transport is not None:
             w = cfg.watchdog
             learner = LearnerGroup(transport, CallDeadlines(w.learner_call_s, w.learner_call_factor,
@@ -176,9 +152,9 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
             await transport.start()
             if checkpoint is not None:
                 await learner.load_checkpoint(checkpoint)
-            if isinstance(transport, InProcess) and isinstance(transport.worker, LearnerWorker):
-                model = worker.learner.policy_copy()  # the engine's own copy of the weights
-                if checkpoint is not None and (worker.learner.update_kind == "adapters"
+            if built is not None and built.local is not None and built.local.learner is not None:
+                model = built.local.learner.policy_copy()  # the engine's own copy of the weights
+                if checkpoint is not None and (built.local.learner.update_kind == "adapters"
                                                or cfg.engine_kind.loads_model_path):
                     # adapters: that copy is the base, the engine merges them; a kind that loads
                     # model.path itself gets the checkpoint's weights before any sample
@@ -201,12 +177,13 @@ async def start(cfg: Config, *, model: PreTrainedModel | None, tokenizer: PreTra
         if isinstance(rollout_transport, InProcessRollouts):
             await rollout_transport.start()
             engine = rollout_transport.workers[0].engine
-            if (cfg.mode == "sync" and isinstance(transport, InProcess) and isinstance(transport.worker, LearnerWorker)
+            local = built.local if built is not None else None
+            if (cfg.mode == "sync" and local is not None and isinstance(transport, InProcess)
                     and isinstance(engine, TorchEngine) and n == 1):
                 # the engine and the learner take turns: one thread for both, so one OpenMP team
                 transport.share_thread(engine)
-            if isinstance(transport, InProcess) and isinstance(transport.worker, LearnerWorker):  # a URL's: no threads
-                transport.worker.num_threads = learner_threads  # the step's own threads from here on
+            if local is not None:
+                local.num_threads = learner_threads  # the step's own threads from here on
         sync = None
         if learner is not None:  # weight_sync.method; a collective group is formed here and closed first
             sync = await open_weight_sync(cfg, learner, rollout)

@@ -24,7 +24,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.engine.protocol import WeightUpdate
+from asyncrl.weight_updates import WeightUpdate
 from asyncrl.heap import HeapTrimmer
 from asyncrl.learner import Learner, TrainBatch
 from asyncrl.learner.distributed import (

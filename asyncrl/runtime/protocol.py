@@ -3,9 +3,9 @@
 Both runtimes (``local``: this process; ``ray``: actors) implement them, so the trainer
 reads the same whichever runs underneath. The learner handle is one class for every
 runtime (``LearnerGroup`` in ``transport.py``): each call of :class:`LearnerHandle` in
-``LEARNER_CALLS`` is the worker's method of the same name, run on every rank. Adding a
-learner call is one method on ``LearnerWorker``, its line here and its line in
-``LearnerGroup``.
+``LEARNER_CALLS`` is the worker's method of the same name (:class:`LearnerRank`, which every
+learner kind's worker implements), run on every rank. Adding a learner call is one method
+on each worker, its line here and its line in ``LearnerGroup``.
 
 Published weights are opaque to the orchestrator: a ``WeightUpdate`` in-process
 (``asyncrl/engine/protocol.py``: full weights or LoRA adapters, the learner's choice),
@@ -77,6 +77,42 @@ class LearnerHandle(Protocol):
         ...
 
     async def shutdown(self) -> None: ...
+
+
+class LearnerRank(Protocol):
+    """What every learner worker implements — one rank of any learner kind (``LearnerWorker``
+    in this process, as a rank process or a Ray actor; ``TinkerLearnerWorker`` behind a URL).
+    A transport runs these on its ranks; :class:`LearnerHandle`'s calls are the same names,
+    so a learner call is one method here, one on each worker and one on ``LearnerGroup``,
+    and the type checker (``mypy`` in CI) holds every worker to this shape."""
+
+    def join(self, init_method: str | None = None, local_rank: int = 0) -> None:
+        """Load the policy (joining the ranks' process group first, when there are several)."""
+        ...
+
+    def leave(self) -> None:
+        """Release what ``join`` took; never raises over the run's own end."""
+        ...
+
+    def apply(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+
+    def train_step(self, batch: TrainBatch, on_policy: bool) -> dict[str, float]: ...
+
+    def accumulate(self, batch: TrainBatch, on_policy: bool) -> None: ...
+
+    def finish_step(self) -> dict[str, float]: ...
+
+    def publish(self) -> Any: ...
+
+    def save_checkpoint(self, path: Path, extra: dict[str, Any], files: dict[str, str]) -> Path: ...
+
+    def load_checkpoint(self, path: Path) -> int: ...
+
+    def probe_logprobs(self, sequences: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        """The learner's logprobs of each (prompt, completion)'s completion (the delivery check)."""
+        ...
+
+    def engine_update_bytes(self) -> int: ...
 
 
 LEARNER_CALLS = tuple(name for name in vars(LearnerHandle)

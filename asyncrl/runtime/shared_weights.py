@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.engine.protocol import WeightUpdate, as_update, flatten_update, unflatten_update
+from asyncrl.weight_updates import WeightUpdate, as_update, flatten_update, unflatten_update
 
 ALIGN = 64
 """Each tensor starts at a multiple of this many bytes, so every dtype views it in place."""

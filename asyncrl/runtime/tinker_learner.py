@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 import torch
 
 from asyncrl.config import Config, ConfigError
-from asyncrl.engine.protocol import AdapterUpdate
+from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.engine.remote_wire import read_peft_adapter
 from asyncrl.learner import TrainBatch
 from asyncrl.learner.checkpoint_io import STATE_FILE, URL_STATE_KEY, place_checkpoint, rng_state, set_rng_state
@@ -81,6 +81,15 @@ def reachable(url: str) -> None:
                                   "server first (asyncrl serve-tinker CONFIG prints its URL), or correct the URL"
                                   ) from None
             time.sleep(0.5)
+
+
+def build(cfg: Config, request: Any) -> Any:
+    """The ``tinker`` row's builder (``asyncrl/config/learner_kinds.py``): this rank driven
+    over the ``InProcess`` transport, as a learner on a thread is."""
+    from asyncrl.runtime.learner_factory import BuiltLearner
+    from asyncrl.runtime.transport import InProcess
+
+    return BuiltLearner(InProcess(TinkerLearnerWorker(cfg)))
 
 
 class TinkerLearnerWorker:

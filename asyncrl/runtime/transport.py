@@ -22,13 +22,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.engine.protocol import EngineClosedError
 from asyncrl.learner import TrainBatch
-from asyncrl.runtime.learner_worker import LearnerWorker
-from asyncrl.runtime.protocol import Weights
+from asyncrl.runtime.protocol import LearnerRank, Weights
 from asyncrl.threads import UserThreads
 
 if TYPE_CHECKING:
     from asyncrl.engine.torch_engine import TorchEngine
-    from asyncrl.runtime.tinker_learner import TinkerLearnerWorker
 
 
 class LearnerRankError(RuntimeError):
@@ -188,7 +186,7 @@ class InProcess:
     FINISH_S = 30.0
     """How long :meth:`close` lets a call under way finish, unless a second signal ended the run."""
 
-    def __init__(self, worker: LearnerWorker | TinkerLearnerWorker) -> None:
+    def __init__(self, worker: LearnerRank) -> None:
         self.worker = worker
         self._threads = UserThreads(None, name="asyncrl-learner")
         self._engine: TorchEngine | None = None

@@ -34,7 +34,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.config import ConfigError, LoraConfig
-from asyncrl.engine.protocol import AdapterUpdate
+from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.algorithms import token_logprobs
 from asyncrl.learner.core import TrainEngine, micro_batch_bounds

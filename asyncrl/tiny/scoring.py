@@ -15,7 +15,8 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.rollout.client import LLMClient, stop_token_ids
-from asyncrl.engine import TorchEngine
+from asyncrl.config import RolloutConfig
+from asyncrl.engine.factory import torch_engine
 from asyncrl.rollout.eval_scoring import EvalResult, evaluate
 from asyncrl.tasks import Task, countdown_reward
 from asyncrl.types import Episode, SamplingParams
@@ -70,7 +71,7 @@ async def evaluate_policy(
             await asyncio.sleep(0)
         await engine.resume()
 
-    engine = TorchEngine(model, max_batch_size=batch, seed=seed, version=0, num_threads=torch.get_num_threads())
+    engine = torch_engine(model, RolloutConfig(max_batch_size=batch), seed=seed, num_threads=torch.get_num_threads())
     try:
         await engine.pause()
         async with asyncio.TaskGroup() as group:

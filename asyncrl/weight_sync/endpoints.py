@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 import torch
 
-from asyncrl.engine.protocol import flatten_update, unflatten_update
+from asyncrl.weight_updates import flatten_update, unflatten_update
 from asyncrl.learner import Learner
 from asyncrl.weight_sync.buckets import fingerprint
 from asyncrl.weight_sync.group import SyncAddress, WeightReceiver, WeightSender, WeightSyncError
