@@ -10,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from asyncrl.config import Config, all_keys
+import pytest
+
+from asyncrl.config import Config, all_keys, load_config
 from asyncrl.config_doc import config_reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -111,3 +113,25 @@ def test_the_module_writes_the_page():
     out = subprocess.run([sys.executable, "-m", "asyncrl.config_doc"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out == config_reference()
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")  # the SDK's deprecations: the snippet uses today's API
+def test_the_tinker_quick_start_runs_from_any_directory(tmp_path, monkeypatch, capsys):
+    """docs/tinker.md's quick start as written: the server started from the repository's root
+    with the shipped config its bash block names, the client's Python run from another
+    directory. The tokenizer the server names (``get_tokenizer()``) must load from there too,
+    and every call the snippet makes must come back."""
+    pytest.importorskip("tinker")
+    pytest.importorskip("peft")
+    from tinker_server import ServerThread
+
+    serve, client = re.findall(r"```(?:bash|python)\n(.*?)\n```", (DOCS / "tinker.md").read_text(), re.DOTALL)[:2]
+    assert "asyncrl serve-tinker examples/tinker/serve.yaml" in serve and "http://127.0.0.1:8200" in client
+    monkeypatch.chdir(ROOT)
+    cfg = load_config(ROOT / "examples" / "tinker" / "serve.yaml", ["tinker.port=0", f"output_dir={tmp_path / 'run'}"])
+    with ServerThread(cfg) as server:
+        monkeypatch.chdir(tmp_path)
+        snippet: dict = {}
+        exec(compile(client.replace("http://127.0.0.1:8200", server.url), "docs/tinker.md", "exec"), snippet)
+    assert snippet["tokens"] == [6, 7, 16, 8, 9, 22, 9, 11]  # "12+34=46" in the tiny policy's own characters
+    assert "sequences=[" in capsys.readouterr().out  # the sample printed
