@@ -47,6 +47,7 @@ def test_nothing_listening_is_a_usage_error_said_in_seconds():
     assert took < 30, f"waited {took:.1f} s, not the 60 s of remote.control_timeout_s"
 
 
+@pytest.mark.slow
 def test_the_cli_says_nothing_listening_in_one_line_and_exits_2(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "examples/addition/async.yaml"),

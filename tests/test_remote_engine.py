@@ -590,7 +590,7 @@ def test_nccl_weight_transfer_speaks_vllms_protocol_to_every_server():
                                 *first[1:], *one_sync(2), ("POST /shutdown_weight_transfer_engine", None)]
 
 
-@pytest.mark.parametrize("failure", ["fail", "hang"])
+@pytest.mark.parametrize("failure", ["fail", pytest.param("hang", marks=pytest.mark.slow)])
 def test_an_nccl_update_that_a_server_fails_or_never_answers_names_the_server_and_the_call(failure):
     async def main():
         broadcast = _FakeBroadcast(servers=2)
