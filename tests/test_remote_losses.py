@@ -300,3 +300,40 @@ def test_a_server_that_answers_health_but_fails_every_request_is_lost_after_a_bo
     assert len(done.token_ids) == 5 and lost == 1 and usable == [False, True]
     assert (f"engine server {url} lost (POST /v1/completions answered 503: busy; {FAILURES_LIMIT} times for one "
             "request, though GET /health answers)") in capsys.readouterr().err
+
+
+STOPPED_AFTER_STEP_1: list = []
+
+
+async def stop_the_only_server_after_step_1(event) -> None:
+    """``hooks.on_step_end``: the run's one server goes away after step 1."""
+    if event.step == 1 and STOPPED_AFTER_STEP_1:
+        await STOPPED_AFTER_STEP_1.pop().stop(0)
+
+
+@pytest.mark.slow
+def test_a_run_that_loses_its_whole_fleet_early_names_a_checkpoint_to_resume_from(tmp_path, capsys):
+    """The lost fleet of 83737f1 ended a run with no checkpoint (``save_every`` 0, the first
+    one 10 minutes in) and advice to resume. Now the first step is checkpointed on a fleet,
+    and the failure names that checkpoint."""
+    from test_remote_engine import ThreadFleet, _policy
+
+    from asyncrl.cli import main
+
+    fleet = ThreadFleet(_policy("models/addition-tiny"), 1)
+    try:
+        STOPPED_AFTER_STEP_1.append(fleet)
+        code = main(["train", "examples/addition/async.yaml", f"output_dir={tmp_path}", "total_steps=6",
+                     "eval_every=0", "engine=remote", f"remote.urls=[{fleet.fleet.urls[0]}]",
+                     "remote.health_interval_s=0.2", "remote.control_timeout_s=10",
+                     "hooks.on_step_end=test_remote_losses:stop_the_only_server_after_step_1"])
+    finally:
+        STOPPED_AFTER_STEP_1.clear()
+        fleet.close()
+    err = capsys.readouterr().err
+    assert code == 1, err[-3000:]
+    assert "no engine server is left" in err
+    saved = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert saved and saved[-1] in ("step_1", "step_2"), saved  # the early one (a step may finish meanwhile)
+    assert (f"last good checkpoint: {tmp_path / 'checkpoints' / saved[-1]}; continue from it with the same command "
+            "and resume=true") in err

@@ -85,7 +85,7 @@ class Fleet:
         if not usable:
             raise EngineClosedError("no engine server is left: " + "; ".join(
                 f"{s.url} ({s.lost_reason or 'not connected'})" for s in self.servers)
-                + ". Restart them (asyncrl serve-engine CONFIG, or vllm serve) and resume the run")
+                + ". Restart them (asyncrl serve-engine CONFIG, or vllm serve)")  # the run's failure says what next
         server = self._affinity.get(key)
         if server is None or not server.usable:
             server = min(usable, key=lambda s: s.in_flight)
