@@ -123,12 +123,48 @@ def test_a_fresh_run_on_servers_a_previous_run_left_serves_the_base(tmp_path):
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
 
 
+def test_a_never_used_server_is_reloaded_with_a_message_that_says_no_run_trained_it(capsys):
+    """A server whose label is none an asyncrl run sets (a fresh ``vllm serve``'s) is reloaded
+    to be sure, and the message no longer calls its weights "a previous run's"."""
+    from aiohttp import web
+
+    from asyncrl.json_api import listen
+
+    calls: list[str] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        calls.append(f"{request.method} {request.path}")
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m", "root": "/models/m", "max_model_len": 64}]})
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": "default"})
+        return web.json_response({})
+
+    async def main():
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner, url = await listen(app, "127.0.0.1", 0)
+        try:
+            remote = await RemoteEngine.connect(RemoteConfig(urls=[url]), fresh=True)
+            await remote.shutdown()
+            return url
+        finally:
+            await runner.cleanup()
+
+    url = asyncio.run(main())
+    err = capsys.readouterr().err
+    assert "POST /collective_rpc" in calls  # reloaded from its own directory all the same
+    assert (f"engine server {url} had its weights labelled 'default', a label no asyncrl run sets (never trained "
+            "by one): reloaded m's own weights for this fresh run") in err
+    assert "previous run" not in err
+
+
 def test_the_documented_vllm_server_commands_are_the_ones_plan_prints_and_the_lane_starts():
-    """docs/vllm.md and docs/scaling.md show the commands ``vllm_serve`` makes; the vLLM lane
-    (tests/test_vllm_remote.py) starts its servers from the same function."""
+    """docs/vllm.md, docs/planner.md and docs/scaling.md show the commands ``vllm_serve``
+    makes; the vLLM lane (tests/test_vllm_remote.py) starts its servers from the same function."""
     from asyncrl.plan.fleet import _args, vllm_serve
 
-    docs = {name: (ROOT / "docs" / name).read_text() for name in ("vllm.md", "scaling.md")}
+    docs = {name: (ROOT / "docs" / name).read_text() for name in ("vllm.md", "planner.md", "scaling.md")}
     for on_cpu in (False, True):
         env, words = vllm_serve("MODEL_DIR", host="0.0.0.0", port=8100, dtype="float32", on_cpu=on_cpu,
                                 api_key="$ASYNCRL_REMOTE_KEY")

@@ -61,10 +61,10 @@ class VllmServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         # the command docs/vllm.md shows and `asyncrl plan` prints (asyncrl/plan/fleet.py), then this
-        # lane's own additions: a small cache and batch for two servers on two cores
+        # lane's own additions: a small batch for two servers on two cores
         served_env, words = vllm_serve(str(model_dir), host="127.0.0.1", port=self.port, dtype="float32",
                                        on_cpu=True, lora_rank=8, max_model_len=MAX_MODEL_LEN)
-        env = {**os.environ, **served_env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+        env = {**os.environ, **served_env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
         assert words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
         self.log = log
         self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()

@@ -192,16 +192,20 @@ class RemoteEngine:
         label = info.get("weight_version") if isinstance(info, dict) else None
         if label in (None, "", str(self._version)):
             return
+        label = str(label)
         if not server.root:
-            raise ServersUnusable(f"remote.urls: engine server {server.url} serves version {label} of a previous run "
+            raise ServersUnusable(f"remote.urls: engine server {server.url} serves weights labelled {label!r} "
                                   "and its model card names no directory (root) to reload its own weights from: "
-                                  "restart it, or resume the run that left it (resume=true)")
+                                  "restart it" + (", or resume the run that left it (resume=true)"
+                                                  if label.isdigit() else ""))
         await self._call(server, "POST", "/collective_rpc",
                          {"method": "reload_weights", "kwargs": {"weights_path": server.root}},
                          timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s")
         await self._call(server, "POST", "/reset_prefix_cache", missing_ok=True)
-        print(f"asyncrl: engine server {server.url} served version {label} (a previous run's weights): reloaded "
-              f"{server.model}'s own weights for this fresh run", file=sys.stderr, flush=True)
+        served = (f"served version {label} (a previous run's weights)" if label.isdigit() else
+                  f"had its weights labelled {label!r}, a label no asyncrl run sets (never trained by one)")
+        print(f"asyncrl: engine server {server.url} {served}: reloaded {server.model}'s own weights for this fresh "
+              "run", file=sys.stderr, flush=True)
 
     @property
     def servers(self) -> list[Server]:
