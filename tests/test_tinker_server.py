@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,20 +19,14 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
-from asyncrl.config import Config  # noqa: E402
-from tinker_server import ServerThread  # noqa: E402
+from tinker_server import NAME, POLICY, TOKENS, ServerThread, tiny_config  # noqa: E402
 
-POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
-NAME = "addition-tiny"
 KEY = "tml-asyncrl-test"
-TOKENS = [6, 7, 16, 8, 9, 22, 9, 11]  # "12+34=46" in the tiny policy's characters
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    cfg = Config.model_validate({"model": {"path": str(POLICY), "device": "cpu"}, "output_dir": str(
-        tmp_path_factory.mktemp("tinker")), "tinker": {"port": 0, "base_model": NAME, "api_key": KEY}})
-    with ServerThread(cfg) as running:
+    with ServerThread(tiny_config(tmp_path_factory.mktemp("tinker"), api_key=KEY)) as running:
         yield running
 
 
@@ -226,14 +219,14 @@ def test_a_datum_whose_lengths_disagree_is_refused_naming_it(service_client):
     client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
     short = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
                         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * 3})
-    with pytest.raises(tinker.RequestFailedError, match=r"data\[1\].*'weights'.* has shape \[3\].*7 tokens"):
+    with pytest.raises(tinker.BadRequestError, match=r"data\[1\].*'weights'.* has shape \[3\].*7 tokens"):
         client.forward_backward([datum(), short], "cross_entropy").result()
 
 
 def test_a_loss_the_server_does_not_run_is_refused_naming_those_it_does(service_client):
     client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="'gspo' is not implemented.*cross_entropy.*ppo"):
-        client.forward_backward([datum()], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="'stable_reinforce' is not implemented.*cross_entropy.*ppo"):
+        client.forward_backward([datum()], "stable_reinforce").result()
 
 
 def test_a_sampler_of_a_deleted_checkpoint_is_refused(server, service_client):

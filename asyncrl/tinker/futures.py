@@ -11,7 +11,11 @@ What a poll gets back, in the SDK's shapes:
   takes them only so), JSON for the rest;
 - failed: ``{"error": message, "category": "user" | "server"}``, which the SDK raises as
   ``RequestFailedError`` with that category (no retry: it is final);
-- an id this server never issued, or one forgotten: 404, which the SDK raises at once.
+- an id this server never issued, or one forgotten: 404. The SDK's poll raises it at once, as
+  ``ValueError("Error retrieving result: ... status 404 ...")`` whose ``__cause__`` is the
+  ``tinker.NotFoundError`` with this server's message (tinker 0.38, ``api_future_impl.py``:
+  every status but 400, 402, 408, 410, 429 and 5xx is "fatal" there; no status makes a poll
+  raise ``NotFoundError`` itself, and 410 would make the SDK send the call again).
 
 Invariant: a request id names one result for ever (until forgotten, oldest first past
 :data:`KEEP`), so a poll repeated after a lost reply reads the same answer.

@@ -9,10 +9,16 @@ with its request id; the work runs behind it (``futures.py``).
 What the server tells the SDK at ``/api/v1/client/config`` (flags the SDK reads from the
 server): plain API keys (no JWT exchange), httpx's own transport, a ``forward_backward``'s
 chunks sent one after the other (so calls arrive in sequence order, ``service.py``),
-uncompressed bodies, per-request polling. Refusals: a body the SDK's types refuse, a name this
-server does not serve, a checkpoint that is not (or no longer) here are 400 / 404 in
-``json_api``'s error shape (the SDK raises ``BadRequestError`` / ``NotFoundError`` with it);
-what fails while a future runs fails that future (``RequestFailedError``, category ``user``).
+uncompressed bodies, per-request polling, and chunks of at most one request's token budget
+(``fwdbwd_max_chunk_bytes_count``: the SDK splits a large call into requests that each hold
+the training thread for one micro-batch, so other clients' calls run between them).
+
+Refusals: a body the SDK's types refuse, a name this server does not serve, a request the
+door refuses (token ids, lengths, shapes, optimizer bounds, the token budget: checked before
+anything is queued on a shared thread), a checkpoint that is not (or no longer) here are 400 /
+404 in ``json_api``'s error shape (the SDK raises ``BadRequestError`` / ``NotFoundError`` with
+it); what fails while a future runs fails that future (``RequestFailedError``, category
+``user``).
 
 Like the gateway it binds to loopback unless ``tinker.api_key`` is set; the SDK sends the key
 as ``X-API-Key``.
@@ -93,7 +99,7 @@ class TinkerServer:
         get, post = app.router.add_get, app.router.add_post
         get(HEALTH, _fixed({"status": "ok"}))
         get("/api/v1/get_server_capabilities", self._capabilities)
-        post("/api/v1/client/config", _fixed(CLIENT_CONFIG))
+        post("/api/v1/client/config", self._client_config)
         post("/api/v1/client/dynamic_config", _fixed({}))
         post("/api/v1/create_session", self._create_session)
         post("/api/v1/session_heartbeat", _fixed({"type": "session_heartbeat"}))
@@ -154,6 +160,9 @@ class TinkerServer:
         model = {"model_name": self.service.name, "max_context_length": self.service.max_context,
                  "trainable": True, "sampleable": True}
         return web.json_response({"supported_models": [model]})
+
+    async def _client_config(self, request: web.Request) -> web.Response:
+        return web.json_response({**CLIENT_CONFIG, "fwdbwd_max_chunk_bytes_count": self.service.chunk_bytes()})
 
     async def _create_session(self, request: web.Request) -> web.Response:
         await _body(request, types.CreateSessionRequest)
@@ -234,7 +243,11 @@ class TinkerServer:
             raise UserError("top-k logprobs, target_prompt_logprobs, prompt_alt_tokens_k and prompt_logprobs_last_n "
                             "are not served; this server returns sampled and prompt logprobs")
         params = body.sampling_params
-        call = SampleCall(body.prompt.to_ints(), body.num_samples, params.max_tokens, params.temperature,
+        try:
+            prompt = body.prompt.to_ints()
+        except ValueError:  # an image or audio chunk: the SDK's own message names its type only
+            raise UserError("prompt: only token chunks are served (this server runs text models)") from None
+        call = SampleCall(prompt, body.num_samples, params.max_tokens, params.temperature,
                           params.top_p, params.top_k, params.seed, params.stop, bool(body.prompt_logprobs))
         return web.json_response(self.service.sample(body.sampling_session_id, call))
 

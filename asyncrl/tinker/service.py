@@ -21,6 +21,7 @@ server tells it not to send a call's chunks in parallel), so arrival order is se
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import secrets
 import shutil
@@ -37,16 +38,53 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.tinker.futures import FutureStore, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
-from asyncrl.tinker.training import TinkerLora, TrainingRun, read_lora
+from asyncrl.tinker.losses import LossInputError, tinker_loss
+from asyncrl.tinker.training import TinkerLora, TrainingRun, pack, read_lora
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
 
 T = TypeVar("T")
+REQUEST_TOKENS = 4096
+"""Tokens a ``forward``/``forward_backward`` request of several datums may hold when the
+micro-batch has no token bound (``optim.micro_batch_tokens``; else that bound): the training
+thread is every client's, so one request holds it for one micro-batch's time at most. The
+SDK splits its calls to fit (:meth:`TinkerService.chunk_bytes`, told it in the client config)."""
 UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
 forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
+MAX_LEARNING_RATE = 1.0
+"""The largest Adam ``learning_rate`` served. Adam moves every parameter by about the learning
+rate each step whatever the gradient's scale (the first step by exactly lr·sign(g)), and a LoRA
+B starts at zero: one step at lr = 1 adds (α/r)·B·A to an adapted layer, entries of about
+32/√(3·r·d_in) (A drawn uniform in ±1/√d_in) — 0.14 on SmolLM2-135M at rank 32, more than the
+whole spread of its attention's value and output weights. Past this bound a step cannot be a
+learning step (docs/tinker.md, "Refused at the door")."""
 _NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
 """A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
+
+
+def check_adam(adam: dict[str, Any]) -> None:
+    """A :class:`UserError` naming each ``AdamParams`` value no step should take: a learning rate
+    outside [0, :data:`MAX_LEARNING_RATE`], betas outside [0, 1), eps not above 0, a negative
+    decay or one that with the rate would zero or flip every weight (decoupled decay scales each
+    by 1 − lr·decay), a negative clip norm; NaN and ±inf anywhere."""
+    values = {k: adam[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+    lr, decay = values["learning_rate"], values["weight_decay"]
+    wrong = [f"{k}={v} is not a finite number" for k, v in values.items() if not math.isfinite(v)]
+    if not wrong:
+        wrong = [text for bad, text in (
+            (not 0 <= lr <= MAX_LEARNING_RATE, f"learning_rate={lr} is outside [0, {MAX_LEARNING_RATE}]: Adam moves "
+             "every weight by about the learning rate each step, and past 1 one step outweighs a layer's own weights"),
+            (not 0 <= values["beta1"] < 1, f"beta1={values['beta1']} is outside [0, 1)"),
+            (not 0 <= values["beta2"] < 1, f"beta2={values['beta2']} is outside [0, 1)"),
+            (not values["eps"] > 0, f"eps={values['eps']} is not above 0"),
+            (not 0 <= decay, f"weight_decay={decay} is negative"),
+            (lr * decay >= 1, f"learning_rate × weight_decay = {lr * decay:g} >= 1: decoupled decay scales every "
+             "weight by 1 − lr·weight_decay, which would zero or flip it"),
+            (values["grad_clip_norm"] < 0, f"grad_clip_norm={values['grad_clip_norm']} is negative (0: no clip)"),
+        ) if bad]
+    if wrong:
+        raise UserError("adam_params refused: " + "; ".join(wrong))
 
 
 class NotFound(LookupError):
@@ -83,6 +121,7 @@ class TinkerService:
         self.name, self.model_dir, self.base, self.tokenizer = name, model_dir, base, tokenizer
         self.checkpoint_dir = checkpoint_dir
         self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
+        self.max_request_tokens = micro_tokens or REQUEST_TOKENS
         self.futures = FutureStore()
         self.sampler = EngineSampler(base, tokenizer, seed=seed)
         self.max_context = self.sampler.engine.max_positions
@@ -187,8 +226,33 @@ class TinkerService:
                                "tokenizer_id": str(self.model_dir)}}
 
     # ------------------------------------------------------------------ training calls
+    def chunk_bytes(self) -> int:
+        """The SDK's ``fwdbwd_max_chunk_bytes_count`` for this server: it estimates a datum at 4
+        bytes a token plus its loss inputs' bytes, at least 4 a token more (``target_tokens``), so
+        a chunk of this many bytes holds at most :attr:`max_request_tokens` tokens."""
+        return 8 * self.max_request_tokens
+
+    def check_call(self, run: TrainingRun, call: ForwardBackwardCall) -> None:
+        """At the door, before the call queues on the training thread: the loss served, every
+        datum's lengths, shapes and token ids (``pack``'s checks, the very ones), and the
+        request's tokens within :attr:`max_request_tokens` (a lone datum: within the context)."""
+        try:
+            tinker_loss(call.loss_fn)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        pack(call.data, run.vocab, run.max_positions)
+        tokens = sum(len(d.tokens) for d in call.data)
+        if len(call.data) > 1 and tokens > self.max_request_tokens:
+            raise UserError(f"this request holds {tokens} tokens in {len(call.data)} datums; this server takes at "
+                            f"most {self.max_request_tokens} tokens a request of several datums (one micro-batch: "
+                            "optim.micro_batch_tokens), so that no client holds the shared training thread for longer; "
+                            "the SDK splits its calls to fit (it reads the limit from the server), other clients "
+                            "send smaller requests")
+
     def forward_backward(self, call: ForwardBackwardCall) -> dict[str, Any]:
         run = self.run(call.model_id)
+        if call.seq_id not in run.requests:  # a retry was checked the first time
+            self.check_call(run, call)
 
         def work() -> Outcome:
             outputs, metrics = run.forward_backward(call.data, call.loss_fn, call.loss_fn_config,
@@ -199,6 +263,7 @@ class TinkerService:
 
     def optim_step(self, model_id: str, seq_id: int | None, adam: dict[str, Any]) -> dict[str, Any]:
         run = self.run(model_id)
+        check_adam(adam)  # at the door: a refused step queues nothing
 
         def work() -> Outcome:
             metrics = run.optim_step(adam["learning_rate"], adam["beta1"], adam["beta2"], adam["eps"],
@@ -330,12 +395,14 @@ class TinkerService:
         return self.samplers[sampler_id]
 
     def sample(self, sampler_id: str, call: SampleCall) -> dict[str, Any]:
+        """``call`` checked here, at the door (a :class:`UserError`, 400), then queued on the engine."""
         sampler = self.get_sampler(sampler_id)
+        request = self.sampler.check(call)
 
         async def work() -> Outcome:
             if sampler.checkpoint is not None and sampler.checkpoint.deleted:
                 raise UserError(f"the sampler's checkpoint {sampler.model_path} was deleted; nothing samples it now")
-            rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, call)
+            rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, request)
             return Outcome(sample_proto(rows, prompt_lps), PROTO)
 
         request_id = self.futures.submit(work(), prefix="sample")
