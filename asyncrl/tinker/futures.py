@@ -90,6 +90,14 @@ class FutureStore:
         asyncio.get_running_loop().create_task(run())
         return request_id
 
+    def cut(self, reason: str) -> list[str]:
+        """Fail every request not finished yet with ``reason`` (category ``server``): what a
+        stopping server does, so that no poll waits on work that will not finish. Their ids."""
+        unfinished = [request_id for request_id, future in self._futures.items() if not future.done()]
+        for request_id in unfinished:
+            self._futures[request_id].set_result(Outcome(error=reason, category="server"))
+        return unfinished
+
     def known(self, request_id: str) -> bool:
         return request_id in self._futures
 

@@ -32,6 +32,7 @@ import importlib.util
 import signal
 import sys
 import threading
+from collections import Counter
 from datetime import datetime, timedelta, timezone
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -58,6 +59,13 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "pa
                  "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
+
+STOP_S = 2.0
+"""How long a stopping server waits for the replies under way (polls answer at once then: every
+unfinished request was cut)."""
+CUT = ("the server stopped (Ctrl-C or SIGTERM) before this request finished: it was cut. Training clients "
+       "live in the server's memory; continue from your last save_state on the restarted server "
+       "(create_training_client_from_state_with_optimizer)")
 
 REFUSALS: dict[type[Exception], int | None] = {Refused: None, UserError: 400, WireError: 400, NotFound: 404}
 """What a route may raise, and the HTTP status it becomes (``None``: its own)."""
@@ -124,13 +132,24 @@ class TinkerServer:
             self._external_urls)
         get(FILES + "/{token}/{relative:.+}", self._external_file)  # the URLs above: the token is the key
         app.router.add_delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:.+}", self._delete_checkpoint)
-        self._runner, self.base_url = await listen(app, self.settings.host, self.settings.port)
+        self._runner, self.base_url = await listen(app, self.settings.host, self.settings.port,
+                                                   shutdown_timeout=STOP_S)
         return self.base_url
 
     async def stop(self) -> None:
+        """Every unfinished request cut (its poll answers so, and the list goes to stderr), then
+        the routes closed within :data:`STOP_S`. The service's shutdown then waits for the one
+        training call running, which the token budget keeps to one micro-batch."""
         runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        if runner is None:
+            return
+        cut = self.service.futures.cut(CUT)
+        if cut:
+            kinds = Counter(request_id.split("-", 1)[0] for request_id in cut)
+            print(f"asyncrl serve-tinker: stopping; cut {len(cut)} unfinished requests "
+                  f"({', '.join(f'{n} {kind}' for kind, n in sorted(kinds.items()))}): {', '.join(cut)}",
+                  file=sys.stderr, flush=True)
+        await runner.cleanup()
 
     def _errors_and_key(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
         """The key first (all but the health check), then each refusal as its status (:data:`REFUSALS`)."""
