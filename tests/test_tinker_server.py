@@ -294,3 +294,21 @@ def test_external_weights_download_as_the_peft_adapter_the_client_trained(server
     assert httpx.get(urls["adapter_config.json"].replace("/files/", "/files/x")).status_code == 404
     rest.delete_checkpoint_from_tinker_path(path).result()
     assert httpx.get(urls["adapter_config.json"]).status_code == 404
+
+
+def test_gspo_is_served_as_tinkers_formula_on_the_servers_own_logprobs(service_client):
+    """``gspo`` through the SDK: its ``loss:sum`` is Tinker's published formula on the logprobs
+    the server's ``forward`` computes (the sequence ratio over the answer's tokens only)."""
+    client = service_client.create_lora_training_client(base_model=NAME, rank=4, seed=6).result()
+    lp = forward_logprobs(client)
+    n = len(lp)
+    sampled = [x - 0.05 * (i % 3) for i, x in enumerate(lp)]
+    advantages, in_ratio = [0.0] * 5 + [1.5] * (n - 5), [0.0] * 5 + [1.0] * (n - 5)  # the answer "46" and EOS
+    row = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={
+        "target_tokens": TOKENS[1:], "logprobs": sampled, "advantages": advantages,
+        "sequence_ratio_mask": in_ratio})
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    got = client.forward_backward([row], "gspo", config).result().metrics["loss:sum"]
+    s = torch.exp((torch.tensor(lp) - torch.tensor(sampled))[torch.tensor(in_ratio) != 0].mean())
+    assert got == pytest.approx(float(-torch.minimum(s * torch.tensor(advantages),
+                                                     s.clamp(0.8, 1.2) * torch.tensor(advantages)).sum()), rel=1e-5)
