@@ -38,7 +38,7 @@ def test_a_server_that_died_mid_call_is_said_and_the_saved_state_continues(tmp_p
         saved = client.save_state("before-the-crash").result().path
         at_save = client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         first.service.futures.cut = lambda reason: []  # a crash: nothing is told its request was cut
-        first.service._trainer.submit(time.sleep, 4.0)  # a call under way past the stop: the next waits
+        first.service._trainer.submit("other", lambda: time.sleep(4.0))  # under way past the stop: the next waits
         requests = first.service.runs[client.model_id].requests
         issued = len(requests)
         pending = client.forward_backward([datum()] * 32, "cross_entropy")
@@ -69,7 +69,7 @@ def test_a_stopping_server_cuts_what_is_unfinished_within_seconds_and_says_so(tm
     with ServerThread(tiny_config(tmp_path)) as running:
         client = tinker.ServiceClient(base_url=running.url, api_key="tml-test").create_lora_training_client(
             base_model=NAME, rank=4).result()
-        running.service._trainer.submit(time.sleep, 1.0)
+        running.service._trainer.submit("blocker", lambda: time.sleep(1.0))
         with httpx.Client(base_url=running.url) as http:
             queued = [http.post("/api/v1/forward_backward", headers={"Content-Type": "application/x-protobuf"},
                                 content=forward_backward_request_to_proto(types.ForwardBackwardRequest(

@@ -13,9 +13,10 @@ Names, as the SDK derives or expects them:
 Idempotence: every training call carries the client's sequence id (``seq_id``, from 1, one
 counter a client). The first call with a given id is queued; a repeat (the SDK's retry after a
 lost reply) gets the request id of the first back and queues nothing, so no step is applied
-twice. Training calls run one at a time on one thread, in the order they arrived: the SDK
-sends a client's calls in its sequence order (each after the previous was accepted; this
-server tells it not to send a call's chunks in parallel), so arrival order is sequence order.
+twice. Training calls run one at a time on one thread, each client's in the order they
+arrived: the SDK sends a client's calls in its sequence order (each after the previous was
+accepted; this server tells it not to send a call's chunks in parallel), so arrival order is
+sequence order. The clients take turns (``turns.py``): one request of each, round and round.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ import secrets
 import shutil
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,6 +40,7 @@ from asyncrl.tinker.futures import FutureStore, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
 from asyncrl.tinker.losses import LossInputError, tinker_loss
 from asyncrl.tinker.training import TinkerLora, TrainingRun, pack, read_lora
+from asyncrl.tinker.turns import Turns
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
 
 T = TypeVar("T")
@@ -133,16 +134,17 @@ class TinkerService:
         self.unnamed: dict[str, list[str]] = {}  # training client -> its unnamed samplers, oldest first
         self.unnamed_kept = UNNAMED_KEPT
         self.forgotten: dict[str, str] = {}  # sampler id -> why it is gone
-        self._trainer = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-tinker-train")
+        self._trainer = Turns("asyncrl-tinker-train")  # one thread, the clients in turns (turns.py)
 
     async def shutdown(self) -> None:
         await self.sampler.shutdown()
-        self._trainer.shutdown(wait=True, cancel_futures=True)
+        self._trainer.shutdown()
 
     # ------------------------------------------------------------------ helpers
-    def _on_trainer(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """``fn`` queued on the training thread now (the queue keeps arrival order)."""
-        return asyncio.get_running_loop().run_in_executor(self._trainer, fn)
+    def _on_trainer(self, owner: str, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """``fn`` queued on the training thread now, after ``owner``'s earlier calls (each
+        client's queue keeps its arrival order; clients take turns, ``turns.py``)."""
+        return asyncio.wrap_future(self._trainer.submit(owner, fn))
 
     def run(self, model_id: str) -> TrainingRun:
         if model_id not in self.runs:
@@ -157,7 +159,7 @@ class TinkerService:
         """Queue ``fn`` as ``run``'s call ``seq_id``, once (a repeat answers the first's id)."""
         if seq_id is not None and seq_id in run.requests:
             return {"request_id": run.requests[seq_id], "model_id": run.model_id}
-        request_id = self.futures.submit(self._on_trainer(fn), prefix="train")
+        request_id = self.futures.submit(self._on_trainer(run.model_id, fn), prefix="train")
         if seq_id is not None:
             run.requests[seq_id] = request_id
         return {"request_id": request_id, "model_id": run.model_id}
@@ -214,7 +216,7 @@ class TinkerService:
                 self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
-            self.creating[model_id] = self.futures.submit(self._on_trainer(build), prefix="create")
+            self.creating[model_id] = self.futures.submit(self._on_trainer(model_id, build), prefix="create")
         return {"request_id": self.creating[model_id], "model_id": model_id}
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -362,7 +364,7 @@ class TinkerService:
                 self.runs[new_id] = run
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
 
-            self.creating[new_id] = self.futures.submit(self._on_trainer(create), prefix="create")
+            self.creating[new_id] = self.futures.submit(self._on_trainer(new_id, create), prefix="create")
         return {"request_id": self.creating[new_id], "model_id": new_id}
 
     # ------------------------------------------------------------------ sampling
