@@ -6,6 +6,8 @@ stopped when the module's tests end, failed or not."""
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import httpx
 import pytest
@@ -16,7 +18,7 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
 from asyncrl.tinker.futures import UserError  # noqa: E402
-from asyncrl.tinker.service import check_adam  # noqa: E402
+from asyncrl.tinker.service import SESSION_EXPIRY_S, check_adam  # noqa: E402
 import test_tinker_server as served  # noqa: E402
 from test_tinker_server import KEY, datum  # noqa: E402
 from tinker_server import NAME, TOKENS  # noqa: E402
@@ -155,3 +157,33 @@ def test_a_forward_backward_the_server_cannot_run_is_refused_before_it_queues(se
         client.forward_backward([datum(), datum(TOKENS[:3] + [VOCAB])], "cross_entropy").result()
     with pytest.raises(tinker.BadRequestError, match=f"data\\[0\\] has {CONTEXT + 1} input tokens; .* 1 to {CONTEXT}"):
         client.forward([datum([6] * (CONTEXT + 2))], "cross_entropy").result()
+
+
+def test_a_cancelled_request_and_one_whose_client_went_away_never_run(server, service_client):
+    """Two ``forward_backward`` requests queued behind a running call: one cancelled by its
+    client (``cancel_future``), one of a session silent past ``SESSION_EXPIRY_S`` (``reap``).
+    Each poll says so, and neither gradient is applied: the next step moves nothing."""
+    client = service_client.create_lora_training_client(base_model=NAME, rank=4, seed=8).result()
+    before = client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    release = threading.Event()
+    blocker = server.service._trainer.submit("other", lambda: release.wait(60))
+    try:
+        with httpx.Client(base_url=server.url, headers={"X-API-Key": KEY}) as http:
+            queued = [http.post("/api/v1/forward_backward", headers={"Content-Type": "application/x-protobuf"},
+                                content=forward_backward_request_to_proto(types.ForwardBackwardRequest(
+                                    forward_backward_input=types.ForwardBackwardInput(data=[datum()],
+                                                                                      loss_fn="cross_entropy"),
+                                    model_id=client.model_id, seq_id=500 + k)).SerializeToString()
+                                ).json()["request_id"] for k in range(2)]
+            assert http.post("/api/v1/cancel_future", json={"request_id": queued[0]}).status_code == 200
+            reaped = server.service.reap(now=time.monotonic() + SESSION_EXPIRY_S + 1)
+            polls = [http.post("/api/v1/retrieve_future", json={"request_id": r}).json() for r in queued]
+    finally:
+        release.set()
+    blocker.result(60)
+    assert reaped == [queued[1]]
+    assert polls == [{"error": "cancelled by its client (cancel_future)", "category": "user"},
+                     {"error": "cancelled: its session sent no heartbeat for 60 s (the client went away)",
+                      "category": "user"}]
+    client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == before

@@ -11,7 +11,10 @@ server): plain API keys (no JWT exchange), httpx's own transport, a ``forward_ba
 chunks sent one after the other (so calls arrive in sequence order, ``service.py``),
 uncompressed bodies, per-request polling, and chunks of at most one request's token budget
 (``fwdbwd_max_chunk_bytes_count``: the SDK splits a large call into requests that each hold
-the training thread for one micro-batch, so other clients' calls run between them).
+the training thread for one micro-batch, so other clients' calls run between them). Its
+dynamic config turns ``sample_cancel_enabled`` on: a sample the SDK abandons is cancelled
+(``cancel_future``), as is what a closed session (``sessions/<id>/finish``) or one that stopped
+heartbeating (``service.SESSION_EXPIRY_S``) left unfinished.
 
 Refusals: a body the SDK's types refuse, a name this server does not serve, a request the
 door refuses (token ids, lengths, shapes, optimizer bounds, the token budget: checked before
@@ -60,6 +63,8 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "pa
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
 
+REAP_S = 10.0
+"""How often the sessions whose client went away are looked for (``service.SESSION_EXPIRY_S``)."""
 STOP_S = 2.0
 """How long a stopping server waits for the replies under way (polls answer at once then: every
 unfinished request was cut)."""
@@ -99,6 +104,7 @@ class TinkerServer:
     def __init__(self, service: TinkerService, settings: TinkerConfig) -> None:
         self.service, self.settings = service, settings
         self._runner: web.AppRunner | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self.base_url: str | None = None
 
     async def start(self) -> str:
@@ -108,12 +114,12 @@ class TinkerServer:
         get(HEALTH, _fixed({"status": "ok"}))
         get("/api/v1/get_server_capabilities", self._capabilities)
         post("/api/v1/client/config", self._client_config)
-        post("/api/v1/client/dynamic_config", _fixed({}))
+        post("/api/v1/client/dynamic_config", _fixed({"sample_cancel_enabled": True}))  # abandoned samples: cancel
         post("/api/v1/create_session", self._create_session)
-        post("/api/v1/session_heartbeat", _fixed({"type": "session_heartbeat"}))
-        post("/api/v1/sessions/{session_id}/finish", _fixed(None))  # ServiceClient.close(): nothing to free
+        post("/api/v1/session_heartbeat", self._heartbeat)
+        post("/api/v1/sessions/{session_id}/finish", self._finish_session)
         post("/api/v1/telemetry", _fixed({"status": "accepted"}))
-        post("/api/v1/cancel_future", _fixed({}))
+        post("/api/v1/cancel_future", self._cancel_future)
         post("/api/v1/create_model", self._create_model)
         post("/api/v1/get_info", self._get_info)
         post("/api/v1/forward_backward", self._forward_backward)
@@ -134,7 +140,14 @@ class TinkerServer:
         app.router.add_delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:.+}", self._delete_checkpoint)
         self._runner, self.base_url = await listen(app, self.settings.host, self.settings.port,
                                                    shutdown_timeout=STOP_S)
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
         return self.base_url
+
+    async def _reap(self) -> None:
+        """Every :data:`REAP_S`: the requests of sessions whose client went away, cancelled."""
+        while True:
+            await asyncio.sleep(REAP_S)
+            self.service.reap()
 
     async def stop(self) -> None:
         """Every unfinished request cut (its poll answers so, and the list goes to stderr), then
@@ -143,6 +156,8 @@ class TinkerServer:
         runner, self._runner = self._runner, None
         if runner is None:
             return
+        if self._reaper is not None:
+            self._reaper.cancel()
         cut = self.service.futures.cut(CUT)
         if cut:
             kinds = Counter(request_id.split("-", 1)[0] for request_id in cut)
@@ -182,6 +197,22 @@ class TinkerServer:
 
     async def _client_config(self, request: web.Request) -> web.Response:
         return web.json_response({**CLIENT_CONFIG, "fwdbwd_max_chunk_bytes_count": self.service.chunk_bytes()})
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        self.service.heartbeat((await _body(request, types.SessionHeartbeatRequest)).session_id)
+        return web.json_response({"type": "session_heartbeat"})
+
+    async def _finish_session(self, request: web.Request) -> web.Response:
+        self.service.finish_session(request.match_info["session_id"])
+        return web.json_response(None)
+
+    async def _cancel_future(self, request: web.Request) -> web.Response:
+        """The SDK's cancel of a sample it abandoned (a timeout, a local cancel): its work stops."""
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+            raise UserError("cancel_future needs {\"request_id\": ...}")
+        self.service.futures.cancel(body["request_id"], "cancelled by its client (cancel_future)")
+        return web.json_response({})
 
     async def _create_session(self, request: web.Request) -> web.Response:
         await _body(request, types.CreateSessionRequest)

@@ -26,6 +26,7 @@ import math
 import re
 import secrets
 import shutil
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +50,9 @@ REQUEST_TOKENS = 4096
 micro-batch has no token bound (``optim.micro_batch_tokens``; else that bound): the training
 thread is every client's, so one request holds it for one micro-batch's time at most. The
 SDK splits its calls to fit (:meth:`TinkerService.chunk_bytes`, told it in the client config)."""
+SESSION_EXPIRY_S = 60.0
+"""A session whose client has not sent a heartbeat for this long has gone (the SDK beats every
+10 s): its unfinished requests are cancelled (:meth:`TinkerService.reap`)."""
 UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
@@ -62,6 +66,11 @@ whole spread of its attention's value and output weights. Past this bound a step
 learning step (docs/tinker.md, "Refused at the door")."""
 _NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
 """A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
+
+
+def _session(client_id: str) -> str:
+    """The session a training client's or sampler's id names (``<session>:train:<k>``)."""
+    return client_id.split(":", 1)[0]
 
 
 def check_adam(adam: dict[str, Any]) -> None:
@@ -126,7 +135,7 @@ class TinkerService:
         self.futures = FutureStore()
         self.sampler = EngineSampler(base, tokenizer, seed=seed)
         self.max_context = self.sampler.engine.max_positions
-        self.sessions: set[str] = set()
+        self.sessions: dict[str, float] = {}  # session id -> its last heartbeat (time.monotonic())
         self.runs: dict[str, TrainingRun] = {}
         self.creating: dict[str, str] = {}  # model id -> the create request's id (a retried create is one)
         self.checkpoints: dict[str, Checkpoint] = {}
@@ -159,7 +168,8 @@ class TinkerService:
         """Queue ``fn`` as ``run``'s call ``seq_id``, once (a repeat answers the first's id)."""
         if seq_id is not None and seq_id in run.requests:
             return {"request_id": run.requests[seq_id], "model_id": run.model_id}
-        request_id = self.futures.submit(self._on_trainer(run.model_id, fn), prefix="train")
+        request_id = self.futures.submit(self._on_trainer(run.model_id, fn), prefix="train",
+                                         session=_session(run.model_id))
         if seq_id is not None:
             run.requests[seq_id] = request_id
         return {"request_id": request_id, "model_id": run.model_id}
@@ -205,8 +215,25 @@ class TinkerService:
     # ------------------------------------------------------------------ sessions and models
     def create_session(self) -> str:
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
-        self.sessions.add(session_id)
+        self.sessions[session_id] = time.monotonic()
         return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        self.sessions[session_id] = time.monotonic()
+
+    def finish_session(self, session_id: str) -> list[str]:
+        """The client closed its session (``ServiceClient.close``): what it left unfinished is
+        cancelled. Their request ids."""
+        self.sessions.pop(session_id, None)
+        return self.futures.cancel_session(session_id, "cancelled: its session was closed (ServiceClient.close)")
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Cancel the unfinished requests of every session silent for :data:`SESSION_EXPIRY_S`
+        (its client went away: nobody will fetch what they compute). Their request ids."""
+        now = time.monotonic() if now is None else now
+        gone = [session for session, beat in self.sessions.items() if now - beat > SESSION_EXPIRY_S]
+        return [request_id for session in gone for request_id in self.futures.cancel_session(
+            session, f"cancelled: its session sent no heartbeat for {SESSION_EXPIRY_S:.0f} s (the client went away)")]
 
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora) -> dict[str, Any]:
         model_id = f"{session_id}:train:{model_seq_id}"
@@ -216,7 +243,8 @@ class TinkerService:
                 self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
-            self.creating[model_id] = self.futures.submit(self._on_trainer(model_id, build), prefix="create")
+            self.creating[model_id] = self.futures.submit(self._on_trainer(model_id, build), prefix="create",
+                                                          session=session_id)
         return {"request_id": self.creating[model_id], "model_id": model_id}
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -364,7 +392,8 @@ class TinkerService:
                 self.runs[new_id] = run
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
 
-            self.creating[new_id] = self.futures.submit(self._on_trainer(new_id, create), prefix="create")
+            self.creating[new_id] = self.futures.submit(self._on_trainer(new_id, create), prefix="create",
+                                                        session=session_id)
         return {"request_id": self.creating[new_id], "model_id": new_id}
 
     # ------------------------------------------------------------------ sampling
@@ -407,7 +436,7 @@ class TinkerService:
             rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, request)
             return Outcome(sample_proto(rows, prompt_lps), PROTO)
 
-        request_id = self.futures.submit(work(), prefix="sample")
+        request_id = self.futures.submit(work(), prefix="sample", session=_session(sampler_id))
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(call.num_samples)]}
 
     # ------------------------------------------------------------------ checkpoints
