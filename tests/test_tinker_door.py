@@ -49,6 +49,8 @@ def test_a_prompt_the_engine_cannot_run_is_refused_at_the_door_and_every_client_
             samplers[0].sample(types.ModelInput.from_ints(prompt), 1, types.SamplingParams(max_tokens=2)).result()
     with pytest.raises(tinker.BadRequestError, match=f"token id {VOCAB + 5}"):
         samplers[1].compute_logprobs(types.ModelInput.from_ints([6, VOCAB + 5])).result()
+    with pytest.raises(tinker.BadRequestError, match="num_samples=1025; this server draws 1 to 1024 a request"):
+        samplers[0].sample(types.ModelInput.from_ints(TOKENS[:3]), 1025, types.SamplingParams(max_tokens=1)).result()
     with pytest.raises(tinker.BadRequestError, match="top_p must be in"):
         samplers[0].sample(types.ModelInput.from_ints(TOKENS[:3]), 1, types.SamplingParams(top_p=0.0)).result()
     assert [draw(s) for s in samplers] == before  # both clients sample on, what they sampled before

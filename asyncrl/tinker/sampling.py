@@ -51,6 +51,11 @@ from asyncrl.tinker.wire import SampledRow, stop_tokens
 from asyncrl.types import Completion, SamplingParams
 
 
+MAX_SAMPLES = 1024
+"""Samples one request may ask for: they all join the engine's batch at once (16 of its default
+64-row batches), and the engine is every client's."""
+
+
 @dataclass(frozen=True)
 class SampleCall:
     """One ``asample`` as this server serves it."""
@@ -134,9 +139,10 @@ class EngineSampler:
                             f"{vocab} (ids 0 to {vocab - 1}){more}")
         room = context - len(prompt)
         if room < 1:
-            raise UserError(f"{PromptTooLongError(len(prompt), context)} (this model's context: {context} tokens)")
-        if call.num_samples < 1:
-            raise UserError(f"num_samples={call.num_samples}; at least 1")
+            raise UserError(str(PromptTooLongError(len(prompt), context)))
+        if not 1 <= call.num_samples <= MAX_SAMPLES:
+            raise UserError(f"num_samples={call.num_samples}; this server draws 1 to {MAX_SAMPLES} a request "
+                            "(they run together on the one engine every client shares: send more requests)")
         if call.max_tokens is not None and call.max_tokens < 1:
             raise UserError(f"sampling_params.max_tokens={call.max_tokens}; at least 1 (None: up to the context)")
         ids, texts = stop_tokens(call.stop, lambda s: self.tokenizer.encode(s, add_special_tokens=False), self.eos)
