@@ -189,3 +189,10 @@ def test_a_cancelled_request_and_one_whose_client_went_away_never_run(server, se
                       "category": "user"}]
     client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     assert client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == before
+
+
+def test_a_training_client_the_server_cannot_make_is_refused_before_it_queues(service_client):
+    with pytest.raises(tinker.BadRequestError, match="trains no layer of this model.*LM head is tied: True"):
+        service_client.create_lora_training_client(base_model=NAME, rank=4, train_mlp=False, train_attn=False).result()
+    with pytest.raises(tinker.BadRequestError, match="rank=0 is refused"):
+        service_client.create_lora_training_client(base_model=NAME, rank=0).result()

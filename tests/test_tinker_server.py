@@ -206,12 +206,12 @@ def test_the_async_api_samples_beside_training(server):
 
 # ---------------------------------------------------------------------- refusals, in the SDK's shape
 def test_an_unknown_base_model_is_refused_naming_the_served_one(service_client):
-    with pytest.raises(tinker.RequestFailedError, match=f"'Qwen/Qwen3-8B' is not served here.*'{NAME}'"):
+    with pytest.raises(tinker.BadRequestError, match=f"'Qwen/Qwen3-8B' is not served here.*'{NAME}'"):
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
 
 
 def test_a_rank_past_the_servers_limit_is_refused(service_client):
-    with pytest.raises(tinker.RequestFailedError, match="rank=512 is refused.*1 to 128"):
+    with pytest.raises(tinker.BadRequestError, match="rank=512 is refused.*1 to 128"):
         service_client.create_lora_training_client(base_model=NAME, rank=512).result()
 
 

@@ -40,7 +40,7 @@ from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.tinker.futures import FutureStore, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
 from asyncrl.tinker.losses import LossInputError, tinker_loss
-from asyncrl.tinker.training import TinkerLora, TrainingRun, pack, read_lora
+from asyncrl.tinker.training import TinkerLora, TrainingRun, lora_targets, pack, read_lora
 from asyncrl.tinker.turns import Turns
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
 
@@ -238,8 +238,13 @@ class TinkerService:
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora) -> dict[str, Any]:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id not in self.creating:
+            self._check_base(base_model)  # at the door, as the rank and the layers it trains
+            if not 1 <= lora.rank <= self.run_options["max_rank"]:
+                raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to "
+                                f"{self.run_options['max_rank']} (tinker.max_lora_rank)")
+            lora_targets(self.base, lora)
+
             def build() -> Outcome:
-                self._check_base(base_model)
                 self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
