@@ -63,13 +63,16 @@ def _until(condition, timeout_s: float = 60.0) -> None:
 
 
 def test_a_stopping_server_cuts_what_is_unfinished_within_seconds_and_says_so(tmp_path, capsys):
-    """Ctrl-C's path (``TinkerServer.stop``): with a call under way (a second's sleep on the
-    training thread: one micro-batch's time) and six queued behind it, the server stops within
-    a few seconds, each queued request's outcome says it was cut, and stderr lists them."""
+    """Ctrl-C's path (``TinkerServer.stop``): with six calls queued and the first under way (a
+    forward of half a minute: every module made slow), the server stops within a few seconds —
+    the running call ends at its next module — each request's outcome says it was cut, and
+    stderr lists them."""
     with ServerThread(tiny_config(tmp_path)) as running:
         client = tinker.ServiceClient(base_url=running.url, api_key="tml-test").create_lora_training_client(
             base_model=NAME, rank=4).result()
-        running.service._trainer.submit("blocker", lambda: time.sleep(1.0))
+        model = running.service.runs[client.model_id].state.model
+        for module in model.modules():  # each module call a slow layer: one forward takes ~half a minute
+            module.register_forward_pre_hook(lambda *_: time.sleep(0.5))
         with httpx.Client(base_url=running.url) as http:
             queued = [http.post("/api/v1/forward_backward", headers={"Content-Type": "application/x-protobuf"},
                                 content=forward_backward_request_to_proto(types.ForwardBackwardRequest(

@@ -151,8 +151,8 @@ class TinkerServer:
 
     async def stop(self) -> None:
         """Every unfinished request cut (its poll answers so, and the list goes to stderr), then
-        the routes closed within :data:`STOP_S`. The service's shutdown then waits for the one
-        training call running, which the token budget keeps to one micro-batch."""
+        the routes closed within :data:`STOP_S`. The service's shutdown then ends the training
+        call running at its next module (``TinkerService.shutdown``)."""
         runner, self._runner = self._runner, None
         if runner is None:
             return

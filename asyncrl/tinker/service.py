@@ -97,6 +97,10 @@ def check_adam(adam: dict[str, Any]) -> None:
         raise UserError("adam_params refused: " + "; ".join(wrong))
 
 
+class ServerStopping(RuntimeError):
+    """Raised inside a training call's forward when the server stops (``_abort_training``)."""
+
+
 class NotFound(LookupError):
     """Something the request names does not exist here (a 404 in the SDK's shape)."""
 
@@ -146,8 +150,22 @@ class TinkerService:
         self._trainer = Turns("asyncrl-tinker-train")  # one thread, the clients in turns (turns.py)
 
     async def shutdown(self) -> None:
+        self._abort_training()
         await self.sampler.shutdown()
-        self._trainer.shutdown()
+        self._trainer.shutdown()  # the call running ends at its next module (below); the queued never run
+
+    def _abort_training(self) -> None:
+        """The call running on the training thread ends at its model's next module call: a
+        forward pre-hook on every module raises. A stopping server does not wait out a
+        micro-batch that can take minutes on a loaded CPU: the clients' state dies with the
+        process anyway, and a state being saved is written to a ``.tmp`` directory first
+        (``checkpoint_io``), which nothing reads. A backward under way still ends its micro-batch."""
+        def stop(module: object, args: object) -> None:
+            raise ServerStopping("the server is stopping: this call was cut")
+
+        for run in list(self.runs.values()):
+            for module in run.state.model.modules():
+                module.register_forward_pre_hook(stop)
 
     # ------------------------------------------------------------------ helpers
     def _on_trainer(self, owner: str, fn: Callable[[], T]) -> asyncio.Future[T]:
