@@ -69,8 +69,45 @@ def test_a_missing_input_or_an_unserved_loss_is_named():
         _call("ppo", [-1.0, -0.5], logprobs=[-1.0, -1.0])
     with pytest.raises(LossInputError, match="beta"):
         _call("dro", [-1.0, -0.5], logprobs=[-1.0, -1.0], advantages=[1.0, 1.0])
-    with pytest.raises(LossInputError, match="gspo.*not implemented.*cross_entropy"):
-        tinker_loss("gspo")
+    with pytest.raises(LossInputError, match="stable_reinforce.*not implemented.*cross_entropy.*gspo"):
+        tinker_loss("stable_reinforce")
+    with pytest.raises(LossInputError, match=r"'gspo' needs loss_fn_config \['clip_high_threshold'\]"):
+        _call("gspo", [-1.0, -0.5], {"clip_low_threshold": 0.8}, logprobs=[-1.0, -1.0], advantages=[1.0, 1.0],
+              sequence_ratio_mask=[1.0, 1.0])
+
+
+def _tinker_gspo(lp, sampled, advantages, in_ratio, low, high):
+    """Tinker's published implementation of ``gspo``, line for line, on one datum."""
+    target = torch.tensor(lp, requires_grad=True)
+    ref, adv, ratio_mask = torch.tensor(sampled), torch.tensor(advantages), torch.tensor(in_ratio)
+    log_ratio = (target.detach() - ref)[ratio_mask != 0].mean()
+    ratio = torch.exp(log_ratio + target - target.detach())
+    clipped = torch.clamp(ratio, low, high)
+    loss = -torch.min(ratio * adv, clipped * adv).sum()
+    loss.backward()
+    return float(loss.detach()), target.grad.tolist()
+
+
+@pytest.mark.parametrize(("low", "high"), [(0.8, 1.2), (0.9997, 1.0004)])
+def test_gspo_is_tinkers_published_formula(low, high):
+    """The sequence ratio over the marked tokens only (the first is a prompt-side token the
+    mask leaves out, with an advantage all the same), one value for every position, each
+    position's own gradient; with GSPO's narrow band the whole sequence clips."""
+    lp, sampled, advantages, in_ratio = [-2.0, -1.0, -0.5], [-1.0, -1.2, -0.6], [0.5, 2.0, 2.0], [0.0, 1.0, 1.0]
+    logprobs = torch.tensor([lp + [9.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, True, False]])
+    pad = float("nan")
+    inputs = {"logprobs": torch.tensor([sampled + [pad]]), "advantages": torch.tensor([advantages + [pad]]),
+              "sequence_ratio_mask": torch.tensor([in_ratio + [pad]])}
+    loss, metrics = TINKER_LOSSES["gspo"](logprobs, inputs, mask, {"clip_low_threshold": low,
+                                                                   "clip_high_threshold": high})
+    loss.backward()
+    want_loss, want_grad = _tinker_gspo(lp, sampled, advantages, in_ratio, low, high)
+    assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-6)
+    assert logprobs.grad[0].tolist() == pytest.approx(want_grad + [0.0], rel=1e-6)
+    s = math.exp(0.15)  # mean of (-1 + 1.2, -0.5 + 0.6): the unmarked first token does not count
+    assert float(loss.detach()) == pytest.approx(-min(s, high) * 4.5, rel=1e-6)
+    assert float(metrics["clip_fraction:mean"]) == (1.0 if high < s else 0.0)
 
 
 def test_the_sdks_forward_backward_body_decodes():

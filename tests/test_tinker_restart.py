@@ -1,25 +1,23 @@
 """A ``serve-tinker`` that dies with a training call under way, restarted on the same port and
-checkpoint directory: the SDK's pending call and its next one fail in seconds with 404s in the
-SDK's shape that say the server restarted and name the client's saved states; nothing is
+checkpoint directory: the SDK's pending call and its next one fail in seconds with 404s that say
+the server restarted (the pending one's poll as the SDK raises it: ``ValueError`` from
+``NotFoundError``; the next call ``NotFoundError``) and name the client's saved states; nothing is
 applied twice (the dead server's step died with it) and nothing saved is lost (a client
 created from the saved state computes what the client computed when it saved)."""
 
 from __future__ import annotations
 
 import socket
-from pathlib import Path
+import time
 
+import httpx
 import pytest
 
 tinker = pytest.importorskip("tinker")
 pytest.importorskip("peft")
 from tinker import types  # noqa: E402
-from tinker_server import ServerThread  # noqa: E402
-
-from asyncrl.config import Config  # noqa: E402
-
-POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
-TOKENS = [6, 7, 16, 8, 9, 22, 9, 11]  # "12+34=46" in the tiny policy's characters
+from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
+from tinker_server import NAME, TOKENS, ServerThread, tiny_config  # noqa: E402
 
 
 def datum() -> types.Datum:
@@ -31,8 +29,7 @@ def test_a_server_that_died_mid_call_is_said_and_the_saved_state_continues(tmp_p
     with socket.socket() as s:  # one port for both lives of the server: the client keeps its base_url
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cfg = Config.model_validate({"model": {"path": str(POLICY), "device": "cpu"}, "output_dir": str(tmp_path),
-                                 "tinker": {"port": port, "base_model": "addition-tiny"}})
+    cfg = tiny_config(tmp_path, port=port)
     with ServerThread(cfg) as first:
         service = tinker.ServiceClient(base_url=first.url, api_key="tml-test")
         client = service.create_lora_training_client(base_model="addition-tiny", rank=4, seed=7).result()
@@ -40,14 +37,54 @@ def test_a_server_that_died_mid_call_is_said_and_the_saved_state_continues(tmp_p
         client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         saved = client.save_state("before-the-crash").result().path
         at_save = client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        first.service.futures.cut = lambda reason: []  # a crash: nothing is told its request was cut
+        first.service._trainer.submit("other", lambda: time.sleep(4.0))  # under way past the stop: the next waits
+        requests = first.service.runs[client.model_id].requests
+        issued = len(requests)
         pending = client.forward_backward([datum()] * 32, "cross_entropy")
+        _until(lambda: len(requests) > issued)  # the dead server took it, and died with it unfinished
     with ServerThread(cfg):  # the same port and checkpoint directory, a new process's memory
-        with pytest.raises((tinker.NotFoundError, ValueError)) as died:
+        with pytest.raises(ValueError) as died:  # the SDK's poll raises a 404 so (tinker 0.38), from NotFoundError
             pending.result(timeout=120)
-        assert "restarted" in str(died.value)
+        assert isinstance(died.value.__cause__, tinker.NotFoundError) and "restarted" in str(died.value)
         with pytest.raises(tinker.NotFoundError) as again:
             client.forward_backward([datum()], "cross_entropy").result(timeout=120)
         assert "restarted" in str(again.value) and saved in str(again.value)
         resumed = service.create_training_client_from_state_with_optimizer(saved).result()
         assert resumed.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == at_save
         service.close("success").result()
+
+
+def _until(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "not within 60 s"
+        time.sleep(0.01)
+
+
+def test_a_stopping_server_cuts_what_is_unfinished_within_seconds_and_says_so(tmp_path, capsys):
+    """Ctrl-C's path (``TinkerServer.stop``): with six calls queued and the first under way (a
+    forward of half a minute: every module made slow), the server stops within a few seconds —
+    the running call ends at its next module — each request's outcome says it was cut, and
+    stderr lists them."""
+    with ServerThread(tiny_config(tmp_path)) as running:
+        client = tinker.ServiceClient(base_url=running.url, api_key="tml-test").create_lora_training_client(
+            base_model=NAME, rank=4).result()
+        model = running.service.runs[client.model_id].state.model
+        for module in model.modules():  # each module call a slow layer: one forward takes ~half a minute
+            module.register_forward_pre_hook(lambda *_: time.sleep(0.5))
+        with httpx.Client(base_url=running.url) as http:
+            queued = [http.post("/api/v1/forward_backward", headers={"Content-Type": "application/x-protobuf"},
+                                content=forward_backward_request_to_proto(types.ForwardBackwardRequest(
+                                    forward_backward_input=types.ForwardBackwardInput(data=[datum()] * 4,
+                                                                                      loss_fn="cross_entropy"),
+                                    model_id=client.model_id, seq_id=100 + k)).SerializeToString()
+                                ).json()["request_id"] for k in range(6)]
+        start = time.monotonic()
+    took = time.monotonic() - start
+    assert took < 5, f"the server took {took:.1f} s to stop"
+    outcomes = [running.service.futures._futures[request_id].result() for request_id in queued]
+    assert all("it was cut" in o.error and o.category == "server" for o in outcomes)
+    err = capsys.readouterr().err
+    assert "asyncrl serve-tinker: stopping; cut 6 unfinished requests (6 train)" in err
+    assert all(request_id in err for request_id in queued)

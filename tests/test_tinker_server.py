@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -20,20 +19,14 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 from tinker.proto.response_conv import deserialize_forward_backward_output  # noqa: E402
 
-from asyncrl.config import Config  # noqa: E402
-from tinker_server import ServerThread  # noqa: E402
+from tinker_server import NAME, POLICY, TOKENS, ServerThread, tiny_config  # noqa: E402
 
-POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
-NAME = "addition-tiny"
 KEY = "tml-asyncrl-test"
-TOKENS = [6, 7, 16, 8, 9, 22, 9, 11]  # "12+34=46" in the tiny policy's characters
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
-    cfg = Config.model_validate({"model": {"path": str(POLICY), "device": "cpu"}, "output_dir": str(
-        tmp_path_factory.mktemp("tinker")), "tinker": {"port": 0, "base_model": NAME, "api_key": KEY}})
-    with ServerThread(cfg) as running:
+    with ServerThread(tiny_config(tmp_path_factory.mktemp("tinker"), api_key=KEY)) as running:
         yield running
 
 
@@ -213,12 +206,12 @@ def test_the_async_api_samples_beside_training(server):
 
 # ---------------------------------------------------------------------- refusals, in the SDK's shape
 def test_an_unknown_base_model_is_refused_naming_the_served_one(service_client):
-    with pytest.raises(tinker.RequestFailedError, match=f"'Qwen/Qwen3-8B' is not served here.*'{NAME}'"):
+    with pytest.raises(tinker.BadRequestError, match=f"'Qwen/Qwen3-8B' is not served here.*'{NAME}'"):
         service_client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
 
 
 def test_a_rank_past_the_servers_limit_is_refused(service_client):
-    with pytest.raises(tinker.RequestFailedError, match="rank=512 is refused.*1 to 128"):
+    with pytest.raises(tinker.BadRequestError, match="rank=512 is refused.*1 to 128"):
         service_client.create_lora_training_client(base_model=NAME, rank=512).result()
 
 
@@ -226,14 +219,14 @@ def test_a_datum_whose_lengths_disagree_is_refused_naming_it(service_client):
     client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
     short = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]),
                         loss_fn_inputs={"target_tokens": TOKENS[1:], "weights": [1.0] * 3})
-    with pytest.raises(tinker.RequestFailedError, match=r"data\[1\].*'weights'.* has shape \[3\].*7 tokens"):
+    with pytest.raises(tinker.BadRequestError, match=r"data\[1\].*'weights'.* has shape \[3\].*7 tokens"):
         client.forward_backward([datum(), short], "cross_entropy").result()
 
 
 def test_a_loss_the_server_does_not_run_is_refused_naming_those_it_does(service_client):
     client = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
-    with pytest.raises(tinker.RequestFailedError, match="'gspo' is not implemented.*cross_entropy.*ppo"):
-        client.forward_backward([datum()], "gspo").result()
+    with pytest.raises(tinker.BadRequestError, match="'stable_reinforce' is not implemented.*cross_entropy.*ppo"):
+        client.forward_backward([datum()], "stable_reinforce").result()
 
 
 def test_a_sampler_of_a_deleted_checkpoint_is_refused(server, service_client):
@@ -301,3 +294,21 @@ def test_external_weights_download_as_the_peft_adapter_the_client_trained(server
     assert httpx.get(urls["adapter_config.json"].replace("/files/", "/files/x")).status_code == 404
     rest.delete_checkpoint_from_tinker_path(path).result()
     assert httpx.get(urls["adapter_config.json"]).status_code == 404
+
+
+def test_gspo_is_served_as_tinkers_formula_on_the_servers_own_logprobs(service_client):
+    """``gspo`` through the SDK: its ``loss:sum`` is Tinker's published formula on the logprobs
+    the server's ``forward`` computes (the sequence ratio over the answer's tokens only)."""
+    client = service_client.create_lora_training_client(base_model=NAME, rank=4, seed=6).result()
+    lp = forward_logprobs(client)
+    n = len(lp)
+    sampled = [x - 0.05 * (i % 3) for i, x in enumerate(lp)]
+    advantages, in_ratio = [0.0] * 5 + [1.5] * (n - 5), [0.0] * 5 + [1.0] * (n - 5)  # the answer "46" and EOS
+    row = types.Datum(model_input=types.ModelInput.from_ints(TOKENS[:-1]), loss_fn_inputs={
+        "target_tokens": TOKENS[1:], "logprobs": sampled, "advantages": advantages,
+        "sequence_ratio_mask": in_ratio})
+    config = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    got = client.forward_backward([row], "gspo", config).result().metrics["loss:sum"]
+    s = torch.exp((torch.tensor(lp) - torch.tensor(sampled))[torch.tensor(in_ratio) != 0].mean())
+    assert got == pytest.approx(float(-torch.minimum(s * torch.tensor(advantages),
+                                                     s.clamp(0.8, 1.2) * torch.tensor(advantages)).sum()), rel=1e-5)

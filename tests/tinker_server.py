@@ -5,9 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.tinker.server import TinkerServer, build_service
+
+POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
+NAME = "addition-tiny"
+TOKENS = [6, 7, 16, 8, 9, 22, 9, 11]  # "12+34=46" in the tiny policy's characters
+
+
+def tiny_config(output_dir: Path, **tinker: object) -> Config:
+    """A server of the shipped tiny policy (vocabulary 261, context 32) under :data:`NAME`, on a free port."""
+    return Config.model_validate({"model": {"path": str(POLICY), "device": "cpu"}, "output_dir": str(output_dir),
+                                  "tinker": {"port": 0, "base_model": NAME, **tinker}})
 
 
 class ServerThread:

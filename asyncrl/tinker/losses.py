@@ -17,8 +17,12 @@ one registered loss called in bypass over the call's positions, times their coun
 
 ``cross_entropy`` (−Σ w·log p, the weights per position) and ``dro`` (−Σ (log p·A −
 β/2·(log p − μ)²)) have no registered counterpart; they are written here as the one-line pure
-functions they are. A name Tinker's types list and this table lacks (``gspo``,
-``stable_reinforce``) is refused by :func:`tinker_loss` naming what is served.
+functions they are. ``gspo`` is Tinker's GSPO-token, whose sequence ratio runs over the tokens
+a ``sequence_ratio_mask`` marks while its sum runs over every position: asyncrl's registered
+``gspo`` takes one mask for both, so :func:`gspo` is written here from the shared pieces
+(``clipped_surrogate``, ``sequence_mean``). A name Tinker's types list and this table lacks
+(``stable_reinforce``: its formula is not published) is refused by :func:`tinker_loss` naming
+what is served.
 
 Every function takes per-position tensors (B, T) — ``logprobs`` carrying the gradient, the
 loss inputs, and a bool ``mask`` of the real positions (padding off) — and returns the summed
@@ -34,8 +38,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from asyncrl.algorithms.correction import clean
-from asyncrl.algorithms.losses import get_policy_loss
+from asyncrl.algorithms.correction import clean, sequence_mean
+from asyncrl.algorithms.losses import clipped_surrogate, get_policy_loss
 from asyncrl.config import AlgorithmConfig
 
 TinkerLoss = Callable[[Tensor, Mapping[str, Tensor], Tensor, Mapping[str, float]], tuple[Tensor, dict[str, Tensor]]]
@@ -103,12 +107,36 @@ def dro(logprobs: Tensor, inputs: Mapping[str, Tensor], mask: Tensor,
     return -(lp * clean(advantages, mask) - 0.5 * float(config["beta"]) * drift.square()).sum(), {}
 
 
+def gspo(logprobs: Tensor, inputs: Mapping[str, Tensor], mask: Tensor,
+         config: Mapping[str, float]) -> tuple[Tensor, dict[str, Tensor]]:
+    """Tinker's ``gspo`` (GSPO-token, Zheng et al. 2025, as Tinker's docs write it): per datum
+    the sequence ratio s = exp(mean over the tokens ``sequence_ratio_mask`` marks of
+    log π_θ − μ), each position's ratio s_t = sg(s)·π_θ/sg(π_θ) (value s, gradient s·∇log π_θ),
+    and −Σ_t min(s_t·A_t, clip(s_t, lo, hi)·A_t) over every position. ``clip_low_threshold``
+    and ``clip_high_threshold`` are required: Tinker's docs give gspo no default, and GSPO's
+    own (1 ∓ 3e-4 / 4e-4) are far from PPO's 0.8 / 1.2, so none is guessed. A datum marking no
+    token has s = 1."""
+    sampled, advantages, in_ratio = _need(inputs, "gspo", "logprobs", "advantages", "sequence_ratio_mask")
+    missing = [key for key in ("clip_low_threshold", "clip_high_threshold") if key not in config]
+    if missing:
+        raise LossInputError(f"loss_fn 'gspo' needs loss_fn_config {missing} (no default is guessed: GSPO's paper "
+                             "clips at 1 - 3e-4 and 1 + 4e-4, PPO at 0.8 and 1.2)")
+    low, high = _thresholds(config, 0.0, 0.0)
+    lp = clean(logprobs, mask)
+    log_ratio = sequence_mean(lp.detach() - clean(sampled, mask), mask & (in_ratio != 0))  # (B, 1)
+    ratio = torch.exp(log_ratio + lp - lp.detach())  # (B, T): value s, gradient s·∇log π_θ
+    surrogate, clipped = clipped_surrogate(ratio, clean(advantages, mask), 1.0 - low, high - 1.0)
+    positions = mask.sum().clamp(min=1)
+    return -clean(surrogate, mask).sum(), {"clip_fraction:mean": (clipped & mask).sum() / positions}
+
+
 TINKER_LOSSES: dict[str, TinkerLoss] = {
     "cross_entropy": cross_entropy,
     "importance_sampling": _registered("decoupled_ppo", 0.0, math.inf),
     "ppo": _registered("decoupled_ppo", *PPO_CLIP),
     "cispo": _registered("cispo", *PPO_CLIP),
     "dro": dro,
+    "gspo": gspo,
 }
 """Every loss this server runs, by the name the SDK sends."""
 

@@ -9,10 +9,19 @@ with its request id; the work runs behind it (``futures.py``).
 What the server tells the SDK at ``/api/v1/client/config`` (flags the SDK reads from the
 server): plain API keys (no JWT exchange), httpx's own transport, a ``forward_backward``'s
 chunks sent one after the other (so calls arrive in sequence order, ``service.py``),
-uncompressed bodies, per-request polling. Refusals: a body the SDK's types refuse, a name this
-server does not serve, a checkpoint that is not (or no longer) here are 400 / 404 in
-``json_api``'s error shape (the SDK raises ``BadRequestError`` / ``NotFoundError`` with it);
-what fails while a future runs fails that future (``RequestFailedError``, category ``user``).
+uncompressed bodies, per-request polling, and chunks of at most one request's token budget
+(``fwdbwd_max_chunk_bytes_count``: the SDK splits a large call into requests that each hold
+the training thread for one micro-batch, so other clients' calls run between them). Its
+dynamic config turns ``sample_cancel_enabled`` on: a sample the SDK abandons is cancelled
+(``cancel_future``), as is what a closed session (``sessions/<id>/finish``) or one that stopped
+heartbeating (``service.SESSION_EXPIRY_S``) left unfinished.
+
+Refusals: a body the SDK's types refuse, a name this server does not serve, a request the
+door refuses (token ids, lengths, shapes, optimizer bounds, the token budget: checked before
+anything is queued on a shared thread), a checkpoint that is not (or no longer) here are 400 /
+404 in ``json_api``'s error shape (the SDK raises ``BadRequestError`` / ``NotFoundError`` with
+it); what fails while a future runs fails that future (``RequestFailedError``, category
+``user``).
 
 Like the gateway it binds to loopback unless ``tinker.api_key`` is set; the SDK sends the key
 as ``X-API-Key``.
@@ -26,6 +35,7 @@ import importlib.util
 import signal
 import sys
 import threading
+from collections import Counter
 from datetime import datetime, timedelta, timezone
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -52,6 +62,15 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "pa
                  "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
 
+
+REAP_S = 10.0
+"""How often the sessions whose client went away are looked for (``service.SESSION_EXPIRY_S``)."""
+STOP_S = 2.0
+"""How long a stopping server waits for the replies under way (polls answer at once then: every
+unfinished request was cut)."""
+CUT = ("the server stopped (Ctrl-C or SIGTERM) before this request finished: it was cut. Training clients "
+       "live in the server's memory; continue from your last save_state on the restarted server "
+       "(create_training_client_from_state_with_optimizer)")
 
 REFUSALS: dict[type[Exception], int | None] = {Refused: None, UserError: 400, WireError: 400, NotFound: 404}
 """What a route may raise, and the HTTP status it becomes (``None``: its own)."""
@@ -85,6 +104,7 @@ class TinkerServer:
     def __init__(self, service: TinkerService, settings: TinkerConfig) -> None:
         self.service, self.settings = service, settings
         self._runner: web.AppRunner | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self.base_url: str | None = None
 
     async def start(self) -> str:
@@ -93,13 +113,13 @@ class TinkerServer:
         get, post = app.router.add_get, app.router.add_post
         get(HEALTH, _fixed({"status": "ok"}))
         get("/api/v1/get_server_capabilities", self._capabilities)
-        post("/api/v1/client/config", _fixed(CLIENT_CONFIG))
-        post("/api/v1/client/dynamic_config", _fixed({}))
+        post("/api/v1/client/config", self._client_config)
+        post("/api/v1/client/dynamic_config", _fixed({"sample_cancel_enabled": True}))  # abandoned samples: cancel
         post("/api/v1/create_session", self._create_session)
-        post("/api/v1/session_heartbeat", _fixed({"type": "session_heartbeat"}))
-        post("/api/v1/sessions/{session_id}/finish", _fixed(None))  # ServiceClient.close(): nothing to free
+        post("/api/v1/session_heartbeat", self._heartbeat)
+        post("/api/v1/sessions/{session_id}/finish", self._finish_session)
         post("/api/v1/telemetry", _fixed({"status": "accepted"}))
-        post("/api/v1/cancel_future", _fixed({}))
+        post("/api/v1/cancel_future", self._cancel_future)
         post("/api/v1/create_model", self._create_model)
         post("/api/v1/get_info", self._get_info)
         post("/api/v1/forward_backward", self._forward_backward)
@@ -118,13 +138,33 @@ class TinkerServer:
             self._external_urls)
         get(FILES + "/{token}/{relative:.+}", self._external_file)  # the URLs above: the token is the key
         app.router.add_delete("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:.+}", self._delete_checkpoint)
-        self._runner, self.base_url = await listen(app, self.settings.host, self.settings.port)
+        self._runner, self.base_url = await listen(app, self.settings.host, self.settings.port,
+                                                   shutdown_timeout=STOP_S)
+        self._reaper = asyncio.get_running_loop().create_task(self._reap())
         return self.base_url
 
+    async def _reap(self) -> None:
+        """Every :data:`REAP_S`: the requests of sessions whose client went away, cancelled."""
+        while True:
+            await asyncio.sleep(REAP_S)
+            self.service.reap()
+
     async def stop(self) -> None:
+        """Every unfinished request cut (its poll answers so, and the list goes to stderr), then
+        the routes closed within :data:`STOP_S`. The service's shutdown then ends the training
+        call running at its next module (``TinkerService.shutdown``)."""
         runner, self._runner = self._runner, None
-        if runner is not None:
-            await runner.cleanup()
+        if runner is None:
+            return
+        if self._reaper is not None:
+            self._reaper.cancel()
+        cut = self.service.futures.cut(CUT)
+        if cut:
+            kinds = Counter(request_id.split("-", 1)[0] for request_id in cut)
+            print(f"asyncrl serve-tinker: stopping; cut {len(cut)} unfinished requests "
+                  f"({', '.join(f'{n} {kind}' for kind, n in sorted(kinds.items()))}): {', '.join(cut)}",
+                  file=sys.stderr, flush=True)
+        await runner.cleanup()
 
     def _errors_and_key(self) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
         """The key first (all but the health check), then each refusal as its status (:data:`REFUSALS`)."""
@@ -154,6 +194,25 @@ class TinkerServer:
         model = {"model_name": self.service.name, "max_context_length": self.service.max_context,
                  "trainable": True, "sampleable": True}
         return web.json_response({"supported_models": [model]})
+
+    async def _client_config(self, request: web.Request) -> web.Response:
+        return web.json_response({**CLIENT_CONFIG, "fwdbwd_max_chunk_bytes_count": self.service.chunk_bytes()})
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        self.service.heartbeat((await _body(request, types.SessionHeartbeatRequest)).session_id)
+        return web.json_response({"type": "session_heartbeat"})
+
+    async def _finish_session(self, request: web.Request) -> web.Response:
+        self.service.finish_session(request.match_info["session_id"])
+        return web.json_response(None)
+
+    async def _cancel_future(self, request: web.Request) -> web.Response:
+        """The SDK's cancel of a sample it abandoned (a timeout, a local cancel): its work stops."""
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("request_id"), str):
+            raise UserError("cancel_future needs {\"request_id\": ...}")
+        self.service.futures.cancel(body["request_id"], "cancelled by its client (cancel_future)")
+        return web.json_response({})
 
     async def _create_session(self, request: web.Request) -> web.Response:
         await _body(request, types.CreateSessionRequest)
@@ -234,7 +293,11 @@ class TinkerServer:
             raise UserError("top-k logprobs, target_prompt_logprobs, prompt_alt_tokens_k and prompt_logprobs_last_n "
                             "are not served; this server returns sampled and prompt logprobs")
         params = body.sampling_params
-        call = SampleCall(body.prompt.to_ints(), body.num_samples, params.max_tokens, params.temperature,
+        try:
+            prompt = body.prompt.to_ints()
+        except ValueError:  # an image or audio chunk: the SDK's own message names its type only
+            raise UserError("prompt: only token chunks are served (this server runs text models)") from None
+        call = SampleCall(prompt, body.num_samples, params.max_tokens, params.temperature,
                           params.top_p, params.top_k, params.seed, params.stop, bool(body.prompt_logprobs))
         return web.json_response(self.service.sample(body.sampling_session_id, call))
 

@@ -13,20 +13,22 @@ Names, as the SDK derives or expects them:
 Idempotence: every training call carries the client's sequence id (``seq_id``, from 1, one
 counter a client). The first call with a given id is queued; a repeat (the SDK's retry after a
 lost reply) gets the request id of the first back and queues nothing, so no step is applied
-twice. Training calls run one at a time on one thread, in the order they arrived: the SDK
-sends a client's calls in its sequence order (each after the previous was accepted; this
-server tells it not to send a call's chunks in parallel), so arrival order is sequence order.
+twice. Training calls run one at a time on one thread, each client's in the order they
+arrived: the SDK sends a client's calls in its sequence order (each after the previous was
+accepted; this server tells it not to send a call's chunks in parallel), so arrival order is
+sequence order. The clients take turns (``turns.py``): one request of each, round and round.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 import secrets
 import shutil
+import time
 import uuid
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,16 +39,66 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.tinker.futures import FutureStore, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
-from asyncrl.tinker.training import TinkerLora, TrainingRun, read_lora
+from asyncrl.tinker.losses import LossInputError, tinker_loss
+from asyncrl.tinker.training import TinkerLora, TrainingRun, lora_targets, pack, read_lora
+from asyncrl.tinker.turns import Turns
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
 
 T = TypeVar("T")
+REQUEST_TOKENS = 4096
+"""Tokens a ``forward``/``forward_backward`` request of several datums may hold when the
+micro-batch has no token bound (``optim.micro_batch_tokens``; else that bound): the training
+thread is every client's, so one request holds it for one micro-batch's time at most. The
+SDK splits its calls to fit (:meth:`TinkerService.chunk_bytes`, told it in the client config)."""
+SESSION_EXPIRY_S = 60.0
+"""A session whose client has not sent a heartbeat for this long has gone (the SDK beats every
+10 s): its unfinished requests are cancelled (:meth:`TinkerService.reap`)."""
 UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
 forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
+MAX_LEARNING_RATE = 1.0
+"""The largest Adam ``learning_rate`` served. Adam moves every parameter by about the learning
+rate each step whatever the gradient's scale (the first step by exactly lr·sign(g)), and a LoRA
+B starts at zero: one step at lr = 1 adds (α/r)·B·A to an adapted layer, entries of about
+32/√(3·r·d_in) (A drawn uniform in ±1/√d_in) — 0.14 on SmolLM2-135M at rank 32, more than the
+whole spread of its attention's value and output weights. Past this bound a step cannot be a
+learning step (docs/tinker.md, "Refused at the door")."""
 _NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
 """A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
+
+
+def _session(client_id: str) -> str:
+    """The session a training client's or sampler's id names (``<session>:train:<k>``)."""
+    return client_id.split(":", 1)[0]
+
+
+def check_adam(adam: dict[str, Any]) -> None:
+    """A :class:`UserError` naming each ``AdamParams`` value no step should take: a learning rate
+    outside [0, :data:`MAX_LEARNING_RATE`], betas outside [0, 1), eps not above 0, a negative
+    decay or one that with the rate would zero or flip every weight (decoupled decay scales each
+    by 1 − lr·decay), a negative clip norm; NaN and ±inf anywhere."""
+    values = {k: adam[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+    lr, decay = values["learning_rate"], values["weight_decay"]
+    wrong = [f"{k}={v} is not a finite number" for k, v in values.items() if not math.isfinite(v)]
+    if not wrong:
+        wrong = [text for bad, text in (
+            (not 0 <= lr <= MAX_LEARNING_RATE, f"learning_rate={lr} is outside [0, {MAX_LEARNING_RATE}]: Adam moves "
+             "every weight by about the learning rate each step, and past 1 one step outweighs a layer's own weights"),
+            (not 0 <= values["beta1"] < 1, f"beta1={values['beta1']} is outside [0, 1)"),
+            (not 0 <= values["beta2"] < 1, f"beta2={values['beta2']} is outside [0, 1)"),
+            (not values["eps"] > 0, f"eps={values['eps']} is not above 0"),
+            (not 0 <= decay, f"weight_decay={decay} is negative"),
+            (lr * decay >= 1, f"learning_rate × weight_decay = {lr * decay:g} >= 1: decoupled decay scales every "
+             "weight by 1 − lr·weight_decay, which would zero or flip it"),
+            (values["grad_clip_norm"] < 0, f"grad_clip_norm={values['grad_clip_norm']} is negative (0: no clip)"),
+        ) if bad]
+    if wrong:
+        raise UserError("adam_params refused: " + "; ".join(wrong))
+
+
+class ServerStopping(RuntimeError):
+    """Raised inside a training call's forward when the server stops (``_abort_training``)."""
 
 
 class NotFound(LookupError):
@@ -83,10 +135,11 @@ class TinkerService:
         self.name, self.model_dir, self.base, self.tokenizer = name, model_dir, base, tokenizer
         self.checkpoint_dir = checkpoint_dir
         self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
+        self.max_request_tokens = micro_tokens or REQUEST_TOKENS
         self.futures = FutureStore()
         self.sampler = EngineSampler(base, tokenizer, seed=seed)
         self.max_context = self.sampler.engine.max_positions
-        self.sessions: set[str] = set()
+        self.sessions: dict[str, float] = {}  # session id -> its last heartbeat (time.monotonic())
         self.runs: dict[str, TrainingRun] = {}
         self.creating: dict[str, str] = {}  # model id -> the create request's id (a retried create is one)
         self.checkpoints: dict[str, Checkpoint] = {}
@@ -94,16 +147,31 @@ class TinkerService:
         self.unnamed: dict[str, list[str]] = {}  # training client -> its unnamed samplers, oldest first
         self.unnamed_kept = UNNAMED_KEPT
         self.forgotten: dict[str, str] = {}  # sampler id -> why it is gone
-        self._trainer = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-tinker-train")
+        self._trainer = Turns("asyncrl-tinker-train")  # one thread, the clients in turns (turns.py)
 
     async def shutdown(self) -> None:
+        self._abort_training()
         await self.sampler.shutdown()
-        self._trainer.shutdown(wait=True, cancel_futures=True)
+        self._trainer.shutdown()  # the call running ends at its next module (below); the queued never run
+
+    def _abort_training(self) -> None:
+        """The call running on the training thread ends at its model's next module call: a
+        forward pre-hook on every module raises. A stopping server does not wait out a
+        micro-batch that can take minutes on a loaded CPU: the clients' state dies with the
+        process anyway, and a state being saved is written to a ``.tmp`` directory first
+        (``checkpoint_io``), which nothing reads. A backward under way still ends its micro-batch."""
+        def stop(module: object, args: object) -> None:
+            raise ServerStopping("the server is stopping: this call was cut")
+
+        for run in list(self.runs.values()):
+            for module in run.state.model.modules():
+                module.register_forward_pre_hook(stop)
 
     # ------------------------------------------------------------------ helpers
-    def _on_trainer(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """``fn`` queued on the training thread now (the queue keeps arrival order)."""
-        return asyncio.get_running_loop().run_in_executor(self._trainer, fn)
+    def _on_trainer(self, owner: str, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """``fn`` queued on the training thread now, after ``owner``'s earlier calls (each
+        client's queue keeps its arrival order; clients take turns, ``turns.py``)."""
+        return asyncio.wrap_future(self._trainer.submit(owner, fn))
 
     def run(self, model_id: str) -> TrainingRun:
         if model_id not in self.runs:
@@ -118,7 +186,8 @@ class TinkerService:
         """Queue ``fn`` as ``run``'s call ``seq_id``, once (a repeat answers the first's id)."""
         if seq_id is not None and seq_id in run.requests:
             return {"request_id": run.requests[seq_id], "model_id": run.model_id}
-        request_id = self.futures.submit(self._on_trainer(fn), prefix="train")
+        request_id = self.futures.submit(self._on_trainer(run.model_id, fn), prefix="train",
+                                         session=_session(run.model_id))
         if seq_id is not None:
             run.requests[seq_id] = request_id
         return {"request_id": request_id, "model_id": run.model_id}
@@ -164,18 +233,41 @@ class TinkerService:
     # ------------------------------------------------------------------ sessions and models
     def create_session(self) -> str:
         session_id = f"sess-{uuid.uuid4().hex[:16]}"
-        self.sessions.add(session_id)
+        self.sessions[session_id] = time.monotonic()
         return session_id
+
+    def heartbeat(self, session_id: str) -> None:
+        self.sessions[session_id] = time.monotonic()
+
+    def finish_session(self, session_id: str) -> list[str]:
+        """The client closed its session (``ServiceClient.close``): what it left unfinished is
+        cancelled. Their request ids."""
+        self.sessions.pop(session_id, None)
+        return self.futures.cancel_session(session_id, "cancelled: its session was closed (ServiceClient.close)")
+
+    def reap(self, now: float | None = None) -> list[str]:
+        """Cancel the unfinished requests of every session silent for :data:`SESSION_EXPIRY_S`
+        (its client went away: nobody will fetch what they compute). Their request ids."""
+        now = time.monotonic() if now is None else now
+        gone = [session for session, beat in self.sessions.items() if now - beat > SESSION_EXPIRY_S]
+        return [request_id for session in gone for request_id in self.futures.cancel_session(
+            session, f"cancelled: its session sent no heartbeat for {SESSION_EXPIRY_S:.0f} s (the client went away)")]
 
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora) -> dict[str, Any]:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id not in self.creating:
+            self._check_base(base_model)  # at the door, as the rank and the layers it trains
+            if not 1 <= lora.rank <= self.run_options["max_rank"]:
+                raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to "
+                                f"{self.run_options['max_rank']} (tinker.max_lora_rank)")
+            lora_targets(self.base, lora)
+
             def build() -> Outcome:
-                self._check_base(base_model)
                 self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
-            self.creating[model_id] = self.futures.submit(self._on_trainer(build), prefix="create")
+            self.creating[model_id] = self.futures.submit(self._on_trainer(model_id, build), prefix="create",
+                                                          session=session_id)
         return {"request_id": self.creating[model_id], "model_id": model_id}
 
     def get_info(self, model_id: str) -> dict[str, Any]:
@@ -187,8 +279,33 @@ class TinkerService:
                                "tokenizer_id": str(self.model_dir)}}
 
     # ------------------------------------------------------------------ training calls
+    def chunk_bytes(self) -> int:
+        """The SDK's ``fwdbwd_max_chunk_bytes_count`` for this server: it estimates a datum at 4
+        bytes a token plus its loss inputs' bytes, at least 4 a token more (``target_tokens``), so
+        a chunk of this many bytes holds at most :attr:`max_request_tokens` tokens."""
+        return 8 * self.max_request_tokens
+
+    def check_call(self, run: TrainingRun, call: ForwardBackwardCall) -> None:
+        """At the door, before the call queues on the training thread: the loss served, every
+        datum's lengths, shapes and token ids (``pack``'s checks, the very ones), and the
+        request's tokens within :attr:`max_request_tokens` (a lone datum: within the context)."""
+        try:
+            tinker_loss(call.loss_fn)
+        except LossInputError as exc:
+            raise UserError(str(exc)) from None
+        pack(call.data, run.vocab, run.max_positions)
+        tokens = sum(len(d.tokens) for d in call.data)
+        if len(call.data) > 1 and tokens > self.max_request_tokens:
+            raise UserError(f"this request holds {tokens} tokens in {len(call.data)} datums; this server takes at "
+                            f"most {self.max_request_tokens} tokens a request of several datums (one micro-batch: "
+                            "optim.micro_batch_tokens), so that no client holds the shared training thread for longer; "
+                            "the SDK splits its calls to fit (it reads the limit from the server), other clients "
+                            "send smaller requests")
+
     def forward_backward(self, call: ForwardBackwardCall) -> dict[str, Any]:
         run = self.run(call.model_id)
+        if call.seq_id not in run.requests:  # a retry was checked the first time
+            self.check_call(run, call)
 
         def work() -> Outcome:
             outputs, metrics = run.forward_backward(call.data, call.loss_fn, call.loss_fn_config,
@@ -199,6 +316,7 @@ class TinkerService:
 
     def optim_step(self, model_id: str, seq_id: int | None, adam: dict[str, Any]) -> dict[str, Any]:
         run = self.run(model_id)
+        check_adam(adam)  # at the door: a refused step queues nothing
 
         def work() -> Outcome:
             metrics = run.optim_step(adam["learning_rate"], adam["beta1"], adam["beta2"], adam["eps"],
@@ -297,7 +415,8 @@ class TinkerService:
                 self.runs[new_id] = run
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
 
-            self.creating[new_id] = self.futures.submit(self._on_trainer(create), prefix="create")
+            self.creating[new_id] = self.futures.submit(self._on_trainer(new_id, create), prefix="create",
+                                                        session=session_id)
         return {"request_id": self.creating[new_id], "model_id": new_id}
 
     # ------------------------------------------------------------------ sampling
@@ -330,15 +449,17 @@ class TinkerService:
         return self.samplers[sampler_id]
 
     def sample(self, sampler_id: str, call: SampleCall) -> dict[str, Any]:
+        """``call`` checked here, at the door (a :class:`UserError`, 400), then queued on the engine."""
         sampler = self.get_sampler(sampler_id)
+        request = self.sampler.check(call)
 
         async def work() -> Outcome:
             if sampler.checkpoint is not None and sampler.checkpoint.deleted:
                 raise UserError(f"the sampler's checkpoint {sampler.model_path} was deleted; nothing samples it now")
-            rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, call)
+            rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, request)
             return Outcome(sample_proto(rows, prompt_lps), PROTO)
 
-        request_id = self.futures.submit(work(), prefix="sample")
+        request_id = self.futures.submit(work(), prefix="sample", session=_session(sampler_id))
         return {"request_id": request_id, "sample_sequence_ids": [f"{request_id}:{i}" for i in range(call.num_samples)]}
 
     # ------------------------------------------------------------------ checkpoints
