@@ -38,7 +38,10 @@ def test_a_server_that_died_mid_call_is_said_and_the_saved_state_continues(tmp_p
         saved = client.save_state("before-the-crash").result().path
         at_save = client.forward([datum()], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
         first.service.futures.cut = lambda reason: []  # a crash: nothing is told its request was cut
-        first.service._trainer.submit("other", lambda: time.sleep(4.0))  # under way past the stop: the next waits
+        trainer = first.service._trainer
+        # under way until the stop closes the training thread, so the request queued behind it never runs
+        # (a fixed sleep let it run, and answer, on a loaded machine that took longer to get here)
+        trainer.submit("other", lambda: _until(lambda: trainer._closed))
         requests = first.service.runs[client.model_id].requests
         issued = len(requests)
         pending = client.forward_backward([datum()] * 32, "cross_entropy")

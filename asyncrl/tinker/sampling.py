@@ -44,6 +44,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from asyncrl.algorithms import token_logprobs
+from asyncrl.config import RolloutConfig
+from asyncrl.engine.factory import torch_engine
 from asyncrl.engine.protocol import AdapterUpdate, EngineClosedError, LayerAdapter, PromptTooLongError
 from asyncrl.engine.torch_engine import TorchEngine
 from asyncrl.tinker.futures import UserError
@@ -101,8 +104,12 @@ class _EngineDied(Exception):
 class EngineSampler:
     """The engine shared by every sampling client (see the module's turn rule)."""
 
-    def __init__(self, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, seed: int = 0) -> None:
+    def __init__(self, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *, seed: int = 0,
+                 rollout: RolloutConfig | None = None, dtype: str | None = None) -> None:
+        """``rollout``: the config's engine settings (batch rows, KV cache, capture, group
+        prefill); ``dtype``: the engine's weights' (the config's ``rollout.dtype``, else the model's)."""
         self._base, self._seed = base, seed
+        self._rollout, self._dtype = rollout or RolloutConfig(), dtype
         self.engine = self._build()
         self.vocab = int(base.get_input_embeddings().num_embeddings)
         """Token ids the engine's embedding indexes: 0 to ``vocab`` − 1."""
@@ -119,7 +126,8 @@ class EngineSampler:
         self._closing = False
 
     def _build(self) -> TorchEngine:
-        return TorchEngine(copy.deepcopy(self._base), seed=self._seed)
+        """A fresh engine on a copy of the base, from the one factory (``engine/factory.torch_engine``)."""
+        return torch_engine(copy.deepcopy(self._base), self._rollout, seed=self._seed, dtype=self._dtype)
 
     async def shutdown(self) -> None:
         self._closing = True
@@ -214,8 +222,7 @@ class EngineSampler:
         """log p(prompt_t | prompt_<t) under the loaded weights, NaN at t = 0 (nothing precedes)."""
         with torch.no_grad():
             ids = torch.tensor([prompt], device=engine.device)
-            logits = engine.model(input_ids=ids).logits[0, :-1].float()  # (T-1, V)
-            lps = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+            lps = token_logprobs(engine.model(input_ids=ids).logits[0, :-1], ids[0, 1:])  # (T-1,)
         return [float("nan"), *lps.tolist()]
 
     async def _acquire(self, key: Hashable, update: AdapterUpdate | None) -> TorchEngine:

@@ -347,7 +347,8 @@ def build_service(cfg: Config) -> TinkerService:
     checkpoints = Path(cfg.tinker.checkpoint_dir or Path(cfg.output_dir) / "tinker")
     return TinkerService(cfg.tinker.base_model or cfg.model.path, model_dir, model.requires_grad_(False), tokenizer,
                          checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed,
-                         micro_rows=cfg.optim.micro_batch_size, micro_tokens=cfg.optim.micro_batch_tokens)
+                         micro_rows=cfg.optim.micro_batch_size, micro_tokens=cfg.optim.micro_batch_tokens,
+                         rollout=cfg.rollout, engine_dtype=cfg.engine_dtype)
 
 
 def serve_tinker(cfg: Config, *, on_ready: Callable[[str], None] | None = None) -> None:

@@ -36,6 +36,7 @@ from typing import Any, TypeVar
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from asyncrl.config import RolloutConfig
 from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.tinker.futures import FutureStore, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
@@ -131,13 +132,14 @@ class Sampler:
 class TinkerService:
     def __init__(self, name: str, model_dir: Path, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
                  checkpoint_dir: Path, max_rank: int, seed: int = 0, micro_rows: int = 64,
-                 micro_tokens: int | None = 4096) -> None:
+                 micro_tokens: int | None = 4096, rollout: RolloutConfig | None = None,
+                 engine_dtype: str | None = None) -> None:
         self.name, self.model_dir, self.base, self.tokenizer = name, model_dir, base, tokenizer
         self.checkpoint_dir = checkpoint_dir
         self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
         self.max_request_tokens = micro_tokens or REQUEST_TOKENS
         self.futures = FutureStore()
-        self.sampler = EngineSampler(base, tokenizer, seed=seed)
+        self.sampler = EngineSampler(base, tokenizer, seed=seed, rollout=rollout, dtype=engine_dtype)
         self.max_context = self.sampler.engine.max_positions
         self.sessions: dict[str, float] = {}  # session id -> its last heartbeat (time.monotonic())
         self.runs: dict[str, TrainingRun] = {}
