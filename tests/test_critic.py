@@ -4,9 +4,21 @@ its values, its checkpoint, and a short run end to end."""
 
 from __future__ import annotations
 
-import pytest
+import copy
+import math
+from pathlib import Path
 
-from asyncrl.config import ConfigError, load_config
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from asyncrl.algorithms.finite import NonFiniteError
+from asyncrl.algorithms.gae import explained_variance, gae, value_loss, whiten
+from asyncrl.config import AlgorithmConfig, ConfigError, CriticConfig, OptimConfig, load_config
+from asyncrl.learner import Learner, pack_batch
+from asyncrl.learner.critic import Critic
+from asyncrl.learner.value_model import load_value_model, token_values
+from asyncrl.types import Trajectory
 
 
 @pytest.mark.parametrize("overrides, says", [
@@ -32,3 +44,95 @@ def test_a_critic_is_off_by_default_and_on_with_any_of_its_keys():
     assert cfg.critic.optim.lr == 3e-4 and cfg.critic.lora.rank == 4 and cfg.critic.value_clip == 0.2
     assert cfg.critic.model.path is None and cfg.critic.warmup_steps == 0
     assert (cfg.algorithm.gamma, cfg.algorithm.lam, cfg.algorithm.whiten_advantages) == (1.0, 0.95, None)
+
+
+POLICY = str(Path(__file__).resolve().parents[1] / "models" / "countdown-tiny")
+
+
+def policy_and_tokenizer():
+    return AutoModelForCausalLM.from_pretrained(POLICY), AutoTokenizer.from_pretrained(POLICY)
+
+
+def hand_batch(tokenizer, outcomes=(1.0, 0.0, 0.5, 0.0)):
+    """Four one-turn answers to one Countdown-like prompt, the second with a tool's output
+    (mask 0) between two model turns; outcome rewards on each last model token."""
+    prompt = tokenizer.encode("<|im_start|>user\n1 2 3 -> 6<|im_end|>\n<|im_start|>assistant\n")
+    rows = []
+    for i, text in enumerate(["1+2+3<|im_end|>", "3*2 = 6<|im_end|>", "6<|im_end|>", "2*3<|im_end|>"]):
+        ids = tokenizer.encode(text)
+        mask = [1] * len(ids)
+        if i == 1:
+            mask[3:6] = [0, 0, 0]  # a tool's output: not an action
+        rows.append(Trajectory(prompt, ids, mask, [-1.5 + 0.01 * j for j in range(len(ids))], [0] * len(ids)))
+    return pack_batch(rows, list(outcomes), tokenizer.pad_token_id, outcomes=True)
+
+
+def critic_learner(policy, tokenizer, critic_cfg=None, *, algorithm=None, seed=0):
+    cfg = critic_cfg or CriticConfig(optim={"lr": 1e-3})
+    critic = Critic(load_value_model(POLICY), tokenizer, cfg, total_steps=10, seed=seed)
+    return Learner(policy, tokenizer, algorithm=algorithm or AlgorithmConfig(advantage="gae"), total_steps=10,
+                   temperature=1.0, optim=OptimConfig(lr=1e-3), seed=seed, critic=critic)
+
+
+def test_the_batch_carries_the_outcome_on_each_last_model_token(char_tokenizer):
+    _, tokenizer = policy_and_tokenizer()
+    b = hand_batch(tokenizer)
+    assert b.rewards.shape == b.loss_mask.shape and b.advantages.abs().sum() == 0
+    for i, outcome in enumerate((1.0, 0.0, 0.5, 0.0)):
+        last = int(b.loss_mask[i].nonzero().max())
+        assert b.rewards[i, last] == outcome and b.rewards[i].sum() == outcome
+    assert b.slice(1, 3).rewards.shape == b.slice(1, 3).loss_mask.shape
+
+
+def test_a_learner_with_a_critic_trains_the_policy_on_gae_of_the_critics_values():
+    policy, tokenizer = policy_and_tokenizer()
+    before = copy.deepcopy(policy)
+    learner = critic_learner(policy, tokenizer)
+    b = hand_batch(tokenizer)
+    # by hand: the critic's values now, GAE over the actions, whitened over the batch's actions
+    with torch.no_grad():
+        values = token_values(learner.critic.engine.model, b.input_ids, b.attention_mask)[:, :-1]
+    by_hand, returns = gae(b.rewards, values, b.loss_mask, gamma=1.0, lam=0.95)
+    targets = learner.critic.targets(b, learner.micro_batches(b), learner._filler, learner.algorithm)
+    torch.testing.assert_close(targets.advantages, whiten(by_hand, b.loss_mask))
+    torch.testing.assert_close(targets.returns, returns)
+    critic_before = copy.deepcopy(learner.critic.engine.module.state_dict())
+
+    metrics = learner.train_step(b)
+    for key in ("critic/value_loss", "critic/explained_variance", "critic/value_clip_frac", "critic/returns_mean"):
+        assert math.isfinite(metrics[key]), key
+    mask = b.loss_mask.bool()
+    assert metrics["critic/returns_mean"] == pytest.approx(float(returns[mask].mean()), rel=1e-5)
+    explained = float(explained_variance(values, returns, b.loss_mask))
+    assert metrics["critic/explained_variance"] == pytest.approx(explained, abs=1e-4)
+    assert metrics["critic/value_clip_frac"] == 0.0  # the first step's V is V_old: nothing to clip
+    loss, _ = value_loss(values, values, returns, b.loss_mask, clip=0.2)
+    assert metrics["critic/value_loss"] == pytest.approx(float(loss), rel=1e-4)
+    assert learner.version == 1 and learner.critic.engine.version == 1
+    assert any(not torch.equal(p, before.state_dict()[k]) for k, p in policy.state_dict().items())
+    assert any(not torch.equal(p, critic_before[k]) for k, p in learner.critic.engine.module.state_dict().items())
+    second = learner.train_step(hand_batch(tokenizer))
+    assert second["critic/value_loss"] < metrics["critic/value_loss"]  # the same targets, one step closer
+    assert learner.version == 2
+
+
+def test_critic_warm_up_moves_the_critic_only_and_the_version_still_advances():
+    policy, tokenizer = policy_and_tokenizer()
+    before = copy.deepcopy(policy.state_dict())
+    learner = critic_learner(policy, tokenizer, CriticConfig(warmup_steps=1))
+    metrics = learner.train_step(hand_batch(tokenizer))
+    assert all(torch.equal(p, before[k]) for k, p in policy.state_dict().items())
+    assert metrics["actor/optimizer_steps"] == 0 and learner.version == 1 and learner.critic.engine.version == 1
+    learner.train_step(hand_batch(tokenizer))
+    assert any(not torch.equal(p, before[k]) for k, p in policy.state_dict().items())
+
+
+def test_non_finite_critic_values_stop_the_step_before_anything_moves():
+    policy, tokenizer = policy_and_tokenizer()
+    learner = critic_learner(policy, tokenizer)
+    with torch.no_grad():
+        learner.critic.engine.module.score.weight.fill_(float("nan"))
+    before = copy.deepcopy(policy.state_dict())
+    with pytest.raises(NonFiniteError, match="non-finite critic values at step 1"):
+        learner.train_step(hand_batch(tokenizer))
+    assert all(torch.equal(p, before[k]) for k, p in policy.state_dict().items()) and learner.version == 0

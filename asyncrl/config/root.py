@@ -203,6 +203,9 @@ class Config(Section):
                              "policy's weights with a value head) or critic.model.path" if self.critic is None else
                              f"critic is set, but algorithm.advantage={self.algorithm.advantage} reads no values: set "
                              "algorithm.advantage=gae, or critic=null")
+        if self.critic is not None and self.learner.streaming:
+            raise ValueError("learner.streaming=true trains a step's groups as they come, but a critic's advantages "
+                             "are whitened over the whole batch; set learner.streaming=false with a critic")
         if self.critic is not None and self.teacher.url:
             raise ValueError("teacher.url (on-policy distillation) puts its term on a group-relative advantage; with "
                              "algorithm.advantage=gae it is not built: set teacher.url=null, or another estimator")

@@ -39,6 +39,7 @@ it only sees a model whose trainable parameters are fewer.
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,7 @@ from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mis
 from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
+from asyncrl.learner.critic import Critic
 from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, micro_batch_bounds: importable here too)
     MicroBatchLoop,
     TrainEngine,
@@ -94,7 +96,7 @@ class Learner:
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
                  sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True,
                  lora: LoraConfig | None = None, update: UpdateKind | None = None,
-                 autocast: str | None = None) -> None:
+                 autocast: str | None = None, critic: Critic | None = None) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's policy, wrapped here — already its own shards when it was loaded that way
         (``learner/sharded_load.py``), else a whole copy (the KL reference, if any, stays a
@@ -104,7 +106,8 @@ class Learner:
         ``model`` (wrapped in place) instead of its weights; one rank only. ``update``:
         what the engines are sent (``export.update_kind``; default: what ``lora`` says for
         the built-in engine). ``autocast``:
-        ``learner.autocast`` (:func:`autocast_dtype`)."""
+        ``learner.autocast`` (:func:`autocast_dtype`). ``critic``: a value model trained beside
+        the policy (``critic.py``), whose values make each batch's per-token advantages."""
         self.sharding = sharding
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
@@ -124,6 +127,7 @@ class Learner:
         self.engine = TrainEngine.build(model, tokenizer, optim, total_steps, lora=lora, seed=seed,
                                         sharding=sharding, autocast=autocast, version=version)
         self.device = sharding.device if sharding is not None else next(self.model.parameters()).device
+        self.critic = critic
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.pad_id = tokenizer.pad_token_id or 0
         self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
@@ -248,13 +252,19 @@ class Learner:
         first, last = self.sharding.rows(batch.size) if self.sharding is not None else (0, batch.size)
         mine = batch.rows(first, last).to(self.device)  # this rank's rows; every count below is the whole batch's
         self.model.train()
+        targets = None
+        if self.critic is not None:  # per-token advantages from the critic's values now (critic.py)
+            targets = self.critic.targets(mine, self.micro_batches(mine), self._filler, self.algorithm)
+            mine = mine.with_advantages(targets.advantages)
+            if self.version < self.critic.config.warmup_steps:  # critic.warmup_steps: the policy waits
+                steps = []
         # π_prox: the weights at the start of this batch (decoupled PPO), or μ itself (bypass).
         # With one optimizer step per batch those are the weights of that step's own forward
         # pass, so its logprobs, detached, are π_prox's: no extra pass (a third of the step).
         recompute = not (self.algorithm.bypass or on_policy)
         from_forward = recompute and len(steps) == 1
-        proximal = self.logprobs(self.model, mine) if recompute and not from_forward else None
-        reference = self.reference_logprobs(mine)
+        proximal = self.logprobs(self.model, mine) if recompute and not from_forward and steps else None
+        reference = self.reference_logprobs(mine) if steps else None
         batch_counts = _counts(batch.loss_mask).to(self.device)
         sums: dict[str, torch.Tensor] = {}
         norms = []
@@ -271,7 +281,11 @@ class Learner:
             if proximal is None:  # the weights moved: only a recomputed π_prox is still the start's policy
                 self._mismatch = None
         self._mismatch = None
-        return self._end_batch(sums, norms, batch_counts[0], mismatch)
+        if targets is None:
+            return self._end_batch(sums, norms, batch_counts[0], mismatch)
+        critic = self.critic.train(mine, self.micro_batches(mine), self._filler, targets, batch_counts,
+                                   self.algorithm.aggregation)
+        return {**self._end_batch(sums, norms, batch_counts[0], mismatch), **critic}
 
     def _no_mismatch(self) -> torch.Tensor:
         """Empty :func:`~asyncrl.algorithms.mismatch.mismatch_sums`, to add a batch's micro-batches to."""
@@ -282,7 +296,9 @@ class Learner:
         """After a batch's optimizer steps (their gradient ``norms``): the LR schedule, the
         weights' finite check, the new version, and the metrics from ``sums`` (each already
         the batch's mean over its ``tokens``, or sequences) and ``mismatch``'s sums by lag."""
-        self.engine.advance()  # the LR schedule and the new version
+        with warnings.catch_warnings():  # no step (critic.warmup_steps): the schedule still counts the batch
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.engine.advance()  # the LR schedule and the new version
         self.model.eval()
         sums["nonfinite_weights"] = self._local_nonfinite()  # summed over ranks and read with the metrics
         if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
@@ -297,7 +313,7 @@ class Learner:
                                  "is written")
         if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
-        out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": self.scheduler.get_last_lr()[0],
+        out.update({"actor/grad_norm": sum(norms) / max(len(norms), 1), "actor/lr": self.scheduler.get_last_lr()[0],
                     "actor/tokens": float(tokens), "actor/optimizer_steps": float(len(norms))})
         out.update(mismatch_metrics(mismatch))
         return out
@@ -311,6 +327,9 @@ class Learner:
         are known only once its last part is in — and the weights do not move, so π_prox is
         each pass's own forward, detached (μ for an ``on_policy`` part, or in bypass), as in
         a one-step :meth:`train_step`. One rank and one optimizer step per batch only."""
+        if self.critic is not None:
+            raise ValueError("a streamed step has no critic: its advantages need the whole batch's values "
+                             "(set learner.streaming=false with algorithm.advantage=gae)")
         if self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
             raise ValueError("a streamed step is one optimizer step on one rank: it needs learner.world_size=1, "
                              "optim.ppo_epochs=1 and optim.mini_batches=1")
