@@ -136,3 +136,51 @@ def test_non_finite_critic_values_stop_the_step_before_anything_moves():
     with pytest.raises(NonFiniteError, match="non-finite critic values at step 1"):
         learner.train_step(hand_batch(tokenizer))
     assert all(torch.equal(p, before[k]) for k, p in policy.state_dict().items()) and learner.version == 0
+
+
+def critic_state(learner):
+    """The critic's weights and optimizer state. With LoRA, peft keeps the value head it
+    wrapped (``score.original_module``, the new head as first drawn) beside the head that
+    trains and is saved (``score.modules_to_save``): only the latter computes, so only it is
+    compared."""
+    engine = learner.critic.engine
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items() if "original_module" not in k}
+    return weights, copy.deepcopy(engine.optimizer.state_dict())
+
+
+def assert_same_state(a, b):
+    (weights_a, optim_a), (weights_b, optim_b) = a, b
+    assert weights_a.keys() == weights_b.keys() and all(torch.equal(weights_a[k], weights_b[k]) for k in weights_a)
+    assert optim_a["param_groups"] == optim_b["param_groups"]
+    assert optim_a["state"].keys() == optim_b["state"].keys()
+    for i, state in optim_a["state"].items():
+        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(optim_b["state"][i][k])) for k, v in state.items())
+
+
+@pytest.mark.parametrize("lora", [None, {"rank": 4}], ids=["full", "lora"])
+def test_a_checkpoint_holds_the_critic_and_its_optimizer_and_resume_continues_exactly(tmp_path, lora):
+    policy, tokenizer = policy_and_tokenizer()
+    cfg = CriticConfig(optim={"lr": 1e-3}, lora=lora)
+    learner = critic_learner(policy, tokenizer, cfg)
+    learner.train_step(hand_batch(tokenizer))
+    learner.save_checkpoint(tmp_path / "step_1")
+    assert (tmp_path / "step_1" / "critic" / "optimizer").is_dir()
+    saved = critic_state(learner)
+
+    resumed = critic_learner(policy_and_tokenizer()[0], tokenizer, cfg, seed=1)  # another head, other adapters
+    resumed.load_checkpoint(tmp_path / "step_1")
+    assert_same_state(critic_state(resumed), saved)
+    assert resumed.version == 1 and resumed.critic.engine.version == 1
+    assert resumed.critic.engine.lr == learner.critic.engine.lr
+    # the next step is the uninterrupted run's
+    assert resumed.train_step(hand_batch(tokenizer)) == learner.train_step(hand_batch(tokenizer))
+    assert_same_state(critic_state(resumed), critic_state(learner))
+
+
+def test_a_run_with_a_critic_refuses_a_checkpoint_without_one(tmp_path):
+    policy, tokenizer = policy_and_tokenizer()
+    plain = Learner(policy, tokenizer, algorithm=AlgorithmConfig(), total_steps=10, temperature=1.0,
+                    optim=OptimConfig(lr=1e-3))
+    plain.save_checkpoint(tmp_path / "step_0")
+    with pytest.raises(ConfigError, match="holds no critic"):
+        critic_learner(policy_and_tokenizer()[0], tokenizer).load_checkpoint(tmp_path / "step_0")

@@ -42,6 +42,10 @@ from asyncrl.learner.value_model import load_value_model, token_values
 from asyncrl.policy import resolve_device, weights_dtype
 from asyncrl.seeding import derive_seed
 
+CRITIC_DIR = "critic"
+"""A learner checkpoint's sub-directory holding the critic: a Hugging Face value model
+(``value_model.py``: ``critic.model.path`` can start a run from it), its trainer state and
+optimizer state, as ``checkpoint_io`` writes a learner's."""
 Part = tuple[int | None, TrainBatch]  # (first row in the batch, the micro-batch): the learner's cut
 
 

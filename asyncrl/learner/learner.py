@@ -51,10 +51,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3, token_logprobs
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, nonfinite_parameters
 from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
-from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
+from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.critic import Critic
+from asyncrl.learner.critic import CRITIC_DIR, Critic
 from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, micro_batch_bounds: importable here too)
     MicroBatchLoop,
     TrainEngine,
@@ -481,11 +481,18 @@ class Learner:
         if bad:
             raise NonFiniteError(f"refusing to write {path}: {bad} weight tensors hold NaN or infinity; the last "
                                  "checkpoint written is the last good one")
-        return write_checkpoint(self, path, extra, files)
+        return write_checkpoint(self, path, extra, files,
+                                parts={CRITIC_DIR: self.critic.engine} if self.critic is not None else None)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Continue from the checkpoint at ``path`` (``checkpoint_io.restore_checkpoint``);
-        returns its trainer state. Sharded, every rank calls it."""
+        returns its trainer state; the critic's from its ``critic/`` (before the policy's,
+        whose RNG streams are the ones the run continues with). Sharded, every rank calls it."""
+        if self.critic is not None:
+            if not (path / CRITIC_DIR).is_dir():
+                raise ConfigError(f"{path} holds no critic ({CRITIC_DIR}/): it was written by a run without one; "
+                                  "resume with the run's own critic and algorithm.advantage settings")
+            restore_checkpoint(self.critic.engine, path / CRITIC_DIR)
         return restore_checkpoint(self, path)
 
 
