@@ -5,15 +5,18 @@ its values, its checkpoint, and a short run end to end."""
 from __future__ import annotations
 
 import copy
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.algorithms.gae import explained_variance, gae, value_loss, whiten
+from asyncrl.cli import main
 from asyncrl.config import AlgorithmConfig, ConfigError, CriticConfig, OptimConfig, load_config
 from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.critic import Critic
@@ -184,3 +187,40 @@ def test_a_run_with_a_critic_refuses_a_checkpoint_without_one(tmp_path):
     plain.save_checkpoint(tmp_path / "step_0")
     with pytest.raises(ConfigError, match="holds no critic"):
         critic_learner(policy_and_tokenizer()[0], tokenizer).load_checkpoint(tmp_path / "step_0")
+
+
+@pytest.mark.slow
+def test_train_with_gae_and_resume_end_to_end(tmp_path, policy_dir):
+    """``asyncrl train`` with ``algorithm.advantage=gae``: the critic's four metrics each step,
+    the critic in each checkpoint, and ``resume=true`` going on from it."""
+    out = tmp_path / "gae"
+    args = ["train", "examples/countdown/async.yaml", f"model.path={policy_dir}", f"output_dir={out}",
+            "algorithm.advantage=gae", "critic.value_clip=0.2", "batch_size=2", "group_size=4", "eval_every=0",
+            "eval.num_tasks=4", "eval.samples_per_task=1", "task.num_validation=4", "save_every=3"]
+    assert main([*args, "total_steps=3"]) == 0
+    assert (out / "checkpoints" / "step_3" / "critic" / "model.safetensors").is_file()
+    assert main([*args, "total_steps=4", "resume=true"]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in trained] == [1, 2, 3, 4]
+    for row in trained:
+        assert all(math.isfinite(row[f"critic/{k}"])
+                   for k in ("value_loss", "explained_variance", "value_clip_frac", "returns_mean"))
+
+
+@pytest.mark.equivalence
+@pytest.mark.slow
+def test_eta_0_is_sync_with_a_critic(tmp_path, policy_dir):
+    """``mode=async max_staleness=0`` trains on ``mode=sync``'s samples with a critic too:
+    the same tokens, rewards and evaluations, the policy and the critic within float noise
+    (``tests/test_reproducible.py`` says why not bit for bit)."""
+    from test_reproducible import WEIGHT_ATOL, run, same_run
+
+    gae_run = ("algorithm.advantage=gae", "critic=true")
+    sync = run(tmp_path, policy_dir, "sync", "mode=sync", "partial_rollout=off", *gae_run)
+    async0 = run(tmp_path, policy_dir, "async0", "mode=async", "max_staleness=0", *gae_run)
+    assert same_run(sync, async0) <= WEIGHT_ATOL
+    critics = [load_file(max((tmp_path / name).glob("checkpoints/step_*"), key=lambda p: int(p.name[5:]))
+                         / "critic" / "model.safetensors") for name in ("sync", "async0")]
+    assert critics[0].keys() == critics[1].keys()
+    assert max(float((critics[0][k] - critics[1][k]).abs().max()) for k in critics[0]) <= WEIGHT_ATOL

@@ -162,10 +162,14 @@ class Critic:
 def build_critic(cfg: Config, tokenizer: PreTrainedTokenizerBase, sharding: Sharding | None = None) -> Critic | None:
     """A run's critic (None without ``critic``): the value model at ``critic.model.path``
     (default ``model.path``: the policy's backbone with a new head) in the policy's dtype, on
-    this rank's device."""
+    this rank's device. A new head is drawn from the run's seed alone, not from whatever the
+    global RNG holds, so every placement of the learner (its thread, its own process, a
+    rank) starts from the same critic."""
     if cfg.critic is None:
         return None
-    model = load_value_model(cfg.critic.model.path or cfg.model.path, weights_dtype(cfg.model.dtype))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(derive_seed(cfg.seed, "value_head"))
+        model = load_value_model(cfg.critic.model.path or cfg.model.path, weights_dtype(cfg.model.dtype))
     device = sharding.device if sharding is not None else resolve_device(cfg.model.device)
     return Critic(model.to(device), tokenizer, cfg.critic, total_steps=cfg.total_steps, seed=cfg.seed,
                   sharding=sharding, autocast=cfg.learner.autocast)
