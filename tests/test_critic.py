@@ -4,7 +4,9 @@ its values, its checkpoint, and a short run end to end."""
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -96,7 +98,7 @@ def test_a_learner_with_a_critic_trains_the_policy_on_gae_of_the_critics_values(
     with torch.no_grad():
         values = token_values(learner.critic.engine.model, b.input_ids, b.attention_mask)[:, :-1]
     by_hand, returns = gae(b.rewards, values, b.loss_mask, gamma=1.0, lam=0.95)
-    targets = learner.critic.targets(b, learner.micro_batches(b), learner._filler, learner.algorithm)
+    targets = learner.critic.targets(b, learner.micro_batches, learner._filler, learner.algorithm)
     torch.testing.assert_close(targets.advantages, whiten(by_hand, b.loss_mask))
     torch.testing.assert_close(targets.returns, returns)
     critic_before = copy.deepcopy(learner.critic.engine.module.state_dict())
@@ -224,3 +226,38 @@ def test_eta_0_is_sync_with_a_critic(tmp_path, policy_dir):
                          / "critic" / "model.safetensors") for name in ("sync", "async0")]
     assert critics[0].keys() == critics[1].keys()
     assert max(float((critics[0][k] - critics[1][k]).abs().max()) for k in critics[0]) <= WEIGHT_ATOL
+
+
+def gae_batch(seed, rows=5):
+    """``test_sharded_learner.batch``'s rows (uneven lengths, a tool token) with outcome rewards."""
+    from test_sharded_learner import batch
+
+    b = batch(seed, rows)
+    g = torch.Generator().manual_seed(seed + 100)
+    rewards = torch.zeros_like(b.loss_mask)
+    last = (b.loss_mask * torch.arange(b.loss_mask.shape[1])).argmax(-1)  # each row's last model token
+    rewards[torch.arange(rows), last] = torch.randn(rows, generator=g)
+    return dataclasses.replace(b, advantages=torch.zeros(rows), rewards=rewards)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_the_critic_as_one_does(policy_dir):
+    """``learner.world_size=2`` (FSDP2 over gloo): the critic is sharded as the policy is, and
+    two steps' metrics — the second step's critic metrics read the critic the first step
+    trained, its actor metrics the advantages of those values, whitened over both ranks —
+    are one rank's. (Metrics only: the weights' bound is ``test_sharded_learner``'s.)"""
+    from test_sharded_learner import assert_same_metrics, config, one_rank, started
+
+    critic = ["algorithm.advantage=gae", "critic.optim.lr=1e-3"]
+    _, _, expected = one_rank(config(policy_dir, *critic), gae_batch(0), gae_batch(1))
+
+    async def scenario():
+        learner = await started(config(policy_dir, *critic, "learner.world_size=2", "learner.strategy=fsdp2",
+                                       "optim.micro_batch_size=1"))
+        try:
+            return [await learner.train_step(gae_batch(0), False), await learner.train_step(gae_batch(1), False)]
+        finally:
+            await learner.shutdown()
+
+    for actual, wanted in zip(asyncio.run(scenario()), expected, strict=True):
+        assert_same_metrics(actual, wanted)

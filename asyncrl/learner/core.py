@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -345,7 +346,9 @@ class TrainEngine:
         """A new version: the LR schedule's next step (unless ``schedule`` is false: the caller
         sets the LR itself, as a Tinker client does) and ``version`` + 1, returned."""
         if schedule:
-            self.scheduler.step()
+            with warnings.catch_warnings():  # a version with no optimizer step (critic.warmup_steps) still counts
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
         self.version += 1
         return self.version
 

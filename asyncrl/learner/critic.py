@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -34,8 +35,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.algorithms.correction import clean
 from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.algorithms.gae import gae, value_loss, whiten
-from asyncrl.config import AlgorithmConfig, Config, CriticConfig
+from asyncrl.config import AlgorithmConfig, Config, ConfigError, CriticConfig
 from asyncrl.learner.batch import TrainBatch
+from asyncrl.learner.checkpoint_io import restore_checkpoint
 from asyncrl.learner.core import TrainEngine
 from asyncrl.learner.distributed import Sharding
 from asyncrl.learner.value_model import load_value_model, token_values
@@ -81,14 +83,15 @@ class Critic:
             out[start:start + part.size, :v.shape[1]] = v
         return out
 
-    def targets(self, batch: TrainBatch, parts: Sequence[Part], filler: Callable[[], Part],
+    def targets(self, batch: TrainBatch, cut: Callable[[TrainBatch], Sequence[Part]], filler: Callable[[], Part],
                 algorithm: AlgorithmConfig) -> Targets:
-        """V_old, GAE's returns and advantages of ``batch`` (this rank's rows; its ``rewards``
-        set). A non-finite value on a model token stops the step before anything moves."""
+        """V_old, GAE's returns and advantages of ``batch`` (this rank's rows, its ``rewards``
+        set, micro-batched by ``cut``). A non-finite value on a model token stops the step
+        before anything moves."""
         if batch.rewards is None:
             raise ValueError("a batch for a critic needs per-token rewards (pack_batch(..., outcomes=True))")
         self.engine.model.train()  # the mode it trains in: V and V_old one function of the weights
-        old = self.values(batch, parts, filler)
+        old = self.values(batch, cut(batch), filler)
         bad = (~torch.isfinite(old) & batch.loss_mask.bool()).sum().reshape(1)
         if int(self.sharding.sum(bad)[0] if self.sharding is not None else bad[0]):  # a sync, once a batch
             raise NonFiniteError(f"non-finite critic values at step {self.engine.version + 1}; no optimizer step "
@@ -98,13 +101,14 @@ class Critic:
             advantages = self._whiten(advantages, batch.loss_mask)
         return Targets(clean(old, batch.loss_mask.bool()), returns, advantages)
 
-    def train(self, batch: TrainBatch, parts: Sequence[Part], filler: Callable[[], Part], targets: Targets,
-              counts: torch.Tensor, aggregation: str) -> dict[str, float]:
+    def train(self, batch: TrainBatch, cut: Callable[[TrainBatch], Sequence[Part]], filler: Callable[[], Part],
+              targets: Targets, counts: torch.Tensor, algorithm: AlgorithmConfig) -> dict[str, float]:
         """One optimizer step of the clipped value loss on ``batch`` (this rank's rows, cut
-        into ``parts``), each micro-batch weighted by its share of the whole batch's
-        (token, sequence) ``counts``; then the LR schedule and version advance. Returns the
-        ``critic/*`` metrics, over the whole batch (summed over ranks)."""
+        into micro-batches by ``cut``), each weighted by its share of the whole batch's
+        (token, sequence) ``counts`` under ``algorithm.aggregation``; then the LR schedule and
+        version advance. Returns the ``critic/*`` metrics, over the whole batch (summed over ranks)."""
         tokens, sequences = counts.clamp(min=1)
+        aggregation = algorithm.aggregation
         sums: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
 
@@ -125,7 +129,7 @@ class Critic:
             return loss * share
 
         self.engine.model.train()
-        self.engine.accumulate(parts, loss_of, filler)
+        self.engine.accumulate(cut(batch), loss_of, filler)
         norm = self.engine.step({"critic/value_loss": torch.stack(losses).sum()}, grad_norm_name="critic/grad_norm",
                                 hint="Lower critic.optim.lr, or check the rewards of this batch (samples.jsonl)")
         self.engine.advance()
@@ -139,6 +143,18 @@ class Critic:
         return {"critic/value_loss": loss, "critic/value_clip_frac": clip_frac, "critic/returns_mean": returns_mean,
                 "critic/explained_variance": _explained(n, r, r2, d, d2), "critic/grad_norm": norm,
                 "critic/lr": self.engine.lr}
+
+    def parts(self) -> dict[str, TrainEngine]:
+        """What a learner checkpoint holds of the critic (``checkpoint_io.write_checkpoint``'s ``parts``)."""
+        return {CRITIC_DIR: self.engine}
+
+    def load_checkpoint(self, path: Path) -> None:
+        """The critic of the learner checkpoint at ``path``: weights, optimizer, schedule,
+        version; a checkpoint without one (a run without a critic) is refused."""
+        if not (path / CRITIC_DIR).is_dir():
+            raise ConfigError(f"{path} holds no critic ({CRITIC_DIR}/): it was written by a run without one; "
+                              "resume with the run's own critic and algorithm.advantage settings")
+        restore_checkpoint(self.engine, path / CRITIC_DIR)
 
     def _values(self, part: TrainBatch) -> torch.Tensor:
         """V on ``part``'s target axis, (b, l-1): the value after token j is the state in

@@ -39,7 +39,6 @@ it only sees a model whose trainable parameters are fewer.
 from __future__ import annotations
 
 import copy
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,10 +50,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from asyncrl.algorithms import aggregate, entropy_from_logits, get_policy_loss, kl_k3, token_logprobs
 from asyncrl.algorithms.finite import NonFiniteError, count_nonfinite, nonfinite_parameters
 from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mismatch_sums
-from asyncrl.config import AlgorithmConfig, ConfigError, LoraConfig, OptimConfig
+from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.critic import CRITIC_DIR, Critic
+from asyncrl.learner.critic import Critic
 from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, micro_batch_bounds: importable here too)
     MicroBatchLoop,
     TrainEngine,
@@ -106,8 +105,7 @@ class Learner:
         ``model`` (wrapped in place) instead of its weights; one rank only. ``update``:
         what the engines are sent (``export.update_kind``; default: what ``lora`` says for
         the built-in engine). ``autocast``:
-        ``learner.autocast`` (:func:`autocast_dtype`). ``critic``: a value model trained beside
-        the policy (``critic.py``), whose values make each batch's per-token advantages."""
+        ``learner.autocast`` (:func:`autocast_dtype`). ``critic``: trained beside it (``critic.py``)."""
         self.sharding = sharding
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
@@ -252,12 +250,10 @@ class Learner:
         first, last = self.sharding.rows(batch.size) if self.sharding is not None else (0, batch.size)
         mine = batch.rows(first, last).to(self.device)  # this rank's rows; every count below is the whole batch's
         self.model.train()
-        targets = None
-        if self.critic is not None:  # per-token advantages from the critic's values now (critic.py)
-            targets = self.critic.targets(mine, self.micro_batches(mine), self._filler, self.algorithm)
+        targets = self.critic.targets(mine, self.micro_batches, self._filler, self.algorithm) if self.critic else None
+        if targets is not None:  # per-token advantages from the critic's values now (critic.py)
             mine = mine.with_advantages(targets.advantages)
-            if self.version < self.critic.config.warmup_steps:  # critic.warmup_steps: the policy waits
-                steps = []
+            steps = steps if self.version >= self.critic.config.warmup_steps else []  # critic.warmup_steps
         # π_prox: the weights at the start of this batch (decoupled PPO), or μ itself (bypass).
         # With one optimizer step per batch those are the weights of that step's own forward
         # pass, so its logprobs, detached, are π_prox's: no extra pass (a third of the step).
@@ -281,11 +277,10 @@ class Learner:
             if proximal is None:  # the weights moved: only a recomputed π_prox is still the start's policy
                 self._mismatch = None
         self._mismatch = None
-        if targets is None:
-            return self._end_batch(sums, norms, batch_counts[0], mismatch)
-        critic = self.critic.train(mine, self.micro_batches(mine), self._filler, targets, batch_counts,
-                                   self.algorithm.aggregation)
-        return {**self._end_batch(sums, norms, batch_counts[0], mismatch), **critic}
+        out = self._end_batch(sums, norms, batch_counts[0], mismatch)
+        if targets is not None:
+            out.update(self.critic.train(mine, self.micro_batches, self._filler, targets, batch_counts, self.algorithm))
+        return out
 
     def _no_mismatch(self) -> torch.Tensor:
         """Empty :func:`~asyncrl.algorithms.mismatch.mismatch_sums`, to add a batch's micro-batches to."""
@@ -296,9 +291,7 @@ class Learner:
         """After a batch's optimizer steps (their gradient ``norms``): the LR schedule, the
         weights' finite check, the new version, and the metrics from ``sums`` (each already
         the batch's mean over its ``tokens``, or sequences) and ``mismatch``'s sums by lag."""
-        with warnings.catch_warnings():  # no step (critic.warmup_steps): the schedule still counts the batch
-            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
-            self.engine.advance()  # the LR schedule and the new version
+        self.engine.advance()  # the LR schedule and the new version
         self.model.eval()
         sums["nonfinite_weights"] = self._local_nonfinite()  # summed over ranks and read with the metrics
         if self.sharding is not None:  # each rank summed its shares of the whole batch: add the ranks up
@@ -327,12 +320,9 @@ class Learner:
         are known only once its last part is in — and the weights do not move, so π_prox is
         each pass's own forward, detached (μ for an ``on_policy`` part, or in bypass), as in
         a one-step :meth:`train_step`. One rank and one optimizer step per batch only."""
-        if self.critic is not None:
-            raise ValueError("a streamed step has no critic: its advantages need the whole batch's values "
-                             "(set learner.streaming=false with algorithm.advantage=gae)")
-        if self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
+        if self.critic or self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
             raise ValueError("a streamed step is one optimizer step on one rank: it needs learner.world_size=1, "
-                             "optim.ppo_epochs=1 and optim.mini_batches=1")
+                             "optim.ppo_epochs=1 and optim.mini_batches=1, and no critic")
         if self._stream is None:  # the engine starts the step's gradients from zero
             self._stream = _Stream(torch.zeros(2, device=self.device), self._no_mismatch())
         stream, batch = self._stream, batch.to(self.device)
@@ -481,18 +471,14 @@ class Learner:
         if bad:
             raise NonFiniteError(f"refusing to write {path}: {bad} weight tensors hold NaN or infinity; the last "
                                  "checkpoint written is the last good one")
-        return write_checkpoint(self, path, extra, files,
-                                parts={CRITIC_DIR: self.critic.engine} if self.critic is not None else None)
+        return write_checkpoint(self, path, extra, files, parts=self.critic.parts() if self.critic else None)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Continue from the checkpoint at ``path`` (``checkpoint_io.restore_checkpoint``);
-        returns its trainer state; the critic's from its ``critic/`` (before the policy's,
-        whose RNG streams are the ones the run continues with). Sharded, every rank calls it."""
+        returns its trainer state (the critic's first: the policy's RNG streams are the ones the
+        run goes on with). Sharded, every rank calls it."""
         if self.critic is not None:
-            if not (path / CRITIC_DIR).is_dir():
-                raise ConfigError(f"{path} holds no critic ({CRITIC_DIR}/): it was written by a run without one; "
-                                  "resume with the run's own critic and algorithm.advantage settings")
-            restore_checkpoint(self.critic.engine, path / CRITIC_DIR)
+            self.critic.load_checkpoint(path)
         return restore_checkpoint(self, path)
 
 
