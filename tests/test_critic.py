@@ -23,6 +23,7 @@ from asyncrl.config import AlgorithmConfig, ConfigError, CriticConfig, OptimConf
 from asyncrl.learner import Learner, pack_batch
 from asyncrl.learner.critic import Critic
 from asyncrl.learner.value_model import load_value_model, token_values
+from asyncrl.orchestrator.invariants import OK, SKIP, WARN, check_run, critic_explains
 from asyncrl.types import Trajectory
 
 
@@ -261,3 +262,15 @@ def test_two_ranks_train_the_critic_as_one_does(policy_dir):
 
     for actual, wanted in zip(asyncio.run(scenario()), expected, strict=True):
         assert_same_metrics(actual, wanted)
+
+
+def test_doctor_warns_when_the_critic_explains_nothing_after_its_warm_up():
+    rows = [{"step": i, "critic/explained_variance": v} for i, v in enumerate([0.3, -0.2, -0.1, -0.4], start=1)]
+    config = {"critic": {"warmup_steps": 1}}
+    finding = critic_explains(config, rows)
+    assert (finding.status, finding.step) == (WARN, 2) and "the last 3 steps" in finding.evidence
+    assert critic_explains(config, [*rows, {"step": 5, "critic/explained_variance": 0.1}]).status == OK
+    assert critic_explains({"critic": {"warmup_steps": 4}}, rows).status == SKIP  # nothing after the warm-up
+    names = [f.name for f in check_run(config, 1, [{"step": 0}, *rows], [], [])]
+    assert "critic explains the returns" in names
+    assert "critic explains the returns" not in [f.name for f in check_run({}, 1, [{"step": 0}, *rows], [], [])]
