@@ -242,12 +242,14 @@ def gae_batch(seed, rows=5):
 
 
 @pytest.mark.slow
-def test_two_ranks_train_the_critic_as_one_does(policy_dir):
+def test_two_ranks_train_the_critic_as_one_does(tmp_path, policy_dir):
     """``learner.world_size=2`` (FSDP2 over gloo): the critic is sharded as the policy is, and
     two steps' metrics — the second step's critic metrics read the critic the first step
     trained, its actor metrics the advantages of those values, whitened over both ranks —
-    are one rank's. (Metrics only: the weights' bound is ``test_sharded_learner``'s.)"""
-    from test_sharded_learner import assert_same_metrics, config, one_rank, started
+    are one rank's. Then a checkpoint the two ranks wrote, critic included, resumed by one
+    rank: its next step's metrics are the two ranks' next step's. (Metrics only: the
+    weights' bound is ``test_sharded_learner``'s.)"""
+    from test_sharded_learner import assert_same_metrics, config, joined, one_rank, started
 
     critic = ["algorithm.advantage=gae", "critic.optim.lr=1e-3"]
     _, _, expected = one_rank(config(policy_dir, *critic), gae_batch(0), gae_batch(1))
@@ -256,12 +258,19 @@ def test_two_ranks_train_the_critic_as_one_does(policy_dir):
         learner = await started(config(policy_dir, *critic, "learner.world_size=2", "learner.strategy=fsdp2",
                                        "optim.micro_batch_size=1"))
         try:
-            return [await learner.train_step(gae_batch(0), False), await learner.train_step(gae_batch(1), False)]
+            steps = [await learner.train_step(gae_batch(0), False), await learner.train_step(gae_batch(1), False)]
+            await learner.save_checkpoint(tmp_path / "two_ranks", {"step": 2}, {})
+            return steps, await learner.train_step(gae_batch(2), False)
         finally:
             await learner.shutdown()
 
-    for actual, wanted in zip(asyncio.run(scenario()), expected, strict=True):
+    steps, third = asyncio.run(scenario())
+    for actual, wanted in zip(steps, expected, strict=True):
         assert_same_metrics(actual, wanted)
+    resumed = joined(config(policy_dir, *critic))
+    resumed.load_checkpoint(tmp_path / "two_ranks")
+    assert resumed.learner.critic.engine.version == 2
+    assert_same_metrics(resumed.train_step(gae_batch(2), False), third)
 
 
 def test_doctor_warns_when_the_critic_explains_nothing_after_its_warm_up():
