@@ -170,7 +170,8 @@ def learner_kinds_table() -> str:
     for kind in LEARNER_KINDS.values():
         losses = ", ".join(f"`{n}`" for n in kind.losses) if kind.losses else "every registered one"
         lines.append(f"| {kind.name} | {_markdown(kind.summary)} | {' and '.join(sorted(kind.weights))} | "
-                     f"{yes(kind.streams)} | {yes(kind.shards)} | {yes(kind.sample_reuse)} | {losses} | "
+                     f"{yes(kind.streams)} | {yes(kind.shards)} | {yes(kind.sample_reuse)} | {yes(kind.critic)} | "
+                     f"{losses} | "
                      f"{kind.weights_out.replace('_', ' ')} | {kind.optimizer_state} | "
                      f"{_markdown(kind.install) if kind.needs else '—'} |")
     return "\n".join(lines)
@@ -185,8 +186,9 @@ on the CPU in every mode but `sync`) → `processes`; else `thread`. What each c
 of `asyncrl/config/learner_kinds.py`; a config asking more of its kind is refused in one line
 naming each key and what the kind needs.
 
-| kind | where | trains | streams | shards | reuses samples | policy losses | weights leave as | optimizer in | needs |
-|---|---|---|---|---|---|---|---|---|---|"""
+| kind | where | trains | streams | shards | reuses samples | critic | policy losses | weights leave as | optimizer in \
+| needs |
+|---|---|---|---|---|---|---|---|---|---|---|"""
 
 
 COMMON_NAMES_HEADER = """
