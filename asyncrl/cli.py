@@ -166,8 +166,9 @@ def _train(args: argparse.Namespace, failed_run: list[str]) -> None:
     try:
         checkpoint = trainer.run()
     except BaseException:
-        failed_run.append(f"asyncrl train: the run failed; last good checkpoint: "
-                          f"{trainer.last_checkpoint or 'none yet'}")
+        from asyncrl.orchestrator.announce import failed_note
+
+        failed_run.append(failed_note(trainer.output_dir, trainer.last_checkpoint))
         raise
     if trainer.finished:  # a resume with nothing to train: the trainer said why
         print(f"already finished; final checkpoint: {checkpoint}")

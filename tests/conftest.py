@@ -14,6 +14,15 @@ from asyncrl.tools.sandbox import SandboxUnavailable, bwrap_path
 # so two processes' math does not fight over both of them.
 torch.set_num_threads(max(1, 2 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
+# Ray, wherever a test starts it (a fixture's ray.init, a run's runtime=ray): set before Ray is
+# imported, so its driver and the raylet it starts read them. Ray's memory monitor kills a
+# worker when the *machine's* memory passes 95 %, whoever uses it: on a machine shared with
+# other jobs it killed a test that passes alone, so the tests turn it off (the kernel's OOM
+# killer still guards the machine). The object store is capped at 256 MiB (by default Ray
+# sizes it at 30 % of memory); the tests' tiny policies put kilobytes in it.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
+os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(256 << 20))
+
 
 def pytest_collection_modifyitems(config, items):
     """Every test that starts Ray runs in one test process (xdist's ``ray`` group), one

@@ -60,8 +60,39 @@ def test_learner_failure_exits_1_naming_the_last_checkpoint(tmp_path, policy_dir
     assert code == 1
     err = capsys.readouterr().err
     assert "loss exploded on the learner" in err
-    assert f"last good checkpoint: {out / 'checkpoints' / 'step_2'}" in err
+    assert f"last good checkpoint: {out / 'checkpoints' / 'step_2'}; continue from it with the same command and " \
+        "resume=true" in err
     assert (out / "checkpoints" / "step_2" / "model.safetensors").exists()
+
+
+def test_a_failure_before_any_checkpoint_says_there_is_nothing_to_resume_and_what_to_do(tmp_path, policy_dir, capsys):
+    CALLS["loss"] = 0
+    code, out = run(tmp_path, policy_dir, "early", "algorithm.policy_loss=test_faults:exploding_loss")
+    assert code == 1
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert ("last good checkpoint: none yet, so there is nothing to resume: start the run again with a new "
+            f"output_dir (or after removing {out})") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("engine, saved, want", [
+    ("remote", None, "interim"),  # a fleet, nothing saved yet: after the first step
+    ("vllm", None, "interim"),  # vLLM's own processes: lost on their own too
+    ("torch", None, None),  # in this process: the clock's saves alone
+    ("remote", "step_1", None),  # one written (or resumed from) already
+])
+def test_a_run_whose_rollouts_live_outside_its_process_checkpoints_after_its_first_step(tmp_path, engine, saved, want):
+    from pathlib import Path
+
+    from asyncrl.config import load_config
+    from asyncrl.orchestrator.run_checkpoints import RunCheckpoints
+
+    cfg = load_config("examples/countdown/async.yaml", [f"engine={engine}", "remote.urls=[http://127.0.0.1:9]"])
+    assert cfg.save_every == 0 and cfg.save_every_minutes > 0  # the defaults the lost fleet ran with
+    checkpoints = RunCheckpoints(cfg, tmp_path, Path(tmp_path / saved) if saved else None)
+    assert checkpoints.due(1) == want
+    assert checkpoints.due(cfg.total_steps) is None  # the run's end saves anyway
+    off = RunCheckpoints(cfg.model_copy(update={"save_every_minutes": 0.0}), tmp_path, None)
+    assert off.due(1) is None  # periodic saves off: only the end
 
 
 async def stuck_hook(event) -> None:

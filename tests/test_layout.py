@@ -154,6 +154,7 @@ def test_no_import_climbs_to_a_higher_floor():
     assert climbs(import_graph()) == []
 
 
+@pytest.mark.slow
 def test_every_floor_is_of_a_module_that_exists():
     assert [m for m in FLOORS if m not in import_graph()] == [], "a module left FLOORS behind: remove its entry"
 

@@ -360,6 +360,34 @@ def test_a_fleet_of_vllm_servers_is_described_with_each_servers_flags_and_no_key
     assert "/shared/w" in out and "no throughput prediction" in out and "problem:" not in out
 
 
+@pytest.mark.parametrize("device, cuda, on_cpu", [("auto", False, True), ("auto", True, False), ("cpu", True, True),
+                                                   ("cuda", False, False)])
+def test_the_vllm_server_command_names_a_directory_and_the_entry_point_for_the_servers_device(
+        monkeypatch, tmp_path, device, cuda, on_cpu):
+    """On 83737f1 ``asyncrl plan --server vllm`` printed ``vllm serve`` on ``device=auto`` (the
+    CPU build rejects it) and ``--model smollm2-135m-instruct`` (asyncrl's name, which vLLM
+    looks up on the hub and exits)."""
+    import shlex
+
+    import torch
+
+    from asyncrl import policy
+    from asyncrl.plan.fleet import server_command
+
+    monkeypatch.setattr(policy, "cached_model", lambda name: tmp_path / name)  # as `asyncrl models get` left it
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    cfg = load_config(EXAMPLE, ["engine=remote", "remote.urls=[http://127.0.0.1:8100]", f"model.device={device}",
+                                "model.path=smollm2-135m-instruct"])
+    words = shlex.split(server_command(cfg, EXAMPLE, [], cfg.remote.urls[0], "vllm", keyed=True))
+    assert words[words.index("--model") + 1] == str(tmp_path / "smollm2-135m-instruct")
+    program = words[words.index("VLLM_SERVER_DEV_MODE=1") + (2 if on_cpu else 1):words.index("--model")]
+    assert program == (["python", "-m", "vllm.entrypoints.openai.api_server"] if on_cpu else ["vllm", "serve"])
+    assert ("VLLM_CPU_KVCACHE_SPACE=1" in words) == on_cpu  # 1 GiB: the machine's memory left to the trainer
+    sized = load_config(EXAMPLE, ["engine=remote", "remote.urls=[http://127.0.0.1:8100]", "model.device=cpu",
+                                  "vllm.kv_cache_gb=3"])
+    assert "VLLM_CPU_KVCACHE_SPACE=3" in server_command(sized, EXAMPLE, [], sized.remote.urls[0], "vllm", keyed=True)
+
+
 def test_a_loopback_fleet_of_serve_engines_needs_no_key_and_the_trainers_command_reads_back(capsys):
     urls = "remote.urls=[http://127.0.0.1:8100,http://127.0.0.1:8101]"
     assert main(["plan", EXAMPLE, "engine=remote", urls, "batch_size=4"]) == 0

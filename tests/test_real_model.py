@@ -171,6 +171,7 @@ def test_a_tool_episode_with_an_abort_is_token_exact_and_the_learner_reproduces_
     assert moved > 10 * TOLERANCE  # the update changes logprobs far more than the tolerance allows
 
 
+@pytest.mark.slow
 def test_naive_retokenization_of_the_episode_and_the_recorded_ids(episode):
     """What a stack that keeps only text would train on: the conversation with its replies
     as text, rendered and encoded again. Recorded, not asserted: whether it drifts here

@@ -47,6 +47,7 @@ def test_nothing_listening_is_a_usage_error_said_in_seconds():
     assert took < 30, f"waited {took:.1f} s, not the 60 s of remote.control_timeout_s"
 
 
+@pytest.mark.slow
 def test_the_cli_says_nothing_listening_in_one_line_and_exits_2(tmp_path):
     url = f"http://127.0.0.1:{free_port()}"
     done = subprocess.run([sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "examples/addition/async.yaml"),
@@ -123,69 +124,48 @@ def test_a_fresh_run_on_servers_a_previous_run_left_serves_the_base(tmp_path):
     assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
 
 
-class _ClosesIdleConnections:
-    """An HTTP server that answers the first request of each connection (keep-alive) and
-    closes the connection, unanswered, when a second request arrives on it: what a server
-    that times out idle keep-alive connections looks like to a client that reuses one."""
+def test_a_never_used_server_is_reloaded_with_a_message_that_says_no_run_trained_it(capsys):
+    """A server whose label is none an asyncrl run sets (a fresh ``vllm serve``'s) is reloaded
+    to be sure, and the message no longer calls its weights "a previous run's"."""
+    from aiohttp import web
 
-    def __init__(self) -> None:
-        self.answered = 0
-        self.closed_unanswered = 0
+    from asyncrl.json_api import listen
 
-    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        first = True
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                               if line.lower().startswith(b"content-length:")), 0)
-                await reader.readexactly(length)
-                if not first:
-                    self.closed_unanswered += 1
-                    return
-                first = False
-                self.answered += 1
-                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n"
-                             b"Connection: keep-alive\r\n\r\n{}")
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass  # the client went away: nothing of this test's is lost
-        finally:
-            writer.close()
+    calls: list[str] = []
 
-
-def test_a_keep_alive_connection_the_server_closed_is_not_a_lost_server():
-    from asyncrl.engine.remote_fleet import Fleet
-    from asyncrl.engine.remote_wire import RemoteStats, Server
+    async def handle(request: web.Request) -> web.Response:
+        calls.append(f"{request.method} {request.path}")
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m", "root": "/models/m", "max_model_len": 64}]})
+        if request.path == "/weight_info":
+            return web.json_response({"weight_version": "default"})
+        return web.json_response({})
 
     async def main():
-        peer = _ClosesIdleConnections()
-        listener = await asyncio.start_server(peer.handle, "127.0.0.1", 0)
-        port = listener.sockets[0].getsockname()[1]
-        fleet = Fleet(RemoteConfig(urls=[f"http://127.0.0.1:{port}"], control_timeout_s=10), RemoteStats())
-        fleet.open()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        runner, url = await listen(app, "127.0.0.1", 0)
         try:
-            server: Server = fleet.servers[0]
-            server.usable = True
-            for _ in range(3):  # each call after the first reuses the connection the server then closes
-                assert await fleet.call(server, "POST", "/pause?mode=abort") == {}
-            return peer.answered, peer.closed_unanswered, server.usable, fleet.stats.servers_lost
+            remote = await RemoteEngine.connect(RemoteConfig(urls=[url]), fresh=True)
+            await remote.shutdown()
+            return url
         finally:
-            await fleet.close()
-            listener.close()
-            await listener.wait_closed()
+            await runner.cleanup()
 
-    answered, closed, usable, lost = asyncio.run(main())
-    assert closed >= 1, "the client never reused a connection: the case is not exercised"
-    assert answered == 3 and usable and lost == 0
+    url = asyncio.run(main())
+    err = capsys.readouterr().err
+    assert "POST /collective_rpc" in calls  # reloaded from its own directory all the same
+    assert (f"engine server {url} had its weights labelled 'default', a label no asyncrl run sets (never trained "
+            "by one): reloaded m's own weights for this fresh run") in err
+    assert "previous run" not in err
 
 
 def test_the_documented_vllm_server_commands_are_the_ones_plan_prints_and_the_lane_starts():
-    """docs/vllm.md and docs/scaling.md show the commands ``vllm_serve`` makes; the vLLM lane
-    (tests/test_vllm_remote.py) starts its servers from the same function."""
+    """docs/vllm.md, docs/planner.md and docs/scaling.md show the commands ``vllm_serve``
+    makes; the vLLM lane (tests/test_vllm_remote.py) starts its servers from the same function."""
     from asyncrl.plan.fleet import _args, vllm_serve
 
-    docs = {name: (ROOT / "docs" / name).read_text() for name in ("vllm.md", "scaling.md")}
+    docs = {name: (ROOT / "docs" / name).read_text() for name in ("vllm.md", "planner.md", "scaling.md")}
     for on_cpu in (False, True):
         env, words = vllm_serve("MODEL_DIR", host="0.0.0.0", port=8100, dtype="float32", on_cpu=on_cpu,
                                 api_key="$ASYNCRL_REMOTE_KEY")

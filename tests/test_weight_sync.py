@@ -366,6 +366,7 @@ def test_train_on_ray_with_collective_weight_sync(tmp_path, policy_dir, ray_clus
     assert [(e["version"], e["method"]) for e in syncs] == [(v, "collective") for v in range(1, 5)]
 
 
+@pytest.mark.slow
 def test_bench_sync_runs_both_methods_and_checks_the_weights(tmp_path, ray_cluster, capsys):
     from asyncrl.bench import run_bench
 

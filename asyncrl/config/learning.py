@@ -236,5 +236,5 @@ class LearnerConfig(Section):
     a sharded learner (``world_size`` > 1) runs every row whole."""
 
     @property
-    def effective_strategy(self) -> str:
+    def effective_strategy(self) -> Literal["fsdp2", "ddp"]:
         return self.strategy or "fsdp2"

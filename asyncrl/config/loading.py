@@ -6,6 +6,7 @@ import typing
 
 import json
 import re
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
@@ -92,14 +93,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return data
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: Sequence[str] = ()) -> Config:
     data = read_config_file(path) if path is not None else {}
     try:  # the file's `schedule:` keys as the top-level ones they are, so `mode=…` overrides either spelling
         data = flatten_schedule_keys(data)
     except ValueError as exc:
         raise ConfigError(f"{path}: {exc}") from None
-    overrides = [o.strip().removeprefix("schedule.") for o in overrides]
-    return validate(Config, apply_overrides(data, overrides))
+    return validate(Config, apply_overrides(data, [o.strip().removeprefix("schedule.") for o in overrides]))
 
 
 CONFIG_FILE = "config.yaml"
@@ -173,7 +173,7 @@ def changed_settings(before: dict[str, Any], config: Config) -> dict[str, tuple[
     return changed
 
 
-def record_config_changes(output_dir: str | Path, step: int, changed: dict[str, tuple[Any, Any]]) -> Path:
+def record_config_changes(output_dir: str | Path, step: int, changed: Mapping[str, tuple[Any, Any]]) -> Path:
     """Append a resume's changed settings to ``config_changes.jsonl``; returns its path."""
     path = Path(output_dir) / CONFIG_CHANGES_FILE
     row = {"resumed_from_step": step, "time": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -183,7 +183,7 @@ def record_config_changes(output_dir: str | Path, step: int, changed: dict[str, 
     return path
 
 
-def describe_changes(changed: dict[str, tuple[Any, Any]]) -> list[str]:
+def describe_changes(changed: Mapping[str, tuple[Any, Any]]) -> list[str]:
     """``key old → new``, one a setting."""
     def shown(value: Any) -> str:
         return value if isinstance(value, str) and value.strip() == value and value else json.dumps(value)

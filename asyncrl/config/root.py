@@ -157,10 +157,10 @@ class Config(Section):
                              + f"): the last micro-batch would be ragged; use a divisor of {per_step}")
         unstreamable = {"learner.world_size": self.learner.world_size, "optim.ppo_epochs": self.optim.ppo_epochs,
                         "optim.mini_batches": self.optim.mini_batches}
-        if self.learner.streaming and (beyond := [k for k, v in unstreamable.items() if v != 1]):
+        if self.learner.streaming and (not_one := [k for k, v in unstreamable.items() if v != 1]):
             raise ValueError("learner.streaming=true takes one optimizer step per batch on one learner rank, but "
-                             + " and ".join(f"{k}={unstreamable[k]}" for k in beyond)
-                             + "; set learner.streaming=false, or " + " and ".join(f"{k}=1" for k in beyond))
+                             + " and ".join(f"{k}={unstreamable[k]}" for k in not_one)
+                             + "; set learner.streaming=false, or " + " and ".join(f"{k}=1" for k in not_one))
         if self.rollout.engine_weight_noise and (not kind.in_process or self.weight_sync.check_every):
             raise ValueError(f"rollout.engine_weight_noise={self.rollout.engine_weight_noise:g} perturbs the built-in "
                              "engine's copy of the weights, which the delivery check would rightly call undelivered: "
@@ -223,14 +223,15 @@ class Config(Section):
                              "stop before it warned; raise the first or lower the second")
         return self
 
-    # the schedule's keys, read where the INTERFACE names them (``cfg.mode``)
-    mode = property(lambda self: self.schedule.mode)
-    max_staleness = property(lambda self: self.schedule.max_staleness)
-    partial_rollout = property(lambda self: self.schedule.partial_rollout)
-    stale_groups = property(lambda self: self.schedule.stale_groups)
-    sync_every = property(lambda self: self.schedule.sync_every)
-    effective_max_staleness = property(lambda self: self.schedule.effective_max_staleness)
-    effective_partial_rollout = property(lambda self: self.schedule.effective_partial_rollout)
+    # the schedule's keys, read where the INTERFACE names them (``cfg.mode``). pydantic leaves a property()
+    # alone; its mypy plugin takes one assigned without an annotation for an untyped field, hence the ignores
+    mode = property(lambda self: self.schedule.mode)  # type: ignore[pydantic-field]
+    max_staleness = property(lambda self: self.schedule.max_staleness)  # type: ignore[pydantic-field]
+    partial_rollout = property(lambda self: self.schedule.partial_rollout)  # type: ignore[pydantic-field]
+    stale_groups = property(lambda self: self.schedule.stale_groups)  # type: ignore[pydantic-field]
+    sync_every = property(lambda self: self.schedule.sync_every)  # type: ignore[pydantic-field]
+    effective_max_staleness = property(lambda self: self.schedule.effective_max_staleness)  # type: ignore[pydantic-field]
+    effective_partial_rollout = property(lambda self: self.schedule.effective_partial_rollout)  # type: ignore[pydantic-field]
 
     @property
     def engine_dtype(self) -> str:

@@ -21,16 +21,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any
+from typing import Any, Protocol, cast
 
+import torch
 from transformers import DynamicCache, PreTrainedModel
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 CACHE_ARGUMENTS = ("cache", "past_key_values")  # the current name first
 
 
 @functools.cache
-def cache_argument(model_class: type) -> str:
+def cache_argument(model_class: type[PreTrainedModel]) -> str:
     """The name under which ``model_class.forward`` takes its KV cache."""
     parameters = inspect.signature(model_class.forward).parameters
     for name in CACHE_ARGUMENTS:
@@ -41,7 +41,29 @@ def cache_argument(model_class: type) -> str:
                     f"a transformers causal LM (a *ForCausalLM class), or engine=vllm and learner.share_prompts=false")
 
 
-def forward_with_cache(model: PreTrainedModel, cache: DynamicCache, **inputs: Any) -> CausalLMOutputWithPast:
+class CausalLMOutput(Protocol):
+    """What a causal LM's forward returns, as the callers read it: its logits are always set
+    (``CausalLMOutputWithPast`` types every field optional)."""
+
+    logits: torch.Tensor
+
+
+class FilledLayer(Protocol):
+    """A full-attention cache layer a forward has written: its keys and values are tensors."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+def filled_layers(cache: DynamicCache) -> list[FilledLayer]:
+    """``cache``'s layers once a forward has written them: keys and values per layer (transformers
+    types a layer as any kind, filled or not)."""
+    return cast("list[FilledLayer]", cache.layers)
+
+
+def forward_with_cache(model: PreTrainedModel, cache: DynamicCache, **inputs: Any) -> CausalLMOutput:
     """``model(**inputs)`` attending over ``cache`` and appending this forward's keys and
     values to it, in place."""
-    return model(**inputs, **{cache_argument(type(model)): cache}, use_cache=True)
+    # a class is hashable, but mypy does not take type[PreTrainedModel] for Hashable
+    argument = cache_argument(type(model))  # type: ignore[arg-type]
+    return model(**inputs, **{argument: cache}, use_cache=True)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PretrainedConfig, PreTrainedModel
 
-from asyncrl.engine.hf_cache import forward_with_cache
+from asyncrl.engine.hf_cache import filled_layers, forward_with_cache
 from asyncrl.engine.sampling import RowParams
 from asyncrl.types import SamplingParams
 
@@ -83,7 +83,7 @@ class KVBatch:
     def merge(self, other: KVBatch) -> KVBatch:
         """``other``'s rows after this batch's, both left-padded to the longer cache."""
         length = max(self.attention_mask.shape[1], other.attention_mask.shape[1])
-        for la, lb in zip(self.cache.layers, other.cache.layers):
+        for la, lb in zip(filled_layers(self.cache), filled_layers(other.cache)):
             la.keys = torch.cat([left_pad(la.keys, length, -2), left_pad(lb.keys, length, -2)])
             la.values = torch.cat([left_pad(la.values, length, -2), left_pad(lb.values, length, -2)])
         params = self.params + other.params
@@ -105,7 +105,7 @@ class KVBatch:
         index = torch.tensor(keep, device=device)
         mask = self.attention_mask.index_select(0, index)
         first = int((mask.sum(0) > 0).nonzero()[0])
-        for layer in self.cache.layers:
+        for layer in filled_layers(self.cache):
             layer.keys = layer.keys.index_select(0, index)[:, :, first:]
             layer.values = layer.values.index_select(0, index)[:, :, first:]
         params = [self.params[i] for i in keep]
@@ -142,7 +142,7 @@ def fork_prefill(keys: list[Hashable], fresh_keys: list[Hashable], fresh: Prefil
     logits = fork([s.logits for s in sources])
     if fresh_cache is None:
         return DynamicCache(layers, config=config), logits
-    for layer, (k, v) in zip(fresh_cache.layers, layers):
+    for layer, (k, v) in zip(filled_layers(fresh_cache), layers):
         layer.keys, layer.values = k, v
     return fresh_cache, logits
 

@@ -46,10 +46,15 @@ Verb by verb (vLLM's HTTP API; ``asyncrl/rollout/engine_server.py`` serves the s
 
 The fleet: a group's samples share a prompt, and requests with the same prompt go to the
 same server (its prefix cache) while it is up; others to the server with the fewest
-requests in flight. A server that fails (connection lost, ``503``, nothing received for
-``remote.request_timeout_s``) is named on stderr, left out, and its requests are re-issued on
-the others from the tokens received with their logprobs; its ``/health`` is polled and, when
-it answers again, it gets the current weights and version and is used again. With no server
+requests in flight. A request that never reached its server (a reset, a keep-alive connection
+the server closed, a refused connect) is sent once more on a fresh connection
+(``remote_wire.Wire``); a stream our own pause cut (vLLM ends it with no finish reason) is a
+paused request. A request that fails otherwise (connection lost, ``503``, nothing received
+for ``remote.request_timeout_s``) makes its server a suspect: lost only when its ``/health``
+fails too (or it answers but one request failed there ``FAILURES_LIMIT`` times), then named
+on stderr and left out; the request is sent again from the tokens received with their
+logprobs. A lost server's ``/health`` is polled and, when it answers again, it gets the
+current weights and version and is used again. With no server
 left, requests raise ``EngineClosedError`` naming each one and why it was lost (the run
 stops, exit 1). Every control call has a deadline (``remote.control_timeout_s``; a weight
 load ``remote.weight_load_timeout_s``) and a failure says which server, which call, and how
@@ -83,6 +88,9 @@ from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
 
 __all__ = ["ADAPTER_PREFIX", "ControlError", "EngineClosedError", "RemoteEngine", "ServerLost", "ServersUnusable"]
 
+FAILURES_LIMIT = 3
+"""Failures of one request on a server that still answers ``/health`` before that server is
+lost anyway: it answers, but does not serve."""
 TOKENIZER_PROBES = ("The quick brown fox jumps over 13 lazy dogs.", "def f(x):\n    return x**2  # é",
                     "2+3=5")
 """Texts a server must tokenize as the trainer does (``/tokenize``) to be used."""
@@ -184,16 +192,20 @@ class RemoteEngine:
         label = info.get("weight_version") if isinstance(info, dict) else None
         if label in (None, "", str(self._version)):
             return
+        label = str(label)
         if not server.root:
-            raise ServersUnusable(f"remote.urls: engine server {server.url} serves version {label} of a previous run "
+            raise ServersUnusable(f"remote.urls: engine server {server.url} serves weights labelled {label!r} "
                                   "and its model card names no directory (root) to reload its own weights from: "
-                                  "restart it, or resume the run that left it (resume=true)")
+                                  "restart it" + (", or resume the run that left it (resume=true)"
+                                                  if label.isdigit() else ""))
         await self._call(server, "POST", "/collective_rpc",
                          {"method": "reload_weights", "kwargs": {"weights_path": server.root}},
                          timeout=self.settings.weight_load_timeout_s, knob="remote.weight_load_timeout_s")
         await self._call(server, "POST", "/reset_prefix_cache", missing_ok=True)
-        print(f"asyncrl: engine server {server.url} served version {label} (a previous run's weights): reloaded "
-              f"{server.model}'s own weights for this fresh run", file=sys.stderr, flush=True)
+        served = (f"served version {label} (a previous run's weights)" if label.isdigit() else
+                  f"had its weights labelled {label!r}, a label no asyncrl run sets (never trained by one)")
+        print(f"asyncrl: engine server {server.url} {served}: reloaded {server.model}'s own weights for this fresh "
+              "run", file=sys.stderr, flush=True)
 
     @property
     def servers(self) -> list[Server]:
@@ -248,41 +260,54 @@ class RemoteEngine:
         self._in_flight += 1
         self._update_busy()
         try:
+            failures = 0  # this request's failures on a server that still answered /health
             while True:
                 await self._open.wait()
                 server = self._fleet.pick(key)
                 started_in = self._pauses  # a pause after this one is what aborts this request
+                reason = ""
                 try:
                     new, new_logprobs, new_versions, finish = await self._complete(
                         server, prompt_ids + tokens, sampling, budget - len(tokens))
-                    asked = self._modes.get(started_in + 1)  # the pause that ended it, if one did
-                    if finish == "abort" and asked is None:  # no pause of ours: the server is going down
-                        raise ServerLost("it aborted a request no pause asked to abort (shutting down?)",
-                                         new, new_logprobs)
                 except ServerLost as lost:
-                    self._fleet.lose(server, lost.reason)
-                    tokens += lost.tokens
-                    logprobs += lost.logprobs
-                    versions += lost.versions
-                    if on_tokens is not None and lost.tokens:
-                        on_tokens(list(lost.tokens))
-                    if len(tokens) >= budget:
-                        return Completion(tokens, logprobs, versions, "length")
-                    self.stats.reissued_requests += 1  # sent again, carrying every token received so far
-                    self.stats.reissued_tokens += len(tokens)
-                    continue
+                    new, new_logprobs, new_versions, finish, reason = (lost.tokens, lost.logprobs, lost.versions,
+                                                                       None, lost.reason)
+                asked = self._modes.get(started_in + 1)  # the pause that ended it, if one did
+                if finish is None and asked in ("abort", "keep"):
+                    finish = "abort"  # our own pause cut its stream (vLLM ends it with no finish reason)
+                elif finish == "abort" and asked is None:  # no pause of ours: the server is going down?
+                    finish, reason = None, "it aborted a request no pause asked to abort (shutting down?)"
                 tokens += new
                 logprobs += new_logprobs
                 versions += new_versions
-                self.stats.tokens += len(new)
                 if on_tokens is not None and new:
                     on_tokens(list(new))
+                if finish is None:  # failed: sent again from the tokens so far
+                    if len(tokens) >= budget:
+                        return Completion(tokens, logprobs, versions, "length")
+                    failures = await self._failed(server, reason, failures, len(tokens))
+                    continue
+                self.stats.tokens += len(new)
                 if finish == "abort" and asked == "keep" and len(tokens) < budget:
                     continue  # held: sent again once the client resumes
                 return Completion(tokens, logprobs, versions, finish)
         finally:
             self._in_flight -= 1
             self._update_busy()
+
+    async def _failed(self, server: Server, reason: str, failures: int, carried: int) -> int:
+        """A request to ``server`` failed (``reason``) with ``carried`` tokens received: the
+        server is lost when its ``/health`` fails too (``Fleet.suspect``), or when it answers
+        but this request failed there ``FAILURES_LIMIT`` times; the request is sent again
+        either way. Returns the request's count of failures on a server that answered."""
+        if not await self._fleet.suspect(server, reason):
+            failures += 1
+            if failures < FAILURES_LIMIT:
+                return failures
+            self._fleet.lose(server, f"{reason}; {failures} times for one request, though GET /health answers")
+        self.stats.reissued_requests += 1  # sent again elsewhere, carrying every token received so far
+        self.stats.reissued_tokens += carried
+        return 0
 
     async def probe_each(self, prompts: list[list[int]],
                          sampling: SamplingParams) -> list[tuple[str, list[Completion]]]:
@@ -296,13 +321,17 @@ class RemoteEngine:
         async def one(server: Server) -> tuple[str, list[Completion]] | None:
             done = []
             for prompt in prompts:
-                try:
-                    budget = min(sampling.max_tokens, server.max_model_len - len(prompt))
-                    tokens, logprobs, versions, finish = await self._complete(server, list(prompt), sampling,
-                                                                              max(budget, 1))
-                except ServerLost as exc:
-                    self._fleet.lose(server, f"during the delivery probe: {exc.reason}")
-                    return None
+                budget = max(min(sampling.max_tokens, server.max_model_len - len(prompt)), 1)
+                for attempt in range(2):  # once more where the server still answers /health
+                    try:
+                        tokens, logprobs, versions, finish = await self._complete(server, list(prompt), sampling,
+                                                                                  budget)
+                        break
+                    except ServerLost as exc:
+                        reason = f"during the delivery probe: {exc.reason}"
+                        if attempt or await self._fleet.suspect(server, reason):
+                            self._fleet.lose(server, reason)
+                            return None
                 done.append(Completion(tokens, logprobs, versions, finish))
             return f"engine server {server.url}", done
 

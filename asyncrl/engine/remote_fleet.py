@@ -22,8 +22,8 @@ import aiohttp
 
 from asyncrl.config import RemoteConfig
 from asyncrl.engine.protocol import EngineClosedError
-from asyncrl.engine.remote_wire import (ControlError, RemoteStats, Server, ServerLost, ServersUnusable, _describe,
-                                        _error_message, send_once_more_if_idle_closed)
+from asyncrl.engine.remote_wire import (ControlError, RemoteStats, Server, ServerLost, ServersUnusable, Wire,
+                                        _describe, _error_message)
 
 REFUSED_GRACE_S = 5.0
 """How long a refused connection is waited out at connect (a server binding its port as
@@ -40,28 +40,25 @@ class Fleet:
             raise ValueError("engine=remote needs remote.urls: the base URLs of the servers (http://host:port)")
         self.settings, self.stats = settings, stats
         self.servers = [Server(url.rstrip("/")) for url in settings.urls]
-        self._session: aiohttp.ClientSession | None = None
+        self._wire: Wire | None = None
         self._affinity: OrderedDict[tuple[int, ...], Server] = OrderedDict()
 
     def open(self) -> None:
-        headers = {"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {}
-        # no cap on connections: a pause must never queue behind the streams it is meant to stop
-        self._session = aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=None),
-                                              connector=aiohttp.TCPConnector(limit=0))
+        self._wire = Wire({"Authorization": f"Bearer {self.settings.api_key}"} if self.settings.api_key else {})
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._wire is not None:
+            await self._wire.close()
+            self._wire = None
 
     @property
     def is_open(self) -> bool:
-        return self._session is not None
+        return self._wire is not None
 
-    def live(self) -> aiohttp.ClientSession:
-        if self._session is None:
+    def live(self) -> Wire:
+        if self._wire is None:
             raise EngineClosedError("the remote engine client is shut down")
-        return self._session
+        return self._wire
 
     @property
     def max_context(self) -> int:
@@ -88,7 +85,7 @@ class Fleet:
         if not usable:
             raise EngineClosedError("no engine server is left: " + "; ".join(
                 f"{s.url} ({s.lost_reason or 'not connected'})" for s in self.servers)
-                + ". Restart them (asyncrl serve-engine CONFIG, or vllm serve) and resume the run")
+                + ". Restart them (asyncrl serve-engine CONFIG, or vllm serve)")  # the run's failure says what next
         server = self._affinity.get(key)
         if server is None or not server.usable:
             server = min(usable, key=lambda s: s.in_flight)
@@ -115,8 +112,7 @@ class Fleet:
         start = time.monotonic()
         try:
             async with asyncio.timeout(limit):
-                async with await send_once_more_if_idle_closed(self.live(), method, f"{server.url}{path}",
-                                                               json=body) as response:
+                async with await self.live().request(method, f"{server.url}{path}", json=body) as response:
                     text = await response.text()
         except TimeoutError:
             raise ServerLost(f"{method} {path} did not answer within {limit:g} s ({knob})") from None
@@ -139,12 +135,17 @@ class Fleet:
             return text
 
     async def fan_out(self, method: str, path: str, timeout: float | None = None) -> None:
-        """``method path`` on every usable server at once; one that does not answer is lost."""
+        """``method path`` on every usable server at once; one that does not answer is lost
+        when its ``/health`` fails too, or when the call fails again."""
         async def one(server: Server) -> None:
             try:
                 await self.call(server, method, path, timeout=timeout)
             except ServerLost as exc:
-                self.lose(server, exc.reason)
+                if not await self.suspect(server, exc.reason):
+                    try:
+                        await self.call(server, method, path, timeout=timeout)
+                    except ServerLost as again:
+                        self.lose(server, f"{again.reason}, twice, though GET /health answers")
 
         await asyncio.gather(*[one(s) for s in self.usable()])
 
@@ -183,6 +184,31 @@ class Fleet:
         return {c["id"] for c in cards if c.get("parent")}
 
     # ---------------------------------------------------------------- losses and revivals
+    async def suspect(self, server: Server, reason: str) -> bool:
+        """A request to ``server`` failed (``reason``): the server is lost only when its
+        ``GET /health`` fails too. One check per server at a time, shared by the requests
+        that failed meanwhile (a burst's worth). True when it is lost (now or before)."""
+        if not server.usable:
+            return True
+        if server.health_check is None or server.health_check.done():
+            server.health_check = asyncio.ensure_future(self._health_problem(server))
+        problem = await asyncio.shield(server.health_check)
+        if problem is None:
+            self.stats.suspected += 1
+            return False
+        self.lose(server, f"{reason}; then {problem}")
+        return True
+
+    async def _health_problem(self, server: Server) -> str | None:
+        """None when ``server`` answers ``GET /health``, else why not (``GET /health …``)."""
+        try:
+            await self.call(server, "GET", "/health", timeout=min(5.0, self.settings.control_timeout_s))
+        except ServerLost as exc:
+            return exc.reason
+        except ControlError as exc:
+            return str(exc).removeprefix(f"engine server {server.url}: ")
+        return None
+
     def lose(self, server: Server, reason: str) -> bool:
         """Leave ``server`` out (said once per loss); True when it was in until now."""
         if not server.usable:

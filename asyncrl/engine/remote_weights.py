@@ -274,8 +274,8 @@ async def _all(*calls: Any) -> None:
     try:
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         for task in done:
-            if task.exception() is not None:
-                raise task.exception()  # type: ignore[misc]
+            if (error := task.exception()) is not None:
+                raise error
     finally:
         for task in tasks:
             task.cancel()

@@ -64,6 +64,7 @@ class Server:
     revivable: bool = True  # False: never used again once lost (outside an NCCL group formed without it)
     in_flight: int = 0
     requests: int = 0
+    health_check: asyncio.Future[str | None] | None = None  # the /health check in flight (Fleet.suspect)
 
 
 class RemoteStats(VLLMStats):
@@ -78,6 +79,7 @@ class RemoteStats(VLLMStats):
         self.lost: dict[str, int] = {}  # each server lost so far (its URL) and how many times
         self.reissued_requests = 0  # requests sent again to another server after theirs was lost
         self.reissued_tokens = 0  # tokens carried over to another server instead of sampled again
+        self.suspected = 0  # failed requests whose server then answered /health: sent again, not lost
 
 
 def _write_atomically(tensors: dict[str, torch.Tensor], directory: Path) -> None:
@@ -180,16 +182,46 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
-async def send_once_more_if_idle_closed(session: aiohttp.ClientSession, method: str, url: str,
-                                        **kwargs: Any) -> aiohttp.ClientResponse:
-    """``session.request``, sent once more on a new connection when the one it reused was
-    closed by the server before any answer (``ServerDisconnectedError``: a keep-alive
-    connection the server closed while idle; the request never reached it). A server that is
-    really gone fails the second attempt too, and only then is it lost."""
-    try:
-        return await session.request(method, url, **kwargs)
-    except aiohttp.ServerDisconnectedError:
-        return await session.request(method, url, **kwargs)
+KEEPALIVE_S = 2.0
+"""How long a pooled connection may idle before it is dropped rather than reused: under
+the servers' own keep-alive timeouts (vLLM's HTTP server closes an idle connection after
+5 s), so a request is not written on a connection the server is closing."""
+
+NEVER_ARRIVED = (aiohttp.ClientConnectionError, ConnectionError)
+"""What a request fails with when it never reached its server: the connection it was
+written on was reset or closed (``ServerDisconnectedError``, ``ClientOSError``: "Can not
+write request body"), or a new one was refused. A read timeout (``ServerTimeoutError``) is
+not one: the server had the request and said nothing."""
+
+
+class Wire:
+    """The HTTP sessions that reach the servers: ``pooled`` reuses connections (idle at most
+    ``KEEPALIVE_S``; no cap on their number: a pause must never queue behind the streams it
+    is meant to stop), ``fresh`` opens a new one per request."""
+
+    def __init__(self, headers: dict[str, str]) -> None:
+        timeout = aiohttp.ClientTimeout(total=None)
+        self.pooled = aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=KEEPALIVE_S))
+        self.fresh = aiohttp.ClientSession(headers=headers, timeout=timeout, connector=aiohttp.TCPConnector(
+            limit=0, force_close=True))
+        self.resent = 0  # requests sent again on a fresh connection
+
+    async def request(self, method: str, url: str, **kwargs: Any) -> aiohttp.ClientResponse:
+        """``method url`` on a pooled connection; a request that never reached the server
+        (``NEVER_ARRIVED``) is sent once more on a fresh connection. A server that is really
+        gone fails that one too, and only then is it suspected (``Fleet.suspect``)."""
+        try:
+            return await self.pooled.request(method, url, **kwargs)
+        except NEVER_ARRIVED as exc:
+            if isinstance(exc, aiohttp.ServerTimeoutError):
+                raise
+        self.resent += 1
+        return await self.fresh.request(method, url, **kwargs)
+
+    async def close(self) -> None:
+        await self.pooled.close()
+        await self.fresh.close()
 
 
 def completion_body(server: Server, prompt: list[int], sampling: SamplingParams, max_tokens: int) -> dict[str, Any]:
@@ -206,7 +238,7 @@ def completion_body(server: Server, prompt: list[int], sampling: SamplingParams,
     return body
 
 
-async def stream_completion(session: aiohttp.ClientSession, server: Server, prompt: list[int],
+async def stream_completion(wire: Wire, server: Server, prompt: list[int],
                             sampling: SamplingParams, max_tokens: int, *, settings: RemoteConfig, stats: RemoteStats,
                             label: Callable[[], int]) -> tuple[list[int], list[float], list[int], FinishReason]:
     """One streamed ``POST /v1/completions`` to ``server``. Returns the tokens, their
@@ -229,8 +261,8 @@ async def stream_completion(session: aiohttp.ClientSession, server: Server, prom
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=settings.control_timeout_s,
                                     sock_read=settings.request_timeout_s)
     try:
-        async with await send_once_more_if_idle_closed(session, "POST", f"{server.url}/v1/completions", json=body,
-                                                       timeout=timeout) as response:
+        async with await wire.request("POST", f"{server.url}/v1/completions", json=body,
+                                      timeout=timeout) as response:
             if response.status != 200:
                 message = _error_message(await response.text())
                 if response.status >= 500:

@@ -57,6 +57,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _positions(positions: torch.Tensor | None) -> torch.Tensor:
+    if positions is None:
+        raise ValueError("seeded rows are sampled at their positions: pass positions=")
+    return positions
+
+
 def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """(B, V) floats in (0, 1), a pure function of each row's (seed, position) and the
     column: the same on any device, in any batch."""
@@ -95,12 +101,12 @@ def sample_tokens(
 
     # Gumbel-max: argmax(log p + Gumbel) samples from p; one kernel, no renormalisation.
     if rows.all_seeded:
-        uniform = seeded_uniform(rows.seeds, positions, masked.shape[-1])
+        uniform = seeded_uniform(rows.seeds, _positions(positions), masked.shape[-1])
     else:
         uniform = torch.rand(masked.shape, generator=generator, device=masked.device)
         if rows.any_seeded:  # a where, not a boolean index: no host synchronisation
             seeded = (rows.seeds >= 0)[:, None]
-            uniform = torch.where(seeded, seeded_uniform(rows.seeds, positions, masked.shape[-1]), uniform)
+            uniform = torch.where(seeded, seeded_uniform(rows.seeds, _positions(positions), masked.shape[-1]), uniform)
     gumbel = -torch.log(-torch.log(uniform.clamp_(min=1e-20)))
     tokens = (masked + gumbel).argmax(dim=-1)
     if rows.any_greedy:

@@ -28,12 +28,13 @@ written into the buffer would poison any later row that reuses it, as 0 × NaN =
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from asyncrl.engine.hf_cache import forward_with_cache
+from asyncrl.engine.hf_cache import filled_layers, forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch
 from asyncrl.engine.sampling import RowParams, to_device
 from asyncrl.types import SamplingParams
@@ -141,6 +142,15 @@ class StaticKV:
         """Columns the next decode attends over, per row (padding included)."""
         return self.length + 1
 
+    def _buffers(self) -> DynamicCache:
+        """The cache of buffers: ``_ensure`` makes it before the first decode."""
+        if self.cache is None:
+            raise RuntimeError("StaticKV has no buffers before its first merge or prepare")
+        return self.cache
+
+    def _slots(self) -> list[SlotLayer]:
+        return cast("list[SlotLayer]", self._buffers().layers)  # the layers _ensure put there
+
     # ------------------------------------------------------------- surgery
     @torch.inference_mode()  # the buffers are inference tensors (made in a step): touched only in that mode
     def merge(self, other: KVBatch, lengths: list[int]) -> StaticKV:
@@ -153,7 +163,7 @@ class StaticKV:
         if span > self.length:
             self._shift(span - self.length)
         n, end = self.n, self.length
-        for layer, new in zip(self.cache.layers, other.cache.layers):
+        for layer, new in zip(self._slots(), filled_layers(other.cache)):
             layer.buffer_keys[n:n + m, :, end - span:end] = new.keys
             layer.buffer_values[n:n + m, :, end - span:end] = new.values
         self.row_starts += [end - k for k in lengths]
@@ -180,7 +190,7 @@ class StaticKV:
         stay = 0 if first else next((j for j, i in enumerate(keep) if i != j), k)
         if stay < k:  # else only the last rows left: nothing moves
             index = to_device(keep[stay:], torch.long, self.device)
-            for layer in self.cache.layers:
+            for layer in self._slots():
                 for buffer in (layer.buffer_keys, layer.buffer_values):
                     buffer[stay:k, :, :end - first] = buffer[index, :, first:end]
             self.last_tokens[stay:k] = self.last_tokens[index]
@@ -197,7 +207,7 @@ class StaticKV:
         self._ensure(self.length + by + 1)
         n, end = self.n, self.length
         if n:
-            for layer in self.cache.layers:
+            for layer in self._slots():
                 for buffer in (layer.buffer_keys, layer.buffer_values):
                     buffer[:n, :, by:by + end] = buffer[:n, :, :end].clone()
         self.row_starts = [s + by for s in self.row_starts]
@@ -212,15 +222,15 @@ class StaticKV:
         """Buffers of at least ``columns`` columns, the live rows' contents kept. The first
         ones take each layer's heads, head size and dtype from ``like``'s prefill (what the
         model's attention produces, whatever its config calls them)."""
-        have = 0 if self.cache is None else self.cache.layers[0].buffer_keys.shape[2]
+        have = 0 if self.cache is None else self._slots()[0].buffer_keys.shape[2]
         if columns <= have:
             return
         size = max(2 * have, bucket(columns, 1 << 62), 64)
         if self.cache is not None:
-            shapes = [(layer.buffer_keys, layer.buffer_values) for layer in self.cache.layers]
+            shapes = [(layer.buffer_keys, layer.buffer_values) for layer in self._slots()]
         else:
             assert like is not None, "the first buffers are shaped by a prefill"
-            shapes = [(layer.keys, layer.values) for layer in like.cache.layers]
+            shapes = [(layer.keys, layer.values) for layer in filled_layers(like.cache)]
         layers = []
         for keys_like, values_like in shapes:
             keys = keys_like.new_zeros(self.max_rows, keys_like.shape[1], size, keys_like.shape[3])
@@ -230,7 +240,7 @@ class StaticKV:
                 values[:, :, :self.length] = values_like[:, :, :self.length]
             layers.append(SlotLayer(keys, values, self.window))
         cache = DynamicCache(config=self.model.config)
-        cache.layers = layers
+        cache.layers = list(layers)  # a new list of the element type transformers declares (lists are invariant)
         self.cache = cache
         self.columns = torch.arange(size, device=self.device)
         self.generation += 1
@@ -240,7 +250,7 @@ class StaticKV:
         """(rows, columns) of the next decode: exact, or bucketed for a captured step."""
         if not self.bucketed:
             return self.n, self.length + 1
-        columns = self.cache.layers[0].buffer_keys.shape[2]  # ≥ 64: short rows share one bucket
+        columns = self._slots()[0].buffer_keys.shape[2]  # ≥ 64: short rows share one bucket
         return bucket(self.n, self.max_rows), bucket(max(self.length + 1, 64), columns)
 
     def prepare(self) -> tuple[int, int]:
@@ -260,7 +270,7 @@ class StaticKV:
         if self.mask_kind == "additive":
             dtype = next(self.model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=self.device).masked_fill(~mask, torch.finfo(dtype).min)
-        out = forward_with_cache(self.model, self.cache, input_ids=self.last_tokens[:rows],
+        out = forward_with_cache(self.model, self._buffers(), input_ids=self.last_tokens[:rows],
                                  position_ids=self.position_ids[:rows], attention_mask=mask)
         return out.logits[:, -1]
 

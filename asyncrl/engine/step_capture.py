@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from asyncrl.engine.static_kv import StaticKV, static_unsupported
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 Capture = Literal["off", "graphs", "compile"]
 
@@ -41,7 +44,7 @@ class StepRunner:
         self.capture: Capture = capture
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._generation = -1
-        self._pool = None
+        self._pool: torch.cuda._POOL_HANDLE | None = None  # torch's type for a graph memory pool
         self._compiled: Callable[[int, int], torch.Tensor] | None = None
         if capture == "compile":
             self._compiled = torch.compile(kv.forward)
@@ -100,7 +103,7 @@ KVCache = Literal["auto", "dynamic", "static"]
 STATIC_BY_DEFAULT = {"cuda": True, "cpu": False}
 
 
-def decode_runner(model: torch.nn.Module, max_rows: int, kv_cache: KVCache,
+def decode_runner(model: PreTrainedModel, max_rows: int, kv_cache: KVCache,
                   capture: Capture | Literal["auto"]) -> StepRunner | None:
     """The static decode path for ``model``, or None for the dynamic cache (``kv_batch``).
 

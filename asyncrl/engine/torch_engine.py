@@ -22,13 +22,13 @@ import threading
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar, cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from asyncrl.engine.adapters import AdapterMerger
-from asyncrl.engine.hf_cache import forward_with_cache
+from asyncrl.engine.hf_cache import filled_layers, forward_with_cache
 from asyncrl.engine.kv_batch import KVBatch, Prefill, PrefixCache, fork_prefill, prompt_mask
 from asyncrl.engine.protocol import (AdapterUpdate, EngineClosedError, PauseMode, PromptTooLongError, TokenSink,
                                      WeightUpdate, as_update)
@@ -54,6 +54,11 @@ class _Request(Sequence):
     loop: asyncio.AbstractEventLoop = field(kw_only=True)
     on_tokens: TokenSink | None = field(default=None, kw_only=True)
     sent: float = field(default_factory=time.monotonic, kw_only=True)  # for queue_state's oldest wait
+
+
+def _requests(sequences: list[Sequence]) -> list[_Request]:
+    """The scheduler's sequences, as this engine submits them: each a :class:`_Request`."""
+    return cast("list[_Request]", sequences)
 
 
 @dataclass
@@ -205,7 +210,7 @@ class TorchEngine:
             if mode != "abort":
                 return 0
             aborted = self._scheduler.abort_running()
-            for req in aborted:
+            for req in _requests(aborted):
                 self._settle(req)
             self._kv = None
             return len(aborted)
@@ -370,14 +375,14 @@ class TorchEngine:
         self.stats.tokens += len(token_ids)
         finished = self._scheduler.postprocess(step.sequences, token_ids, logprob_values, version)
         sinks: dict[asyncio.AbstractEventLoop, list[tuple[TokenSink, list[int]]]] = {}
-        for req, token in zip(step.sequences, token_ids):
+        for req, token in zip(_requests(step.sequences), token_ids):
             if req.on_tokens is not None:
                 sinks.setdefault(req.loop, []).append((req.on_tokens, [token]))
         for loop, calls in sinks.items():  # one wake-up per loop and step, not per request (every episode has a
             # sink: its deadline's); posted before the settle below, so the loop runs them first
             with contextlib.suppress(RuntimeError):  # the caller's loop is closed: nobody listens
                 loop.call_soon_threadsafe(_deliver, loop, calls)
-        for req in finished:
+        for req in _requests(finished):
             self._settle(req)
         self._evict_finished()
 
@@ -417,7 +422,7 @@ class TorchEngine:
             static = self._decoder.kv if self._kv is not None else self._decoder.kv.reset()
             self._kv = static.merge(joined, lengths)
         else:
-            self._kv = joined if self._kv is None else self._kv.merge(joined)
+            self._kv = joined if self._kv is None else cast(KVBatch, self._kv).merge(joined)  # no decoder: a KVBatch
         return tokens, logprobs
 
     def _forward_prompts(self, prompts: list[list[int]]) -> tuple[Prefill, DynamicCache]:
@@ -428,14 +433,15 @@ class TorchEngine:
         cache = DynamicCache(config=self.model.config)
         out = forward_with_cache(self.model, cache, input_ids=ids, attention_mask=mask, position_ids=positions,
                                  logits_to_keep=1)
-        layers = [(layer.keys, layer.values) for layer in cache.layers]
+        layers = [(layer.keys, layer.values) for layer in filled_layers(cache)]
         return Prefill(layers, out.logits[:, -1]), cache
 
     def _run_decode(self) -> tuple[torch.Tensor, torch.Tensor]:
         kv = self._kv
         assert kv is not None
         self.stats.decode_positions += len(kv) * kv.width
-        logits = kv.forward(self.model) if self._decoder is None else self._decoder()  # (rows, vocab)
+        # (rows, vocab); without a decoder the rows are a KVBatch
+        logits = cast(KVBatch, kv).forward(self.model) if self._decoder is None else self._decoder()
         tokens, logprobs = sample_tokens(logits, kv.rows, self._generator, kv.positions + 1)  # on the device
         kv.advance(tokens)
         return tokens, logprobs
@@ -443,6 +449,8 @@ class TorchEngine:
     # -------------------------------------------------------- finishing rows
     def _settle(self, req: _Request) -> None:
         self._live.discard(req)
+        if req.finish_reason is None:
+            raise RuntimeError("a request is settled before the scheduler finished it")
         completion = Completion(req.token_ids, req.logprobs, req.versions, req.finish_reason)
         settle_threadsafe(req.loop, req.future, completion, None)
 

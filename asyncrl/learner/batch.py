@@ -71,8 +71,11 @@ class TrainBatch:
 
     def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
         """``fn`` of every tensor field (each indexed by row first); an absent one stays None."""
-        return TrainBatch(**{f.name: None if (t := getattr(self, f.name)) is None else fn(t)
-                             for f in dataclasses.fields(self)})
+        def optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return TrainBatch(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), fn(self.behavior_logprobs),
+                          fn(self.advantages), fn(self.prompt_lengths), optional(self.versions), optional(self.rewards))
 
 
 def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int,

@@ -25,7 +25,7 @@ import os
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,7 +41,7 @@ from transformers import (
 
 from asyncrl.config import LoraConfig
 from asyncrl.learner.distributed import Sharding
-from asyncrl.learner.lora import load_adapter_weights
+from asyncrl.learner.lora import load_adapter_weights, peft_model
 
 STATE_FILE = "trainer_state.pt"
 """The learner's state beside its weights: version, schedule, RNG, what the caller adds."""
@@ -55,21 +55,29 @@ name: any number of ranks (one included) can load what any number saved."""
 class Checkpointed(Protocol):
     """What a checkpoint holds of a learner (:class:`asyncrl.learner.learner.Learner`)."""
 
-    model: torch.nn.Module  # as trained: wrapped (FSDP2/DDP) when sharded
-    module: PreTrainedModel  # the Hugging Face model under it: names, config, save_pretrained
     tokenizer: PreTrainedTokenizerBase
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
     sharding: Sharding | None
-    version: int
+    version: int  # restored: the one member written
     lora: LoraConfig | None  # module is then a PeftModel: its save_pretrained writes the adapters
+
+    @property
+    def model(self) -> torch.nn.Module: ...  # as trained: wrapped (FSDP2/DDP) when sharded
+
+    @property
+    def module(self) -> PreTrainedModel: ...  # the Hugging Face model under it: names, config, save_pretrained
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def scheduler(self) -> torch.optim.lr_scheduler.LRScheduler: ...
 
     @property
     def is_main(self) -> bool: ...
 
 
 def write_checkpoint(learner: Checkpointed, path: Path, extra: dict[str, Any] | None = None,
-         files: dict[str, str] | None = None, parts: dict[str, Checkpointed] | None = None) -> Path:
+         files: dict[str, str] | None = None, parts: Mapping[str, Checkpointed] | None = None) -> Path:
     """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (version,
     schedule, RNG, ``extra``), the optimizer state under ``optimizer/`` (one shard per
     rank, loadable by any number of ranks) and the text ``files`` of other parts beside
@@ -130,7 +138,7 @@ def restore_checkpoint(learner: Checkpointed, path: Path) -> dict[str, Any]:
     policy.) Returns the trainer state. Sharded, every rank calls it."""
     state = torch.load(path / STATE_FILE, weights_only=False, map_location="cpu")
     if learner.lora is not None:
-        load_adapter_weights(learner.module, path)
+        load_adapter_weights(peft_model(learner.module), path)
     else:
         _load_weights(learner, path)
     _load_optimizer(learner, path, state)
@@ -164,8 +172,9 @@ def _load_optimizer(learner: Checkpointed, path: Path, state: dict[str, Any]) ->
             return
         names = [name for name, _ in learner.module.named_parameters()]  # the optimizer's order
         old = state["optimizer"]
-        full = {"state": {names[i]: v for i, v in old["state"].items()},
-                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]]}
+        full: dict[str, Any] = {  # torch's own state-dict type, which a dict built here is not inferred to be
+            "state": {names[i]: v for i, v in old["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in old["param_groups"]]}
         set_optimizer_state_dict(learner.model, learner.optimizer, full, options=StateDictOptions(full_state_dict=True))
         return
     import torch.distributed.checkpoint as dcp

@@ -23,7 +23,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +51,9 @@ class Schedule(Protocol):
     betas: tuple[float, float]
     weight_decay: float
     warmup_steps: int
-    schedule: str
+
+    @property
+    def schedule(self) -> str: ...  # read-only, so that a config's Literal of names is one
 
 
 def lr_lambda(optim: Any, total_steps: int, *, floor: float = 0.1, decay_start: int | None = None
@@ -86,7 +88,8 @@ def make_optimizer(model: torch.nn.Module, optim: Schedule, total_steps: int, *,
     """AdamW over ``model``'s trainable parameters (with LoRA the adapters: the frozen base
     has no gradients and no optimizer state) and the one schedule over ``total_steps``."""
     trained = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    betas = cast("tuple[float, float]", tuple(optim.betas))  # a pair (Schedule.betas), as a tuple whatever holds it
+    optimizer = torch.optim.AdamW(trained, lr=optim.lr, betas=betas, weight_decay=optim.weight_decay)
     factor = lr_lambda(optim, total_steps, floor=floor, decay_start=decay_start)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
@@ -117,9 +120,9 @@ def trainable(model: PreTrainedModel, *, lora: LoraConfig | None, seed: int, sha
             raise ConfigError("model.lora trains on one learner rank: set learner.world_size=1 (the adapters are "
                               "small; a sharded LoRA learner is not built yet)")
         module = add_adapters(model, lora, derive_seed(seed, "lora"))
-        return module.get_base_model(), module
+        return module.get_base_model(), cast(PreTrainedModel, module)  # a PeftModel stands in for the model
     forward = sharding.wrap(model) if sharding is not None else model
-    return forward, Sharding.unwrap(forward)
+    return forward, cast(PreTrainedModel, Sharding.unwrap(forward))  # model, unwrapped
 
 
 class MicroBatchLoop:
@@ -197,7 +200,9 @@ class MicroBatchLoop:
 
     def _padded(self, parts: Sequence[P], filler: Callable[[], P] | None) -> list[P]:
         extra = self.passes(len(parts)) - len(parts)
-        if extra and filler is None:
+        if not extra:
+            return [*parts]
+        if filler is None:
             raise ValueError("a sharded micro-batch loop needs a filler for the passes beyond this rank's own")
         return [*parts, *(filler() for _ in range(extra))]
 
@@ -242,6 +247,22 @@ def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | N
     if lengths:
         bounds.append((start, len(lengths)))
     return bounds
+
+
+def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
+    """The rows (sorted indices into a batch of ``size``) of each optimizer step: ``epochs``
+    passes, each a fresh seeded permutation cut into ``mini_batches`` parts whose sizes
+    differ by at most one; empty parts (fewer rows than parts) are left out. One part is
+    the whole batch in order, unshuffled: the plain step. A pure function of its arguments,
+    so every rank of a sharded learner cuts the batch the same way without talking."""
+    if mini_batches == 1:
+        return [torch.arange(size)] * epochs
+    steps = []
+    for epoch in range(epochs):
+        generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+        order = torch.randperm(size, generator=generator)
+        steps += [part.sort().values for part in order.tensor_split(mini_batches) if len(part)]
+    return steps
 
 
 @dataclass

@@ -80,6 +80,8 @@ class Critic:
         """V of the state before each target token, (B, L-1) float32, micro-batch by micro-batch."""
         out = torch.zeros_like(batch.loss_mask, dtype=torch.float32)
         for (start, part), v in zip(parts, self.engine.forward(parts, lambda p: self._values(p[1]), filler)):
+            if start is None:  # only the loop's own filler passes have none, and they are not zipped here
+                raise RuntimeError("a micro-batch of the batch has no first row")
             out[start:start + part.size, :v.shape[1]] = v
         return out
 
@@ -186,8 +188,8 @@ def build_critic(cfg: Config, tokenizer: PreTrainedTokenizerBase, sharding: Shar
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(derive_seed(cfg.seed, "value_head"))
         model = load_value_model(cfg.critic.model.path or cfg.model.path, weights_dtype(cfg.model.dtype))
-    device = sharding.device if sharding is not None else resolve_device(cfg.model.device)
-    return Critic(model.to(device), tokenizer, cfg.critic, total_steps=cfg.total_steps, seed=cfg.seed,
+    torch.nn.Module.to(model, sharding.device if sharding is not None else resolve_device(cfg.model.device))
+    return Critic(model, tokenizer, cfg.critic, total_steps=cfg.total_steps, seed=cfg.seed,
                   sharding=sharding, autocast=cfg.learner.autocast)
 
 

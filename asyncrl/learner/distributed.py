@@ -28,7 +28,7 @@ import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
@@ -137,13 +137,15 @@ class Sharding:
         collective: every rank calls it."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return cast("dict[str, torch.Tensor]", state)  # a model's state holds tensors only
 
     def load_full_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Every rank passes the same full weights and keeps its part (a collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, ValueType, set_model_state_dict
 
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+        # torch annotates the dict it only reads as dict[str, ValueType], which dict[str, Tensor] is not (invariance)
+        set_model_state_dict(model, cast("dict[str, ValueType]", state), options=StateDictOptions(full_state_dict=True))
 
     # ------------------------------------------------------------ the step
     def rows(self, size: int) -> tuple[int, int]:
@@ -179,7 +181,7 @@ class Sharding:
         reduce-scatters after every backward, as by default: keeping unsharded gradients
         until the last would cost the full gradient's memory that sharding saves."""
         if self.strategy == "ddp" and not enabled:
-            with model.no_sync():
+            with cast(nn.parallel.DistributedDataParallel, model).no_sync():  # ddp: wrapped by DDP
                 yield
         else:
             yield

@@ -23,7 +23,7 @@ engine" is ``AdapterUpdate``: made in ``lora.adapter_update``, taken by
 from __future__ import annotations
 
 import copy
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -31,7 +31,7 @@ from transformers import PreTrainedModel
 from asyncrl.config import LoraConfig
 from asyncrl.config.engine_kinds import engine_kind
 from asyncrl.weight_updates import FullWeights, WeightUpdate
-from asyncrl.learner.lora import adapter_update, base_copy, merged_copy, merged_targets
+from asyncrl.learner.lora import adapter_update, base_copy, merged_copy, merged_targets, peft_model
 
 UpdateKind = Literal["full", "merged", "merged_every_weight", "adapters"]
 
@@ -57,10 +57,10 @@ def engine_update(module: torch.nn.Module, kind: UpdateKind) -> WeightUpdate:
     parameters themselves (a sharded model's DTensors, global shapes); the LoRA kinds, new
     tensors (``module`` is then the ``PeftModel``)."""
     if kind == "adapters":
-        return adapter_update(module)
+        return adapter_update(peft_model(module))
     if kind == "full":
         return FullWeights(dict(module.named_parameters()))
-    return FullWeights(merged_targets(module, every_weight=kind == "merged_every_weight"))
+    return FullWeights(merged_targets(peft_model(module), every_weight=kind == "merged_every_weight"))
 
 
 def engine_start(module: torch.nn.Module, kind: UpdateKind) -> PreTrainedModel:
@@ -68,5 +68,7 @@ def engine_start(module: torch.nn.Module, kind: UpdateKind) -> PreTrainedModel:
     policy (a deep copy; the LoRA adapters merged), or for ``adapters`` the base alone,
     onto which the engine merges what it is sent."""
     if kind == "adapters":
-        return base_copy(module)
-    return copy.deepcopy(module) if kind == "full" else merged_copy(module)
+        return base_copy(peft_model(module))
+    if kind == "full":
+        return cast(PreTrainedModel, copy.deepcopy(module))  # full: the Hugging Face model itself
+    return merged_copy(peft_model(module))

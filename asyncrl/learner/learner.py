@@ -10,11 +10,11 @@ still advances once per batch: a version is what the rollout engines are sent, a
 staleness bound, the gate's quota and every token's recorded version count batches, so
 none of them changes meaning with reuse. The learning-rate schedule also counts batches.
 
-Micro-batches accumulate gradients within an optimizer step through the training core's
-one micro-batch loop (``core.MicroBatchLoop``, which owns sharding's passes, autocast and
-the core budget); the loss passed to it is this learner's objective, each micro-batch's
-weighted by its share of the mini-batch's tokens (or sequences), so any micro-batch size
-gives the same step as one big mini-batch.
+Every optimizer step is the one training engine's (``core.TrainEngine``, which owns zeroing
+the gradients, sharding's passes, autocast, the core budget, the clip and the finite check):
+the loss passed to it is this learner's objective, each micro-batch's weighted by its share
+of the mini-batch's tokens (or sequences), so any micro-batch size gives the same step as
+one big mini-batch.
 
 A batch can also come in parts, as its groups finish (``learner.streaming``):
 ``accumulate`` runs forward and backward on each part, ``finish_step`` takes the one
@@ -42,7 +42,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -54,35 +54,21 @@ from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
 from asyncrl.learner.critic import Critic
-from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, micro_batch_bounds: importable here too)
+from asyncrl.learner.core import (  # noqa: F401 (what the tests and callers import from here too)
     MicroBatchLoop,
     TrainEngine,
     autocast_dtype,
     lr_lambda,
     micro_batch_bounds,
+    mini_batch_rows,
 )
 from asyncrl.learner.distributed import Sharding
 from asyncrl.weight_updates import FullWeights, WeightUpdate
 from asyncrl.learner.export import UpdateKind, engine_start, engine_update, update_kind
+from asyncrl.learner.lora import peft_model
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 from asyncrl.core_budget import ThreadBudget
-
-
-def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
-    """The rows (sorted indices into a batch of ``size``) of each optimizer step: ``epochs``
-    passes, each a fresh seeded permutation cut into ``mini_batches`` parts whose sizes
-    differ by at most one; empty parts (fewer rows than parts) are left out. One part is
-    the whole batch in order, unshuffled: the plain step. A pure function of its arguments,
-    so every rank of a sharded learner cuts the batch the same way without talking."""
-    if mini_batches == 1:
-        return [torch.arange(size)] * epochs
-    steps = []
-    for epoch in range(epochs):
-        generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
-        order = torch.randperm(size, generator=generator)
-        steps += [part.sort().values for part in order.tensor_split(mini_batches) if len(part)]
-    return steps
 
 
 class Learner:
@@ -175,14 +161,14 @@ class Learner:
         self.engine.thread_budget = budget
 
     # ------------------------------------------------------------------ math
-    def token_logprobs(self, model: PreTrainedModel, batch: TrainBatch, *, with_entropy: bool = False
+    def token_logprobs(self, model: torch.nn.Module, batch: TrainBatch, *, with_entropy: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """log π(target) under ``model`` at the rollout temperature. Returns (B, L-1) tensors.
         Called in the engine's passes (``self.engine``), which autocast the forward
         (``learner.autocast``); logits are read back as float32 before the softmax."""
         shared = prompt_index(batch) if self.share_prompts and self.sharding is None else None
         if shared is not None:  # each distinct prompt once (shared_prompts.py)
-            responses = response_logits(model, batch, *shared)
+            responses = response_logits(cast(PreTrainedModel, model), batch, *shared)  # unsharded: no wrapper
             logits, targets = responses.logits.float() / self.temperature, responses.targets  # (B, R, V)
         else:
             logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
@@ -208,12 +194,14 @@ class Learner:
         return None, TrainBatch.filler(self.pad_id, self.device)
 
     @torch.no_grad()
-    def logprobs(self, model: PreTrainedModel, batch: TrainBatch) -> torch.Tensor:
+    def logprobs(self, model: torch.nn.Module, batch: TrainBatch) -> torch.Tensor:
         """(B, L-1) logprobs of the whole batch, computed micro-batch by micro-batch."""
         out = torch.zeros_like(batch.behavior_logprobs)
         parts = self.micro_batches(batch)
         for (start, part), (lp, _) in zip(parts, self.engine.forward(
                 parts, lambda p: self.token_logprobs(model, p[1]), self._filler)):
+            if start is None:  # only the loop's own filler passes have none, and they are not zipped here
+                raise RuntimeError("a micro-batch of the batch has no first row")
             out[start:start + part.size, :lp.shape[1]] = lp
         return out
 
@@ -225,11 +213,13 @@ class Learner:
         if self.algorithm.kl_coef <= 0:
             return None
         if self.lora is None:
+            if self.reference is None:
+                raise RuntimeError("no KL reference copy: the learner was built with algorithm.kl_coef=0")
             return self.logprobs(self.reference, batch)
         training = self.model.training
         self.model.eval()
         try:
-            with self.module.disable_adapter():
+            with peft_model(self.module).disable_adapter():
                 return self.logprobs(self.model, batch)
         finally:
             self.model.train(training)
@@ -251,7 +241,7 @@ class Learner:
         mine = batch.rows(first, last).to(self.device)  # this rank's rows; every count below is the whole batch's
         self.model.train()
         targets = self.critic.targets(mine, self.micro_batches, self._filler, self.algorithm) if self.critic else None
-        if targets is not None:  # per-token advantages from the critic's values now (critic.py)
+        if self.critic is not None and targets is not None:  # per-token advantages from its values now (critic.py)
             mine = mine.with_advantages(targets.advantages)
             steps = steps if self.version >= self.critic.config.warmup_steps else []  # critic.warmup_steps
         # π_prox: the weights at the start of this batch (decoupled PPO), or μ itself (bypass).
@@ -278,7 +268,7 @@ class Learner:
                 self._mismatch = None
         self._mismatch = None
         out = self._end_batch(sums, norms, batch_counts[0], mismatch)
-        if targets is not None:
+        if self.critic is not None and targets is not None:
             out.update(self.critic.train(mine, self.micro_batches, self._filler, targets, batch_counts, self.algorithm))
         return out
 
@@ -306,8 +296,8 @@ class Learner:
                                  "is written")
         if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
-        out.update({"actor/grad_norm": sum(norms) / max(len(norms), 1), "actor/lr": self.scheduler.get_last_lr()[0],
-                    "actor/tokens": float(tokens), "actor/optimizer_steps": float(len(norms))})
+        out.update({"actor/grad_norm": sum(norms) / max(len(norms), 1), "actor/tokens": float(tokens),
+                    "actor/lr": float(self.scheduler.get_last_lr()[0]), "actor/optimizer_steps": float(len(norms))})
         out.update(mismatch_metrics(mismatch))
         return out
 
@@ -379,6 +369,8 @@ class Learner:
                 return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
 
             logprobs, entropy = self.token_logprobs(self.model, part, with_entropy=True)
+            if entropy is None:
+                raise RuntimeError("token_logprobs(with_entropy=True) returned no entropy")
             if self._mismatch is not None and part.versions is not None and start is not None:
                 # π at the version being trained: π_prox where recomputed, else this forward (the
                 # weights have not moved yet); at lag 0 its distance to μ is the mismatch itself

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -35,7 +35,7 @@ from asyncrl.weight_updates import AdapterUpdate, LayerAdapter
 from asyncrl.policy import adapter_base, merged_adapters, peft_reads_deprecated, resolve_model_path
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig as PeftLoraConfig, PeftModel
     from transformers import PreTrainedModel
 
 ADAPTER = "default"
@@ -105,6 +105,18 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Peft
         return peft.get_peft_model(model, config)
 
 
+def peft_model(module: torch.nn.Module) -> PeftModel:
+    """``module`` as the ``PeftModel`` it is when ``model.lora`` is set (the learner's
+    ``module``, typed as the Hugging Face model it stands in for)."""
+    return cast("PeftModel", module)
+
+
+# peft sets fan_in_fan_out in each LoraLayer subclass's __init__, and declares it on none (the ignores below)
+def _weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A linear layer's weight (nn.Module types an attribute as a tensor or a module)."""
+    return cast(torch.Tensor, layer.weight)
+
+
 def merged_targets(model: PeftModel, *, every_weight: bool = False) -> dict[str, torch.Tensor]:
     """Each adapted layer's merged weight (:func:`merged_weight`), under the base model's
     parameter name (``model.layers.0.self_attn.q_proj.weight``): what the engines load.
@@ -122,9 +134,9 @@ def merged_targets(model: PeftModel, *, every_weight: bool = False) -> dict[str,
         for name, layer in model.get_base_model().named_modules():
             if not isinstance(layer, LoraLayer) or ADAPTER not in layer.lora_A:
                 continue
-            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
-            out[f"{name}.weight"] = merged_weight(layer.get_base_layer().weight, a, b, layer.scaling[ADAPTER],
-                                                  transposed=layer.fan_in_fan_out)
+            a, b = _weight(layer.lora_A[ADAPTER]), _weight(layer.lora_B[ADAPTER])  # (r, in), (out, r)
+            out[f"{name}.weight"] = merged_weight(_weight(layer.get_base_layer()), a, b, layer.scaling[ADAPTER],
+                                                  transposed=layer.fan_in_fan_out)  # type: ignore[attr-defined]
     return out
 
 
@@ -137,10 +149,11 @@ def adapter_update(model: PeftModel) -> AdapterUpdate:
     layers = {}
     for name, layer in model.get_base_model().named_modules():
         if isinstance(layer, LoraLayer) and ADAPTER in layer.lora_A:
-            a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight  # (r, in), (out, r)
+            a, b = _weight(layer.lora_A[ADAPTER]), _weight(layer.lora_B[ADAPTER])  # (r, in), (out, r)
             layers[f"{name}.weight"] = LayerAdapter(a.detach().clone(), b.detach().clone(),
-                                                    float(layer.scaling[ADAPTER]), bool(layer.fan_in_fan_out))
-    config = model.peft_config[ADAPTER]
+                                                    float(layer.scaling[ADAPTER]),
+                                                    bool(layer.fan_in_fan_out))  # type: ignore[attr-defined]
+    config = cast("PeftLoraConfig", model.peft_config[ADAPTER])  # a LoRA model's adapter config
     return AdapterUpdate(layers, rank=config.r, alpha=float(config.lora_alpha))
 
 

@@ -176,6 +176,13 @@ def marker(dtype: torch.dtype) -> float | int | None:
     return None
 
 
+def _marker(dtype: torch.dtype) -> float | int:
+    value = marker(dtype)
+    if value is None:  # build_skeleton refuses such a buffer before it gets here
+        raise WholeLoadNeeded(f"a non-persistent buffer of {dtype} has no marker value")
+    return value
+
+
 def compute_buffers(model: PreTrainedModel) -> None:
     """Non-persistent buffers (not in any checkpoint: RoPE's ``inv_freq``) computed by the
     model's ``_init_weights``, as ``from_pretrained`` computes them; the parameters of their
@@ -188,14 +195,14 @@ def compute_buffers(model: PreTrainedModel) -> None:
             if not names:
                 continue
             for name in names:
-                buffer = module._buffers[name]
-                buffer.fill_(marker(buffer.dtype))
+                buffer = module.get_buffer(name)
+                buffer.fill_(_marker(buffer.dtype))
             for param in module.parameters(recurse=False):
-                param._is_hf_initialized = True
+                setattr(param, "_is_hf_initialized", True)  # what transformers' initialisation reads
             model._init_weights(module)
             for name in names:
-                buffer = module._buffers[name]
-                left = buffer.isnan() if buffer.is_floating_point() else buffer == marker(buffer.dtype)
+                buffer = module.get_buffer(name)
+                left = buffer.isnan() if buffer.is_floating_point() else buffer.eq(_marker(buffer.dtype))
                 if bool(left.any()):
                     raise WholeLoadNeeded(f"buffer {name!r} of {type(module).__name__} is not computed by "
                                           f"{type(model).__name__}._init_weights (this transformers version)")

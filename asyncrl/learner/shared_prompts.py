@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from asyncrl.engine.hf_cache import forward_with_cache
+from asyncrl.engine.hf_cache import filled_layers, forward_with_cache
 from asyncrl.learner.batch import TrainBatch
 
 
@@ -74,7 +74,7 @@ def response_logits(model: PreTrainedModel, batch: TrainBatch, prompts: list[lis
     prefill = forward_with_cache(model, prompt_cache, input_ids=prompt_ids, attention_mask=prompt_mask,
                                  position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), logits_to_keep=1)
     cache = DynamicCache([(layer.keys.index_select(0, index), layer.values.index_select(0, index))
-                          for layer in prompt_cache.layers], config=model.config)
+                          for layer in filled_layers(prompt_cache)], config=model.config)
 
     starts = batch.prompt_lengths.to(device)
     response_lengths = batch.attention_mask.sum(-1) - starts

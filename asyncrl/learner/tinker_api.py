@@ -68,9 +68,10 @@ def datums(batch: TrainBatch) -> tuple[list[Any], int]:
         ids = batch.input_ids[i, :length].tolist()
         advantage = batch.advantages[i] if batch.advantages.dim() == 1 else batch.advantages[i, :length - 1]
         per_token = (advantage * mask[i, :length - 1] * scale).float()
+        # Datum converts lists to TensorData (its __post_init__), though tinker annotates TensorData only
         rows.append(types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
-            "target_tokens": ids[1:], "logprobs": batch.behavior_logprobs[i, :length - 1].float().tolist(),
-            "advantages": per_token.tolist()}))
+            "target_tokens": ids[1:], "logprobs": batch.behavior_logprobs[i, :length - 1].float().tolist(),  # type: ignore[dict-item]
+            "advantages": per_token.tolist()}))  # type: ignore[dict-item]
     return rows, tokens
 
 

@@ -94,6 +94,17 @@ def resume_note(checkpoint: Path, step: int, removed: Mapping[str, int], replay_
             f"asyncrl: {replay_note}")
 
 
+def failed_note(output_dir: Path, checkpoint: Path | None) -> str:
+    """What a failed run says last: its newest checkpoint and how to continue from it; with
+    none, that there is nothing to resume and what to run instead (a fresh start refuses a
+    non-empty ``output_dir``, a resume one with no checkpoint)."""
+    if checkpoint is not None:
+        return (f"asyncrl train: the run failed; last good checkpoint: {checkpoint}; continue from it with the same "
+                "command and resume=true")
+    return (f"asyncrl train: the run failed; last good checkpoint: none yet, so there is nothing to resume: start the "
+            f"run again with a new output_dir (or after removing {output_dir})")
+
+
 def save_run_config(cfg: Config, resumed: RunState | None, changed: Mapping[str, Any]) -> None:
     """A new run writes ``config.yaml``. A resume leaves it as the run began: settings that
     differ from those the run last trained with are said and appended to

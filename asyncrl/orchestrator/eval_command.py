@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from asyncrl.config import Config, save_config
 from asyncrl.orchestrator.announce import run_tool_format, template_notes
-from asyncrl.orchestrator.metrics import eval_sample_row
+from asyncrl.orchestrator.metrics import eval_sample_row, text_decoder
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.rollout.eval_scoring import EvalResult, write_eval
 from asyncrl.runtime import start
@@ -41,7 +41,7 @@ def run_eval(cfg: Config, splits: TaskSplits | None = None) -> EvalResult:
     print("\n".join([f"asyncrl eval → {output_dir}", *(f"  {note}" for note in notes)]), file=sys.stderr, flush=True)
 
     def row(episode: Episode) -> dict:
-        return eval_sample_row(episode, 0, lambda ids: tokenizer.decode(ids, skip_special_tokens=True), tool_format)
+        return eval_sample_row(episode, 0, text_decoder(tokenizer), tool_format)
 
     async def main(samples: TextIO) -> EvalResult:
         with tqdm(total=len(tasks) * cfg.eval.samples_per_task, desc="eval", unit="sample",

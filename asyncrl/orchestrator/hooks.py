@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, cast
 
 from asyncrl.config import ConfigError, HooksConfig
 from asyncrl.plugins import load_named
@@ -63,10 +63,10 @@ class Hooks:
     def from_config(cls, cfg: HooksConfig) -> Hooks:
         """Each named hook loaded now, so a typo fails before any work (exit 2)."""
         hooks = cls()
-        for name, spec in cfg.model_dump().items():
+        for name, spec in cfg.model_dump().items():  # HooksConfig's fields: the hook names
             if spec is not None:
                 try:
-                    hooks.callbacks[name] = (spec, load_named(spec, key=f"hooks.{name}"))
+                    hooks.callbacks[cast(HookName, name)] = (spec, load_named(spec, key=f"hooks.{name}"))
                 except ValueError as exc:
                     raise ConfigError(str(exc)) from None
         return hooks

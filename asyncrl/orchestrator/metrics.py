@@ -5,10 +5,10 @@ keys. Key names are a promise to users' scripts (docs/usage.md lists them)."""
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from asyncrl.rollout.eval_scoring import EVAL_SAMPLE, EvalResult
 from asyncrl.rollout.gateway.tool_calls import ToolParser
@@ -16,6 +16,9 @@ from asyncrl.jsonl import read_jsonl
 from asyncrl.modes import trajectory_staleness
 from asyncrl.orchestrator.buffer import ReadyGroup
 from asyncrl.types import AgentDiagnostics, Episode, Trajectory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -153,6 +156,12 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
         "rollout/duplicate_searches": sum(r.duplicate_searches for r in records),
         "agent/duplicate_search_fraction": sum(r.duplicate_searches > 0 for r in records) / n,
     }
+
+
+def text_decoder(tokenizer: PreTrainedTokenizerBase) -> Callable[[list[int]], str]:
+    """A sample's text from its ids, special tokens left out (one sequence decodes to a str,
+    which transformers types as a str or a list of them)."""
+    return lambda ids: cast(str, tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
@@ -303,7 +312,7 @@ def eval_metrics(result: EvalResult, version: int, seconds: float) -> dict[str, 
             "eval/num_errors": result.num_errors, "eval/version": version, "time/eval": seconds}
 
 
-def training_seconds(step_rows: list[Mapping[str, Any]]) -> float:
+def training_seconds(step_rows: Sequence[Mapping[str, Any]]) -> float:
     """Wall time of the logged steps ``step_rows`` (in order; no step-0 evaluation row):
     from the start of the first step to the end of the last, as the benchmarks count it."""
     first, last = step_rows[0], step_rows[-1]

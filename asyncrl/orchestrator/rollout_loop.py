@@ -78,13 +78,15 @@ class RolloutLoop:
                 await self.buffer.hold_to_first_batch()
                 await self.gate.acquire()
                 draw = self.stream.next_draw()
-                if draw.order is None:  # a fresh one; a re-issued one keeps its place in the start order
+                order = draw.order
+                if order is None:  # a fresh one; a re-issued one keeps its place in the start order
                     self.started += 1
-                    draw = draw._replace(order=self.started)
-                self.in_flight[draw.order] = draw
+                    order = self.started
+                    draw = draw._replace(order=order)
+                self.in_flight[order] = draw
                 task = self.tasks[draw.index]
                 replay = self.replays.pop((task.id, draw.epoch), None)
-                tg.create_task(self._group(rollout, task, draw.epoch, draw.order, now, on_episode, on_generated,
+                tg.create_task(self._group(rollout, task, draw.epoch, order, now, on_episode, on_generated,
                                            replay))
 
     async def _group(self, rollout: RolloutHandle, task: Task, epoch: int, start_order: int, now: Callable[[], float],

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
+from asyncrl.config.engine_kinds import engine_kind
 from asyncrl.orchestrator.checkpoint import (
     IN_FLIGHT_FILE,
     RUN_STATE_FILE,
@@ -48,8 +49,17 @@ class RunCheckpoints:
         self.saved_at = time.monotonic()
 
     def due(self, step: int) -> SaveKind | None:
-        return save_due(step, self.cfg.total_steps, self.cfg.save_every, self.cfg.save_every_minutes,
+        """``save_due``'s answer; and on a run whose rollouts live outside this process (a
+        fleet of servers, vLLM's own processes: lost on their own), periodic saves on and no
+        checkpoint yet, an interim one after the first step: a lost fleet then costs at most
+        ``save_every_minutes``, never the whole run."""
+        kind = save_due(step, self.cfg.total_steps, self.cfg.save_every, self.cfg.save_every_minutes,
                         time.monotonic() - self.saved_at)
+        periodic = self.cfg.save_every > 0 or self.cfg.save_every_minutes > 0
+        if (kind is None and periodic and self.last is None and step < self.cfg.total_steps
+                and engine_kind(self.cfg.engine).placement != "process"):
+            return "interim"
+        return kind
 
     async def save(self, step: int, learner: LearnerHandle, contents: Contents, interim: bool = False) -> None:
         """``step``'s checkpoint: the learner's state and what ``contents(step, interim)``

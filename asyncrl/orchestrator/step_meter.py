@@ -83,7 +83,8 @@ class StepMeter:
     """One step's clock and the engines' work around it; :meth:`row` builds its metrics."""
 
     def __init__(self, rollout: RolloutHandle, started: float, work: EngineWork) -> None:
-        self.rollout, self.started, self.start_work = rollout, started, work
+        # start_s, not started: that name is the classmethod below, which an attribute would hide
+        self.rollout, self.start_s, self.start_work = rollout, started, work
         self.sync_s = 0.0  # the weight sync took
 
     @classmethod
@@ -99,10 +100,10 @@ class StepMeter:
 
     async def row(self, step: int, version: int, trained_version: int, trained: Trained, elapsed_s: float,
                   finished_rewards: list[float], counters: Mapping[str, int], buffer: Mapping[str, int],
-                  filtered_fraction_window: float, errors_unlogged: int) -> dict[str, Any]:
+                  filtered_fraction_window: float | None, errors_unlogged: int) -> dict[str, Any]:
         """The step's ``metrics.jsonl`` row; the engines' work read now, at the step's end."""
         work = (await EngineWork.read(self.rollout)).since(self.start_work)
-        times = StepTimes(_clock() - self.started, trained.waited_s, work["busy_s"], elapsed_s)
+        times = StepTimes(_clock() - self.start_s, trained.waited_s, work["busy_s"], elapsed_s)
         row = step_row(step, version, trained_version, trained.groups, trained.trajectories, trained.actor, times,
                        finished_rewards, counters, buffer, filtered_fraction_window=filtered_fraction_window)
         row["rollout/errors_unlogged_total"] = errors_unlogged  # failed attempts past errors.jsonl's cap

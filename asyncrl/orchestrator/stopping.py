@@ -66,18 +66,20 @@ class StopControl:
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """While the run's main task runs on this event loop: signals (main thread only)."""
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         if threading.current_thread() is not threading.main_thread():
             yield
             return
         main = asyncio.current_task()
+        if main is None:
+            raise RuntimeError("StopControl.installed() must be entered inside the run's asyncio task")
         for sig in STOP_SIGNALS:
-            self._loop.add_signal_handler(sig, self._on_signal, main)
+            loop.add_signal_handler(sig, self._on_signal, main)
         try:
             yield
         finally:
             for sig in STOP_SIGNALS:
-                self._loop.remove_signal_handler(sig)
+                loop.remove_signal_handler(sig)
             if self._notice is not None:
                 self._notice.cancel()
 
@@ -109,7 +111,8 @@ class StopControl:
             main.cancel("stopped by a second signal")
         else:
             tqdm.write(f"asyncrl: {FIRST_SIGNAL}", file=sys.stderr)
-            self._notice = self._loop.call_later(STILL_STOPPING_S, self._still_stopping)
+            # a signal handler runs on the loop installed() registered it with
+            self._notice = asyncio.get_running_loop().call_later(STILL_STOPPING_S, self._still_stopping)
         self.requested.set()
 
     def _still_stopping(self) -> None:

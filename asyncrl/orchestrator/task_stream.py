@@ -15,7 +15,7 @@ from asyncrl.tasks.base import Task
 class Draw(NamedTuple):
     """One hand-out of a task."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index, on purpose: Draw.index is public
     """The task's index in the train split."""
     epoch: int
     """The epoch it was drawn in: part of its episodes' seeds (``asyncrl/seeding.py``)."""

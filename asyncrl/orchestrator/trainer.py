@@ -18,9 +18,8 @@ from __future__ import annotations
 import asyncio
 import sys
 from dataclasses import replace
-from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from tqdm import tqdm
 
@@ -31,7 +30,7 @@ from asyncrl.orchestrator.checkpoint import RunState, resume_point, rollback_log
 from asyncrl.orchestrator.evaluations import RunEvaluations
 from asyncrl.orchestrator.hooks import HookEvent, HookName
 from asyncrl.orchestrator.invariants import InvariantWatch, Limits
-from asyncrl.orchestrator.metrics import eval_sample_row, sample_rows
+from asyncrl.orchestrator.metrics import eval_sample_row, sample_rows, text_decoder
 from asyncrl.orchestrator.preflight import preflight
 from asyncrl.orchestrator.rollout_loop import RolloutLoop
 from asyncrl.orchestrator.run_checkpoints import RunCheckpoints
@@ -76,7 +75,7 @@ class Trainer:
         self.counters = RunCounters(cfg, state, self.watchdog)
         self._epochs_reported = self.rollouts.stream.epochs_handed_out
         self._tool_format = run_tool_format(cfg, self.tokenizer)  # samples' tool_calls, read as the gateway reads
-        self._decode = partial(self.tokenizer.decode, skip_special_tokens=True)  # a sample's text
+        self._decode = text_decoder(self.tokenizer)  # a sample's text
         self.evaluations = RunEvaluations(cfg, self.splits.validation, self._stop, self._now, self._seen_eval)
 
     @property
@@ -84,8 +83,8 @@ class Trainer:
         """The run's newest checkpoint: the one it resumed from until it saves one."""
         return self.checkpoints.last
 
-    def run(self) -> Path:
-        """The whole run in a fresh event loop; returns the final checkpoint. Any thread."""
+    def run(self) -> Path | None:
+        """The whole run in a fresh event loop; returns the final checkpoint (None: none kept). Any thread."""
         return asyncio.run(self.run_async())
 
     @property
@@ -104,9 +103,9 @@ class Trainer:
         step count, kept once (the gate's and the engines' versions follow it by sync)."""
         return self.step
 
-    async def run_async(self) -> Path:
-        """The whole run on the caller's event loop; returns the final checkpoint."""
-        if self.finished:  # a resume with nothing left to train: said, and not a file touched
+    async def run_async(self) -> Path | None:
+        """The whole run on the caller's event loop; returns the final checkpoint (None: none kept)."""
+        if self.finished and self.resumed_from is not None:  # a resume with nothing to train: said, no file touched
             print(finished_note(self.cfg, self.resumed_from.step, self.changed_settings), file=sys.stderr, flush=True)
             return self.last_checkpoint
         self.output_dir.mkdir(parents=True, exist_ok=True)
@@ -117,16 +116,17 @@ class Trainer:
             async with self._start_runtime(self.cfg, model=self._model, tokenizer=self.tokenizer, version=self.version,
                              checkpoint=self.last_checkpoint if state else None) as runtime:
                 self._model = None  # the runtime holds the weights now
-                self.learner, self.rollout, self.weight_sync = runtime.learner, runtime.rollout, runtime.weight_sync
+                self.learner, self.rollout, self.weight_sync = runtime.training()
                 self.delivery = DeliveryCheck.for_config(self.learner, self.rollout, self.tokenizer, self.cfg)
                 self.train_steps = TrainSteps.for_run(
                     self.cfg, self.rollouts.buffer, self.learner, self.rollout, self.tokenizer.pad_token_id or 0,
                     self._stop, self.watchdog, self._now, lambda start, end, step: self.log.event("train", start, end,
                                                                                                   step=step))
-                if state is not None:
-                    print(resume_note(self.last_checkpoint, state.step, rollback_logs(self.output_dir, state),
-                                      self.rollouts.replay_note()), file=sys.stderr)
-                self.log = RunLog(self.cfg, self.output_dir, resume_step=state and state.step)
+                if state is not None:  # resumed: from a checkpoint
+                    print(resume_note(cast(Path, self.last_checkpoint), state.step,
+                                      rollback_logs(self.output_dir, state), self.rollouts.replay_note()),
+                          file=sys.stderr)
+                self.log = RunLog(self.cfg, self.output_dir, resume_step=state.step if state else None)
                 self.log.errors_unlogged = self.counters.errors_unlogged_before
                 # each invariant's first break said once, live, above the bar (asyncrl doctor checks the whole run)
                 limits = Limits.from_config(self.cfg.model_dump(), self.rollouts.gate.max_staleness)
@@ -252,7 +252,7 @@ class Trainer:
     async def save(self) -> Path:
         """A kept checkpoint of the current step, now (for a hook); its path."""
         await self._save_kept(self.step)
-        return self.last_checkpoint
+        return cast(Path, self.last_checkpoint)  # just saved
 
     async def _save_kept(self, step: int) -> None:
         if not self.checkpoints.mark_kept(step):  # not saved yet (as interim: it is kept now)

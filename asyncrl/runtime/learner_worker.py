@@ -62,9 +62,20 @@ class LearnerWorker:
         self.cfg, self.rank, self.world_size, self.num_threads = cfg, rank, world_size, num_threads
         self.thread_budget = thread_budget
         self._policy = (model, tokenizer) if model is not None and tokenizer is not None else None
-        self.learner: Learner | None = None  # set by join()
+        self._learner: Learner | None = None  # set by join()
         self.attached: dict[str, Any] = {}  # what ``apply`` installed (a weight sender); closed by leave()
         self._heap = HeapTrimmer()  # a step frees its activations: hand them back (asyncrl/heap.py)
+
+    @property
+    def learner(self) -> Learner:
+        """This rank's learner, once :meth:`join` has built it."""
+        if self._learner is None:
+            raise RuntimeError("the learner worker has no learner before join()")
+        return self._learner
+
+    @learner.setter
+    def learner(self, learner: Learner) -> None:
+        self._learner = learner
 
     def _set_threads(self) -> None:
         # per OS thread in torch: set on whichever runs the call, never on the constructing one
@@ -100,6 +111,8 @@ class LearnerWorker:
             backend = self.cfg.learner.backend or default_backend(device)
             if backend == "nccl" and device.type != "cuda":
                 raise ConfigError(f"learner.backend=nccl, but rank {self.rank} has no GPU (device {device})")
+            if init_method is None:
+                raise ValueError(f"{self.world_size} learner ranks meet at an address: join(init_method=rendezvous())")
             init_process_group(rank=self.rank, world_size=self.world_size, init_method=init_method,
                                backend=backend, timeout_s=self.cfg.learner.timeout_s)
             sharding = Sharding.current(self.cfg.learner.effective_strategy, device)

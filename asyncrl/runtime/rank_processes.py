@@ -48,7 +48,8 @@ from asyncrl.core_budget import CoreBudget, ThreadBudget
 def _serve_sharing(fd: int, budget_fd: int, rule: CoreBudget, *args: Any) -> None:
     """:func:`_serve`, the rank computing within the core budget it shares with the
     driver's engine (``rollout.thread_sharing: colocated``), whose cell it maps from ``budget_fd``."""
-    _serve(fd, *args, thread_budget=ThreadBudget.attach(rule, budget_fd))
+    # args: _serve's parameters from worker_cls to num_threads, so thread_budget is not among them
+    _serve(fd, *args, thread_budget=ThreadBudget.attach(rule, budget_fd))  # type: ignore[misc]
 
 
 def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, world_size: int,
@@ -63,7 +64,8 @@ def _serve(fd: int, worker_cls: type[LearnerWorker], cfg: Config, rank: int, wor
         conn.send_bytes(pickle.dumps((status, value), protocol=pickle.HIGHEST_PROTOCOL))
 
     try:
-        shares = {} if thread_budget is None else {"thread_budget": thread_budget}
+        # passed only when set: a test's worker class may not take it
+        shares: dict[str, Any] = {} if thread_budget is None else {"thread_budget": thread_budget}
         worker = worker_cls(cfg, rank=rank, world_size=world_size, num_threads=num_threads, **shares)
         worker.join(init_method, local_rank=rank)
     except BaseException:

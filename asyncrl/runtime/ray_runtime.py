@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
-from typing import Any
+from typing import Any, cast
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.engine import EngineClosedError
@@ -95,7 +95,9 @@ class RayLearnerWorker(LearnerWorker):
         host = ray.util.get_node_ip_address()
         return f"tcp://{host}:{free_port(host)}"
 
-    def publish(self) -> StoredWeights | None:
+    # not the WeightUpdate of LearnerWorker.publish, on purpose: an actor hands the driver an object-store
+    # reference to it (RayActors reads it as one), so the weights never pass through the actor call
+    def publish(self) -> StoredWeights | None:  # type: ignore[override]
         weights = super().publish()
         return StoredWeights(_ray().put(weights)) if self.rank == 0 else None
 
@@ -152,7 +154,7 @@ class RayActors:
         if failed:
             for task in pending:
                 task.cancel()
-            self._failed = failed[0].exception()
+            self._failed = cast(LearnerRankError, failed[0].exception())  # one() raises nothing else
             self._kill()
             raise self._failed
         return [t.result() for t in tasks]

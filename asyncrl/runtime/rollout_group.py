@@ -88,8 +88,9 @@ class RolloutGroup:
 
         async def shard(i: int) -> EvalResult:
             result = await self.transport.call(i, "evaluate", shards[i], version, carried, local)
-            for episode in result.episodes if on_episode is not None and local is None else ():
-                on_episode(episode)
+            if on_episode is not None and local is None:
+                for episode in result.episodes:
+                    on_episode(episode)
             return result
 
         parts: dict[int, EvalResult] = {}

@@ -115,6 +115,8 @@ class TinkerLearnerWorker:
         except ImportError:
             raise ConfigError("learner.url needs Tinker's SDK: pip install 'asyncrl[tinker]'") from None
         url, lora = self.cfg.learner.url, self.cfg.model.lora
+        if url is None or lora is None:  # the config refuses learner.url without model.lora
+            raise ConfigError("a learner behind a URL needs learner.url and model.lora")
         key = self.cfg.tinker.api_key or os.environ.get("TINKER_API_KEY") or "tml-asyncrl-local"
         reachable(url)
         self.service = tinker.ServiceClient(base_url=url, api_key=key)
@@ -238,8 +240,9 @@ class TinkerLearnerWorker:
         live = [(i, p, c) for i, (p, c) in enumerate(sequences) if c]
         if not live:
             return out
+        # Datum converts lists to TensorData (its __post_init__), though tinker annotates TensorData only
         rows = [types.Datum(model_input=types.ModelInput.from_ints((p + c)[:-1]), loss_fn_inputs={
-            "target_tokens": (p + c)[1:], "weights": [0.0] * (len(p) + len(c) - 1)}) for _, p, c in live]
+            "target_tokens": (p + c)[1:], "weights": [0.0] * (len(p) + len(c) - 1)}) for _, p, c in live]  # type: ignore[dict-item]
         done = self.training.forward(rows, "cross_entropy").result()
         for (i, p, _), result in zip(live, done.loss_fn_outputs, strict=True):
             out[i] = result["logprobs"].tolist()[len(p) - 1:]

@@ -227,8 +227,8 @@ class InProcess:
     def describe(self) -> str:
         if self._engine is not None:
             return f"it runs on the engine's thread, at {_stack(self._engine._thread)}"
-        calls = [c for c in self._threads.in_user_code() if c.thread is not None]
-        return f"it runs on a thread of this process, at {_stack(calls[-1].thread)}" if calls else \
+        threads = [c.thread for c in self._threads.in_user_code() if c.thread is not None]
+        return f"it runs on a thread of this process, at {_stack(threads[-1])}" if threads else \
             "it runs on a thread of this process, not yet started"
 
     async def abandon(self, why: str) -> str:

@@ -278,7 +278,8 @@ def build_service(cfg: Config) -> TinkerService:
 
     if importlib.util.find_spec("peft") is None:  # training clients are LoRA adapters
         raise ConfigError("asyncrl serve-tinker trains LoRA adapters and needs peft: pip install 'asyncrl[lora]'")
-    model_dir = resolve_model_path(cfg.model.path)
+    # absolute: it is the tokenizer_id clients load, from whatever directory they run in
+    model_dir = resolve_model_path(cfg.model.path).resolve()
     model, tokenizer = load_policy(cfg.model)
     checkpoints = Path(cfg.tinker.checkpoint_dir or Path(cfg.output_dir) / "tinker")
     return TinkerService(cfg.tinker.base_model or cfg.model.path, model_dir, model.requires_grad_(False), tokenizer,

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol, TypeVar
 
 from asyncrl.config import Config, WeightSyncConfig
+from asyncrl.modes import PartialRollout
 from asyncrl.weight_sync.endpoints import (
     close_receiver,
     close_sender,
@@ -35,7 +36,7 @@ class LearnerHandle(Protocol):
 class RolloutHandle(Protocol):
     """What a sync needs of the rollout handle."""
 
-    async def sync_weights(self, weights: Any, version: int, mode: str) -> list[int]: ...
+    async def sync_weights(self, weights: Any, version: int, mode: PartialRollout) -> list[int]: ...
 
     async def apply(self, fn: Callable[..., Any], *args: Any) -> list[Any]: ...
 
@@ -88,7 +89,7 @@ async def _all_or_first_failure(*calls: Awaitable[T]) -> list[T]:
 class WeightSync(Protocol):
     method: str
 
-    async def sync(self, version: int, mode: str) -> Any:
+    async def sync(self, version: int, mode: PartialRollout) -> Any:
         """Every engine serves ``version`` when this returns (``mode``: the effective
         ``partial_rollout``). Returns the published snapshot where there is one, which
         an evaluation replica may load; ``None`` if the weights went another way."""
@@ -105,7 +106,7 @@ class ObjectStoreSync:
     def __init__(self, learner: LearnerHandle, rollout: RolloutHandle) -> None:
         self.learner, self.rollout = learner, rollout
 
-    async def sync(self, version: int, mode: str) -> Any:
+    async def sync(self, version: int, mode: PartialRollout) -> Any:
         weights = await self.learner.publish()
         check_served(version, await self.rollout.sync_weights(weights, version, mode))
         return weights
@@ -134,7 +135,7 @@ class CollectiveSync:
         self._opened = True
         await _all_or_first_failure(self.learner.apply(connect_sender), self.rollout.apply(join_receiver, addresses[0]))
 
-    async def sync(self, version: int, mode: str) -> None:
+    async def sync(self, version: int, mode: PartialRollout) -> None:
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"weight sync of version {version} does not advance past version {self.version}")
         _, served = await _all_or_first_failure(self.learner.apply(send, version),
