@@ -86,8 +86,11 @@ def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, 
     section in the order the schema declares it; a ``flat`` section's keys have no prefix."""
     plain, nested = [], []
     for name, field in model.model_fields.items():
-        sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
+        sub = _section_class(field.annotation)
+        if sub is not None and typing.get_origin(field.annotation) is not None:  # `X | None`: the row, then X's keys
+            plain.append(name)
+            nested += _sections(sub, f"{prefix}{name}.")
+        elif sub is not None:
             flat = getattr(sub, "flat", False)
             nested += [(f"{name} (keys written at the top level)" if flat else title, *rest)
                        for title, *rest in _sections(sub, prefix if flat else f"{prefix}{name}.")][:1]
@@ -95,6 +98,15 @@ def _sections(model: type[BaseModel], prefix: str = "") -> list[tuple[str, str, 
         else:
             plain.append(name)
     return [(prefix.rstrip(".") or "top level", prefix, model, plain), *nested]
+
+
+def _section_class(tp: Any) -> type[BaseModel] | None:
+    """The section class of an annotation: ``X`` for ``X`` or ``X | None`` (an optional
+    section, ``null`` = off), else None."""
+    for candidate in (tp, *typing.get_args(tp)):
+        if isinstance(candidate, type) and issubclass(candidate, BaseModel):
+            return candidate
+    return None
 
 
 HEADER = """\
@@ -131,10 +143,12 @@ def config_reference(model: type[BaseModel] = Config) -> str:
             out.append(_markdown(inspect.cleandoc(cls.__doc__)) + "\n")
         out.append("| key | type | default | meaning |\n|---|---|---|---|")
         docs = field_docs(cls)
+        own = cls().model_dump(mode="json")  # an optional section's defaults, where the whole has it null
         for name in names:
             value = defaults
             for part in (prefix + name).split("."):
-                value = value[part]
+                value = value[part] if isinstance(value, dict) and part in value else None
+            value = value if cls is model else own[name]
             out.append(f"| `{prefix}{name}` | {_type(cls.model_fields[name])} | {_default(value)} "
                        f"| {_markdown(docs[name]) or '—'} |")
     out.append(learner_kinds_table())
@@ -156,7 +170,8 @@ def learner_kinds_table() -> str:
     for kind in LEARNER_KINDS.values():
         losses = ", ".join(f"`{n}`" for n in kind.losses) if kind.losses else "every registered one"
         lines.append(f"| {kind.name} | {_markdown(kind.summary)} | {' and '.join(sorted(kind.weights))} | "
-                     f"{yes(kind.streams)} | {yes(kind.shards)} | {yes(kind.sample_reuse)} | {losses} | "
+                     f"{yes(kind.streams)} | {yes(kind.shards)} | {yes(kind.sample_reuse)} | {yes(kind.critic)} | "
+                     f"{losses} | "
                      f"{kind.weights_out.replace('_', ' ')} | {kind.optimizer_state} | "
                      f"{_markdown(kind.install) if kind.needs else '—'} |")
     return "\n".join(lines)
@@ -171,8 +186,9 @@ on the CPU in every mode but `sync`) → `processes`; else `thread`. What each c
 of `asyncrl/config/learner_kinds.py`; a config asking more of its kind is refused in one line
 naming each key and what the kind needs.
 
-| kind | where | trains | streams | shards | reuses samples | policy losses | weights leave as | optimizer in | needs |
-|---|---|---|---|---|---|---|---|---|---|"""
+| kind | where | trains | streams | shards | reuses samples | critic | policy losses | weights leave as | optimizer in \
+| needs |
+|---|---|---|---|---|---|---|---|---|---|---|"""
 
 
 COMMON_NAMES_HEADER = """

@@ -1,5 +1,8 @@
-"""Group-relative advantage estimators: rewards of the n samples of each task are
-compared with each other, so no value network is needed.
+"""Advantage estimators on the rollout side: group-relative ones compare the rewards of the
+n samples of each task with each other, so no value network is needed; ``gae``'s
+advantages are per token and need a critic's values, so the learner computes them when
+the batch trains (``algorithm.advantage: gae``, ``asyncrl/learner/critic.py``) and its
+estimator here passes each sample's outcome reward through to it.
 
 Every estimator maps rewards ``(G, n)`` (G groups, n samples per task) to advantages
 ``(G, n)``; a group whose samples all scored the same gets advantage 0 everywhere, which
@@ -112,3 +115,14 @@ def rloo(rewards: Tensor) -> Tensor:
     if n < 2:
         return torch.zeros_like(rewards)
     return _centered(rewards) * (n / (n - 1))
+
+
+@register_advantage("gae")
+def outcome(rewards: Tensor) -> Tensor:
+    """``gae``'s rollout side: the rewards themselves, unchanged. rewards (G, n) -> (G, n).
+
+    What a group carries to the learner is then each sample's outcome reward, which the
+    learner puts on the sample's last model token (``learner/batch.py``) and turns into
+    per-token advantages with the critic's values (``algorithms/gae.py``). Not group-relative:
+    one sample per task trains."""
+    return _as_groups(rewards).clone()

@@ -14,7 +14,7 @@ from asyncrl.config.base import ConfigError, Section
 from asyncrl.config.engines import EngineServerConfig, RemoteConfig, VLLMConfig
 from asyncrl.config.frozen import FrozenModelConfig, JudgeConfig, TeacherConfig
 from asyncrl.config.hints import _NOTES, COMMON_NAMES, CommonName
-from asyncrl.config.learning import AlgorithmConfig, LearnerConfig, OptimConfig
+from asyncrl.config.learning import AlgorithmConfig, CriticConfig, LearnerConfig, OptimConfig
 from asyncrl.config.loading import (
     CONFIG_CHANGES_FILE,
     CONFIG_FILE,
@@ -74,6 +74,7 @@ __all__ = [
     'OptimConfig',
     'LearnerConfig',
     'AlgorithmConfig',
+    'CriticConfig',
     'WatchdogConfig',
     'LoggingConfig',
     'GatewayConfig',

@@ -65,6 +65,8 @@ class LearnerKind:
     """It holds a KL reference (``algorithm.kl_coef`` > 0)."""
     token_masks: bool = True
     """It applies the engine–learner token masks (``algorithm.is_mask``)."""
+    critic: bool = True
+    """It trains a critic beside the policy (``critic``, ``algorithm.advantage: gae``)."""
     losses: tuple[str, ...] | None = None
     aggregations: tuple[str, ...] | None = None
     lora_alpha: float | None = None
@@ -113,7 +115,7 @@ LEARNER_KINDS: dict[str, LearnerKind] = {
         name="tinker", summary="a Tinker-API server at learner.url (asyncrl serve-tinker, or Tinker's service)",
         placement="server", weights=frozenset({"adapters"}), weights_out="adapter_files",
         optimizer_state="server", streams=False, sample_reuse=False, decoupled_ratio=False,
-        kl_reference=False, token_masks=False, losses=("decoupled_ppo", "cispo"),
+        kl_reference=False, token_masks=False, critic=False, losses=("decoupled_ppo", "cispo"),
         aggregations=("token_mean",), lora_alpha=TINKER_LORA_ALPHA, lora_dropout=False,
         weight_sync=frozenset({"object_store"}),
         builder="asyncrl.runtime.tinker_learner:build", needs="tinker", install="Tinker's SDK: pip install tinker"),
@@ -152,6 +154,8 @@ def unsupported(kind: LearnerKind, cfg: Any) -> dict[str, tuple[Any, str]]:
         "algorithm.aggregation": (kind.aggregations is not None and a.aggregation not in kind.aggregations,
                                   a.aggregation, " or ".join(kind.aggregations or ())),
         "algorithm.kl_coef": (not kind.kl_reference and a.kl_coef > 0, a.kl_coef, "0"),
+        "algorithm.advantage": (not kind.critic and cfg.critic is not None, a.advantage,
+                                "a group-relative estimator: it trains no critic"),
         "algorithm.is_mask": (not kind.token_masks and a.is_mask != "none", a.is_mask, "none"),
         "optim.ppo_epochs": (not kind.sample_reuse and o.ppo_epochs != 1, o.ppo_epochs, "1"),
         "optim.mini_batches": (not kind.sample_reuse and o.mini_batches != 1, o.mini_batches, "1"),

@@ -11,11 +11,24 @@ from pydantic import (
 )
 
 from asyncrl.config.base import Section
+from asyncrl.config.model import LoraConfig
 
 
 class AlgorithmConfig(Section):
     advantage: str = "grpo"
-    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo`` or a registered name."""
+    """Advantage estimator: ``grpo``, ``dr_grpo``, ``rloo`` (group-relative: one advantage per
+    sample), ``gae`` (per token, from a critic's values: needs the ``critic`` section;
+    docs/critic.md) or a registered name."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """``advantage: gae``: the discount per action (per model token; a tool's output or a
+    user's turn between two model tokens costs one step, not one per token)."""
+    lam: float = Field(0.95, ge=0, le=1)
+    """``advantage: gae``: GAE's λ; 1 gives the Monte-Carlo return minus the value, 0 the
+    one-step TD error."""
+    whiten_advantages: bool | None = None
+    """``advantage: gae``: standardise the advantages over the batch's model tokens (mean 0,
+    std 1). ``None``: true with ``gae``; group-relative estimators are normalised per group
+    already, so it is refused with them."""
     policy_loss: str = "decoupled_ppo"
     """The objective: ``decoupled_ppo``, ``gspo``, ``cispo``, ``icepop`` (docs/design.md,
     Losses), or a registered name or ``module:function``."""
@@ -55,14 +68,26 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.0, ge=0)
     """Weight of the k3 KL to the frozen initial policy; 0 = no reference model."""
     filter_zero_variance: bool = True
-    """Drop groups whose rewards are all equal (zero advantage) and release their quota."""
+    """Drop groups whose rewards are all equal (zero advantage) and release their quota.
+    Group-relative estimators only: with ``gae`` such a group still has advantages (the
+    critic's values differ by token), so it trains."""
     max_abs_reward: float = Field(1e6, gt=0)
     """A reward beyond ±this stops the run (exit 1, naming the task), as a NaN or infinite
     one does: advantages are float32, and rewards this large are almost always a bug in
     the reward function (``asyncrl/algorithms/finite.py``)."""
 
+    @property
+    def uses_critic(self) -> bool:
+        """Its advantages are per token, from a critic's values (``gae``), computed by the
+        learner when the batch trains; the rollout side carries the outcome rewards to it."""
+        return self.advantage == "gae"
+
     @model_validator(mode="after")
     def _bands(self) -> AlgorithmConfig:
+        if self.whiten_advantages is not None and not self.uses_critic:
+            raise ValueError(f"algorithm.whiten_advantages={str(self.whiten_advantages).lower()} is for "
+                             f"algorithm.advantage=gae (algorithm.advantage={self.advantage!r} normalises per group "
+                             "already); leave it unset")
         for low, high in (("is_mask_low", "is_mask_high"), ("icepop_low", "icepop_high")):
             if getattr(self, low) >= getattr(self, high):
                 raise ValueError(f"algorithm.{low}={getattr(self, low)} must be below "
@@ -70,7 +95,9 @@ class AlgorithmConfig(Section):
         return self
 
 
-class OptimConfig(Section):
+class OptimizerConfig(Section):
+    """AdamW and its LR schedule: the policy's (``optim``) and the critic's (``critic.optim``)."""
+
     lr: float = Field(1e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     betas: tuple[float, float] = Field((0.9, 0.99), strict=False)  # YAML gives a list
@@ -78,6 +105,9 @@ class OptimConfig(Section):
     schedule: Literal["constant", "cosine", "linear"] = "constant"
     """After warm-up: constant, or decay to 10 % of ``lr`` by ``total_steps``."""
     grad_clip: float = Field(1.0, gt=0)
+
+
+class OptimConfig(OptimizerConfig):
     micro_batch_size: int = Field(64, ge=1)
     """Trajectories (conversations, in ``asyncrl sft``) per forward/backward; gradients
     accumulate to one optimizer step (``asyncrl/learner/core.py``, the one micro-batch loop)."""
@@ -99,6 +129,45 @@ class OptimConfig(Section):
     """Optimizer steps per pass over a batch: the batch's trajectories are shuffled (seeded
     by the run's seed and the version) and cut into this many mini-batches. 1 = the whole
     batch, unshuffled: one optimizer step per pass."""
+
+
+class CriticModelConfig(Section):
+    path: str | None = None
+    """The critic's starting weights: a causal LM directory (its backbone, with a new scalar
+    value head) or a value model saved by a run (a checkpoint's ``critic/``). ``null``: the
+    policy's ``model.path``. Its dtype and device are the policy's."""
+
+
+class CriticConfig(Section):
+    """A value model V(s) trained beside the policy, in the learner's own process and
+    through the same training engine (``algorithm.advantage: gae``; docs/critic.md)."""
+
+    model: CriticModelConfig = CriticModelConfig()
+    value_clip: float | None = Field(0.2, gt=0)
+    """ε_v: the value loss is ½·max((V − R)², (clip(V, V_old ± ε_v) − R)²), V_old the critic's
+    values when the batch's returns were computed; ``null``: ½·(V − R)²."""
+    warmup_steps: int = Field(0, ge=0)
+    """The first this many batches train the critic only: the policy's weights stay as they
+    are, but each batch is still a version (the engines, the staleness bound and
+    ``total_steps`` count batches)."""
+    optim: OptimizerConfig = OptimizerConfig()
+    """The critic's own AdamW and LR schedule (over the run's ``total_steps``). It takes one
+    optimizer step per batch, on the policy's micro-batches."""
+    lora: LoraConfig | None = None
+    """LoRA adapters on the critic, as ``model.lora`` on the policy (its value head trains
+    whole); ``null``: every weight trains. Its ``sync`` stays ``auto``: a critic is never sent."""
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _lora_switch(cls, value: Any) -> Any:
+        return ({} if value else None) if isinstance(value, bool) else value  # `critic.lora=true`
+
+    @model_validator(mode="after")
+    def _never_sent(self) -> CriticConfig:
+        if self.lora is not None and self.lora.sync != "auto":
+            raise ValueError(f"critic.lora.sync={self.lora.sync}: a critic is never sent to the engines; leave it "
+                             "unset")
+        return self
 
 
 class LearnerConfig(Section):

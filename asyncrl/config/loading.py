@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import typing
+
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -22,13 +24,20 @@ from asyncrl.config.schedule import flatten_schedule_keys
 from asyncrl.jsonl import read_jsonl
 
 
-def all_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every key of ``model``, dotted; a ``flat`` section's keys without its name (``mode``)."""
+def all_keys(model: type[BaseModel], prefix: str = "", *, within_optional: bool = False) -> list[str]:
+    """Every key of ``model``, dotted; a ``flat`` section's keys without its name (``mode``).
+    An optional section (``model.lora``, ``critic``: ``null`` = off) is one key, its value
+    the section or null; ``within_optional``: its keys too (``critic.value_clip``), as the
+    reference page documents them and a misspelt one is matched."""
     keys = []
     for name, field in model.model_fields.items():
         sub = field.annotation
-        if isinstance(sub, type) and issubclass(sub, BaseModel):
-            keys += all_keys(sub, prefix if getattr(sub, "flat", False) else f"{prefix}{name}.")
+        optional = [a for a in typing.get_args(sub) if isinstance(a, type) and issubclass(a, BaseModel)]
+        if optional and within_optional:
+            keys += [prefix + name, *all_keys(optional[0], f"{prefix}{name}.", within_optional=True)]
+        elif isinstance(sub, type) and issubclass(sub, BaseModel):
+            keys += all_keys(sub, prefix if getattr(sub, "flat", False) else f"{prefix}{name}.",
+                             within_optional=within_optional)
         else:
             keys.append(prefix + name)
     return keys
@@ -56,7 +65,7 @@ def validate(model: type[M], data: dict[str, Any]) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, all_keys(model))) from None
+        raise ConfigError(_explain(exc, all_keys(model, within_optional=True))) from None
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -187,7 +196,7 @@ SHORTHANDS = {"weight_sync": "method", "task.sampler": "name"}
 ``task.sampler=adaptive``."""
 
 
-SWITCHES = frozenset({"model.lora"})
+SWITCHES = frozenset({"model.lora", "critic", "critic.lora"})
 """Optional sections (``null`` = off) that ``true`` turns on: ``model.lora=true`` keeps any
 of its keys already set (or takes every default), ``false`` turns it off, and setting one
 of its keys (``model.lora.alpha=8``) turns it on, whichever order the overrides come in."""

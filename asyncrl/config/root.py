@@ -16,7 +16,7 @@ from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind, EngineName
 from asyncrl.config.learner_kinds import LearnerKind, select_learner_kind, unsupported
 from asyncrl.config.engines import EngineServerConfig, RemoteConfig, VLLMConfig
 from asyncrl.config.frozen import JudgeConfig, TeacherConfig
-from asyncrl.config.learning import AlgorithmConfig, LearnerConfig, OptimConfig
+from asyncrl.config.learning import AlgorithmConfig, CriticConfig, LearnerConfig, OptimConfig
 from asyncrl.config.model import ModelConfig
 from asyncrl.config.rollout import (
     EvalConfig,
@@ -84,6 +84,10 @@ class Config(Section):
     algorithm: AlgorithmConfig = AlgorithmConfig()
     optim: OptimConfig = OptimConfig()
     learner: LearnerConfig = LearnerConfig()
+    critic: CriticConfig | None = None
+    """A value model trained beside the policy (``algorithm.advantage: gae``; docs/critic.md):
+    ``model``, ``value_clip``, ``warmup_steps``, ``optim``, ``lora``. ``null``: no critic.
+    ``critic=true`` takes every default; setting any of its keys turns it on."""
     logging: LoggingConfig = LoggingConfig()
     watchdog: WatchdogConfig = WatchdogConfig()
     gateway: GatewayConfig = GatewayConfig()
@@ -110,6 +114,11 @@ class Config(Section):
         at = list(data).index("seed") + 1
         items = list(data.items())
         return dict(items[:at] + list(schedule.items()) + items[at:])
+
+    @field_validator("critic", mode="before")
+    @classmethod
+    def _critic_switch(cls, value: Any) -> Any:
+        return ({} if value else None) if isinstance(value, bool) else value  # `critic: true`
 
     @field_validator("weight_sync", mode="before")
     @classmethod
@@ -189,6 +198,20 @@ class Config(Section):
                              f"engine={kind.name} has not ({kind.summary}: one copy of the weights, which moves on "
                              "with training); set eval.background=false (evaluations then block training), or "
                              "leave it unset")
+        if self.algorithm.uses_critic != (self.critic is not None):
+            raise ValueError(f"algorithm.advantage={self.algorithm.advantage} needs a critic: set critic=true (the "
+                             "policy's weights with a value head) or critic.model.path" if self.critic is None else
+                             f"critic is set, but algorithm.advantage={self.algorithm.advantage} reads no values: set "
+                             "algorithm.advantage=gae, or critic=null")
+        if self.critic is not None and self.learner.streaming:
+            raise ValueError("learner.streaming=true trains a step's groups as they come, but a critic's advantages "
+                             "are whitened over the whole batch; set learner.streaming=false with a critic")
+        if self.critic is not None and self.teacher.url:
+            raise ValueError("teacher.url (on-policy distillation) puts its term on a group-relative advantage; with "
+                             "algorithm.advantage=gae it is not built: set teacher.url=null, or another estimator")
+        if self.critic is not None and self.critic.lora is not None and self.learner.world_size > 1:
+            raise ValueError(f"critic.lora trains on one learner rank, but learner.world_size is "
+                             f"{self.learner.world_size}; set learner.world_size=1, or critic.lora=null")
         learner = self.learner_kind
         if wrong := unsupported(learner, self):
             raise ValueError(f"the learner here is {learner.summary} ({learner.name}), which cannot do what this "

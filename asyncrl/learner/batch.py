@@ -7,11 +7,14 @@ the token at position j. Prompt positions and padding have mask 0, like tool tok
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from asyncrl.algorithms.distill import distill_advantages
+from asyncrl.algorithms.gae import token_rewards
 from asyncrl.types import NO_VERSION, Trajectory
 
 
@@ -26,6 +29,9 @@ class TrainBatch:
     # (B, L-1) long: the version that sampled each model token (NO_VERSION elsewhere), from
     # which the learner's engine–learner mismatch by lag (algorithms/mismatch.py); None: not measured
     versions: torch.Tensor | None = None
+    # (B, L-1) float: each token's reward (algorithm.advantage: gae; algorithms/gae.token_rewards), from
+    # which the learner's critic makes the per-token advantages when the batch trains; None: no critic
+    rewards: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -34,23 +40,18 @@ class TrainBatch:
     def slice(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop), trimmed to their own longest sequence."""
         length = int(self.attention_mask[start:stop].sum(-1).max())
-        return TrainBatch(self.input_ids[start:stop, :length], self.attention_mask[start:stop, :length],
-                          self.loss_mask[start:stop, :length - 1], self.behavior_logprobs[start:stop, :length - 1],
-                          self.advantages[start:stop] if self.advantages.dim() == 1
-                          else self.advantages[start:stop, :length - 1], self.prompt_lengths[start:stop],
-                          None if self.versions is None else self.versions[start:stop, :length - 1])
+        return self._map(lambda t: t[start:stop, :length] if t is self.input_ids or t is self.attention_mask
+                         else t[start:stop] if t.dim() == 1 else t[start:stop, :length - 1])
 
     def rows(self, start: int, stop: int) -> TrainBatch:
         """Rows [start, stop) at full width; unlike :meth:`slice`, may be empty (a rank
         of a sharded learner with no rows of a small batch)."""
-        return TrainBatch(self.input_ids[start:stop], self.attention_mask[start:stop], self.loss_mask[start:stop],
-                          self.behavior_logprobs[start:stop], self.advantages[start:stop],
-                          self.prompt_lengths[start:stop], None if self.versions is None else self.versions[start:stop])
+        return self._map(lambda t: t[start:stop])
 
     def select(self, index: torch.Tensor) -> TrainBatch:
         """The rows at ``index`` (a 1-D long tensor, possibly empty), at full width."""
         index = index.to(self.input_ids.device)
-        return TrainBatch(*(t.index_select(0, index) for t in self._tensors()))
+        return self._map(lambda t: t.index_select(0, index))
 
     @staticmethod
     def filler(pad_id: int, device: torch.device) -> TrainBatch:
@@ -62,18 +63,32 @@ class TrainBatch:
                           torch.ones(1, dtype=torch.long, device=device))
 
     def to(self, device: torch.device) -> TrainBatch:
-        return TrainBatch(*(t.to(device) for t in self._tensors()))
+        return self._map(lambda t: t.to(device))
 
-    def _tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.input_ids, self.attention_mask, self.loss_mask, self.behavior_logprobs, self.advantages,
-                self.prompt_lengths, *(() if self.versions is None else (self.versions,)))
+    def with_advantages(self, advantages: torch.Tensor) -> TrainBatch:
+        """This batch with ``advantages`` ((B,) or (B, L-1)) in place of its own."""
+        return dataclasses.replace(self, advantages=advantages)
+
+    def _map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TrainBatch:
+        """``fn`` of every tensor field (each indexed by row first); an absent one stays None."""
+        def optional(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else fn(t)
+
+        return TrainBatch(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), fn(self.behavior_logprobs),
+                          fn(self.advantages), fn(self.prompt_lengths), optional(self.versions), optional(self.rewards))
 
 
 def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: int,
-               distill_coef: float = 0.0) -> TrainBatch:
+               distill_coef: float = 0.0, *, outcomes: bool = False) -> TrainBatch:
     """One right-padded :class:`TrainBatch` of ``trajectories``, one advantage each; with
     ``distill_coef`` and trajectories that carry ``teacher_logprobs``, per-token advantages
-    ``A − coef · (μ − τ)`` on model tokens (``algorithms/distill.py``)."""
+    ``A − coef · (μ − τ)`` on model tokens (``algorithms/distill.py``). ``outcomes``
+    (``algorithm.advantage: gae``): each of ``advantages`` is its trajectory's outcome reward,
+    put on its last model token as the batch's ``rewards`` (:func:`reward_tensor`); the
+    advantages are then the learner's to compute (0 here)."""
+    if outcomes:
+        batch = pack_batch(trajectories, [0.0] * len(trajectories), pad_id)
+        return dataclasses.replace(batch, rewards=reward_tensor(trajectories, advantages, batch.input_ids.shape[1]))
     if len(trajectories) != len(advantages):
         raise ValueError(f"{len(trajectories)} trajectories but {len(advantages)} advantages")
     length = max(len(t.prompt_ids) + len(t.response_ids) for t in trajectories)
@@ -94,6 +109,19 @@ def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: 
     return TrainBatch(input_ids, attention_mask, loss_mask, behavior,
                       _distilled(trajectories, per_sequence, behavior, loss_mask, distill_coef),
                       torch.tensor([len(t.prompt_ids) for t in trajectories], dtype=torch.long), versions)
+
+
+def reward_tensor(trajectories: list[Trajectory], outcomes: list[float], length: int) -> torch.Tensor:
+    """Each token's reward on the target axis (B, length - 1): trajectory i's outcome on its
+    last model token (``algorithms/gae.token_rewards``), 0 elsewhere. Per-turn rewards would
+    go on each turn's last token there; no trajectory carries them yet, so only the outcome
+    does. Every trajectory of a multi-trajectory episode carries the episode's outcome, as it
+    carries the episode's advantage under a group-relative estimator."""
+    out = torch.zeros((len(trajectories), length - 1), dtype=torch.float32)
+    for i, (t, outcome) in enumerate(zip(trajectories, outcomes, strict=True)):
+        p, r = len(t.prompt_ids), len(t.response_ids)
+        out[i, p - 1:p + r - 1] = torch.tensor(token_rewards(t, outcome), dtype=torch.float32)
+    return out
 
 
 def teacher_tensor(trajectories: list[Trajectory], length: int) -> torch.Tensor:

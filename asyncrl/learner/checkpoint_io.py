@@ -25,13 +25,19 @@ import os
 import random
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from asyncrl.config import LoraConfig
 from asyncrl.learner.distributed import Sharding
@@ -71,37 +77,48 @@ class Checkpointed(Protocol):
 
 
 def write_checkpoint(learner: Checkpointed, path: Path, extra: dict[str, Any] | None = None,
-         files: dict[str, str] | None = None) -> Path:
+         files: dict[str, str] | None = None, parts: Mapping[str, Checkpointed] | None = None) -> Path:
     """``path`` becomes a Hugging Face model directory with ``trainer_state.pt`` (version,
     schedule, RNG, ``extra``), the optimizer state under ``optimizer/`` (one shard per
     rank, loadable by any number of ranks) and the text ``files`` of other parts beside
-    the weights. Written to a temporary directory and renamed, so a crash mid-write
-    never leaves a half checkpoint under the final name. Sharded, every rank calls it
-    (the weights are gathered to rank 0, each rank writes its optimizer shard) and the
-    directory must be one all ranks see."""
+    the weights; each of ``parts`` (a model trained beside it: the critic) the same in a
+    sub-directory of its name, read back by :func:`restore_checkpoint` on ``path / name``.
+    Written to a temporary directory and renamed, so a crash mid-write never leaves a half
+    checkpoint under the final name. Sharded, every rank calls it (the weights are
+    gathered to rank 0, each rank writes its optimizer shard) and the directory must be one
+    all ranks see."""
+    tmp = path.with_name(path.name + ".tmp")
+    if learner.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    _write_into(learner, tmp, extra, files)
+    for name, part in (parts or {}).items():
+        _write_into(part, tmp / name)
+    if learner.is_main:
+        place_checkpoint(tmp, path)
+    _barrier(learner.sharding)  # no rank returns before the checkpoint is in place
+    return path
+
+
+def _write_into(learner: Checkpointed, directory: Path, extra: dict[str, Any] | None = None,
+                files: dict[str, str] | None = None) -> None:
+    """What :func:`write_checkpoint` says, into ``directory`` as it is (no rename)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    tmp = path.with_name(path.name + ".tmp")
     sharding = learner.sharding
     weights = sharding.full_state_dict(learner.model) if sharding is not None else None
     if learner.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        learner.module.save_pretrained(tmp, state_dict=weights)
-        learner.tokenizer.save_pretrained(tmp)
+        learner.module.save_pretrained(directory, state_dict=weights)
+        learner.tokenizer.save_pretrained(directory)
         for name, text in (files or {}).items():
-            (tmp / name).write_text(text)
+            (directory / name).write_text(text)
         torch.save({"version": learner.version, "scheduler": learner.scheduler.state_dict(), "rng": rng_state(),
-                    **(extra or {})}, tmp / STATE_FILE)
+                    **(extra or {})}, directory / STATE_FILE)
     del weights
-    _barrier(sharding)  # tmp/ exists before any rank writes into it
+    _barrier(sharding)  # the directory exists before any rank writes into it
     with _single_process_dcp():
         dcp.save({"optimizer": get_optimizer_state_dict(learner.model, learner.optimizer)},
-                 checkpoint_id=tmp / OPTIMIZER_DIR, no_dist=sharding is None)
-    if learner.is_main:
-        place_checkpoint(tmp, path)
-    _barrier(sharding)  # no rank returns before the checkpoint is in place
-    return path
+                 checkpoint_id=directory / OPTIMIZER_DIR, no_dist=sharding is None)
 
 
 def place_checkpoint(tmp: Path, path: Path) -> None:
@@ -132,7 +149,10 @@ def restore_checkpoint(learner: Checkpointed, path: Path) -> dict[str, Any]:
 
 
 def _load_weights(learner: Checkpointed, path: Path) -> None:
-    saved = AutoModelForCausalLM.from_pretrained(path, dtype=next(learner.module.parameters()).dtype).state_dict()
+    architectures = AutoConfig.from_pretrained(path).architectures or ()
+    value_model = any(a.endswith("ForTokenClassification") for a in architectures)  # a critic (value_model.py)
+    loader = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    saved = loader.from_pretrained(path, dtype=next(learner.module.parameters()).dtype).state_dict()
     if learner.sharding is None:
         learner.model.load_state_dict(saved)
     else:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar, cast
@@ -248,6 +249,22 @@ def micro_batch_bounds(lengths: list[int], *, max_rows: int, max_tokens: int | N
     return bounds
 
 
+def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
+    """The rows (sorted indices into a batch of ``size``) of each optimizer step: ``epochs``
+    passes, each a fresh seeded permutation cut into ``mini_batches`` parts whose sizes
+    differ by at most one; empty parts (fewer rows than parts) are left out. One part is
+    the whole batch in order, unshuffled: the plain step. A pure function of its arguments,
+    so every rank of a sharded learner cuts the batch the same way without talking."""
+    if mini_batches == 1:
+        return [torch.arange(size)] * epochs
+    steps = []
+    for epoch in range(epochs):
+        generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
+        order = torch.randperm(size, generator=generator)
+        steps += [part.sort().values for part in order.tensor_split(mini_batches) if len(part)]
+    return steps
+
+
 @dataclass
 class TrainEngine:
     """The one training engine: every optimizer step in the house — RL's learner, ``asyncrl
@@ -350,7 +367,9 @@ class TrainEngine:
         """A new version: the LR schedule's next step (unless ``schedule`` is false: the caller
         sets the LR itself, as a Tinker client does) and ``version`` + 1, returned."""
         if schedule:
-            self.scheduler.step()
+            with warnings.catch_warnings():  # a version with no optimizer step (critic.warmup_steps) still counts
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+                self.scheduler.step()
         self.version += 1
         return self.version
 

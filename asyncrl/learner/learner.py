@@ -53,12 +53,14 @@ from asyncrl.algorithms.mismatch import MAX_LAG, add_sums, mismatch_metrics, mis
 from asyncrl.config import AlgorithmConfig, LoraConfig, OptimConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.learner.core import (  # noqa: F401 (lr_lambda, autocast_dtype, micro_batch_bounds: importable here too)
+from asyncrl.learner.critic import Critic
+from asyncrl.learner.core import (  # noqa: F401 (what the tests and callers import from here too)
     MicroBatchLoop,
     TrainEngine,
     autocast_dtype,
     lr_lambda,
     micro_batch_bounds,
+    mini_batch_rows,
 )
 from asyncrl.learner.distributed import Sharding
 from asyncrl.weight_updates import FullWeights, WeightUpdate
@@ -67,22 +69,6 @@ from asyncrl.learner.lora import peft_model
 from asyncrl.learner.shared_prompts import prompt_index, response_logits
 from asyncrl.seeding import derive_seed
 from asyncrl.core_budget import ThreadBudget
-
-
-def mini_batch_rows(size: int, *, epochs: int, mini_batches: int, seed: int) -> list[torch.Tensor]:
-    """The rows (sorted indices into a batch of ``size``) of each optimizer step: ``epochs``
-    passes, each a fresh seeded permutation cut into ``mini_batches`` parts whose sizes
-    differ by at most one; empty parts (fewer rows than parts) are left out. One part is
-    the whole batch in order, unshuffled: the plain step. A pure function of its arguments,
-    so every rank of a sharded learner cuts the batch the same way without talking."""
-    if mini_batches == 1:
-        return [torch.arange(size)] * epochs
-    steps = []
-    for epoch in range(epochs):
-        generator = torch.Generator().manual_seed(derive_seed(seed, epoch))
-        order = torch.randperm(size, generator=generator)
-        steps += [part.sort().values for part in order.tensor_split(mini_batches) if len(part)]
-    return steps
 
 
 class Learner:
@@ -95,7 +81,7 @@ class Learner:
                  optim: OptimConfig, total_steps: int, temperature: float, version: int = 0,
                  sharding: Sharding | None = None, seed: int = 0, share_prompts: bool = True,
                  lora: LoraConfig | None = None, update: UpdateKind | None = None,
-                 autocast: str | None = None) -> None:
+                 autocast: str | None = None, critic: Critic | None = None) -> None:
         """``sharding``: this learner is one rank of a sharded learner; ``model`` is this
         rank's policy, wrapped here — already its own shards when it was loaded that way
         (``learner/sharded_load.py``), else a whole copy (the KL reference, if any, stays a
@@ -105,7 +91,7 @@ class Learner:
         ``model`` (wrapped in place) instead of its weights; one rank only. ``update``:
         what the engines are sent (``export.update_kind``; default: what ``lora`` says for
         the built-in engine). ``autocast``:
-        ``learner.autocast`` (:func:`autocast_dtype`)."""
+        ``learner.autocast`` (:func:`autocast_dtype`). ``critic``: trained beside it (``critic.py``)."""
         self.sharding = sharding
         self.share_prompts = share_prompts  # learner.share_prompts (one rank only)
         self.seed = seed
@@ -125,6 +111,7 @@ class Learner:
         self.engine = TrainEngine.build(model, tokenizer, optim, total_steps, lora=lora, seed=seed,
                                         sharding=sharding, autocast=autocast, version=version)
         self.device = sharding.device if sharding is not None else next(self.model.parameters()).device
+        self.critic = critic
         self.policy_loss = get_policy_loss(algorithm.policy_loss)
         self.pad_id = tokenizer.pad_token_id or 0
         self._stream: _Stream | None = None  # a streamed step's parts so far (accumulate → finish_step)
@@ -253,13 +240,17 @@ class Learner:
         first, last = self.sharding.rows(batch.size) if self.sharding is not None else (0, batch.size)
         mine = batch.rows(first, last).to(self.device)  # this rank's rows; every count below is the whole batch's
         self.model.train()
+        targets = self.critic.targets(mine, self.micro_batches, self._filler, self.algorithm) if self.critic else None
+        if self.critic is not None and targets is not None:  # per-token advantages from its values now (critic.py)
+            mine = mine.with_advantages(targets.advantages)
+            steps = steps if self.version >= self.critic.config.warmup_steps else []  # critic.warmup_steps
         # π_prox: the weights at the start of this batch (decoupled PPO), or μ itself (bypass).
         # With one optimizer step per batch those are the weights of that step's own forward
         # pass, so its logprobs, detached, are π_prox's: no extra pass (a third of the step).
         recompute = not (self.algorithm.bypass or on_policy)
         from_forward = recompute and len(steps) == 1
-        proximal = self.logprobs(self.model, mine) if recompute and not from_forward else None
-        reference = self.reference_logprobs(mine)
+        proximal = self.logprobs(self.model, mine) if recompute and not from_forward and steps else None
+        reference = self.reference_logprobs(mine) if steps else None
         batch_counts = _counts(batch.loss_mask).to(self.device)
         sums: dict[str, torch.Tensor] = {}
         norms = []
@@ -276,7 +267,10 @@ class Learner:
             if proximal is None:  # the weights moved: only a recomputed π_prox is still the start's policy
                 self._mismatch = None
         self._mismatch = None
-        return self._end_batch(sums, norms, batch_counts[0], mismatch)
+        out = self._end_batch(sums, norms, batch_counts[0], mismatch)
+        if self.critic is not None and targets is not None:
+            out.update(self.critic.train(mine, self.micro_batches, self._filler, targets, batch_counts, self.algorithm))
+        return out
 
     def _no_mismatch(self) -> torch.Tensor:
         """Empty :func:`~asyncrl.algorithms.mismatch.mismatch_sums`, to add a batch's micro-batches to."""
@@ -302,8 +296,8 @@ class Learner:
                                  "is written")
         if "actor/is_raw_weight_sq_mean" in out:  # Kish's effective sample size, as a fraction of the tokens
             out["actor/is_ess"] = out["actor/is_raw_weight_mean"] ** 2 / max(out["actor/is_raw_weight_sq_mean"], 1e-12)
-        out.update({"actor/grad_norm": sum(norms) / len(norms), "actor/lr": float(self.scheduler.get_last_lr()[0]),
-                    "actor/tokens": float(tokens), "actor/optimizer_steps": float(len(norms))})
+        out.update({"actor/grad_norm": sum(norms) / max(len(norms), 1), "actor/tokens": float(tokens),
+                    "actor/lr": float(self.scheduler.get_last_lr()[0]), "actor/optimizer_steps": float(len(norms))})
         out.update(mismatch_metrics(mismatch))
         return out
 
@@ -316,9 +310,9 @@ class Learner:
         are known only once its last part is in — and the weights do not move, so π_prox is
         each pass's own forward, detached (μ for an ``on_policy`` part, or in bypass), as in
         a one-step :meth:`train_step`. One rank and one optimizer step per batch only."""
-        if self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
+        if self.critic or self.sharding is not None or self.optim.ppo_epochs != 1 or self.optim.mini_batches != 1:
             raise ValueError("a streamed step is one optimizer step on one rank: it needs learner.world_size=1, "
-                             "optim.ppo_epochs=1 and optim.mini_batches=1")
+                             "optim.ppo_epochs=1 and optim.mini_batches=1, and no critic")
         if self._stream is None:  # the engine starts the step's gradients from zero
             self._stream = _Stream(torch.zeros(2, device=self.device), self._no_mismatch())
         stream, batch = self._stream, batch.to(self.device)
@@ -469,11 +463,14 @@ class Learner:
         if bad:
             raise NonFiniteError(f"refusing to write {path}: {bad} weight tensors hold NaN or infinity; the last "
                                  "checkpoint written is the last good one")
-        return write_checkpoint(self, path, extra, files)
+        return write_checkpoint(self, path, extra, files, parts=self.critic.parts() if self.critic else None)
 
     def load_checkpoint(self, path: Path) -> dict[str, Any]:
         """Continue from the checkpoint at ``path`` (``checkpoint_io.restore_checkpoint``);
-        returns its trainer state. Sharded, every rank calls it."""
+        returns its trainer state (the critic's first: the policy's RNG streams are the ones the
+        run goes on with). Sharded, every rank calls it."""
+        if self.critic is not None:
+            self.critic.load_checkpoint(path)
         return restore_checkpoint(self, path)
 
 

@@ -90,11 +90,15 @@ def add_adapters(model: PreTrainedModel, cfg: LoraConfig, seed: int = 0) -> Peft
     from ``seed`` alone, not from whatever the global RNG holds, so a run's adapters
     depend on its seed only); only the adapters require gradients. ``model`` is changed in
     place (its layers wrapped). Target names that match no linear layer are a
-    ``ConfigError`` naming those there are."""
+    ``ConfigError`` naming those there are. A value model (a critic, ``value_model.py``)
+    is peft's token classifier: its new head ``score`` trains whole and is saved with the
+    adapters (peft's ``modules_to_save``)."""
     peft = _peft()
     check_targets(cfg, model)
+    value_model = type(model).__name__.endswith("ForTokenClassification")
     config = peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
-                             target_modules=cfg.target_modules, task_type="CAUSAL_LM", bias="none")
+                             target_modules=cfg.target_modules, task_type="TOKEN_CLS" if value_model else "CAUSAL_LM",
+                             bias="none", modules_to_save=["score"] if value_model else None)
     device = next(model.parameters()).device
     with peft_reads_deprecated(), torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)

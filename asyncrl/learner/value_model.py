@@ -50,7 +50,7 @@ def load_value_model(path: str, dtype: torch.dtype = torch.float32) -> PreTraine
     return AutoModelForTokenClassification.from_pretrained(directory, config=config, dtype=dtype)
 
 
-def token_values(model: PreTrainedModel, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def token_values(model: torch.nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """V at every position, (B, L) float32, of input_ids and attention_mask (B, L).
     Padding's values are whatever the head makes of it: GAE and the value loss mask them."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits  # (B, L, 1)

@@ -357,6 +357,30 @@ def servers_lost(rows: Sequence[Row]) -> Finding | None:
                    "/health answers")
 
 
+CRITIC_EV_STEPS = 10
+"""A critic whose explained variance stayed ≤ 0 over the last this many steps after its
+warm-up (or every step after it, if fewer) predicts the returns no better than a constant."""
+
+
+def critic_explains(config: Row, rows: Sequence[Row]) -> Finding:
+    """``critic/explained_variance`` after ``critic.warmup_steps``: a WARN when it stayed ≤ 0
+    over the run's last :data:`CRITIC_EV_STEPS` steps (the advantages are then mostly the
+    critic's noise)."""
+    name = "critic explains the returns"
+    critic = config.get("critic")
+    warmup = (critic.get("warmup_steps") or 0) if isinstance(critic, dict) else 0
+    logged = [(step_of(r), v) for r in rows if step_of(r) > warmup
+              and (v := num(r, "critic/explained_variance")) is not None]
+    if not logged:
+        return Finding(name, SKIP, None, "no critic/explained_variance after the critic's warm-up")
+    last = logged[-CRITIC_EV_STEPS:]
+    if all(v <= 0 for _, v in last):
+        return Finding(name, WARN, last[0][0], f"explained variance ≤ 0 at each of the last {len(last)} steps "
+                       f"(the last {last[-1][1]:.3f})", "the critic predicts no better than a constant: raise "
+                       "critic.warmup_steps or critic.optim.lr, or check that the rewards depend on the answer")
+    return Finding(name, OK, None, f"explained variance {last[-1][1]:.3f} at step {last[-1][0]}")
+
+
 def run_finished(rows: Sequence[Row], limits: Limits) -> Finding:
     """Whether the run trained every step it was asked for."""
     name = "run finished"
@@ -381,7 +405,8 @@ def check_run(config: Row, max_staleness: float | None, metrics: Sequence[Row], 
     findings[2:2] = [staleness_bound(samples, limits)]
     fleet = servers_lost(rows)  # engine=remote only
     return [*findings, *([fleet] if fleet else []), teacher_logprobs(config, rows),
-            judge_failures(config, rows, errors), episode_errors(errors, rows), run_finished(rows, limits)]
+            judge_failures(config, rows, errors), episode_errors(errors, rows),
+            *([critic_explains(config, rows)] if config.get("critic") else []), run_finished(rows, limits)]
 
 
 class InvariantWatch:

@@ -106,9 +106,12 @@ class RolloutLoop:
         if ok:
             self._outcome(self.in_flight[start_order].index, [e.reward for e in ok])
         rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
-        # with a teacher every token teaches (its distillation term), so equal rewards filter nothing
         same = bool((rewards == rewards[0, 0]).all()) if ok else True
-        if not ok or (self.cfg.algorithm.filter_zero_variance and same and self.teacher is None):
+        # with a teacher every token teaches (its distillation term), and with a critic every token has
+        # its own advantage (the values differ), so equal rewards filter nothing there
+        algorithm = self.cfg.algorithm
+        filters = algorithm.filter_zero_variance and self.teacher is None and not algorithm.uses_critic
+        if not ok or (filters and same):
             self.watchdog.group("filtered" if ok else "all_error", episodes)
             await self.buffer.reject(start_order)
         elif self.teacher is not None and not await self._distill(ok, task):

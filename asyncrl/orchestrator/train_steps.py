@@ -53,6 +53,7 @@ class TrainSteps:
         self._stop, self._watchdog, self._on_train, self._now = stop, watchdog, on_train, now
         self.engine_exact, self.distill_coef = engine_exact, distill_coef
         self.streaming = False  # learner.streaming: each group handed to the learner as it is taken
+        self.outcomes = False  # algorithm.advantage: gae: groups carry outcome rewards (the critic does the rest)
 
     @classmethod
     def for_run(cls, cfg: Config, buffer: GroupBuffer, learner: LearnerHandle, rollout: RolloutHandle,
@@ -64,6 +65,7 @@ class TrainSteps:
                     watchdog=watchdog, on_train=on_train, now=now, engine_exact=engine_computes_as_learner(cfg),
                     distill_coef=cfg.teacher.coef if cfg.teacher.url else 0.0)
         steps.streaming = cfg.learner.streaming
+        steps.outcomes = cfg.algorithm.uses_critic
         return steps
 
     async def train(self, version: int, step: int) -> Trained | None:
@@ -113,7 +115,8 @@ class TrainSteps:
         trained.groups += groups
         trained.trajectories += trajectories
         on_policy = self.engine_exact and all(t.behavior_version_max == version for t in trajectories)
-        return pack_batch(trajectories, advantages, self.pad_token_id, self.distill_coef), on_policy
+        return pack_batch(trajectories, advantages, self.pad_token_id, self.distill_coef,
+                          outcomes=self.outcomes), on_policy
 
     async def _learn(self, trained: Trained, step: int, call: Awaitable[T]) -> T:
         """A learner call of ``step``, timed into ``trained`` (``step_meter.learner_call``) and on the timeline."""

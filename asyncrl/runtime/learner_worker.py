@@ -36,6 +36,7 @@ from asyncrl.learner.distributed import (
     local_bytes,
     rank_device,
 )
+from asyncrl.learner.critic import build_critic
 from asyncrl.learner.export import update_kind
 from asyncrl.learner.sharded_load import WholeLoadNeeded, load_sharded
 from asyncrl.policy import check_policy, load_policy
@@ -121,6 +122,7 @@ class LearnerWorker:
         self.learner = Learner(model, tokenizer, algorithm=c.algorithm, optim=c.optim, total_steps=c.total_steps,
                                temperature=c.sampling.temperature, sharding=sharding, seed=c.seed,
                                share_prompts=c.learner.share_prompts, lora=c.model.lora, autocast=c.learner.autocast,
+                               critic=build_critic(c, tokenizer, sharding),
                                update=update_kind(c.model.lora, engine=c.engine,
                                                   same_dtype=c.engine_dtype == c.model.dtype))
         self.learner.thread_budget = self.thread_budget
