@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 
 import pytest
 import torch
@@ -92,15 +91,28 @@ def test_the_cell_hands_the_cores_between_the_engine_thread_and_the_learner_thre
         # the learner starts a step while the engine holds both cores: it waits for one, the
         # engine gives one back at its next boundary (once it sees the learner working)
         learner: list = []
+        refused = threading.Event()  # the learner has asked the rule and been told to wait
+        rule = budget.rule
+
+        class Watched:  # the rule, seen: its answer to the learner's first claim is observed
+            def __getattr__(self, name):
+                return getattr(rule, name)
+
+            def threads(self, side, other_idle_for, other_holds):
+                count = rule.threads(side, other_idle_for, other_holds)
+                if side == "learner" and count == 0:
+                    refused.set()
+                return count
+
+        budget.rule = Watched()
         waiting = threading.Thread(target=lambda: learner.append(claim("learner")()))
         waiting.start()
-        # until the learner has said it works (it does so before it waits): arranged, not hoped
-        # for — a fixed number of engine claims once ran out on a loaded machine before the
-        # learner's thread was scheduled at all
-        deadline = time.monotonic() + 120
-        while not math.isnan(budget._get("learner", "idle_since")):
-            assert time.monotonic() < deadline, "the learner's thread never claimed its cores"
-            time.sleep(0.001)
+        # until the learner has been told to wait (so it has waited once the engine gives a core
+        # back): arranged, not hoped for — a fixed number of engine claims once ran out on a loaded
+        # machine before the learner's thread was scheduled at all, and an engine claim made
+        # between the learner's "working" and its first look let it in without a wait
+        assert refused.wait(120), "the learner's thread never asked for its cores"
+        assert math.isnan(budget._get("learner", "idle_since"))  # it says it works while it waits
         assert on_thread(claim("engine")) == (1, 1)  # it sees the learner working: back to its share
         waiting.join()
         assert learner == [(1, 1)]

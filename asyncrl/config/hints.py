@@ -124,7 +124,9 @@ def _hint(key: str, valid: list[str]) -> str:
         if (tail := ".".join(parts[i:])) in valid:
             return f"; did you mean {tail!r}?"
     same_name = [k for k in valid if k.rsplit(".", 1)[-1] == parts[-1]]
-    if same_name:
+    if same_name:  # the shallowest first: a bare `lr` is the policy's `optim.lr`, not `critic.optim.lr`
+        depth = min(k.count(".") for k in same_name)
+        same_name = [k for k in same_name if k.count(".") == depth]
         return "; did you mean " + " or ".join(map(repr, same_name)) + "?"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5) or \
         difflib.get_close_matches(parts[-1], valid, n=1, cutoff=0.5)
