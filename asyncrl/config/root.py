@@ -212,7 +212,11 @@ class Config(Section):
         if self.critic is not None and self.critic.lora is not None and self.learner.world_size > 1:
             raise ValueError(f"critic.lora trains on one learner rank, but learner.world_size is "
                              f"{self.learner.world_size}; set learner.world_size=1, or critic.lora=null")
-        learner = self.learner_kind
+        # the row checked here is chosen without resolving model.device (which would import torch before
+        # a run is known to be valid): a thread and one rank process accept the same settings, so only
+        # learner.world_size decides between them here; learner_kind resolves the device when a run starts
+        learner = select_learner_kind(url=self.learner.url, runtime=self.runtime,
+                                      processes=self.learner.world_size if self.learner.world_size > 1 else 0)
         if wrong := unsupported(learner, self):
             raise ValueError(f"the learner here is {learner.summary} ({learner.name}), which cannot do what this "
                              "config asks: " + ", ".join(f"{k}={v} (needs {need})" for k, (v, need) in wrong.items()))
