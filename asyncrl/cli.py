@@ -53,7 +53,7 @@ def _declare_sft(sub: Any, name: str) -> None:
 def _declare_bench(sub: Any, name: str) -> None:
     bench = sub.add_parser(name, help="benchmarks; writes bench.json under --out")
     bench.add_argument("suite", choices=["engine", "modes", "gateway", "learner", "sync", "trl", "staleness",
-                                          "retokenize", "precision"])
+                                          "retokenize", "precision", "tinker"])
     bench.add_argument("overrides", nargs="*", help="key=value settings of the benchmark")
     bench.add_argument("--out", default=None, help="output directory (default bench/SUITE-<timestamp>)")
 

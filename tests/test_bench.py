@@ -390,3 +390,23 @@ def test_bench_trl_gives_trl_the_device_and_precision_asyncrl_trains_in():
     gpu = precision(task_config(TrlBenchSettings(), ["model.device=cuda"]))  # a config names cuda without one
     assert gpu == {"device": "cuda", "dtype": "float32", "autocast": "bfloat16"}
     assert trl_precision_args(gpu) == {"use_cpu": False, "bf16": True, "model_init_kwargs": {"dtype": "float32"}}
+
+
+@pytest.mark.slow
+def test_bench_tinker_smoke(tmp_path, capsys):
+    """Both learners take the same first step (the same loss from the same weights), every
+    timing is there, the ratios are the medians' and the server child is gone after."""
+    pytest.importorskip("tinker")
+    pytest.importorskip("peft")
+    out = tmp_path / "tinker"
+    assert main(["bench", "tinker", "rows=2", "prompt_tokens=8", "response_tokens=8", "repeats=1", "lora_rank=4",
+                 "--out", str(out)]) == 0
+    step = json.loads((out / "bench.json").read_text())["step"]
+    assert step["first_loss"]["url"] == pytest.approx(step["first_loss"]["local"], rel=1e-4, abs=1e-6)
+    assert {len(v) for v in step["times"].values()} == {1} and all(v > 0 for v in step["medians"].values())
+    m = step["medians"]
+    assert step["step_ratio"] == pytest.approx(m["url_step"] / m["local_step"])
+    assert m["url_forward_backward"] <= m["url_step"]
+    assert_phases(capsys.readouterr().out, "tinker", {
+        f"step: 2 rows, {step['model_tokens']} model tokens, addition-tiny":
+            r"step [\d.]+ s through the URL, [\d.]+ s in process: [\d.]+x"})

@@ -67,6 +67,10 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         from asyncrl.bench.retokenize import run_retokenize_bench
 
         result = run_retokenize_bench(overrides)
+    elif suite == "tinker":
+        from asyncrl.bench.tinker import run_tinker_bench
+
+        result = run_tinker_bench(overrides)
     elif suite == "trl":
         try:
             from asyncrl.bench.trl import run_trl_bench
@@ -75,7 +79,7 @@ def run_bench(suite: str, overrides: list[str], out: str | None) -> dict[str, An
         result = run_trl_bench(overrides, out_dir)
     else:
         raise ConfigError(f"unknown bench suite {suite!r}; valid: engine, modes, gateway, learner, sync, trl, "
-                          "staleness, retokenize, precision")
+                          "staleness, retokenize, precision, tinker")
     result["machine"] = machine()
     write_result(result, out_dir)
     return result

@@ -10,13 +10,16 @@ checks read the same whichever learner runs underneath. What each call becomes:
 - ``train_step``: one ``forward_backward`` with Tinker's ``ppo`` loss (``cispo`` for
   ``policy_loss: cispo``) on the step's batch as Tinker datums, each advantage divided by
   the step's model tokens (why that is asyncrl's loss: ``asyncrl/learner/tinker_api.py``,
-  where the translation's pure functions are), and one ``optim_step``. The learning rate is
-  asyncrl's schedule at the step (``learner/core.lr_lambda``), sent as ``AdamParams``.
-- ``publish``: ``save_weights_external`` (a PEFT adapter directory on the server), its
-  files downloaded from the URLs ``get_external_weights_urls`` gives, read into an
+  where the translation's pure functions are), one ``optim_step`` and the new version's
+  ``save_weights_external`` (a PEFT adapter directory on the server), all three sent before
+  the first is awaited (the SDK sends a client's calls in order, the server runs them so):
+  a step waits on one round trip, not three. The learning rate is asyncrl's schedule at the
+  step (``learner/core.lr_lambda``), sent as ``AdamParams``.
+- ``publish``: the saved adapters' files downloaded from the URLs
+  ``get_external_weights_urls`` gives (one HTTP connection, reused), read into an
   :class:`~asyncrl.engine.protocol.AdapterUpdate` that the engines merge onto their own
   base (``model.path``, which both sides load); the previous version's files are deleted
-  on the server.
+  on the server, that deletion awaited at the next publish rather than this one.
 - ``probe_logprobs`` (the delivery check): ``forward`` with ``cross_entropy``, the
   server's own logprobs of the engine's greedy tokens.
 - ``save_checkpoint`` / ``load_checkpoint``: ``save_state`` on the server (adapters and
@@ -105,6 +108,9 @@ class TinkerLearnerWorker:
         self.published_version = -1  # and the version it holds
         self.update_bytes = 0
         self._lr = lr_lambda(cfg.optim, cfg.total_steps)
+        self._saving: tuple[int, Any] | None = None  # (version, its save_weights_external future)
+        self._deleting: list[tuple[str, Any]] = []  # deletions sent, their answers not read yet
+        self._http: Any = None  # the httpx client that downloads adapters
         self.base_model = cfg.tinker.base_model or cfg.model.path
 
     # ------------------------------------------------------------ the group
@@ -132,10 +138,20 @@ class TinkerLearnerWorker:
             train_unembed=False).result(timeout=wait)
 
     def leave(self) -> None:
-        """Delete the last published adapters on the server and close the session, each
-        within :data:`LEAVE_S`; a failure is one line, never raised over the run's own end."""
+        """Delete the adapters still on the server (the last published, the last step's if
+        never published) and close the session, each within :data:`LEAVE_S`; a failure is one
+        line, never raised over the run's own end."""
+        if self._saving is not None:  # saved with the last step, never published
+            try:
+                self._forget(self._saving[1].result(timeout=LEAVE_S).path)
+            except Exception as exc:  # noqa: BLE001 - the run has ended; its own status stands
+                print(f"asyncrl: learner.url: the last step's adapters were not saved ({exc})", file=sys.stderr)
+            self._saving = None
         if self.published is not None:
             self._forget(self.published)
+        self._settle()
+        if self._http is not None:
+            self._http.close()
         if self.service is not None:
             try:
                 self.service.close("success").result(timeout=LEAVE_S)
@@ -155,14 +171,24 @@ class TinkerLearnerWorker:
         trained = self.version  # the weights the server computes this step's logprobs with
         config = {"clip_low_threshold": 1.0 - algo.clip_low, "clip_high_threshold": 1.0 + algo.clip_high}
         start = time.perf_counter()
-        fb = self.training.forward_backward(rows, TINKER_LOSS[algo.policy_loss], config).result()
         lr = optim.lr * self._lr(self.version)
-        step = self.training.optim_step(types.AdamParams(
+        # both sent before either is awaited: the SDK sends a client's calls in order and the
+        # server runs them in that order, so the step waits one round trip, not two
+        backward = self.training.forward_backward(rows, TINKER_LOSS[algo.policy_loss], config)
+        stepped = self.training.optim_step(types.AdamParams(
             learning_rate=lr, beta1=optim.betas[0], beta2=optim.betas[1], eps=1e-8, weight_decay=optim.weight_decay,
-            grad_clip_norm=optim.grad_clip)).result()
+            grad_clip_norm=optim.grad_clip))
+        # and the new version's adapters saved for the engines behind it: every step is
+        # published (weight_sync), so publish finds them saved, one round trip fewer
+        saving = self.training.save_weights_external(f"asyncrl-v{self.version + 1}")
+        fb = backward.result()
+        answered = time.perf_counter() - start
+        step = stepped.result()
         self.version += 1
+        self._saving = (self.version, saving)
         metrics = {"actor/loss": float(fb.metrics["loss:sum"]), "actor/lr": lr, "actor/tokens": float(tokens),
-                   "actor/optimizer_steps": 1.0, "time/learner_url_s": time.perf_counter() - start}
+                   "actor/optimizer_steps": 1.0, "time/learner_url_s": time.perf_counter() - start,
+                   "time/learner_url_forward_backward_s": answered}
         if step.metrics and "grad_norm:mean" in step.metrics:
             metrics["actor/grad_norm"] = float(step.metrics["grad_norm:mean"])
         metrics.update(ratio_metrics(batch, [torch.tensor(out["logprobs"].tolist()) for out in fb.loss_fn_outputs],
@@ -192,16 +218,23 @@ class TinkerLearnerWorker:
         import httpx
 
         if self.published is None or self.published_version != self.version:
-            path = self.training.save_weights_external(f"asyncrl-v{self.version}").result().path
+            saved, saving = self._saving if self._saving is not None else (-1, None)
+            self._saving = None
+            if saved != self.version or saving is None:  # not saved with the step (a resumed client's first)
+                saving = self.training.save_weights_external(f"asyncrl-v{self.version}")
+            path = saving.result().path
+            self._settle()  # the deletion the last publish sent
             if self.published is not None:
                 self._forget(self.published)
             self.published, self.published_version = path, self.version
         urls = self.rest.get_external_weights_urls(self.published).result().urls
+        if self._http is None:  # one client for every download: its connection is reused
+            self._http = httpx.Client(timeout=self.cfg.watchdog.learner_call_s, follow_redirects=True)
         for name in ADAPTER_FILES:
             if name not in urls:
                 raise RuntimeError(f"learner.url: {self.published} has no {name} (its files: {sorted(urls)}); "
                                    "the server did not save a PEFT adapter")
-            response = httpx.get(urls[name], timeout=self.cfg.watchdog.learner_call_s, follow_redirects=True)
+            response = self._http.get(urls[name])
             response.raise_for_status()
             (directory / name).write_bytes(response.content)
 
@@ -252,7 +285,17 @@ class TinkerLearnerWorker:
         return self.update_bytes
 
     def _forget(self, path: str) -> None:
-        try:
-            self.rest.delete_checkpoint_from_tinker_path(path).result(timeout=LEAVE_S)
-        except Exception as exc:  # noqa: BLE001 - a leftover file on the server is not worth failing a run for
-            print(f"asyncrl: learner.url: could not delete {path} on the server ({exc})", file=sys.stderr)
+        """Send the deletion of ``path`` on the server, not awaited (a version's publish does
+        not wait on the previous one's deletion): the next publish or :meth:`leave` reads its
+        answer (:meth:`_settle`), so at most one is in flight across a step."""
+        self._deleting.append((path, self.rest.delete_checkpoint_from_tinker_path(path)))
+
+    def _settle(self) -> None:
+        """Read the answers of the deletions sent; a failure is one line (a leftover file on
+        the server is not worth failing a run for)."""
+        pending, self._deleting = self._deleting, []
+        for name, deleting in pending:
+            try:
+                deleting.result(timeout=LEAVE_S)
+            except Exception as exc:  # noqa: BLE001 - see the docstring
+                print(f"asyncrl: learner.url: could not delete {name} on the server ({exc})", file=sys.stderr)
