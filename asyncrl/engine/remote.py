@@ -104,10 +104,10 @@ class RemoteEngine:
     kind: ClassVar[EngineKind] = ENGINE_KINDS["remote"]  # what it can do: the kinds table's row
 
     def __init__(self, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
-                 fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> None:
+                 fresh: bool = False, tokenizer: Any = None, model_path: str = "", key: str = "remote.urls") -> None:
         self.settings, self._fresh, self._tokenizer, self._model_path = settings, fresh, tokenizer, model_path
         self.stats = RemoteStats()
-        self._fleet = Fleet(settings, self.stats)
+        self._fleet = Fleet(settings, self.stats, key=key)
         self.weights = FleetWeights(self._fleet, settings, broadcast)
         self._version = version
         self._open = asyncio.Event()  # set: requests may be sent
@@ -122,7 +122,8 @@ class RemoteEngine:
 
     @classmethod
     async def connect(cls, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
-                      fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> RemoteEngine:
+                      fresh: bool = False, tokenizer: Any = None, model_path: str = "",
+                      key: str = "remote.urls") -> RemoteEngine:
         """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``
         (nothing listening: ``ServersUnusable``, exit 2, within seconds), read its model card,
         check it tokenizes as ``tokenizer`` does (another model: ``ServersUnusable`` naming
@@ -130,9 +131,11 @@ class RemoteEngine:
         its own), label it ``version`` and resume it (a trainer that died during a sync
         leaves its servers paused). ``fresh``: a run from ``model_path``'s own weights, which
         no update will replace before the first sample — a server whose label says it serves
-        another version (a previous run's) reloads its model's own weights first."""
+        another version (a previous run's) reloads its model's own weights first. ``key``: the
+        config key that lists these servers, as the refusals name it (``eval.urls`` for
+        evaluation's own)."""
         engine = cls(settings, version=version, broadcast=broadcast, fresh=fresh, tokenizer=tokenizer,
-                     model_path=model_path)
+                     model_path=model_path, key=key)
         try:
             await engine._start()
         except BaseException:
@@ -178,10 +181,10 @@ class RemoteEngine:
             theirs = reply.get("tokens") if isinstance(reply, dict) else None
             if theirs != ours:
                 raise ServersUnusable(
-                    f"remote.urls: engine server {server.url} serves {server.model!r}, which tokenizes {text!r} as "
-                    f"{str(theirs)[:60]}; this trainer's model.path {self._model_path!r} as {str(ours)[:60]}. Start "
-                    "the servers on model.path's model (vllm serve --model DIR; asyncrl serve-engine with the "
-                    "same model.path), or set model.path to theirs")
+                    f"{self._fleet.key}: engine server {server.url} serves {server.model!r}, which tokenizes "
+                    f"{text!r} as {str(theirs)[:60]}; this trainer's model.path {self._model_path!r} as "
+                    f"{str(ours)[:60]}. Start the servers on model.path's model (vllm serve --model DIR; asyncrl "
+                    "serve-engine with the same model.path), or set model.path to theirs")
 
     async def _serve_base(self, server: Server) -> None:
         """A fresh run's server that a previous run left on its weights (its label names
@@ -194,7 +197,7 @@ class RemoteEngine:
             return
         label = str(label)
         if not server.root:
-            raise ServersUnusable(f"remote.urls: engine server {server.url} serves weights labelled {label!r} "
+            raise ServersUnusable(f"{self._fleet.key}: engine server {server.url} serves weights labelled {label!r} "
                                   "and its model card names no directory (root) to reload its own weights from: "
                                   "restart it" + (", or resume the run that left it (resume=true)"
                                                   if label.isdigit() else ""))

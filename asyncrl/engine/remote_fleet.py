@@ -33,12 +33,13 @@ AFFINITY_SIZE = 4096
 
 
 class Fleet:
-    """The servers at ``settings.urls`` and the one HTTP session that reaches them."""
+    """The servers at ``settings.urls`` and the one HTTP session that reaches them. ``key``:
+    the config key that lists them (``remote.urls``, or ``eval.urls``), as messages name it."""
 
-    def __init__(self, settings: RemoteConfig, stats: RemoteStats) -> None:
+    def __init__(self, settings: RemoteConfig, stats: RemoteStats, *, key: str = "remote.urls") -> None:
         if not settings.urls:
-            raise ValueError("engine=remote needs remote.urls: the base URLs of the servers (http://host:port)")
-        self.settings, self.stats = settings, stats
+            raise ValueError(f"engine=remote needs {key}: the base URLs of the servers (http://host:port)")
+        self.settings, self.stats, self.key = settings, stats, key
         self.servers = [Server(url.rstrip("/")) for url in settings.urls]
         self._wire: Wire | None = None
         self._affinity: OrderedDict[tuple[int, ...], Server] = OrderedDict()
@@ -162,7 +163,7 @@ class Fleet:
             except ServerLost as exc:
                 if exc.refused and time.monotonic() - start > min(REFUSED_GRACE_S, self.settings.control_timeout_s):
                     raise ServersUnusable(
-                        f"remote.urls: nothing is listening at {server.url} ({exc.reason}). Start the server first "
+                        f"{self.key}: nothing is listening at {server.url} ({exc.reason}). Start the server first "
                         "(asyncrl serve-engine CONFIG, or the vllm serve command in docs/vllm.md), then the trainer; "
                         "or correct the URL") from None
                 if time.monotonic() > deadline:
