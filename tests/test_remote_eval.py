@@ -40,6 +40,13 @@ def test_eval_urls_take_their_share_of_the_fleet_and_are_refused_where_they_cann
             load_config(EXAMPLE, [*fleet, *overrides])
     with pytest.raises(ConfigError, match="engine=torch evaluates beside training on a replica of its own"):
         load_config(EXAMPLE, ["mode=async", "eval.urls=[http://127.0.0.1:3]"])
+    # asyncrl plan starts evaluation's own servers too, and says which serve training
+    from asyncrl.plan.fleet import describe_fleet
+
+    planned = describe_fleet(own, EXAMPLE, [], "asyncrl")
+    assert [s.port for s in planned.servers] == [1, 2, 3]
+    assert ("   evaluation beside training on http://127.0.0.1:3 (eval.urls; training uses http://127.0.0.1:1, "
+            "http://127.0.0.1:2/)") in planned.steps
 
 
 def _episode(versions: list[int], mask: list[int]) -> Episode:

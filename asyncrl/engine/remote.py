@@ -74,6 +74,7 @@ import re
 import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import torch
 
@@ -83,6 +84,7 @@ from asyncrl.engine.remote_fleet import Fleet
 from asyncrl.engine.remote_nccl import WeightBroadcast
 from asyncrl.engine.remote_weights import ADAPTER_PREFIX, FleetWeights
 from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, ServersUnusable, stream_completion
+from asyncrl.model_untie import model_path_ties_head
 from asyncrl.types import Completion, FinishReason, SamplingParams
 from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
 
@@ -94,6 +96,8 @@ lost anyway: it answers, but does not serve."""
 TOKENIZER_PROBES = ("The quick brown fox jumps over 13 lazy dogs.", "def f(x):\n    return x**2  # é",
                     "2+3=5")
 """Texts a server must tokenize as the trainer does (``/tokenize``) to be used."""
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+"""Hosts that are this machine."""
 
 
 class RemoteEngine:
@@ -150,6 +154,7 @@ class RemoteEngine:
         async def ready(server: Server) -> None:
             await self._fleet.wait_healthy(server)
             adapters = await self._fleet.read_card(server)
+            self._refuse_tied_head_on_cpu(server)
             if self._tokenizer is not None:
                 await self._check_tokenizer(server)
             for name in sorted(adapters):  # a previous trainer's adapters: the base again
@@ -165,6 +170,24 @@ class RemoteEngine:
         await asyncio.gather(*[ready(s) for s in self.servers])
         self._watch = asyncio.create_task(self._fleet.watch_lost(self._revive, lambda: self._closed),
                                           name="asyncrl-remote-health")
+
+    def _refuse_tied_head_on_cpu(self, server: Server) -> None:
+        """``vllm serve`` on this machine, which has no CUDA device (so vLLM's CPU build),
+        and a model whose LM head is tied to its embeddings: that build computes the head
+        from a packed copy a reload over HTTP does not refresh, so every sync would leave
+        the servers on the old head (docs/vllm.md). Refused at connect, naming the head and
+        the copy to serve instead (``asyncrl models untie``). A server elsewhere may be a
+        GPU's, which has no packed copy: there the delivery check names the head if it fails."""
+        on_this_cpu = (urlsplit(server.url).hostname or "") in LOOPBACK and not torch.cuda.is_available()
+        if server.owner != "vllm" or not on_this_cpu or not model_path_ties_head(self._model_path):
+            return
+        raise ServersUnusable(
+            f"{self._fleet.key}: engine server {server.url} is vLLM's CPU build (vllm serve on this machine, which has "
+            f"no CUDA device) and model.path {self._model_path!r} ties its LM head to its input embeddings "
+            "(tie_word_embeddings): that build keeps a packed copy of a tied head that a reload over HTTP does not "
+            "refresh, so the servers would sample from the old head after every sync. Untie it once, `asyncrl models "
+            f"untie {self._model_path}`, then start the servers on the copy it prints (--model DIR) and set model.path "
+            "to it; or serve with asyncrl serve-engine")
 
     async def _check_tokenizer(self, server: Server) -> None:
         """The server tokenizes the probe texts as this trainer's tokenizer does, or it serves

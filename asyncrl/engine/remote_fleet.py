@@ -178,7 +178,7 @@ class Fleet:
         cards with a ``parent``, as vLLM lists them)."""
         cards = (await self.call(server, "GET", "/v1/models"))["data"]
         card = next((c for c in cards if not c.get("parent")), cards[0])
-        server.model, server.root = card["id"], card.get("root")
+        server.model, server.root, server.owner = card["id"], card.get("root"), str(card.get("owned_by") or "")
         server.max_model_len = int(card.get("max_model_len") or 0)
         if server.max_model_len < 1:
             raise ControlError(f"engine server {server.url}: GET /v1/models gives no max_model_len for {server.model}")
