@@ -83,7 +83,8 @@ from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongE
 from asyncrl.engine.remote_fleet import Fleet
 from asyncrl.engine.remote_nccl import WeightBroadcast
 from asyncrl.engine.remote_weights import ADAPTER_PREFIX, FleetWeights
-from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, ServersUnusable, stream_completion
+from asyncrl.engine.remote_wire import (VLLM_SERVE_OWNER, ControlError, RemoteStats, Server, ServerLost,
+                                        ServersUnusable, stream_completion)
 from asyncrl.model_untie import model_path_ties_head
 from asyncrl.types import Completion, FinishReason, SamplingParams
 from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
@@ -179,7 +180,7 @@ class RemoteEngine:
         the copy to serve instead (``asyncrl models untie``). A server elsewhere may be a
         GPU's, which has no packed copy: there the delivery check names the head if it fails."""
         on_this_cpu = (urlsplit(server.url).hostname or "") in LOOPBACK and not torch.cuda.is_available()
-        if server.owner != "vllm" or not on_this_cpu or not model_path_ties_head(self._model_path):
+        if server.owner != VLLM_SERVE_OWNER or not on_this_cpu or not model_path_ties_head(self._model_path):
             return
         raise ServersUnusable(
             f"{self._fleet.key}: engine server {server.url} is vLLM's CPU build (vllm serve on this machine, which has "

@@ -49,6 +49,11 @@ class ControlError(RuntimeError):
     """A control call that failed on a server that is up (a refusal, not a lost server)."""
 
 
+VLLM_SERVE_OWNER = "vllm"
+"""``owned_by`` on ``vllm serve``'s model cards: which server program a URL runs (``asyncrl
+serve-engine`` says ``asyncrl``), not an engine kind."""
+
+
 @dataclass(eq=False)
 class Server:
     url: str
