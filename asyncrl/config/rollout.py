@@ -190,5 +190,7 @@ class EvalConfig(Section):
     share of the fleet: it leaves the training pool for the whole run. The others are
     servers of evaluation's own. Each evaluation loads the version it scores on them
     (nothing else sends them weights meanwhile), so every token it scores is of that
-    version; a token of another version fails the evaluation, naming the server. Empty:
-    evaluations block training on these kinds."""
+    version; a token of another version fails the evaluation, naming the versions. They
+    are reached with ``remote``'s settings (``api_key``, ``weights_dir``: under ``eval/`` there,
+    the timeouts), their weights always as files. Empty: evaluations block training on these
+    kinds."""
