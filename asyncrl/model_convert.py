@@ -395,10 +395,17 @@ def add_models_command(subparsers) -> None:
                          "prints its path (the value for model.path) as the last line")
     get.add_argument("name", choices=sorted(KNOWN_MODELS))
     sub.add_parser("list", parents=[common], help="known models and where each is cached")
+    untie = sub.add_parser("untie", help="copy a model whose LM head is tied to its embeddings with the head a tensor "
+                           "of its own (what vLLM's CPU build can be sent weights over HTTP for); prints its path")
+    untie.add_argument("source", help="a model directory, or a fetched model's name (asyncrl models list)")
+    untie.add_argument("--out", default=None, help="where to write it (default: SOURCE-untied beside it)")
 
 
 def run_models_command(args: argparse.Namespace) -> int:
-    """0, or one line on stderr and 1 (fetch or verification failed) or 2 (a missing extra)."""
+    """0, or one line on stderr and 1 (fetch or verification failed) or 2 (a missing extra,
+    or a source ``untie`` cannot copy)."""
+    if args.models_command == "untie":
+        return _untie_command(args.source, args.out)
     if args.models_command == "list":
         for name, model in sorted(KNOWN_MODELS.items()):
             path = cached_model(name, cache_dir=args.cache_dir)
@@ -413,4 +420,18 @@ def run_models_command(args: argparse.Namespace) -> int:
         print(f"asyncrl models: {exc}", file=sys.stderr)
         return 1
     print(path)
+    return 0
+
+
+def _untie_command(source: str, out: str | None) -> int:
+    from asyncrl.config import ConfigError
+    from asyncrl.model_untie import default_out, untie
+    from asyncrl.policy import resolve_model_path
+
+    try:
+        src = resolve_model_path(source)
+        print(untie(src, Path(out) if out else default_out(src)))
+    except (ConfigError, ValueError) as exc:
+        print(f"asyncrl models untie: {str(exc).removeprefix('config: ')}", file=sys.stderr)
+        return 2
     return 0

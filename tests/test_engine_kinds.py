@@ -74,10 +74,11 @@ def test_what_a_kind_can_do_decides_the_config_not_its_name():
     remote = ["engine=remote", "remote.urls=[http://127.0.0.1:1]"]
     assert load_config(None, ["mode=async"]).background_eval
     assert not load_config(None, ["mode=async", *remote]).background_eval  # said in the run's first line
-    with pytest.raises(ConfigError, match="engine=remote has not"):
+    with pytest.raises(ConfigError, match="which engine=remote does on servers of evaluation's own"):
         load_config(None, ["mode=async", "eval.background=true", *remote])
-    with pytest.raises(ConfigError, match="engine=vllm has not"):
+    with pytest.raises(ConfigError, match="which engine=vllm does on servers of evaluation's own"):
         load_config(None, ["mode=async", "eval.background=true", "engine=vllm"])
+    assert load_config(None, ["mode=async", "engine=vllm", "eval.urls=[http://127.0.0.1:2]"]).background_eval
     with pytest.raises(ConfigError, match="top_k=0"):
         load_config(None, [*remote, "sampling.top_k=5"])
     with pytest.raises(ConfigError, match="rollout.thread_sharing"):

@@ -92,6 +92,7 @@ FLOORS = {
     "asyncrl.tasks": 1, "asyncrl.algorithms": 1, "asyncrl.policy": 1, "asyncrl.learner": 1,
     "asyncrl.engine": 1,
     "asyncrl.model_convert": 1,
+    "asyncrl.model_untie": 1,  # a tied LM head's model copied untied (asyncrl models untie); the remote engine asks it
     "asyncrl.rollout.eval_scoring": 1, "asyncrl.rollout.client": 1, "asyncrl.tools": 1, "asyncrl.weight_sync": 1,
     "asyncrl.frozen": 1,  # frozen models by URL: the judge, the teacher
     # 2 episodes over the client, and the rollout worker that runs them on an engine

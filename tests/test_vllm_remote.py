@@ -294,6 +294,27 @@ def test_a_server_on_another_model_is_refused_at_connect_naming_both(fleet):
     assert f"serves {str(fleet.model_dir)!r}" in said and "model.path 'models/other'" in said
 
 
+def test_a_tied_head_is_refused_at_connect_on_the_cpu_build_naming_the_untie(fleet):
+    """A trainer whose model ties its LM head, on real CPU ``vllm serve``: refused before any
+    weight is sent (the build's packed head is not refreshed by a reload over HTTP), in one
+    line naming the head and ``asyncrl models untie`` — not, as on 83737f1, a delivery check
+    that advised a higher tolerance. The servers' own model is untied: they serve on."""
+    from asyncrl.engine.remote_wire import ServersUnusable
+
+    tied = fleet.tmp / "tied"
+    make_vllm_model(0, tied=True).save_pretrained(tied)
+
+    async def main():
+        with pytest.raises(ServersUnusable) as refused:
+            await RemoteEngine.connect(RemoteConfig(urls=[fleet.servers[0].url], control_timeout_s=120),
+                                       tokenizer=build_char_tokenizer(), model_path=str(tied))
+        return str(refused.value)
+
+    said = fleet.run(main())
+    assert "is vLLM's CPU build" in said and "ties its LM head to its input embeddings" in said
+    assert f"`asyncrl models untie {tied}`" in said and "\n" not in said
+
+
 def test_requests_after_the_servers_closed_idle_connections_all_arrive(fleet):
     """vLLM's server closes a keep-alive connection idle past its timeout (5 s); the client's
     next request on it once read as a lost server (1 in 30 bursts). After 7 s idle, a burst

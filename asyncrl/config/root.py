@@ -193,11 +193,8 @@ class Config(Section):
             raise ValueError(f"model.lora.sync=adapters merges the adapters onto the engine's own base, but "
                              f"rollout.dtype={self.engine_dtype} is not model.dtype={self.model.dtype}: the base "
                              "would be rounded before the merge; use model.lora.sync=merged, or rollout.dtype=null")
-        if self.eval.background and kind.background_eval != "replica":
-            raise ValueError(f"eval.background=true evaluates beside training on an engine replica, which "
-                             f"engine={kind.name} has not ({kind.summary}: one copy of the weights, which moves on "
-                             "with training); set eval.background=false (evaluations then block training), or "
-                             "leave it unset")
+        if problem := self._eval_placement_problem():
+            raise ValueError(problem)
         if self.algorithm.uses_critic != (self.critic is not None):
             raise ValueError(f"algorithm.advantage={self.algorithm.advantage} needs a critic: set critic=true (the "
                              "policy's weights with a value head) or critic.model.path" if self.critic is None else
@@ -242,17 +239,52 @@ class Config(Section):
         """The rollout engines' weights' dtype: ``rollout.dtype``, else ``model.dtype``."""
         return self.rollout.dtype or self.model.dtype
 
+    def _eval_placement_problem(self) -> str | None:
+        """Why ``eval.background``/``eval.urls`` cannot be had as set (None: they can)."""
+        kind, urls = self.engine_kind, self.eval.urls
+        if urls and kind.background_eval != "servers":
+            return (f"eval.urls names servers to evaluate on beside training, but engine={kind.name} evaluates "
+                    "beside training on a replica of its own; set eval.urls=[] (or engine=remote)")
+        if urls and (self.eval.background is False or self.mode == "sync"):
+            why = "eval.background=false" if self.eval.background is False else "mode=sync"
+            return (f"eval.urls serves evaluation beside training, which {why} does not do (evaluations block "
+                    "training on the rollout engines); set eval.urls=[], or leave eval.background unset in "
+                    "one_step_off or async")
+        if len(set(urls)) != len(urls) or any(not u.startswith(("http://", "https://")) for u in urls):
+            return f"eval.urls={urls}: each entry one server's base URL (http://host:port), each once"
+        if kind.fleet and not self.training_urls:
+            return (f"eval.urls takes every server of remote.urls ({', '.join(self.remote.urls)}) out of training: "
+                    "leave at least one to train on, or start servers of evaluation's own")
+        if self.eval.background and kind.background_eval == "servers" and not urls:
+            return (f"eval.background=true evaluates beside training, which engine={kind.name} does on servers "
+                    "of evaluation's own (its engines hold one copy of the weights, which moves on with training): "
+                    "name them, eval.urls=[http://host:port] (a share of remote.urls, or servers started as those "
+                    "are), or set eval.background=false")
+        return None
+
+    @property
+    def training_urls(self) -> list[str]:
+        """The fleet training uses: ``remote.urls`` less the share ``eval.urls`` takes."""
+        taken = {u.rstrip("/") for u in self.eval.urls}
+        return [u for u in self.remote.urls if u.rstrip("/") not in taken]
+
     @property
     def background_eval(self) -> bool:
-        """Evaluation beside training (on its own engine replica) rather than blocking it.
+        """Evaluation beside training (on an engine of its own: a replica, or ``eval.urls``'
+        servers) rather than blocking it.
 
-        Never with ``rollout.thread_sharing`` ``colocated``, ``colocated_learner`` or ``turns``: their
-        budget gives the engine and the learner every core between them, and the replica
-        would decode on a third thread team beside both (on two cores a third team slows
-        every side: docs/scaling.md, "Where `colocated` loses: the first step"); there the
-        evaluation runs on the rollout engine and the learner waits, as in ``sync``."""
-        return (self.eval.background is not False and self.mode != "sync"
-                and self.engine_kind.background_eval == "replica" and self.rollout.thread_sharing == "split")
+        Never with ``rollout.thread_sharing`` ``colocated``, ``colocated_learner`` or ``turns``
+        for a replica: their budget gives the engine and the learner every core between
+        them, and the replica would decode on a third thread team beside both (on two cores
+        a third team slows every side: docs/scaling.md, "Where `colocated` loses: the first
+        step"); there the evaluation runs on the rollout engine and the learner waits, as in
+        ``sync``. Servers of evaluation's own use none of this machine's engine cores."""
+        if self.eval.background is False or self.mode == "sync":
+            return False
+        where = self.engine_kind.background_eval
+        if where == "servers":
+            return bool(self.eval.urls)
+        return self.rollout.thread_sharing == "split"
 
     @property
     def learner_processes(self) -> int:

@@ -28,8 +28,9 @@ if TYPE_CHECKING:
 class EngineRequest:
     """What a worker hands the factory. ``model``: the policy already in memory (the torch
     engine takes it over; None: loaded from ``model.path``). ``weights``: the latest published
-    update, applied before any request. ``eval_replica``: also build a second engine for
-    evaluation beside training (only kinds whose ``background_eval`` is ``replica``).
+    update, applied before any request. ``eval_replica``: also build an engine of evaluation's
+    own, for evaluation beside training: a replica (``background_eval`` ``replica``) or a
+    client of ``eval.urls``' servers (``servers``).
     ``thread_budget``: the cores the training engine shares with the learner."""
 
     seed: int
@@ -54,9 +55,9 @@ async def build_engine(cfg: Config, request: EngineRequest) -> BuiltEngines:
     kind = engine_kind(cfg.engine)
     if (missing := kind.missing()) is not None:
         raise RuntimeError(missing)
-    if request.eval_replica and kind.background_eval != "replica":
-        raise ValueError(f"engine={kind.name} has no evaluation replica (its background_eval is "
-                         f"{kind.background_eval!r}); the config refuses eval.background=true for it")
+    if request.eval_replica and kind.background_eval == "servers" and not cfg.eval.urls:
+        raise ValueError(f"engine={kind.name} evaluates beside training on eval.urls' servers, and there are none "
+                         "(the config refuses eval.background=true without them)")
     module, function = kind.builder.split(":")
     builder = getattr(importlib.import_module(module), function)
     return await builder(cfg, request)
@@ -69,13 +70,15 @@ async def _apply_latest(engine: RolloutEngine, request: EngineRequest) -> None:
 
 
 async def build_remote(cfg: Config, request: EngineRequest) -> BuiltEngines:
-    """Servers the user started (``asyncrl serve-engine``, ``vllm serve``), behind one client."""
+    """Servers the user started (``asyncrl serve-engine``, ``vllm serve``), behind one client:
+    ``remote.urls`` less the share ``eval.urls`` takes (``Config.training_urls``)."""
     from asyncrl.engine.remote import RemoteEngine
 
-    engine = await RemoteEngine.connect(cfg.remote, version=request.version, fresh=request.weights is None,
+    engine = await RemoteEngine.connect(cfg.remote.model_copy(update={"urls": cfg.training_urls}),
+                                        version=request.version, fresh=request.weights is None,
                                         tokenizer=request.tokenizer, model_path=cfg.model.path)
     await _apply_latest(engine, request)
-    return BuiltEngines(engine)
+    return BuiltEngines(engine, await _with_eval_servers(cfg, request, engine))
 
 
 async def build_vllm(cfg: Config, request: EngineRequest) -> BuiltEngines:
@@ -91,7 +94,39 @@ async def build_vllm(cfg: Config, request: EngineRequest) -> BuiltEngines:
                                     version=request.version, max_batch_size=cfg.rollout.max_batch_size,
                                     dtype=cfg.engine_dtype, **engine_args(cfg.vllm, on_cpu=on_cpu))
     await _apply_latest(engine, request)
-    return BuiltEngines(engine)
+    return BuiltEngines(engine, await _with_eval_servers(cfg, request, engine))
+
+
+async def _with_eval_servers(cfg: Config, request: EngineRequest, engine: RolloutEngine) -> RolloutEngine | None:
+    """With ``request.eval_replica``: a client of ``eval.urls``' servers, brought to the
+    request's weights and version, for evaluation beside training (``servers`` in the
+    kinds table). Only evaluation sends them weights — each evaluation the version it
+    scores (``RolloutWorker.evaluate``) — so they never move on during one. Their weights
+    go as files (an NCCL group is the training fleet's), under ``remote.weights_dir/eval``
+    where that is set (the training client writes the same names beside). ``engine``, the
+    training one already started, is shut down when they cannot be used."""
+    if not request.eval_replica:
+        return None
+    from pathlib import Path
+
+    from asyncrl.engine.remote import RemoteEngine
+
+    shared = cfg.remote.weights_dir
+    settings = cfg.remote.model_copy(update={"urls": list(cfg.eval.urls), "weight_transfer": "files",
+                                             "weights_dir": str(Path(shared) / "eval") if shared else None})
+    try:
+        eval_engine = await RemoteEngine.connect(settings, version=request.version, fresh=request.weights is None,
+                                                 tokenizer=request.tokenizer, model_path=cfg.model.path,
+                                                 key="eval.urls")
+        try:
+            await _apply_latest(eval_engine, request)
+        except BaseException:
+            await eval_engine.shutdown()
+            raise
+    except BaseException:
+        await engine.shutdown()
+        raise
+    return eval_engine
 
 
 async def build_torch(cfg: Config, request: EngineRequest) -> BuiltEngines:

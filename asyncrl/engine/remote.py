@@ -74,6 +74,7 @@ import re
 import sys
 from collections.abc import Mapping
 from typing import Any, ClassVar
+from urllib.parse import urlsplit
 
 import torch
 
@@ -82,7 +83,9 @@ from asyncrl.engine.protocol import EngineClosedError, PauseMode, PromptTooLongE
 from asyncrl.engine.remote_fleet import Fleet
 from asyncrl.engine.remote_nccl import WeightBroadcast
 from asyncrl.engine.remote_weights import ADAPTER_PREFIX, FleetWeights
-from asyncrl.engine.remote_wire import ControlError, RemoteStats, Server, ServerLost, ServersUnusable, stream_completion
+from asyncrl.engine.remote_wire import (VLLM_SERVE_OWNER, ControlError, RemoteStats, Server, ServerLost,
+                                        ServersUnusable, stream_completion)
+from asyncrl.model_untie import model_path_ties_head
 from asyncrl.types import Completion, FinishReason, SamplingParams
 from asyncrl.config.engine_kinds import ENGINE_KINDS, EngineKind
 
@@ -94,6 +97,8 @@ lost anyway: it answers, but does not serve."""
 TOKENIZER_PROBES = ("The quick brown fox jumps over 13 lazy dogs.", "def f(x):\n    return x**2  # é",
                     "2+3=5")
 """Texts a server must tokenize as the trainer does (``/tokenize``) to be used."""
+LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
+"""Hosts that are this machine."""
 
 
 class RemoteEngine:
@@ -104,10 +109,10 @@ class RemoteEngine:
     kind: ClassVar[EngineKind] = ENGINE_KINDS["remote"]  # what it can do: the kinds table's row
 
     def __init__(self, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
-                 fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> None:
+                 fresh: bool = False, tokenizer: Any = None, model_path: str = "", key: str = "remote.urls") -> None:
         self.settings, self._fresh, self._tokenizer, self._model_path = settings, fresh, tokenizer, model_path
         self.stats = RemoteStats()
-        self._fleet = Fleet(settings, self.stats)
+        self._fleet = Fleet(settings, self.stats, key=key)
         self.weights = FleetWeights(self._fleet, settings, broadcast)
         self._version = version
         self._open = asyncio.Event()  # set: requests may be sent
@@ -122,7 +127,8 @@ class RemoteEngine:
 
     @classmethod
     async def connect(cls, settings: RemoteConfig, *, version: int = 0, broadcast: WeightBroadcast | None = None,
-                      fresh: bool = False, tokenizer: Any = None, model_path: str = "") -> RemoteEngine:
+                      fresh: bool = False, tokenizer: Any = None, model_path: str = "",
+                      key: str = "remote.urls") -> RemoteEngine:
         """Wait (up to ``remote.control_timeout_s``) for every server to answer ``/health``
         (nothing listening: ``ServersUnusable``, exit 2, within seconds), read its model card,
         check it tokenizes as ``tokenizer`` does (another model: ``ServersUnusable`` naming
@@ -130,9 +136,11 @@ class RemoteEngine:
         its own), label it ``version`` and resume it (a trainer that died during a sync
         leaves its servers paused). ``fresh``: a run from ``model_path``'s own weights, which
         no update will replace before the first sample — a server whose label says it serves
-        another version (a previous run's) reloads its model's own weights first."""
+        another version (a previous run's) reloads its model's own weights first. ``key``: the
+        config key that lists these servers, as the refusals name it (``eval.urls`` for
+        evaluation's own)."""
         engine = cls(settings, version=version, broadcast=broadcast, fresh=fresh, tokenizer=tokenizer,
-                     model_path=model_path)
+                     model_path=model_path, key=key)
         try:
             await engine._start()
         except BaseException:
@@ -147,6 +155,7 @@ class RemoteEngine:
         async def ready(server: Server) -> None:
             await self._fleet.wait_healthy(server)
             adapters = await self._fleet.read_card(server)
+            self._refuse_tied_head_on_cpu(server)
             if self._tokenizer is not None:
                 await self._check_tokenizer(server)
             for name in sorted(adapters):  # a previous trainer's adapters: the base again
@@ -163,6 +172,24 @@ class RemoteEngine:
         self._watch = asyncio.create_task(self._fleet.watch_lost(self._revive, lambda: self._closed),
                                           name="asyncrl-remote-health")
 
+    def _refuse_tied_head_on_cpu(self, server: Server) -> None:
+        """``vllm serve`` on this machine, which has no CUDA device (so vLLM's CPU build),
+        and a model whose LM head is tied to its embeddings: that build computes the head
+        from a packed copy a reload over HTTP does not refresh, so every sync would leave
+        the servers on the old head (docs/vllm.md). Refused at connect, naming the head and
+        the copy to serve instead (``asyncrl models untie``). A server elsewhere may be a
+        GPU's, which has no packed copy: there the delivery check names the head if it fails."""
+        on_this_cpu = (urlsplit(server.url).hostname or "") in LOOPBACK and not torch.cuda.is_available()
+        if server.owner != VLLM_SERVE_OWNER or not on_this_cpu or not model_path_ties_head(self._model_path):
+            return
+        raise ServersUnusable(
+            f"{self._fleet.key}: engine server {server.url} is vLLM's CPU build (vllm serve on this machine, which has "
+            f"no CUDA device) and model.path {self._model_path!r} ties its LM head to its input embeddings "
+            "(tie_word_embeddings): that build keeps a packed copy of a tied head that a reload over HTTP does not "
+            "refresh, so the servers would sample from the old head after every sync. Untie it once, `asyncrl models "
+            f"untie {self._model_path}`, then start the servers on the copy it prints (--model DIR) and set model.path "
+            "to it; or serve with asyncrl serve-engine")
+
     async def _check_tokenizer(self, server: Server) -> None:
         """The server tokenizes the probe texts as this trainer's tokenizer does, or it serves
         another model (its token ids would mean other words here): refused at connect."""
@@ -178,10 +205,10 @@ class RemoteEngine:
             theirs = reply.get("tokens") if isinstance(reply, dict) else None
             if theirs != ours:
                 raise ServersUnusable(
-                    f"remote.urls: engine server {server.url} serves {server.model!r}, which tokenizes {text!r} as "
-                    f"{str(theirs)[:60]}; this trainer's model.path {self._model_path!r} as {str(ours)[:60]}. Start "
-                    "the servers on model.path's model (vllm serve --model DIR; asyncrl serve-engine with the "
-                    "same model.path), or set model.path to theirs")
+                    f"{self._fleet.key}: engine server {server.url} serves {server.model!r}, which tokenizes "
+                    f"{text!r} as {str(theirs)[:60]}; this trainer's model.path {self._model_path!r} as "
+                    f"{str(ours)[:60]}. Start the servers on model.path's model (vllm serve --model DIR; asyncrl "
+                    "serve-engine with the same model.path), or set model.path to theirs")
 
     async def _serve_base(self, server: Server) -> None:
         """A fresh run's server that a previous run left on its weights (its label names
@@ -194,7 +221,7 @@ class RemoteEngine:
             return
         label = str(label)
         if not server.root:
-            raise ServersUnusable(f"remote.urls: engine server {server.url} serves weights labelled {label!r} "
+            raise ServersUnusable(f"{self._fleet.key}: engine server {server.url} serves weights labelled {label!r} "
                                   "and its model card names no directory (root) to reload its own weights from: "
                                   "restart it" + (", or resume the run that left it (resume=true)"
                                                   if label.isdigit() else ""))

@@ -33,12 +33,13 @@ AFFINITY_SIZE = 4096
 
 
 class Fleet:
-    """The servers at ``settings.urls`` and the one HTTP session that reaches them."""
+    """The servers at ``settings.urls`` and the one HTTP session that reaches them. ``key``:
+    the config key that lists them (``remote.urls``, or ``eval.urls``), as messages name it."""
 
-    def __init__(self, settings: RemoteConfig, stats: RemoteStats) -> None:
+    def __init__(self, settings: RemoteConfig, stats: RemoteStats, *, key: str = "remote.urls") -> None:
         if not settings.urls:
-            raise ValueError("engine=remote needs remote.urls: the base URLs of the servers (http://host:port)")
-        self.settings, self.stats = settings, stats
+            raise ValueError(f"engine=remote needs {key}: the base URLs of the servers (http://host:port)")
+        self.settings, self.stats, self.key = settings, stats, key
         self.servers = [Server(url.rstrip("/")) for url in settings.urls]
         self._wire: Wire | None = None
         self._affinity: OrderedDict[tuple[int, ...], Server] = OrderedDict()
@@ -162,7 +163,7 @@ class Fleet:
             except ServerLost as exc:
                 if exc.refused and time.monotonic() - start > min(REFUSED_GRACE_S, self.settings.control_timeout_s):
                     raise ServersUnusable(
-                        f"remote.urls: nothing is listening at {server.url} ({exc.reason}). Start the server first "
+                        f"{self.key}: nothing is listening at {server.url} ({exc.reason}). Start the server first "
                         "(asyncrl serve-engine CONFIG, or the vllm serve command in docs/vllm.md), then the trainer; "
                         "or correct the URL") from None
                 if time.monotonic() > deadline:
@@ -177,7 +178,7 @@ class Fleet:
         cards with a ``parent``, as vLLM lists them)."""
         cards = (await self.call(server, "GET", "/v1/models"))["data"]
         card = next((c for c in cards if not c.get("parent")), cards[0])
-        server.model, server.root = card["id"], card.get("root")
+        server.model, server.root, server.owner = card["id"], card.get("root"), str(card.get("owned_by") or "")
         server.max_model_len = int(card.get("max_model_len") or 0)
         if server.max_model_len < 1:
             raise ControlError(f"engine server {server.url}: GET /v1/models gives no max_model_len for {server.model}")

@@ -49,11 +49,17 @@ class ControlError(RuntimeError):
     """A control call that failed on a server that is up (a refusal, not a lost server)."""
 
 
+VLLM_SERVE_OWNER = "vllm"
+"""``owned_by`` on ``vllm serve``'s model cards: which server program a URL runs (``asyncrl
+serve-engine`` says ``asyncrl``), not an engine kind."""
+
+
 @dataclass(eq=False)
 class Server:
     url: str
     model: str = ""
     root: str | None = None  # where it loaded its model from (its model card's ``root``)
+    owner: str = ""  # its model card's ``owned_by``: ``vllm`` for vllm serve, ``asyncrl`` for serve-engine
     max_model_len: int = 0
     version: int | None = None  # the label this client last set there (None: unknown)
     serving: int | None = None  # the version its tokens come from now: ``version`` from the moment it is resumed

@@ -45,11 +45,11 @@ def banner(cfg: Config, resumed: RunState | None, splits: TaskSplits, tokenizer:
 def eval_placement(cfg: Config) -> str:
     """Where evaluations run, said once: beside training, or blocking it and why."""
     if cfg.background_eval:
-        return " (beside training)"
+        return " (beside training" + (f", on eval.urls: {', '.join(cfg.eval.urls)})" if cfg.eval.urls else ")")
     if cfg.mode == "sync" or cfg.eval.background is False:
         return ""
-    if cfg.engine_kind.background_eval != "replica":
-        return f" (blocking training: engine={cfg.engine} has no evaluation replica)"
+    if cfg.engine_kind.background_eval == "servers":
+        return f" (blocking training: engine={cfg.engine} evaluates beside training on eval.urls' servers, none given)"
     sharing = cfg.rollout.thread_sharing
     return f" (blocking training: rollout.thread_sharing={sharing} gives every core to the two sides)"
 

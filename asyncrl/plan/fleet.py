@@ -173,9 +173,11 @@ def trainer_command(config_path: str | None, settings: list[str], keyed: bool) -
 
 
 def describe_fleet(cfg: Config, config_path: str | None, settings: list[str], kind: ServerKind) -> Fleet:
-    """``cfg``'s fleet (``engine: remote``, ``remote.urls``): each server's command, the order
-    they start in, the trainer's command, and what would stop that run."""
-    urls = list(cfg.remote.urls)
+    """``cfg``'s fleet (``engine: remote``: ``remote.urls``, and evaluation's own servers of
+    ``eval.urls``): each server's command, the order they start in, the trainer's command,
+    and what would stop that run."""
+    own = [u for u in cfg.eval.urls if u not in cfg.remote.urls]  # evaluation's own servers, started alike
+    urls = [*cfg.remote.urls, *own]
     addresses = [_address(url) for url in urls]
     local = all(is_loopback(host) for host, _ in addresses)
     # vllm serve is always started with a key (docs/vllm.md); serve-engine needs one beyond loopback
@@ -198,6 +200,8 @@ def describe_fleet(cfg: Config, config_path: str | None, settings: list[str], ki
         f"1. On each server's machine (model.path {cfg.model.path} there), start its server (in any order, side "
         f"by side; {ready}):",
         *[f"   {s.host}: {s.command}" for s in servers],
+        *([f"   evaluation beside training on {', '.join(cfg.eval.urls)} (eval.urls; training uses "
+           f"{', '.join(cfg.training_urls)})"] if cfg.eval.urls else []),
         f"2. Weights: remote.weights_dir {where}. Each server's first load replaces the weights it started with.",
         f"3. On the trainer's machine, once the servers are up (it waits remote.control_timeout_s="
         f"{cfg.remote.control_timeout_s:g} s for each /health):",

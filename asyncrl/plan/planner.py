@@ -244,7 +244,7 @@ def run_plan_command(config: str | None, overrides: list[str], from_run: str | N
         if probe:
             fleet = probed(fleet, cfg.remote.api_key)
         if costs is not None:
-            costs = per_server(costs, len(cfg.remote.urls))
+            costs = per_server(costs, len(cfg.training_urls))
     elif probe or server is not None:
         raise ConfigError("--probe and --server describe engine=remote's servers: give engine=remote "
                           "\"remote.urls=[http://h1:8100,...]\" (or a cluster table's servers:)")
@@ -301,7 +301,8 @@ def per_server(costs: Costs, servers: int) -> Costs:
     gave another number."""
     if costs.engines == servers:
         return costs
-    note = (f"engines: {servers}, one per server in remote.urls (the costs gave {costs.engines}); each server "
+    note = (f"engines: {servers}, one per server training uses (remote.urls less eval.urls; the costs gave "
+            f"{costs.engines}); each server "
             "simulated as one engine of these costs")
     return replace(costs, engines=servers, notes=[*costs.notes, note])
 

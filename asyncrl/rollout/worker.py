@@ -263,10 +263,12 @@ class RolloutWorker:
             if engine.version != version:
                 raise RuntimeError(f"asked to evaluate version {version}, but the engine serves {engine.version}")
             slots = self.cfg.rollout.max_concurrent_episodes
-            return await evaluate(lambda task, i: self._episode(task, engine, self.eval_sampling, "eval", 0, i),
-                                  tasks, indexed=True, samples_per_task=self.cfg.eval.samples_per_task,
-                                  max_concurrent=max(1, slots // 2) if self.eval_engine is not None else slots,
-                                  success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
+            result = await evaluate(lambda task, i: self._episode(task, engine, self.eval_sampling, "eval", 0, i),
+                                    tasks, indexed=True, samples_per_task=self.cfg.eval.samples_per_task,
+                                    max_concurrent=max(1, slots // 2) if self.eval_engine is not None else slots,
+                                    success_threshold=self.cfg.eval.success_threshold, on_episode=on_episode)
+        check_pinned(result.episodes, version)
+        return result
 
     async def sync_weights(self, weights: WeightUpdate, version: int, mode: str) -> list[int]:
         """Load ``weights`` as ``version``. What happens to generation under way:
@@ -306,6 +308,20 @@ class RolloutWorker:
         for engine in (self.engine, self.eval_engine):
             if engine is not None:
                 await engine.shutdown()
+
+
+def check_pinned(episodes: list[Episode], version: int) -> None:
+    """Every token an evaluation scored was sampled at the ``version`` it evaluates, or it
+    raises naming the versions found: evaluation's own engine is sent weights only by the
+    evaluation holding it (``_eval_lock``), so a token of another version means something
+    else sent its servers weights meanwhile (another trainer on ``eval.urls``), and the
+    score would mix two policies."""
+    other = sorted({v for e in episodes for t in e.trajectories for v, m in zip(t.versions, t.loss_mask)
+                    if m and v != version})
+    if other:
+        raise RuntimeError(f"the evaluation of version {version} got tokens sampled at version(s) {other}: its "
+                           "engine served other weights meanwhile. eval.urls must be servers no other trainer "
+                           "sends weights to")
 
 
 class _TimedEngine:

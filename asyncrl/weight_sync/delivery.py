@@ -45,6 +45,7 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.algorithms import token_logprobs
+from asyncrl.model_untie import model_path_ties_head
 from asyncrl.types import SamplingParams
 from asyncrl.weight_sync.group import WeightSyncError
 
@@ -162,9 +163,13 @@ class DeliveryCheck:
     """Called after each weight sync (:meth:`after_sync`); holds the run's probe and
     cadence. ``every`` 0: no probe (the bytes are still reported)."""
 
-    def __init__(self, learner: Handle, rollout: Handle, tokenizer: Any, *, every: int, tolerance: float) -> None:
+    def __init__(self, learner: Handle, rollout: Handle, tokenizer: Any, *, every: int, tolerance: float,
+                 tied_head: str | None = None) -> None:
+        """``tied_head``: the ``model.path`` of a model whose LM head is tied to its embeddings
+        on a fleet of servers (where a reload over HTTP may leave the head behind): a failed
+        probe then names the head and ``asyncrl models untie``, not the tolerance."""
         self.learner, self.rollout = learner, rollout
-        self.every, self.tolerance = every, tolerance
+        self.every, self.tolerance, self.tied_head = every, tolerance, tied_head
         self.prompts = probe_prompts(tokenizer)
         self.syncs = 0
         self.bytes: int | None = None
@@ -175,7 +180,8 @@ class DeliveryCheck:
         """The check a run's ``Config`` asks for: ``weight_sync.check_every``, and the
         tolerance :func:`check_tolerance` resolves from it and the dtypes."""
         return cls(learner, rollout, tokenizer, every=cfg.weight_sync.check_every,
-                   tolerance=check_tolerance(cfg.weight_sync.check_tolerance, cfg.model.dtype, cfg.engine_dtype))
+                   tolerance=check_tolerance(cfg.weight_sync.check_tolerance, cfg.model.dtype, cfg.engine_dtype),
+                   tied_head=cfg.model.path if cfg.engine_kind.fleet and model_path_ties_head(cfg.model.path) else None)
 
     async def after_sync(self, version: int) -> dict[str, float]:
         """The sync's metrics (``weight_sync/bytes``; on a checked sync
@@ -211,6 +217,15 @@ class DeliveryCheck:
             learned = (await self.learner.apply(learner_probe, sequences))[0]
             diff = max_abs_diff([logprobs for _, logprobs, _ in probed], learned)
             if not diff <= self.tolerance:  # NaN fails too
+                if self.tied_head is not None:
+                    raise WeightsNotDelivered(
+                        f"weights not delivered: after the weight sync of version {version}, {who}'s logprobs on the "
+                        f"delivery probe differ from the learner's by up to {diff:.3g} (max |Δ|), and model.path "
+                        f"{self.tied_head!r} ties its LM head to its input embeddings (tie_word_embeddings): a server "
+                        "that keeps a packed copy of a tied head (vLLM's CPU build) does not refresh it on a reload "
+                        "over HTTP, so it samples from the old head; a higher tolerance would hide that. Untie it "
+                        f"once, `asyncrl models untie {self.tied_head}`, start the servers on the copy it prints and "
+                        "set model.path to it", probe_max_abs_diff=diff)
                 raise WeightsNotDelivered(
                     f"weights not delivered: after the weight sync of version {version}, {who}'s "
                     f"logprobs on the delivery probe differ from the learner's by up to {diff:.3g} (max |Δ|; "
