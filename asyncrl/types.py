@@ -69,6 +69,12 @@ class Step:
     response_tokens: int
     finish_reason: FinishReason
     num_resumes: int = 0
+    reward: float = 0.0
+    """This turn's own reward, given by the agent (``LLMClient.set_turn_reward``, the
+    gateway's ``turn_reward`` endpoint) on top of the episode's outcome; 0 where it gave
+    none. A critic's GAE puts it on the call's last sampled token
+    (``algorithms/gae.token_rewards``); a group-relative estimator counts it in the
+    episode's :attr:`Episode.total_reward`. A default, so records without it still load."""
 
 
 @dataclass
@@ -223,6 +229,13 @@ class Episode:
     applicable), ``reward`` their weighted sum (``asyncrl/tasks/reward_sum.py``)."""
     reward_extras: dict[str, Any] = field(default_factory=dict)
     """verl's score dicts' keys besides ``score`` (kept for ``samples.jsonl``)."""
+
+    @property
+    def total_reward(self) -> float:
+        """The outcome ``reward`` plus every per-turn reward (:attr:`Step.reward`) of the
+        episode's model calls: the undiscounted return of the whole episode, which is what
+        a group-relative estimator compares (GAE gets the parts, each on its own token)."""
+        return self.reward + sum(s.reward for t in self.trajectories for s in t.steps)
 
     @property
     def finish_reason(self) -> FinishReason:

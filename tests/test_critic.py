@@ -241,32 +241,73 @@ def gae_batch(seed, rows=5):
     return dataclasses.replace(b, advantages=torch.zeros(rows), rewards=rewards)
 
 
+def critic_weights(worker) -> dict[str, torch.Tensor]:
+    """The critic's full weights as a rank's worker holds them (gathered to rank 0 under
+    FSDP2, a collective every rank runs; ``{}`` on the others), or one rank's own."""
+    critic = worker.learner.critic
+    if critic.sharding is None:
+        return {k: v.detach().clone() for k, v in critic.engine.model.state_dict().items()}
+    return critic.sharding.full_state_dict(critic.engine.model)
+
+
+def one_rank_critic(cfg, *batches):
+    """One rank's metrics and critic weights after a step on each batch, and each step's
+    critic gradients with their rounding bounds (``tests/tolerances.py``), as
+    ``test_sharded_learner.one_rank`` keeps the policy's."""
+    from test_sharded_learner import joined
+    from tolerances import chain_terms, grad_atol
+
+    worker = joined(cfg)
+    metrics, weights, steps = [], [], []
+    for b in batches:
+        metrics.append(worker.train_step(b, False))
+        model = worker.learner.critic.engine.model
+        n = chain_terms(model.config, b.input_ids.numel())
+        steps.append({name: (p.grad.detach().clone(), grad_atol(p.grad, n))
+                      for name, p in model.named_parameters() if p.grad is not None})
+        weights.append(critic_weights(worker))
+    return metrics, weights, steps
+
+
 @pytest.mark.slow
+@pytest.mark.equivalence
 def test_two_ranks_train_the_critic_as_one_does(tmp_path, policy_dir):
     """``learner.world_size=2`` (FSDP2 over gloo): the critic is sharded as the policy is, and
     two steps' metrics — the second step's critic metrics read the critic the first step
     trained, its actor metrics the advantages of those values, whitened over both ranks —
-    are one rank's. Then a checkpoint the two ranks wrote, critic included, resumed by one
-    rank: its next step's metrics are the two ranks' next step's. (Metrics only: the
-    weights' bound is ``test_sharded_learner``'s.)"""
-    from test_sharded_learner import assert_same_metrics, config, joined, one_rank, started
+    are one rank's, and the critic's weights after each step are one rank's within what
+    AdamW makes of the gradients' rounding (``tolerances.adam_step_atol``, derived as the
+    policy's is in ``test_sharded_learner``). Then a checkpoint the two ranks wrote, critic
+    included, resumed by one rank: its next step's metrics are the two ranks' next step's."""
+    from test_sharded_learner import assert_same_metrics, config, joined, started
+    from tolerances import adam_step_atol, assert_within
 
-    critic = ["algorithm.advantage=gae", "critic.optim.lr=1e-3"]
-    _, _, expected = one_rank(config(policy_dir, *critic), gae_batch(0), gae_batch(1))
+    lr = 1e-3
+    critic = ["algorithm.advantage=gae", f"critic.optim.lr={lr}"]
+    expected, expected_weights, grads = one_rank_critic(config(policy_dir, *critic), gae_batch(0), gae_batch(1))
 
     async def scenario():
         learner = await started(config(policy_dir, *critic, "learner.world_size=2", "learner.strategy=fsdp2",
                                        "optim.micro_batch_size=1"))
         try:
-            steps = [await learner.train_step(gae_batch(0), False), await learner.train_step(gae_batch(1), False)]
+            steps, weights = [], []
+            for b in (gae_batch(0), gae_batch(1)):
+                steps.append(await learner.train_step(b, False))
+                weights.append((await learner.apply(critic_weights))[0])  # rank 0 holds the gathered weights
             await learner.save_checkpoint(tmp_path / "two_ranks", {"step": 2}, {})
-            return steps, await learner.train_step(gae_batch(2), False)
+            return steps, weights, await learner.train_step(gae_batch(2), False)
         finally:
             await learner.shutdown()
 
-    steps, third = asyncio.run(scenario())
+    steps, weights, third = asyncio.run(scenario())
     for actual, wanted in zip(steps, expected, strict=True):
         assert_same_metrics(actual, wanted)
+    for k, (actual, wanted) in enumerate(zip(weights, expected_weights, strict=True)):
+        assert set(actual) == set(wanted)
+        for name in wanted:  # each step since the same initial weights: its gradients' rounding is in m and v
+            bound = adam_step_atol(lr, [step[name] for step in grads[:k + 1]], wanted[name])
+            assert_within(actual[name], wanted[name], bound, f"critic {name} after step {k + 1}")
+    assert any(not torch.equal(weights[0][name], weights[1][name]) for name in weights[0])  # the critic moved
     resumed = joined(config(policy_dir, *critic))
     resumed.load_checkpoint(tmp_path / "two_ranks")
     assert resumed.learner.critic.engine.version == 2

@@ -10,6 +10,7 @@ tests/test_fault_matrix.py`` prints the matrix that docs/faults.md shows."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -87,8 +88,10 @@ SITE = textwrap.dedent('''
 
 COUNTDOWN = ["examples/countdown/async.yaml", "model.path=models/countdown-tiny"]
 AGENT = ["examples/openai_agent/train.yaml", "model.path=models/countdown-tiny"]
+CRITIC = [*COUNTDOWN, "algorithm.advantage=gae", "critic=true"]  # PPO with a critic beside the policy
 POINTS = {  # point -> (config, n-th hit to die on: after the step-2 checkpoint)
     "mid-step": (COUNTDOWN, 4),
+    "critic-mid-step": (CRITIC, 4),  # mid-step of a run with a critic: the policy stepped in step 4, not the critic
     "mid-weight-sync": (COUNTDOWN, 4),
     "mid-checkpoint-write": (COUNTDOWN, 1),
     "before-checkpoint-rename": (COUNTDOWN, 2),
@@ -121,6 +124,11 @@ def outcome(out: Path) -> dict:
             "replayed_tokens": metrics[-1].get("rollout/replayed_tokens_total", 0) if metrics else 0}
 
 
+def hook(point: str) -> str:
+    """The function a point kills in (``SITE``): a critic's point is its run's mid-step."""
+    return point.removeprefix("critic-")
+
+
 def kill_then_resume(tmp_path: Path, point: str) -> dict:
     config, nth = POINTS[point]
     site = tmp_path / "site"
@@ -128,15 +136,28 @@ def kill_then_resume(tmp_path: Path, point: str) -> dict:
     (site / "sitecustomize.py").write_text(SITE)
     out, mark = tmp_path / point, tmp_path / f"{point}.killed"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(site), os.path.dirname(__file__)]),
-           "ASYNCRL_KILL_AT": f"{point}:{nth}", "ASYNCRL_KILL_MARK": str(mark)}
+           "ASYNCRL_KILL_AT": f"{hook(point)}:{nth}", "ASYNCRL_KILL_MARK": str(mark)}
     killed = subprocess.run(train_args(config, out), capture_output=True, text=True, env=env, timeout=300,
                             start_new_session=True)
-    assert killed.returncode == -signal.SIGKILL and mark.read_text() == point, killed.stderr[-3000:]
+    assert killed.returncode == -signal.SIGKILL and mark.read_text() == hook(point), killed.stderr[-3000:]
     env.pop("ASYNCRL_KILL_AT")
     resumed = subprocess.run(train_args(config, out, "resume=true"), capture_output=True, text=True, env=env,
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return {**outcome(out), "stderr": resumed.stderr}
+    return {**outcome(out), "stderr": resumed.stderr, "out": out}
+
+
+def critic_steps(checkpoint: Path) -> tuple[int, int, set[float]]:
+    """What a checkpoint's critic has taken: its version, its LR schedule's steps and its
+    AdamW's step count (one value per parameter, all equal for a critic trained whole)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    trainer = torch.load(checkpoint / "critic" / "trainer_state.pt", weights_only=False)
+    flat = checkpoint.parent / f"{checkpoint.name}.critic_optimizer.pt"
+    dcp_to_torch_save(checkpoint / "critic" / "optimizer", flat)
+    state = torch.load(flat, weights_only=False)["optimizer"]["state"]
+    return trainer["version"], trainer["scheduler"]["last_epoch"], {float(s["step"]) for s in state.values()}
 
 
 @pytest.mark.parametrize("point", list(POINTS))
@@ -147,6 +168,12 @@ def test_kill_9_at_a_point_then_resume(tmp_path, point):
     assert result["staleness_max"] <= ETA
     if point == "mid-checkpoint-write":  # the half-written step_4.tmp is cleared, step_2 resumed from
         assert "step_4.tmp" in result["stderr"] and "resuming from" in result["stderr"]
+    if point == "critic-mid-step":  # the critic resumed from step_2's and took steps 3-6 once each:
+        # a critic started afresh would have taken 4 AdamW steps, one trained twice 7 or more
+        assert "resuming from" in result["stderr"] and "step_2" in result["stderr"]
+        assert critic_steps(result["out"] / "checkpoints" / f"step_{STEPS}") == (STEPS, STEPS, {float(STEPS)})
+        rows = read_jsonl(result["out"] / "metrics.jsonl")
+        assert all(math.isfinite(r["critic/value_loss"]) for r in rows if r["step"] > 0)
 
 
 def test_a_damaged_newest_checkpoint_is_refused_and_the_previous_one_resumed(tmp_path):

@@ -202,45 +202,43 @@ def test_gae_equals_the_explicit_sum_on_random_rows(seed):
 # --------------------------------------------------------------------------- token rewards
 
 
-def two_turn_trajectory() -> Trajectory:
+def two_turn_trajectory(turn_rewards: tuple[float, float] = (0.0, 0.0)) -> Trajectory:
     # prompt [1, 2] | turn 1 [5, 6] | tool [7, 8, 9] | turn 2 [10, 11, 12] | template [13]
     return Trajectory(
         prompt_ids=[1, 2], response_ids=[5, 6, 7, 8, 9, 10, 11, 12, 13],
         loss_mask=[1, 1, 0, 0, 0, 1, 1, 1, 0], logprobs=[0.0] * 9, versions=[0] * 9,
-        steps=[Step(None, prompt_tokens=2, response_tokens=2, finish_reason="stop"),
-               Step(None, prompt_tokens=7, response_tokens=3, finish_reason="stop")])
+        steps=[Step(None, prompt_tokens=2, response_tokens=2, finish_reason="stop", reward=turn_rewards[0]),
+               Step(None, prompt_tokens=7, response_tokens=3, finish_reason="stop", reward=turn_rewards[1])])
 
 
 def test_token_rewards_put_the_outcome_and_each_turns_reward_on_its_last_model_token():
-    trajectory = two_turn_trajectory()
     # outcome 1 on response position 7 (token 12, the last model token); turn 1's 0.5 on position 1
     # (its last token: prompt_tokens 2 − prompt 2 + 2 − 1); turn 2's 0.25 on position 7 too: 1.25.
-    assert token_rewards(trajectory, 1.0) == [0, 0, 0, 0, 0, 0, 0, 1.0, 0]
-    assert token_rewards(trajectory, 1.0, [0.5, 0.25]) == [0, 0.5, 0, 0, 0, 0, 0, 1.25, 0]
+    assert token_rewards(two_turn_trajectory(), 1.0) == [0, 0, 0, 0, 0, 0, 0, 1.0, 0]
+    assert token_rewards(two_turn_trajectory((0.5, 0.25)), 1.0) == [0, 0.5, 0, 0, 0, 0, 0, 1.25, 0]
 
 
 def test_token_rewards_feed_gae_across_the_tool_output():
     # On the learner's target axis (entry j − 1 is token j; prompt of 2 ⇒ response position i is
     # entry i + 1): λ = γ = 1 and V = 0 make A the reward still to come at each action:
     # turn 1's tokens 1.5 (0.5 + 1), turn 2's tokens 1.
-    trajectory = two_turn_trajectory()
-    rewards = [0.0] + token_rewards(trajectory, 1.0, [0.5, 0.0])
+    trajectory = two_turn_trajectory((0.5, 0.0))
+    rewards = [0.0] + token_rewards(trajectory, 1.0)
     mask = [0] + trajectory.loss_mask
     advantages, _ = gae(t([rewards]), torch.zeros(1, len(mask), dtype=D), t([mask]), gamma=1.0, lam=1.0)
     close(advantages[0], [0, 1.5, 1.5, 0, 0, 0, 1.0, 1.0, 1.0, 0])
 
 
 def test_token_rewards_refuse_what_they_cannot_place():
-    trajectory = two_turn_trajectory()
-    with pytest.raises(ValueError, match=r"^turn_rewards has 1 entries but the trajectory has 2 model calls"):
-        token_rewards(trajectory, 1.0, [0.5])
+    trajectory = two_turn_trajectory((0.5, 0.0))
     trajectory.loss_mask[1] = 0  # turn 1's last token no longer a model token
-    with pytest.raises(ValueError, match=r"^turn_rewards: model call 0's last token"):
-        token_rewards(trajectory, 1.0, [0.5, 0.0])
+    with pytest.raises(ValueError, match=r"^steps\[0\]\.reward: model call 0's last token"):
+        token_rewards(trajectory, 1.0)
     empty = Trajectory(prompt_ids=[1], steps=[Step(None, prompt_tokens=1, response_tokens=0, finish_reason="abort")])
-    assert token_rewards(empty, 1.0, [0.0]) == []
-    with pytest.raises(ValueError, match=r"^turn_rewards\[0\] = 0.5, but model call 0 produced no token"):
-        token_rewards(empty, 1.0, [0.5])
+    assert token_rewards(empty, 1.0) == []
+    empty.steps[0].reward = 0.5
+    with pytest.raises(ValueError, match=r"^steps\[0\]\.reward = 0.5, but model call 0 produced no token"):
+        token_rewards(empty, 1.0)
 
 
 # --------------------------------------------------------------------------- whitening

@@ -28,8 +28,6 @@ any arithmetic (``algorithms/losses.py`` says why), so a NaN there cannot reach 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 from torch import Tensor
 
@@ -94,36 +92,30 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: flo
     return advantages_bt, clean(advantages_bt + values, action)
 
 
-def token_rewards(trajectory: Trajectory, outcome: float, turn_rewards: Sequence[float] | None = None) -> list[float]:
+def token_rewards(trajectory: Trajectory, outcome: float) -> list[float]:
     """Per-token rewards aligned with ``trajectory.response_ids``: ``outcome`` (the episode's
-    reward) on the last model token, plus ``turn_rewards[i]`` on the last token of model call
-    ``trajectory.steps[i]`` (an agent's per-turn rewards; ``None``: none). 0 elsewhere.
+    reward) on the last model token, plus each model call's own reward (``Step.reward``,
+    an agent's per-turn reward) on that call's last sampled token. 0 elsewhere.
 
     A trajectory with no model token has nothing to credit: all 0 (GAE gives it nothing).
-    Refused, naming the argument: per-turn rewards whose count is not the steps', a
-    non-zero reward for a call that produced no token, steps that do not lie on model
-    tokens (a trajectory edited after it was recorded).
+    Refused, naming the call: a non-zero reward for a call that produced no token, a call
+    whose tokens do not lie on model tokens (a trajectory edited after it was recorded).
     """
     rewards = [0.0] * len(trajectory.response_ids)
     model = [i for i, m in enumerate(trajectory.loss_mask) if m]
     if model:
         rewards[model[-1]] += float(outcome)
-    if turn_rewards is None:
-        return rewards
-    if len(turn_rewards) != len(trajectory.steps):
-        raise ValueError(f"turn_rewards has {len(turn_rewards)} entries but the trajectory has "
-                         f"{len(trajectory.steps)} model calls (steps)")
     offset = len(trajectory.prompt_ids)
-    for i, (step, reward) in enumerate(zip(trajectory.steps, turn_rewards)):
-        if step.response_tokens == 0:
-            if reward:
-                raise ValueError(f"turn_rewards[{i}] = {reward!r}, but model call {i} produced no token to carry it")
+    for i, step in enumerate(trajectory.steps):
+        if not step.reward:
             continue
+        if step.response_tokens == 0:
+            raise ValueError(f"steps[{i}].reward = {step.reward!r}, but model call {i} produced no token to carry it")
         last = step.prompt_tokens - offset + step.response_tokens - 1
         if not 0 <= last < len(rewards) or not trajectory.loss_mask[last]:
-            raise ValueError(f"turn_rewards: model call {i}'s last token (response position {last}) is not a "
+            raise ValueError(f"steps[{i}].reward: model call {i}'s last token (response position {last}) is not a "
                              "model token of the trajectory; its steps do not match its tokens")
-        rewards[last] += float(reward)
+        rewards[last] += float(step.reward)
     return rewards
 
 

@@ -113,10 +113,10 @@ def pack_batch(trajectories: list[Trajectory], advantages: list[float], pad_id: 
 
 def reward_tensor(trajectories: list[Trajectory], outcomes: list[float], length: int) -> torch.Tensor:
     """Each token's reward on the target axis (B, length - 1): trajectory i's outcome on its
-    last model token (``algorithms/gae.token_rewards``), 0 elsewhere. Per-turn rewards would
-    go on each turn's last token there; no trajectory carries them yet, so only the outcome
-    does. Every trajectory of a multi-trajectory episode carries the episode's outcome, as it
-    carries the episode's advantage under a group-relative estimator."""
+    last model token and each of its model calls' own reward (``Step.reward``) on that
+    call's last token (``algorithms/gae.token_rewards``), 0 elsewhere. Every trajectory of a
+    multi-trajectory episode carries the episode's outcome, as it carries the episode's
+    advantage under a group-relative estimator; a call's reward lies in its own trajectory."""
     out = torch.zeros((len(trajectories), length - 1), dtype=torch.float32)
     for i, (t, outcome) in enumerate(zip(trajectories, outcomes, strict=True)):
         p, r = len(t.prompt_ids), len(t.response_ids)

@@ -73,6 +73,7 @@ def step_row(step: int, version: int, trained_version: int, groups: list[ReadyGr
         **({} if filtered_fraction_window is None else {"rollout/filtered_fraction_window": filtered_fraction_window}),
         **agent_metrics([e for g in groups for e in g.group.episodes]),
         **reward_part_means([e for g in groups for e in g.group.episodes]),
+        **turn_reward_mean([e for g in groups for e in g.group.episodes]),
         **frozen_model_metrics([e for g in groups for e in g.group.episodes]),
         **sandbox_metrics([e for g in groups for e in g.group.episodes]),
         **distill_metrics(trajectories),
@@ -136,6 +137,13 @@ def reward_part_means(episodes: list[Episode]) -> dict[str, float]:
     return {f"reward/{name}/mean": sum(v) / len(v) if v else float("nan") for name, v in values.items()}
 
 
+def turn_reward_mean(episodes: list[Episode]) -> dict[str, float]:
+    """``reward/turn_mean``: the trained episodes' per-turn rewards (``Step.reward``) summed
+    per episode, averaged; absent where no episode has any (``reward/mean`` is the outcome's)."""
+    sums = [e.total_reward - e.reward for e in episodes]
+    return {"reward/turn_mean": sum(sums) / len(sums)} if any(sums) else {}
+
+
 def agent_metrics(episodes: list[Episode]) -> dict[str, float | int]:
     """The ``agent/*`` keys: means over the episodes that carry ``metadata["agent"]``
     (multi-turn and agent workflows), none at all when no episode does (single-turn)."""
@@ -190,6 +198,7 @@ def sample_rows(step: int, trained_version: int, groups: list[ReadyGroup],
                     "resumed": t.resumed, "num_resumes": t.num_resumes, "response": response,
                     "response_segments": segments,
                     **({"rewards": episode.rewards} if episode.rewards else {}),
+                    **({"turn_rewards": [s.reward for s in t.steps]} if any(s.reward for s in t.steps) else {}),
                     **({"reward_extras": episode.reward_extras} if episode.reward_extras else {}),
                 })
                 rows[-1].update(_read_calls(episode, t, segments, decode, parse))

@@ -101,15 +101,18 @@ class RolloutLoop:
             on_episode(episode)
         ok = [e for e in episodes if e.status == "ok" and e.trajectories]
         step = self.gate.version + 1  # the step being prepared
-        check_rewards([e.reward for e in ok], max_abs=self.cfg.algorithm.max_abs_reward, task_id=task.id, step=step)
+        algorithm = self.cfg.algorithm
+        # what the estimator gets per episode: with a critic the outcome alone (each turn's own reward
+        # reaches the learner on its own token, in Step.reward); otherwise the episode's total
+        scores = [e.reward if algorithm.uses_critic else e.total_reward for e in ok]
+        check_rewards([e.total_reward for e in ok], max_abs=algorithm.max_abs_reward, task_id=task.id, step=step)
         self.finished_rewards += [e.reward for e in ok]  # before filtering: the unbiased view
         if ok:
             self._outcome(self.in_flight[start_order].index, [e.reward for e in ok])
-        rewards = torch.tensor([[e.reward for e in ok]], dtype=torch.float32)
+        rewards = torch.tensor([scores], dtype=torch.float32)
         same = bool((rewards == rewards[0, 0]).all()) if ok else True
         # with a teacher every token teaches (its distillation term), and with a critic every token has
         # its own advantage (the values differ), so equal rewards filter nothing there
-        algorithm = self.cfg.algorithm
         filters = algorithm.filter_zero_variance and self.teacher is None and not algorithm.uses_critic
         if not ok or (filters and same):
             self.watchdog.group("filtered" if ok else "all_error", episodes)

@@ -17,6 +17,7 @@ import dataclasses
 import inspect
 import json
 import logging
+import math
 import threading
 import weakref
 from collections import OrderedDict
@@ -170,6 +171,7 @@ class LLMClient:
         self.journal: Journal | None = None  # records each completion (and replays one after a restart): journal.py
         self.deadline: EpisodeDeadline | None = None  # the episode's clock, stopped while a call is queued: deadline.py
         self._conversation: _Conversation | None = None
+        self._calls: list[Step] = []  # every model call's step, in the order the calls returned
 
     async def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None,
                        stop: list[str] | None = None, *, on_tokens: TokenSink | None = None) -> Response:
@@ -223,6 +225,30 @@ class LLMClient:
                                            copy.deepcopy(tools), forced + response.token_ids)
         return response
 
+    def set_turn_reward(self, reward: float, turn: int = -1) -> int:
+        """Give model call ``turn`` of this episode its own reward (``Step.reward``), on top
+        of the episode's outcome; returns the call's index. ``turn`` counts the calls that
+        have returned, in the order they returned, from 0 (negative: from the latest; -1,
+        the default, is the latest). Setting it again replaces it, so a retried request
+        cannot count a reward twice.
+
+        Where it goes: a critic's GAE puts it on the call's last sampled token; a
+        group-relative estimator adds it into the episode's total (``Episode.total_reward``).
+        Refused in one line: a reward that is not a finite number, a turn not made yet, a
+        non-zero reward for a call that sampled no token (nothing to carry it)."""
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+            raise ValueError(f"a turn's reward must be a finite number, got {reward!r}")
+        n = len(self._calls)
+        if isinstance(turn, bool) or not isinstance(turn, int) or not -n <= turn < n:
+            made = f"turns 0..{n - 1}, or -1 for the latest" if n else "none yet: reward a turn after its reply"
+            raise ValueError(f"turn {turn!r} is not a model call of this episode ({made})")
+        index = turn % n
+        step = self._calls[index]
+        if reward and step.response_tokens == 0:
+            raise ValueError(f"turn {index} sampled no token, so no token can carry its reward {reward!r}")
+        step.reward = float(reward)
+        return index
+
     def render(self, messages: list[Message], tools: list[dict[str, Any]] | None = None, *,
                generation_prompt: bool) -> str:
         """The text ``chat`` tokenizes for ``messages``: :func:`chat_format.render_chat`, the
@@ -248,7 +274,9 @@ class LLMClient:
         trajectory.versions += completion.versions
         trajectory.finish_reason = completion.finish_reason
         trajectory.num_resumes += num_resumes
-        trajectory.steps.append(Step(copy.deepcopy(messages), len(context), n, completion.finish_reason, num_resumes))
+        step = Step(copy.deepcopy(messages), len(context), n, completion.finish_reason, num_resumes)
+        trajectory.steps.append(step)
+        self._calls.append(step)
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True) if visible is None else visible
         body = completion.token_ids
         if body and body[-1] in sampling.stop_token_ids and body[-1] in self.tokenizer.all_special_ids:

@@ -49,6 +49,7 @@ from typing import Any
 import openai
 from openai import AsyncOpenAI
 
+from asyncrl.rollout.gateway import set_turn_reward
 from asyncrl.tasks.multihop import multihop_corpus, multihop_reward, write_corpus
 from asyncrl.tools.retrieval import RetrievalClient, RetrievalError
 
@@ -58,6 +59,7 @@ TOOLS = [{"type": "function", "function": {
 MAX_TURNS = 4  # three searches and the answer
 SEARCH_K = 3
 MAX_HIT_CHARS = 40  # a document ("P3K is in C7M.") is 14 characters
+HOP_REWARD = 0.2  # run_with_turn_rewards: a search's turn, per identifier of the chain it first shows
 _ANSWER_LINE = re.compile(r"\banswer\s*:", re.IGNORECASE)  # as multihop.extract_answer reads it
 NUDGE = "Search with the search tool, or reply 'Answer: <id>'."
 
@@ -167,6 +169,39 @@ async def run(task, base_url: str) -> float:
     # one retrieval session per episode, closed with it (a session per loop would outlive its loop)
     async with RetrievalClient(retrieval_url(), timeout_s=5.0, retries=2) as retrieval:
         final = await converse(client, retrieval, task)
+    return multihop_reward(task, final)
+
+
+async def run_with_turn_rewards(task, base_url: str) -> float:
+    """:func:`run`, and a per-turn reward beside the outcome: each search whose result first
+    shows an identifier of the question's chain (the next hop's, or the answer) earns the
+    turn that asked it ``HOP_REWARD`` per identifier, posted to the gateway through the SDK
+    client (``asyncrl.rollout.gateway.set_turn_reward``). A three-hop question answered
+    right after three useful searches returns 1 and earned 3 × ``HOP_REWARD`` on the way;
+    a critic's GAE puts each on its turn's last token, a group-relative estimator counts the
+    episode's total (docs/critic.md, "Multi-turn: per-turn rewards")."""
+    if _service_url is None and "ASYNCRL_RETRIEVAL_URL" not in os.environ:
+        await asyncio.to_thread(retrieval_url)
+    client = sdk_client(base_url)
+    chain = task.data["entities"][1:]  # what a search can reveal, the answer last
+    seen: set[str] = set()
+    earned: dict[int, float] = {}  # turn -> its reward so far (a reply may make several calls)
+
+    async with RetrievalClient(retrieval_url(), timeout_s=5.0, retries=2) as retrieval:
+        async def run_tool(call) -> str:
+            if call.function.name != "search":
+                return f"unknown tool: {call.function.name}"
+            result = await search(retrieval, call.function.arguments)
+            found = [e for e in chain if e not in seen and e in result]
+            if found:
+                seen.update(found)
+                turn = (await set_turn_reward(client, HOP_REWARD * len(found)))["turn"]  # the latest reply's
+                earned[turn] = earned.get(turn, 0.0) + HOP_REWARD * len(found)
+                if earned[turn] != HOP_REWARD * len(found):  # its second call that found one: the sum
+                    await set_turn_reward(client, earned[turn], turn=turn)
+            return result
+
+        final = await converse_with_tools(client, task, TOOLS, run_tool)
     return multihop_reward(task, final)
 
 

@@ -5,10 +5,11 @@ makes is recorded token-exact into its episode."""
 from typing import Any
 
 from asyncrl.rollout.gateway import tool_calls
+from asyncrl.rollout.gateway.sdk import set_turn_reward
 from asyncrl.rollout.gateway.server import Gateway
 from asyncrl.rollout.gateway.tool_calls import FORMATS, ParsedReply, ToolCall, get_format, hermes
 
-__all__ = ["FORMATS", "Gateway", "ParsedReply", "ToolCall", "get_format", "hermes"]
+__all__ = ["FORMATS", "Gateway", "ParsedReply", "ToolCall", "get_format", "hermes", "set_turn_reward"]
 
 
 def __getattr__(name: str) -> Any:

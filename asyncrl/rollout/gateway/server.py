@@ -41,6 +41,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field
 from transformers import PreTrainedTokenizerBase
 
 import asyncrl.rollout.gateway.completions_api as completions_api
@@ -55,11 +56,19 @@ from asyncrl.engine.protocol import EngineClosedError, PromptTooLongError, Rollo
 from asyncrl.rollout.gateway.access import check_exposure, middlewares
 from asyncrl.rollout.gateway.session import CallPlan, Session
 from asyncrl.rollout.gateway.tool_calls import ToolFormat
-from asyncrl.json_api import Refused, error_response, listen, read_json
+from asyncrl.json_api import Refused, error_response, listen, read_json, validate
 from asyncrl.rollout.gateway.wire import Event, Wire, sse
 from asyncrl.types import AgentDiagnostics, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+
+class TurnRewardRequest(BaseModel):
+    """The body of ``POST /sessions/<id>/v1/turn_reward``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reward: float = Field(allow_inf_nan=False)  # a JSON number; NaN and ±Infinity refused
+    turn: int = -1  # the session's model calls in the order they returned, from 0; negative from the latest
 
 TOKENIZE_THREADS = 2
 """Threads that tokenize large prompts. The gateway's own, not asyncio's default pool,
@@ -101,6 +110,7 @@ class Gateway:
             app.router.add_post(prefix + "/v1/messages", self._messages)
             app.router.add_post(prefix + "/v1/messages/count_tokens", self._count_tokens)
             app.router.add_get(prefix + "/v1/models", self._models)
+        app.router.add_post("/sessions/{session}/v1/turn_reward", self._turn_reward)
         app.router.add_get("/health", self._health)
         self._runner, self.base_url = await listen(app, host, port)
         self._pool = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="asyncrl-gateway-tokenize")
@@ -143,6 +153,23 @@ class Gateway:
             return error_response(exc)
         return web.json_response({"object": "list", "data": [
             {"id": self.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}]})
+
+    async def _turn_reward(self, request: web.Request) -> web.Response:
+        """``POST /sessions/<id>/v1/turn_reward`` ``{"reward": r, "turn": k}``: model call k
+        of the session's episode (default -1: its latest) gets its own reward r
+        (``LLMClient.set_turn_reward``: replaced if set before); answers the call's index
+        and the reward. A session's route only: a plain ``/v1`` call belongs to no episode."""
+        try:
+            session = self._session_of(request)
+            assert session is not None  # the route has a session
+            body = validate(await read_json(request), TurnRewardRequest)
+            try:
+                turn = session.client.set_turn_reward(body.reward, body.turn)
+            except ValueError as exc:  # the body's types were checked: what is left is the turn's
+                raise Refused(400, str(exc), "turn") from None
+        except Refused as exc:
+            return error_response(exc)
+        return web.json_response({"turn": turn, "reward": body.reward})
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, completions_api.ChatWire(self.model_name, self.tokenizer))
