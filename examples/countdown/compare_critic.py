@@ -3,7 +3,7 @@ same trained samples per step, the same number of steps, several seeds, each sco
 held-out validation tasks; prints one Markdown table (docs/critic.md shows it).
 
     python examples/countdown/compare_critic.py [--steps 600] [--seeds 0 1 2] [--parallel 1] \
-        [--out runs/compare-critic] [KEY=VALUE ...]
+        [--arms GRPO PPO+GAE] [--out runs/compare-critic] [KEY=VALUE ...]
 
 Each (arm, seed) is ``asyncrl train CONFIG seed=S total_steps=STEPS output_dir=OUT/ARM-sS
 KEY=VALUE ...`` (the overrides go to both arms), ``--parallel`` of them at a time. A run
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600, help="steps of every run (default: 600, the configs')")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (default 1)")
+    parser.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+                        help="the arms to run and show (default: both)")
     parser.add_argument("--out", type=Path, default=Path("runs/compare-critic"))
     parser.add_argument("overrides", nargs="*", help="KEY=VALUE settings for both arms")
     args = parser.parse_args(argv)
@@ -106,18 +108,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--steps and --parallel must be at least 1")
     per_step = samples_per_step(args.overrides)
     todo = []
-    for arm, config in ARMS.items():
+    for arm in args.arms:
         for seed in args.seeds:
             path = run_dir(args.out, arm, seed)
             if finished(path, args.steps):
                 continue
             if path.exists():
                 raise SystemExit(f"{path} holds an unfinished or different run; delete it or give another --out")
-            todo.append((config, seed, path))
+            todo.append((ARMS[arm], seed, path))
     with ThreadPoolExecutor(args.parallel) as pool:
         for done in [pool.submit(train, config, seed, args.steps, path, args.overrides) for config, seed, path in todo]:
             done.result()
-    rows = [row(arm, [run_dir(args.out, arm, s) for s in args.seeds], per_step, args.steps) for arm in ARMS]
+    rows = [row(arm, [run_dir(args.out, arm, s) for s in args.seeds], per_step, args.steps) for arm in args.arms]
     print(table(rows, args.seeds, args.steps))
     return 0
 
