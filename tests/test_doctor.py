@@ -181,6 +181,23 @@ def test_live_warnings_are_said_once_with_step_number_and_fix():
     assert "FAIL engine-learner mismatch at lag 0 at step 2: k3 0.05" in said[0] and "fix:" in said[0]
 
 
+def test_same_score_groups_are_not_judged_with_a_critic():
+    """With ``gae`` a group whose samples all scored the same still has per-token advantages
+    (the critic's values differ), and filter_zero_variance does not apply: no warning, live or
+    in the doctor, where the same rows without a critic warn."""
+    rows = [{"step": 0}, *({"step": s, "rollout/same_score_fraction": 0.75} for s in (1, 2))]
+    critic = {"algorithm": {"advantage": "gae"}, "critic": {"value_clip": 0.2}}
+    said: list[str] = []
+    watch = InvariantWatch(Limits.from_config(critic, 2), said.append)
+    for row in rows:
+        watch.observe(row)
+    assert said == []
+    found = {f.name: f for f in check_run(critic, 2, rows, [], [])}["trained groups that all score the same"]
+    assert found.status == OK and "not judged with a critic" in found.evidence
+    plain = {f.name: f for f in check_run({}, 2, rows, [], [])}["trained groups that all score the same"]
+    assert (plain.status, plain.step) == (WARN, 1) and "75% of the step's trained groups" in plain.evidence
+
+
 def test_the_mismatch_by_lag_by_hand():
     """μ and π on four model tokens and a prompt position: lag 0 agrees exactly, lag 1
     differs by 0.5 on one token (k3 = e^0.5 − 1 − 0.5), lag 5 lands in the last bucket."""

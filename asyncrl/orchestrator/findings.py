@@ -41,6 +41,7 @@ class Limits:
     starvation_warn_fraction: float = 0.9  # watchdog.starvation_warn_fraction
     total_steps: int | None = None
     batch_size: int | None = None  # B, groups a step trains: the off-policy share of a fractional η
+    critic: bool = False  # a critic's per-token advantages (gae): a group whose samples all scored the same trains
 
     @classmethod
     def from_config(cls, config: Row, max_staleness: float | None) -> Limits:
@@ -56,7 +57,8 @@ class Limits:
         return cls(float(tolerance), max_staleness,
                    float(get("watchdog", "starvation_warn_fraction", 0.9)),
                    total if isinstance(total, int) and not isinstance(total, bool) else None,
-                   batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else None)
+                   batch if isinstance(batch, int) and not isinstance(batch, bool) and batch > 0 else None,
+                   bool(config.get("critic")))
 
 
 @dataclass(frozen=True)

@@ -132,6 +132,11 @@ def filtered_share(row: Row, prev: Row | None, limits: Limits) -> Judgement:
 
 
 def same_score_trained(row: Row, prev: Row | None, limits: Limits) -> Judgement:
+    """Not judged with a critic: there a group whose samples all scored the same still has
+    per-token advantages (its values differ), so it teaches, and the fix named
+    (``filter_zero_variance``) does not apply to ``gae``."""
+    if limits.critic:
+        return None
     share = num(row, "rollout/same_score_fraction")
     if share is not None and share > SAME_SCORE_WARN:
         return FAIL if share >= 1 else WARN, f"{share:.0%} of the step's trained groups have zero reward variance"
@@ -221,18 +226,20 @@ def step_finding(inv: StepInvariant, rows: Sequence[Row], limits: Limits) -> Fin
             broken.append((step_of(row), *judged))
         prev = row
     if not broken:
-        return Finding(inv.name, OK, None, _ok_evidence(inv, rows))
+        return Finding(inv.name, OK, None, _ok_evidence(inv, rows, limits))
     gravest = max(SEVERITY[s] for _, s, _ in broken)
     step, status, evidence = next(b for b in broken if SEVERITY[b[1]] == gravest)
     return Finding(inv.name, status, step, f"{evidence}; {len(broken)} of {len(rows)} steps", inv.fix)
 
 
-def _ok_evidence(inv: StepInvariant, rows: Sequence[Row]) -> str:
+def _ok_evidence(inv: StepInvariant, rows: Sequence[Row], limits: Limits) -> str:
     values = [v for r in rows if (v := num(r, inv.keys[0])) is not None]
     if inv.check is mismatch_at_lag0:
         return f"k3 ≤ {max(values):.2g} over {len(values)} steps; " + _by_lag(rows)
     if inv.check is weights_delivered:
         return f"probe max |Δ| ≤ {max(values):.2g} in {len(values)} checks"
+    if inv.check is same_score_trained and limits.critic:
+        return "not judged with a critic: its advantages train a group whose samples all scored the same"
     if inv.check is same_score_trained:
         return f"at most {max(values):.0%} of a step's trained groups have zero reward variance"
     if inv.check is filtered_share:
