@@ -122,6 +122,21 @@ def test_a_learner_with_a_critic_trains_the_policy_on_gae_of_the_critics_values(
     assert learner.version == 2
 
 
+def test_the_critics_own_epochs_and_mini_batches_step_it_several_times_and_the_value_clip_binds():
+    """critic.ppo_epochs × critic.mini_batches optimizer steps a batch (AdamW's count says so),
+    the version once; from the second step V has left V_old, so a clip ε_v far below how
+    far one step moves V binds (with one step it never can: the test above)."""
+    policy, tokenizer = policy_and_tokenizer()
+    cfg = CriticConfig(value_clip=1e-6, ppo_epochs=2, mini_batches=2, optim={"lr": 1e-2})
+    learner = critic_learner(policy, tokenizer, cfg)
+    metrics = learner.train_step(hand_batch(tokenizer))
+    assert metrics["critic/optimizer_steps"] == 4 and learner.critic.engine.version == 1
+    steps = {int(state["step"]) for state in learner.critic.engine.optimizer.state.values()}
+    assert steps == {4}
+    assert 0 < metrics["critic/value_clip_frac"] <= 0.75  # the first of four steps is at V = V_old
+    assert math.isfinite(metrics["critic/value_loss"]) and math.isfinite(metrics["critic/grad_norm"])
+
+
 def test_critic_warm_up_moves_the_critic_only_and_the_version_still_advances():
     policy, tokenizer = policy_and_tokenizer()
     before = copy.deepcopy(policy.state_dict())

@@ -151,8 +151,16 @@ class CriticConfig(Section):
     are, but each batch is still a version (the engines, the staleness bound and
     ``total_steps`` count batches)."""
     optim: OptimizerConfig = OptimizerConfig()
-    """The critic's own AdamW and LR schedule (over the run's ``total_steps``). It takes one
-    optimizer step per batch, on the policy's micro-batches."""
+    """The critic's own AdamW and LR schedule (over the run's ``total_steps``), on the
+    policy's micro-batches."""
+    ppo_epochs: int = Field(1, ge=1)
+    """The critic's passes over each batch, against the same V_old and returns. With one
+    optimizer step a batch (this and ``mini_batches`` both 1) V is V_old when the loss is
+    taken and ``value_clip`` cannot bind; from the second step on it can (verl's
+    ``critic.ppo_epochs``)."""
+    mini_batches: int = Field(1, ge=1)
+    """The critic's optimizer steps per pass: the batch's trajectories shuffled (its own seed)
+    and cut into this many parts, as ``optim.mini_batches`` cuts the policy's."""
     lora: LoraConfig | None = None
     """LoRA adapters on the critic, as ``model.lora`` on the policy (its value head trains
     whole); ``null``: every weight trains. Its ``sync`` stays ``auto``: a critic is never sent."""

@@ -17,10 +17,12 @@ advantages made from them are as fresh as the critic. Per batch:
    returns from the batch's token rewards (``algorithms/gae.py``), the advantages whitened
    over the whole batch (over all ranks) where ``algorithm.whiten_advantages`` says;
 2. the policy's optimizer steps on those per-token advantages (``learner.py``);
-3. :meth:`Critic.train` — one optimizer step of the clipped value loss against V_old and the
-   returns, on the policy's micro-batches, each weighted by its share of the whole batch
+3. :meth:`Critic.train` — the critic's optimizer steps (``critic.ppo_epochs`` ×
+   ``critic.mini_batches``, one by default) of the clipped value loss against V_old and
+   the returns, on the policy's micro-batches, each weighted by its share of its mini-batch
    (as the policy's loss is), refused before the weights move if the loss or its gradient
    norm is not finite; then the critic's LR schedule and version advance with the policy's.
+   The value clip binds from the second step on (the first is at V = V_old).
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from asyncrl.algorithms.gae import gae, value_loss, whiten
 from asyncrl.config import AlgorithmConfig, Config, ConfigError, CriticConfig
 from asyncrl.learner.batch import TrainBatch
 from asyncrl.learner.checkpoint_io import restore_checkpoint
-from asyncrl.learner.core import TrainEngine
+from asyncrl.learner.core import TrainEngine, mini_batch_rows
 from asyncrl.learner.distributed import Sharding
 from asyncrl.learner.value_model import load_value_model, token_values
 from asyncrl.policy import resolve_device, weights_dtype
@@ -104,47 +106,70 @@ class Critic:
         return Targets(clean(old, batch.loss_mask.bool()), returns, advantages)
 
     def train(self, batch: TrainBatch, cut: Callable[[TrainBatch], Sequence[Part]], filler: Callable[[], Part],
-              targets: Targets, counts: torch.Tensor, algorithm: AlgorithmConfig) -> dict[str, float]:
-        """One optimizer step of the clipped value loss on ``batch`` (this rank's rows, cut
-        into micro-batches by ``cut``), each weighted by its share of the whole batch's
-        (token, sequence) ``counts`` under ``algorithm.aggregation``; then the LR schedule and
-        version advance. Returns the ``critic/*`` metrics, over the whole batch (summed over ranks)."""
-        tokens, sequences = counts.clamp(min=1)
-        aggregation = algorithm.aggregation
+              targets: Targets, steps: Sequence[tuple[torch.Tensor, torch.Tensor]], counts: torch.Tensor,
+              algorithm: AlgorithmConfig) -> dict[str, float]:
+        """The critic's optimizer steps on ``batch`` (this rank's rows): one per entry of
+        ``steps`` — (this rank's rows of the mini-batch, the whole mini-batch's (token,
+        sequence) counts), from :meth:`mini_batches` — each of the clipped value loss against
+        the fixed V_old and returns, cut into micro-batches by ``cut``, each weighted by its
+        share of the mini-batch under ``algorithm.aggregation``; then the LR schedule and
+        version advance once. ``counts``: the whole batch's. From the second step on V has
+        moved from V_old, so ``critic.value_clip`` can bind (one step alone is at V = V_old).
+        Returns the ``critic/*`` metrics, over the whole batch and its epochs (summed over ranks)."""
+        aggregation, epochs = algorithm.aggregation, self.config.ppo_epochs
+        batch_tokens = counts[0].clamp(min=1)
         sums: dict[str, torch.Tensor] = {}
-        losses: list[torch.Tensor] = []
-
-        def loss_of(item: Part) -> torch.Tensor:
-            start, part = item
-            width = part.loss_mask.shape[1]
-
-            def rows(full: torch.Tensor) -> torch.Tensor:
-                return full[start:start + part.size, :width] if start is not None else torch.zeros_like(part.loss_mask)
-
-            loss, metrics = value_loss(self._values(part), rows(targets.old_values), rows(targets.returns),
-                                       part.loss_mask, clip=self.config.value_clip, aggregation=aggregation)
-            token_share = part.loss_mask.sum() / tokens
-            share = token_share if aggregation == "token_mean" else (part.loss_mask.sum(-1) > 0).sum() / sequences
-            for key, value in metrics.items():  # token means of the part: weighted into the batch's
-                sums[key] = sums.get(key, 0.0) + value * token_share
-            losses.append(loss.detach() * share)
-            return loss * share
-
+        norms: list[float] = []
         self.engine.model.train()
-        self.engine.accumulate(cut(batch), loss_of, filler)
-        norm = self.engine.step({"critic/value_loss": torch.stack(losses).sum()}, grad_norm_name="critic/grad_norm",
-                                hint="Lower critic.optim.lr, or check the rewards of this batch (samples.jsonl)")
+        for local, step_counts in steps:
+            tokens, sequences = step_counts.clamp(min=1)
+            rows_of = local.to(targets.old_values.device)
+            old_values, returns = targets.old_values.index_select(0, rows_of), targets.returns.index_select(0, rows_of)
+            losses: list[torch.Tensor] = []
+
+            def loss_of(item: Part) -> torch.Tensor:
+                start, part = item
+                width = part.loss_mask.shape[1]
+
+                def rows(full: torch.Tensor) -> torch.Tensor:
+                    return full[start:start + part.size, :width] if start is not None else torch.zeros_like(
+                        part.loss_mask)
+
+                loss, metrics = value_loss(self._values(part), rows(old_values), rows(returns), part.loss_mask,
+                                           clip=self.config.value_clip, aggregation=aggregation)
+                share = (part.loss_mask.sum() / tokens if aggregation == "token_mean"
+                         else (part.loss_mask.sum(-1) > 0).sum() / sequences)
+                weight = part.loss_mask.sum() / batch_tokens / epochs  # its tokens' share of the batch's epochs
+                for key, value in metrics.items():  # token means of the part: weighted into the batch's
+                    sums[key] = sums.get(key, 0.0) + value * weight
+                losses.append(loss.detach() * share)
+                return loss * share
+
+            self.engine.accumulate(cut(batch.select(local)), loss_of, filler)
+            norms.append(self.engine.step({"critic/value_loss": torch.stack(losses).sum()},
+                                          grad_norm_name="critic/grad_norm",
+                                          hint="Lower critic.optim.lr, or check the rewards of this batch "
+                                               "(samples.jsonl)"))
         self.engine.advance()
         self.engine.model.eval()
-        stats = torch.stack([sums.get(k, torch.zeros((), device=tokens.device)).float().reshape(())
+        stats = torch.stack([sums.get(k, torch.zeros((), device=counts.device)).float().reshape(())
                              for k in ("value_loss", "value_clip_frac", "returns_mean")]
                             + list(_variance_sums(targets.old_values, targets.returns, batch.loss_mask)))
         if self.sharding is not None:
             stats = self.sharding.sum(stats)
         loss, clip_frac, returns_mean, n, r, r2, d, d2 = stats.tolist()  # one sync a step
         return {"critic/value_loss": loss, "critic/value_clip_frac": clip_frac, "critic/returns_mean": returns_mean,
-                "critic/explained_variance": _explained(n, r, r2, d, d2), "critic/grad_norm": norm,
+                "critic/explained_variance": _explained(n, r, r2, d, d2),
+                "critic/grad_norm": sum(norms) / max(len(norms), 1), "critic/optimizer_steps": float(len(norms)),
                 "critic/lr": self.engine.lr}
+
+    def mini_batches(self, size: int, version: int, seed: int) -> list[torch.Tensor]:
+        """The rows of each of the critic's optimizer steps on a batch of ``size``:
+        ``critic.ppo_epochs`` passes of ``critic.mini_batches`` parts, cut as the policy's are
+        (``core.mini_batch_rows``) but from a seed of the critic's own."""
+        c = self.config
+        return mini_batch_rows(size, epochs=c.ppo_epochs, mini_batches=c.mini_batches,
+                               seed=derive_seed(seed, "critic_mini_batches", version))
 
     def parts(self) -> dict[str, TrainEngine]:
         """What a learner checkpoint holds of the critic (``checkpoint_io.write_checkpoint``'s ``parts``)."""

@@ -269,7 +269,11 @@ class Learner:
         self._mismatch = None
         out = self._end_batch(sums, norms, batch_counts[0], mismatch)
         if self.critic is not None and targets is not None:
-            out.update(self.critic.train(mine, self.micro_batches, self._filler, targets, batch_counts, self.algorithm))
+            critic_steps = [(rows[(rows >= first) & (rows < last)] - first,  # this rank's rows of each
+                             _counts(batch.loss_mask[rows]).to(self.device))
+                            for rows in self.critic.mini_batches(batch.size, self.version, self.seed)]
+            out.update(self.critic.train(mine, self.micro_batches, self._filler, targets, critic_steps, batch_counts,
+                                         self.algorithm))
         return out
 
     def _no_mismatch(self) -> torch.Tensor:
