@@ -36,12 +36,12 @@ from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.algorithms import token_logprobs
 from asyncrl.learner.core import TrainEngine, micro_batch_bounds
+from asyncrl.learner.head import position_logprobs, splits_head
 from asyncrl.learner.lora import adapter_update, linear_names, load_adapter_weights
 from asyncrl.learner.tinker_api import ATTENTION, LORA_ALPHA, UNEMBED
 from asyncrl.tinker.futures import UserError
-from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, tinker_loss
+from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, gradient_positions, tinker_loss
 from asyncrl.tinker.wire import WireDatum
 
 LORA_FILE = "tinker_lora.json"
@@ -168,6 +168,7 @@ class TrainingRun:
         self.vocab = int(base.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
         self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
+        self.split = splits_head(self.state.model)  # logits a chunk at a time (learner/head.py)
         self.requests: dict[int, str] = {}
         """seq id → the request id it was answered with: a retried call gets the same future back."""
 
@@ -190,7 +191,7 @@ class TrainingRun:
         logprobs: list[torch.Tensor] = []
 
         def loss_function(part: Rows) -> torch.Tensor:  # what the training engine is passed
-            loss, metrics = self._loss(part, loss_of, numbers, logprobs)
+            loss, metrics = self._loss(part, loss_fn, loss_of, numbers, logprobs)
             positions = sum(part.lengths)
             for key, value in metrics.items():  # loss:sum adds; a token mean is weighed by its positions
                 sums[key] = sums.get(key, 0) + (value if key.endswith(":sum") else value * positions)
@@ -207,15 +208,18 @@ class TrainingRun:
         outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
         return outputs, as_floats(metrics)
 
-    def _loss(self, rows: Rows, loss_of: TinkerLoss, config: dict[str, float], logprobs: list[torch.Tensor]
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(self, rows: Rows, loss_fn: str, loss_of: TinkerLoss, config: dict[str, float],
+              logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's summed loss and its metrics (``loss:sum`` among them, detached);
-        each datum's target logprobs are added to ``logprobs``."""
+        each datum's target logprobs are added to ``logprobs``. The logits are made a chunk of
+        positions at a time, with a graph only where the loss has a gradient
+        (``gradient_positions``): memory is bounded by the micro-batch's hidden states and one
+        chunk of logits, not by positions × vocabulary."""
         device = next(self.state.model.parameters()).device
         ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
         inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
-        logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
-        token_lps = token_logprobs(logits, targets)  # (B, T)
+        token_lps = position_logprobs(self.state.model, ids, mask, targets, gradient_positions(loss_fn, inputs, mask),
+                                      split=self.split)  # (B, T)
         try:
             loss, metrics = loss_of(token_lps, inputs, mask, config)
         except LossInputError as exc:
