@@ -27,7 +27,13 @@ class TinkerConfig(Section):
     choose one that does. Unset (loopback only): any key the SDK sends is accepted."""
     base_model: str | None = Field(None, min_length=1)
     """The name the SDK asks for (``create_lora_training_client(base_model=...)``, e.g.
-    ``smollm2-135m-instruct``); ``None``: ``model.path`` as written. One base model a server."""
+    ``smollm2-135m-instruct``); ``None``: ``model.path`` as written. The default base: a
+    sampling client that names none samples it."""
+    models: dict[str, str] = {}
+    """More base models served beside ``model.path``: the name the SDK asks for → the model's
+    path or ``asyncrl models`` name (loaded with ``model``'s other settings). Each has its own
+    sampling engine (memory: its weights twice, as the default's); a training client trains on
+    the base its create names, and a state it saves records that base."""
     max_lora_rank: int = Field(128, ge=1)
     """The largest LoRA rank a training client may ask for (a larger one is refused)."""
     checkpoint_dir: str | None = None

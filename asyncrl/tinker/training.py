@@ -46,6 +46,8 @@ from asyncrl.tinker.wire import WireDatum
 
 LORA_FILE = "tinker_lora.json"
 """A saved state's LoRA settings, beside its adapters: what a client created from it gets."""
+BASE_KEY = "base_model"
+"""The key in :data:`LORA_FILE` naming the base model the state adapts."""
 
 
 @dataclass(frozen=True)
@@ -250,9 +252,10 @@ class TrainingRun:
         """The adapters now (new tensors: training goes on while a sampler holds them)."""
         return adapter_update(self.state.module)
 
-    def save_state(self, path: Path) -> None:
-        """Adapters, optimizer, step and this client's LoRA settings, atomically."""
-        write_checkpoint(self.state, path, files={LORA_FILE: json.dumps(asdict(self.lora))})
+    def save_state(self, path: Path, *, base: str) -> None:
+        """Adapters, optimizer, step, this client's LoRA settings and its base model's name
+        (``base``), atomically."""
+        write_checkpoint(self.state, path, files={LORA_FILE: json.dumps({**asdict(self.lora), BASE_KEY: base})})
 
     def save_adapters(self, path: Path) -> None:
         """The adapters alone, as a PEFT directory (what a sampler checkpoint is on disk)."""
@@ -261,7 +264,7 @@ class TrainingRun:
     def load_state(self, path: Path, *, optimizer: bool) -> None:
         """A saved state's adapters into this client (and its optimizer and step with
         ``optimizer``); a state of another rank or other targets is refused."""
-        saved = read_lora(path)
+        saved, _ = read_lora(path)
         if (saved.rank, lora_targets_key(saved)) != (self.lora.rank, lora_targets_key(self.lora)):
             raise UserError(f"{path.name} holds rank-{saved.rank} adapters on other layers or of another rank than "
                             f"this client's rank {self.lora.rank}; create a client from it instead "
@@ -279,9 +282,12 @@ def lora_targets_key(lora: TinkerLora) -> tuple[bool, bool, bool]:
     return lora.train_attn, lora.train_mlp, lora.train_unembed
 
 
-def read_lora(path: Path) -> TinkerLora:
-    """The LoRA settings a saved state was trained with."""
+def read_lora(path: Path) -> tuple[TinkerLora, str | None]:
+    """The LoRA settings a saved state was trained with, and its base model's name (None in a
+    state saved before states named it)."""
     try:
-        return TinkerLora(**json.loads((path / LORA_FILE).read_text()))
+        saved = json.loads((path / LORA_FILE).read_text())
+        base = saved.pop(BASE_KEY, None)
+        return TinkerLora(**saved), base
     except FileNotFoundError:
         raise UserError(f"{path} is not a state saved by save_state (no {LORA_FILE})") from None

@@ -70,7 +70,8 @@ def main(argv: list[str]) -> None:
             raise SystemExit(f"serve-tinker exited ({server.wait()}) before printing its URL")
         loaded = peak_kib(server.pid, "VmRSS")
         service = tinker.ServiceClient(base_url=url, api_key="tml-local")
-        base = service.get_server_capabilities().supported_models[0].model_name
+        rest = tinker.RestClient(base_url=url, api_key="tml-local")
+        base = rest.get_server_capabilities().result().supported_models[0].model_name
         training = service.create_lora_training_client(base_model=base, rank=32, seed=0)
         vocab = len(training.get_tokenizer())
         data = batch(vocab)
