@@ -15,7 +15,7 @@ rank, not an alpha, so ``serve-tinker`` uses this one and ``learner.url`` refuse
 
 class TinkerConfig(Section):
     """``asyncrl serve-tinker``: Tinker's training and sampling API (LoRA training clients on
-    one base model, sampling clients) for Tinker's own SDK (``docs/tinker.md``)."""
+    the served base models, sampling clients) for Tinker's own SDK (``docs/tinker.md``)."""
 
     host: str = "127.0.0.1"
     """Where it listens. Beyond loopback it needs ``api_key`` (exit 2 otherwise)."""

@@ -18,7 +18,8 @@ Names, as the SDK derives or expects them:
 Idempotence: every training call carries the client's sequence id (``seq_id``, from 1, one
 counter a client). The first call with a given id is queued; a repeat (the SDK's retry after a
 lost reply) gets the request id of the first back and queues nothing, so no step is applied
-twice. Training calls run one at a time on one thread, each client's in the order they
+twice. Every call's retry, samples included and across a restart, is also answered once by its
+idempotency key (``answers.py``, in the server's middleware). Training calls run one at a time on one thread, each client's in the order they
 arrived: the SDK sends a client's calls in its sequence order (each after the previous was
 accepted; this server tells it not to send a call's chunks in parallel), so arrival order is
 sequence order. The clients take turns (``turns.py``): one request of each, round and round.
