@@ -1,7 +1,9 @@
-"""serve-tinker's logits a chunk at a time (asyncrl/learner/head.py): no logits tensor spans more
-than a chunk of positions, forward or backward, none is kept for the backward, the gradient is
-taken only where the loss weighs a position, and the logprobs, loss and gradients equal those of
-the whole forward's logits."""
+"""serve-tinker's memory bounded by the micro-batch: the logits a chunk at a time
+(asyncrl/learner/head.py) — no logits tensor spans more than a chunk of positions, forward or
+backward, none is kept for the backward, the gradient is taken only where the loss weighs a
+position — and the decoder layers recomputed in the backward (``recompute_layers``: none of
+their inner activations kept); the logprobs, loss and gradients equal those of the whole
+forward's logits with every activation kept."""
 
 from __future__ import annotations
 
@@ -47,14 +49,14 @@ DATA = [datum([6, 7, 16, 8, 9, 22, 9, 11], [0, 0, 0, 1, 1, 1, 1]),  # a prompt (
         datum([7, 7, 16, 9, 22, 1, 6, 5, 30, 2], [0, 0, 0, 0, 2, 2, 0, 2, 2])]  # a 0 inside the turn too
 
 
-def test_logits_are_made_a_chunk_at_a_time_only_where_the_loss_weighs_and_equal_the_whole_forward(untied, monkeypatch):
+def test_logits_in_chunks_where_the_loss_weighs_and_layers_recomputed_equal_the_whole_forward(untied, monkeypatch):
     model, tokenizer = untied
     vocab = model.config.vocab_size
     monkeypatch.setattr(head_module, "LOGITS_CHUNK_FLOATS", ROWS * vocab)
     chunked = TrainingRun("a", model, tokenizer, TinkerLora(4, seed=3), max_rank=8)
-    whole = TrainingRun("b", model, tokenizer, TinkerLora(4, seed=3), max_rank=8)
+    whole = TrainingRun("b", model, tokenizer, TinkerLora(4, seed=3), max_rank=8, recompute=False)
     assert chunked.split and any("lm_head" in n for n, p in chunked.state.model.named_parameters() if p.requires_grad)
-    whole.split = False  # the whole forward's logits: (B, T, V), as before the chunks
+    whole.split = False  # the whole forward's logits: (B, T, V), and every layer's activations kept, as before
     for run in (chunked, whole):  # a first step, so the adapters' B is no longer 0 and every gradient flows
         run.forward_backward(DATA, "ppo", {}, forward_only=False)
         run.optim_step(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0)
@@ -80,6 +82,8 @@ def test_logits_are_made_a_chunk_at_a_time_only_where_the_loss_weighs_and_equal_
     assert sum(rows) == positions + weighed  # each position once, and again in the backward where the loss weighs
     assert not [shape for shape in kept if shape and shape[-1] == vocab]  # no logits kept for the backward
     assert rows_whole == [3 * 9] and (3, 9, vocab) in kept_whole  # the whole forward: every row padded to 9, all kept
+    mlp = model.config.intermediate_size  # the layers' widest activations: kept only where they are not recomputed
+    assert not [shape for shape in kept if shape and shape[-1] == mlp] and (3, 9, mlp) in kept_whole
     assert metrics_chunked["loss:sum"] == pytest.approx(metrics_whole["loss:sum"], rel=1e-5)
     assert metrics_chunked["clip_fraction:mean"] == pytest.approx(metrics_whole["clip_fraction:mean"], abs=1e-6)
     n = chain_terms(model.config, positions)

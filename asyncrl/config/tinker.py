@@ -34,6 +34,11 @@ class TinkerConfig(Section):
     path or ``asyncrl models`` name (loaded with ``model``'s other settings). Each has its own
     sampling engine (memory: its weights twice, as the default's); a training client trains on
     the base its create names, and a state it saves records that base."""
+    recompute_layers: bool = True
+    """A training call keeps only each decoder layer's input for the backward and computes the
+    layer again there (activation checkpointing): a micro-batch's memory is then about one
+    hidden state a layer a token, for one more forward of the layers (``docs/tinker.md``,
+    "Memory"). ``false``: every activation kept, faster where memory is plenty."""
     max_lora_rank: int = Field(128, ge=1)
     """The largest LoRA rank a training client may ask for (a larger one is refused)."""
     checkpoint_dir: str | None = None

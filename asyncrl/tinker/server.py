@@ -372,6 +372,7 @@ def build_service(cfg: Config) -> TinkerService:
         models.append((name, model_dir, model.requires_grad_(False), tokenizer))
     checkpoints = Path(cfg.tinker.checkpoint_dir or Path(cfg.output_dir) / "tinker")
     return TinkerService(models, checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed,
+                         recompute=cfg.tinker.recompute_layers,
                          micro_rows=cfg.optim.micro_batch_size, micro_tokens=cfg.optim.micro_batch_tokens,
                          rollout=cfg.rollout, engine_dtype=cfg.engine_dtype)
 

@@ -19,10 +19,11 @@ Idempotence: every training call carries the client's sequence id (``seq_id``, f
 counter a client). The first call with a given id is queued; a repeat (the SDK's retry after a
 lost reply) gets the request id of the first back and queues nothing, so no step is applied
 twice. Every call's retry, samples included and across a restart, is also answered once by its
-idempotency key (``answers.py``, in the server's middleware). Training calls run one at a time on one thread, each client's in the order they
-arrived: the SDK sends a client's calls in its sequence order (each after the previous was
-accepted; this server tells it not to send a call's chunks in parallel), so arrival order is
-sequence order. The clients take turns (``turns.py``): one request of each, round and round.
+idempotency key (``answers.py``, in the server's middleware). Training calls run one at a time
+on one thread, each client's in the order they arrived: the SDK sends a client's calls in its
+sequence order (each after the previous was accepted; this server tells it not to send a call's
+chunks in parallel), so arrival order is sequence order. The clients take turns (``turns.py``):
+one request of each, round and round.
 """
 
 from __future__ import annotations
@@ -153,7 +154,7 @@ class TinkerService:
     def __init__(self, models: list[tuple[str, Path, PreTrainedModel, PreTrainedTokenizerBase]], *,
                  checkpoint_dir: Path, max_rank: int, seed: int = 0, micro_rows: int = 64,
                  micro_tokens: int | None = 4096, rollout: RolloutConfig | None = None,
-                 engine_dtype: str | None = None) -> None:
+                 engine_dtype: str | None = None, recompute: bool = True) -> None:
         """``models``: each served base model as (name, directory, weights, tokenizer), the
         first the default (a sampler or client that names none gets it)."""
         self.bases = {name: Base(name, directory, model, tokenizer, EngineSampler(
@@ -161,7 +162,8 @@ class TinkerService:
             for name, directory, model, tokenizer in models}
         self.default = models[0][0]
         self.checkpoint_dir = checkpoint_dir
-        self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
+        self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens,
+                            "recompute": recompute}
         self.max_request_tokens = micro_tokens or REQUEST_TOKENS
         self.futures = FutureStore()
         self.sessions: dict[str, float] = {}  # session id -> its last heartbeat (time.monotonic())

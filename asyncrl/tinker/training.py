@@ -26,11 +26,14 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from asyncrl.algorithms.finite import NonFiniteError
 from asyncrl.config import ConfigError, LoraConfig
@@ -101,6 +104,20 @@ def tenant_model(base: PreTrainedModel) -> PreTrainedModel:
     return copy.deepcopy(base, memo)
 
 
+def recompute_layers(model: torch.nn.Module) -> int:
+    """Each decoder layer of ``model`` (Hugging Face's ``GradientCheckpointingLayer``) keeps only
+    its input for the backward and computes the rest again there: a micro-batch's activations
+    are then one hidden state a layer (576 floats a token on SmolLM2-135M) instead of every
+    projection's and the MLP's (about twenty times that), for one more forward of the layers.
+    The layers' own ``training`` flag is what Hugging Face's checkpointing reads; their
+    sub-modules stay in eval mode (no dropout). The layers made so, counted."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.gradient_checkpointing, layer.training = True, True
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    return len(layers)
+
+
 @dataclass(frozen=True)
 class Rows:
     """A call's data padded on the right: ids, targets, mask (B, T), loss inputs (B, T) each."""
@@ -160,7 +177,8 @@ class TrainingRun:
     server's one training thread, in the order the requests arrived."""
 
     def __init__(self, model_id: str, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, lora: TinkerLora,
-                 *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096) -> None:
+                 *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096,
+                 recompute: bool = True) -> None:
         if not 1 <= lora.rank <= max_rank:
             raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to {max_rank} "
                             "(tinker.max_lora_rank)")
@@ -171,6 +189,8 @@ class TrainingRun:
         self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
         self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
         self.split = splits_head(self.state.model)  # logits a chunk at a time (learner/head.py)
+        if recompute:  # tinker.recompute_layers: this client's copy of the layers, not the base's
+            recompute_layers(self.state.model)
         self.requests: dict[int, str] = {}
         """seq id → the request id it was answered with: a retried call gets the same future back."""
 
