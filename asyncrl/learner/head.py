@@ -28,8 +28,10 @@ from torch.utils.checkpoint import checkpoint
 
 from asyncrl.algorithms import token_logprobs
 
-LOGITS_CHUNK_FLOATS = 1 << 24
-"""Logits a chunk may hold: 64 MiB of float32 (341 positions of a 49,152-token vocabulary)."""
+LOGITS_CHUNK_FLOATS = 1 << 22
+"""Logits a chunk may hold: 16 MiB of float32 (85 positions of a 49,152-token vocabulary; the
+chunk's log-softmax and its gradient are as large again). Still a matmul of dozens of rows, so
+the head runs at its speed."""
 
 
 def chunk_rows(vocab: int) -> int:

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from asyncrl.algorithms.finite import NonFiniteError
+from asyncrl.heap import HeapTrimmer
 from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
@@ -191,6 +192,7 @@ class TrainingRun:
         self.split = splits_head(self.state.model)  # logits a chunk at a time (learner/head.py)
         if recompute:  # tinker.recompute_layers: this client's copy of the layers, not the base's
             recompute_layers(self.state.model)
+        self.heap = HeapTrimmer()  # a call frees its activations: hand them back (asyncrl/heap.py)
         self.requests: dict[int, str] = {}
         """seq id → the request id it was answered with: a retried call gets the same future back."""
 
@@ -228,7 +230,9 @@ class TrainingRun:
         total = sum(rows.lengths)
         metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
         outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
-        return outputs, as_floats(metrics)
+        result = outputs, as_floats(metrics)
+        self.heap.trim(force=True)  # calls of other sizes follow: without it resident memory only climbs
+        return result
 
     def _loss(self, rows: Rows, loss_fn: str, loss_of: TinkerLoss, config: dict[str, float],
               logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
