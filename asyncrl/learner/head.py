@@ -21,10 +21,12 @@ run whole, as before.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from asyncrl.algorithms import token_logprobs
 
@@ -60,7 +62,8 @@ def chunked_logprobs(head: Callable[[Tensor], Tensor], hidden: Tensor, targets: 
 def splits_head(model: torch.nn.Module) -> bool:
     """Whether ``model``'s logits are its output embedding applied to its decoder's last hidden
     state (checked on a few tokens, so a model that scales or caps its logits is found out)."""
-    head, body = model.get_output_embeddings(), getattr(model, "get_decoder", lambda: None)()
+    causal = cast(PreTrainedModel, model)  # a causal LM; typed as the module the engine holds
+    head, body = causal.get_output_embeddings(), getattr(causal, "get_decoder", lambda: None)()
     if head is None or body is None:
         return False
     device = next(model.parameters()).device
@@ -80,8 +83,8 @@ def position_logprobs(model: torch.nn.Module, ids: Tensor, mask: Tensor, targets
     if not split:
         lps = token_logprobs(model(input_ids=ids, attention_mask=mask.long()).logits, targets)  # (B, T, V) held
         return torch.where(mask, lps, torch.zeros_like(lps))
-    head = model.get_output_embeddings()
-    body = model.get_decoder()
+    causal = cast(PreTrainedModel, model)
+    head, body = causal.get_output_embeddings(), causal.get_decoder()
     hidden = body(input_ids=ids, attention_mask=mask.long(), use_cache=False).last_hidden_state  # (B, T, H)
     rows = chunk_rows(int(head.weight.shape[0]))
     trained = grad & mask if torch.is_grad_enabled() else torch.zeros_like(mask)
