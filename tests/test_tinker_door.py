@@ -68,9 +68,9 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(server, service_clie
         if armed[0] and ids.shape[-1] > 1 and bool((ids == poison).any()):  # prefills only: decode is (B, 1)
             raise RuntimeError("poisoned prompt")
 
-    sampler_before = server.service.sampler.engine
-    handles = [m.get_input_embeddings().register_forward_pre_hook(hook)
-               for m in (sampler_before.model, server.service.base)]
+    base = server.service.bases[NAME]
+    sampler_before = base.sampler.engine
+    handles = [m.get_input_embeddings().register_forward_pre_hook(hook) for m in (sampler_before.model, base.model)]
     training = service_client.create_lora_training_client(base_model=NAME, rank=4).result()
     samplers = [service_client.create_sampling_client(base_model=NAME).result(),
                 training.save_weights_and_get_sampling_client().result()]
@@ -91,7 +91,7 @@ def test_a_request_that_fails_inside_the_engine_fails_alone(server, service_clie
     assert isinstance(bad, tinker.RequestFailedError) and "alone on a fresh engine" in str(bad), bad
     assert "poisoned prompt" in str(bad)
     assert [g.sequences[0].tokens for g in good] == [alone[0], alone[0], alone[1], alone[1]]
-    assert server.service.sampler.engine is not sampler_before  # it did die, and was replaced
+    assert base.sampler.engine is not sampler_before  # it did die, and was replaced
     assert [draw(s) for s in samplers] == alone
 
 

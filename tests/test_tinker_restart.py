@@ -91,3 +91,53 @@ def test_a_stopping_server_cuts_what_is_unfinished_within_seconds_and_says_so(tm
     err = capsys.readouterr().err
     assert "asyncrl serve-tinker: stopping; cut 6 unfinished requests (6 train)" in err
     assert all(request_id in err for request_id in queued)
+
+
+def test_a_retried_request_is_answered_once_also_by_a_restarted_server(tmp_path):
+    """The SDK's retry (the same body and ``X-Idempotency-Key``) of an optimizer step and of a
+    sample gets the first answer back and runs nothing; after a restart the step's retry still
+    gets its first answer (whose poll says it died with the old server), not a second step."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = tiny_config(tmp_path, port=port)
+    step = types.OptimStepRequest(model_id="", seq_id=1000, adam_params=types.AdamParams(learning_rate=1e-2))
+    with ServerThread(cfg) as first:
+        service = tinker.ServiceClient(base_url=first.url, api_key="tml-test")
+        client = service.create_lora_training_client(base_model=NAME, rank=4, seed=7).result()
+        client.forward_backward([datum()], "cross_entropy").result()
+        service.create_sampling_client(base_model=NAME).result()
+        (sampler_id,) = first.service.samplers  # the one sampling session
+        sample = types.SampleRequest(num_samples=1, prompt=types.ModelInput.from_ints(TOKENS[:4]),
+                                     sampling_params=types.SamplingParams(max_tokens=2), seq_id=1,
+                                     sampling_session_id=sampler_id)
+        body = step.model_copy(update={"model_id": client.model_id}).model_dump(mode="json")
+        steps = [_post(first.url, "optim_step", body, "step-1") for _ in range(2)]
+        samples = [_post(first.url, "asample", sample.model_dump(mode="json"), "sample-1") for _ in range(2)]
+        assert steps[0] == steps[1] and samples[0] == samples[1]  # each the one request id
+        assert _result(first.url, steps[0]["request_id"]).status_code == 200
+        assert first.service.runs[client.model_id].state.version == 1  # one step taken
+        following = _post(first.url, "optim_step", {**body, "seq_id": 1001}, "step-2")  # the client's next call
+        assert following != steps[0] and _result(first.url, following["request_id"]).status_code == 200
+        assert first.service.runs[client.model_id].state.version == 2
+    with ServerThread(cfg) as second:
+        assert _post(second.url, "optim_step", body, "step-1") == steps[0]  # the first answer, from disk
+        gone = _result(second.url, steps[0]["request_id"])
+        assert gone.status_code == 404 and "restarted" in gone.text
+        assert not second.service.runs  # nothing was created or stepped again
+        unknown = httpx.post(f"{second.url}/api/v1/optim_step", json=body, headers={"X-Idempotency-Key": "step-3"})
+        assert unknown.status_code == 404  # without the key's answer: the client died with the first server
+
+
+def _post(url: str, route: str, body: dict, key: str) -> dict:
+    answer = httpx.post(f"{url}/api/v1/{route}", json=body, headers={"X-Idempotency-Key": key}, timeout=60)
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+def _result(url: str, request_id: str) -> httpx.Response:
+    """The request's result, polled until it is no longer running."""
+    while (answer := httpx.post(f"{url}/api/v1/retrieve_future", json={"request_id": request_id}, timeout=60)
+           ).status_code == 200 and answer.json().get("type") == "try_again":
+        pass
+    return answer

@@ -15,7 +15,7 @@ rank, not an alpha, so ``serve-tinker`` uses this one and ``learner.url`` refuse
 
 class TinkerConfig(Section):
     """``asyncrl serve-tinker``: Tinker's training and sampling API (LoRA training clients on
-    one base model, sampling clients) for Tinker's own SDK (``docs/tinker.md``)."""
+    the served base models, sampling clients) for Tinker's own SDK (``docs/tinker.md``)."""
 
     host: str = "127.0.0.1"
     """Where it listens. Beyond loopback it needs ``api_key`` (exit 2 otherwise)."""
@@ -27,7 +27,18 @@ class TinkerConfig(Section):
     choose one that does. Unset (loopback only): any key the SDK sends is accepted."""
     base_model: str | None = Field(None, min_length=1)
     """The name the SDK asks for (``create_lora_training_client(base_model=...)``, e.g.
-    ``smollm2-135m-instruct``); ``None``: ``model.path`` as written. One base model a server."""
+    ``smollm2-135m-instruct``); ``None``: ``model.path`` as written. The default base: a
+    sampling client that names none samples it."""
+    models: dict[str, str] = {}
+    """More base models served beside ``model.path``: the name the SDK asks for → the model's
+    path or ``asyncrl models`` name (loaded with ``model``'s other settings). Each has its own
+    sampling engine (memory: its weights twice, as the default's); a training client trains on
+    the base its create names, and a state it saves records that base."""
+    recompute_layers: bool = True
+    """A training call keeps only each decoder layer's input for the backward and computes the
+    layer again there (activation checkpointing): a micro-batch's memory is then about one
+    hidden state a layer a token, for one more forward of the layers (``docs/tinker.md``,
+    "Memory"). ``false``: every activation kept, faster where memory is plenty."""
     max_lora_rank: int = Field(128, ge=1)
     """The largest LoRA rank a training client may ask for (a larger one is refused)."""
     checkpoint_dir: str | None = None

@@ -141,6 +141,20 @@ TINKER_LOSSES: dict[str, TinkerLoss] = {
 """Every loss this server runs, by the name the SDK sends."""
 
 
+GRADIENT_WEIGHTS = {"cross_entropy": "weights", "importance_sampling": "advantages", "ppo": "advantages",
+                    "cispo": "advantages", "gspo": "advantages"}
+"""Each loss's input that multiplies every position's term (and so its gradient): where it is 0
+the position has no gradient, and its logprob is computed without one (``learner/head.py``).
+``dro`` is not here: its pull towards μ weighs every position."""
+
+
+def gradient_positions(name: str, inputs: Mapping[str, Tensor], mask: Tensor) -> Tensor:
+    """The positions (B, T bool) where loss ``name`` can have a gradient: ``mask`` where its
+    :data:`GRADIENT_WEIGHTS` input is not 0, all of ``mask`` for a loss without one."""
+    weight = inputs.get(GRADIENT_WEIGHTS.get(name, ""))
+    return mask if weight is None else mask & (weight != 0)
+
+
 def tinker_loss(name: str) -> TinkerLoss:
     """The loss ``name``; an unknown one is a :class:`LossInputError` naming those served."""
     if name not in TINKER_LOSSES:

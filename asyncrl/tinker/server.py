@@ -48,6 +48,7 @@ from tinker import types
 from asyncrl.config import Config, ConfigError, TinkerConfig
 from asyncrl.json_api import Refused, error_response, listen, read_json, validate
 from asyncrl.rollout.gateway.access import is_loopback
+from asyncrl.tinker.answers import HEADER, Answer, Answers
 from asyncrl.tinker.futures import UserError, failed, try_again
 from asyncrl.tinker.sampling import SampleCall
 from asyncrl.tinker.service import NotFound, TinkerService
@@ -72,6 +73,12 @@ CUT = ("the server stopped (Ctrl-C or SIGTERM) before this request finished: it 
        "live in the server's memory; continue from your last save_state on the restarted server "
        "(create_training_client_from_state_with_optimizer)")
 
+ANSWERED_ONCE = frozenset(f"/api/v1/{route}" for route in (
+    "create_session", "create_model", "forward_backward", "optim_step", "save_weights", "save_weights_for_sampler",
+    "save_weights_external", "load_weights", "create_sampling_session", "asample"))
+"""The routes that start work or make something: a retry of one (its idempotency key) gets the
+first answer back and runs nothing (``answers.py``)."""
+
 REFUSALS: dict[type[Exception], int | None] = {Refused: None, UserError: 400, WireError: 400, NotFound: 404}
 """What a route may raise, and the HTTP status it becomes (``None``: its own)."""
 
@@ -94,6 +101,12 @@ def _fixed(payload: Any) -> Handler:
     return answer
 
 
+async def _answer(handler: Handler, request: web.Request) -> Answer:
+    response = await handler(request)
+    assert isinstance(response, web.Response) and isinstance(response.body, bytes), "a route answers a body"
+    return response.status, response.content_type, response.body
+
+
 async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     return validate(await read_json(request), model)
 
@@ -103,6 +116,7 @@ class TinkerServer:
 
     def __init__(self, service: TinkerService, settings: TinkerConfig) -> None:
         self.service, self.settings = service, settings
+        self.answers = Answers(service.checkpoint_dir)
         self._runner: web.AppRunner | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.base_url: str | None = None
@@ -178,7 +192,11 @@ class TinkerServer:
             if key is not None and not keyless and not hmac.compare_digest(sent, key):
                 return error_response(wrong_key)
             try:
-                return await handler(request)
+                once = request.headers.get(HEADER) if request.path in ANSWERED_ONCE else None
+                if once is None:
+                    return await handler(request)
+                status, content_type, body = await self.answers.once(once, lambda: _answer(handler, request))
+                return web.Response(status=status, content_type=content_type, body=body)
             except web.HTTPException as exc:  # aiohttp's own 404 / 405, in the same shape
                 if exc.status < 400:
                     raise
@@ -191,9 +209,9 @@ class TinkerServer:
 
     # ------------------------------------------------------------------ routes
     async def _capabilities(self, request: web.Request) -> web.Response:
-        model = {"model_name": self.service.name, "max_context_length": self.service.max_context,
-                 "trainable": True, "sampleable": True}
-        return web.json_response({"supported_models": [model]})
+        models = [{"model_name": base.name, "max_context_length": base.sampler.engine.max_positions,
+                   "trainable": True, "sampleable": True} for base in self.service.bases.values()]
+        return web.json_response({"supported_models": models})
 
     async def _client_config(self, request: web.Request) -> web.Response:
         return web.json_response({**CLIENT_CONFIG, "fwdbwd_max_chunk_bytes_count": self.service.chunk_bytes()})
@@ -323,7 +341,7 @@ class TinkerServer:
     async def _get_sampler(self, request: web.Request) -> web.Response:
         sampler_id = request.match_info["sampler_id"]
         sampler = self.service.get_sampler(sampler_id)
-        return web.json_response({"sampler_id": sampler_id, "base_model": self.service.name,
+        return web.json_response({"sampler_id": sampler_id, "base_model": sampler.base,
                                   "model_path": sampler.model_path})
 
     async def _list_checkpoints(self, request: web.Request) -> web.Response:
@@ -335,18 +353,26 @@ class TinkerServer:
 
 
 def build_service(cfg: Config) -> TinkerService:
-    """The served model loaded (``model.path``) and the service over it; exit 2 (``ConfigError``)
-    for what cannot be served, before the weights load where it can tell."""
+    """The served models loaded (``model.path``, then ``tinker.models``) and the service over
+    them; exit 2 (``ConfigError``) for what cannot be served, before the weights load where it can tell."""
     from asyncrl.policy import load_policy, resolve_model_path
 
     if importlib.util.find_spec("peft") is None:  # training clients are LoRA adapters
         raise ConfigError("asyncrl serve-tinker trains LoRA adapters and needs peft: pip install 'asyncrl[lora]'")
-    # absolute: it is the tokenizer_id clients load, from whatever directory they run in
-    model_dir = resolve_model_path(cfg.model.path).resolve()
-    model, tokenizer = load_policy(cfg.model)
+    default = cfg.tinker.base_model or cfg.model.path
+    if default in cfg.tinker.models:
+        raise ConfigError(f"tinker.models names {default!r}, the name of model.path's base (tinker.base_model); "
+                          "give the other base models other names")
+    paths = {default: cfg.model.path, **cfg.tinker.models}
+    models = []
+    for name, path in paths.items():
+        # absolute: it is the tokenizer_id clients load, from whatever directory they run in
+        model_dir = resolve_model_path(path).resolve()
+        model, tokenizer = load_policy(cfg.model.model_copy(update={"path": path}))
+        models.append((name, model_dir, model.requires_grad_(False), tokenizer))
     checkpoints = Path(cfg.tinker.checkpoint_dir or Path(cfg.output_dir) / "tinker")
-    return TinkerService(cfg.tinker.base_model or cfg.model.path, model_dir, model.requires_grad_(False), tokenizer,
-                         checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed,
+    return TinkerService(models, checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed,
+                         recompute=cfg.tinker.recompute_layers,
                          micro_rows=cfg.optim.micro_batch_size, micro_tokens=cfg.optim.micro_batch_tokens,
                          rollout=cfg.rollout, engine_dtype=cfg.engine_dtype)
 
@@ -370,7 +396,7 @@ async def _serve(cfg: Config, on_ready: Callable[[str], None] | None) -> None:
             url = await server.start()
         except OSError as exc:
             raise ConfigError(f"tinker.host/port {cfg.tinker.host}:{cfg.tinker.port}: {exc}") from None
-        print(f"asyncrl serve-tinker: {service.name} at {url}: tinker.ServiceClient(base_url={url!r}, "
+        print(f"asyncrl serve-tinker: {', '.join(service.bases)} at {url}: tinker.ServiceClient(base_url={url!r}, "
               "api_key='tml-...'); Ctrl-C stops", file=sys.stderr, flush=True)
         print(url, flush=True)
         if on_ready is not None:

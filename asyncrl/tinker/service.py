@@ -1,5 +1,10 @@
-"""The sessions, training clients, checkpoints and sampling sessions of one served base model,
+"""The sessions, training clients, checkpoints and sampling sessions of the served base models,
 and the calls the routes make on them (``server.py`` only reads and writes the wire).
+
+Several base models may be served (``model.path`` and ``tinker.models``): each is a
+:class:`Base` with its own sampling engine; a training client trains adapters on the base its
+create names, a sampler samples the base it names or its checkpoint's, and every saved state
+records its base (a client created from it trains on that base again).
 
 Names, as the SDK derives or expects them:
 
@@ -13,10 +18,12 @@ Names, as the SDK derives or expects them:
 Idempotence: every training call carries the client's sequence id (``seq_id``, from 1, one
 counter a client). The first call with a given id is queued; a repeat (the SDK's retry after a
 lost reply) gets the request id of the first back and queues nothing, so no step is applied
-twice. Training calls run one at a time on one thread, each client's in the order they
-arrived: the SDK sends a client's calls in its sequence order (each after the previous was
-accepted; this server tells it not to send a call's chunks in parallel), so arrival order is
-sequence order. The clients take turns (``turns.py``): one request of each, round and round.
+twice. Every call's retry, samples included and across a restart, is also answered once by its
+idempotency key (``answers.py``, in the server's middleware). Training calls run one at a time
+on one thread, each client's in the order they arrived: the SDK sends a client's calls in its
+sequence order (each after the previous was accepted; this server tells it not to send a call's
+chunks in parallel), so arrival order is sequence order. The clients take turns (``turns.py``):
+one request of each, round and round.
 """
 
 from __future__ import annotations
@@ -107,12 +114,25 @@ class NotFound(LookupError):
 
 
 @dataclass
+class Base:
+    """One served base model: its weights (frozen, shared by its training clients), the
+    directory its tokenizer loads from, and the sampling engine its samplers share."""
+
+    name: str
+    model_dir: Path
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    sampler: EngineSampler
+
+
+@dataclass
 class Checkpoint:
     path: str  # tinker://<model id>/<kind>/<name>
     run_id: str
     kind: str  # training | sampler | external
     directory: Path
     lora: TinkerLora
+    base: str  # the base model's name it adapts
     adapters: AdapterUpdate | None = None  # a sampler's weights, copied when saved
     token: str | None = None  # an external checkpoint's: its files' download URLs carry it
     created: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
@@ -126,23 +146,29 @@ class Sampler:
     key: str | None  # None: the base model
     model_path: str | None
     adapters: AdapterUpdate | None
+    base: str  # the base model's name
     checkpoint: Checkpoint | None = None
 
 
 class TinkerService:
-    def __init__(self, name: str, model_dir: Path, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, *,
+    def __init__(self, models: list[tuple[str, Path, PreTrainedModel, PreTrainedTokenizerBase]], *,
                  checkpoint_dir: Path, max_rank: int, seed: int = 0, micro_rows: int = 64,
                  micro_tokens: int | None = 4096, rollout: RolloutConfig | None = None,
-                 engine_dtype: str | None = None) -> None:
-        self.name, self.model_dir, self.base, self.tokenizer = name, model_dir, base, tokenizer
+                 engine_dtype: str | None = None, recompute: bool = True) -> None:
+        """``models``: each served base model as (name, directory, weights, tokenizer), the
+        first the default (a sampler or client that names none gets it)."""
+        self.bases = {name: Base(name, directory, model, tokenizer, EngineSampler(
+            model, tokenizer, seed=seed, rollout=rollout, dtype=engine_dtype))
+            for name, directory, model, tokenizer in models}
+        self.default = models[0][0]
         self.checkpoint_dir = checkpoint_dir
-        self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens}
+        self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens,
+                            "recompute": recompute}
         self.max_request_tokens = micro_tokens or REQUEST_TOKENS
         self.futures = FutureStore()
-        self.sampler = EngineSampler(base, tokenizer, seed=seed, rollout=rollout, dtype=engine_dtype)
-        self.max_context = self.sampler.engine.max_positions
         self.sessions: dict[str, float] = {}  # session id -> its last heartbeat (time.monotonic())
         self.runs: dict[str, TrainingRun] = {}
+        self.run_base: dict[str, str] = {}  # model id -> the base model it trains
         self.creating: dict[str, str] = {}  # model id -> the create request's id (a retried create is one)
         self.checkpoints: dict[str, Checkpoint] = {}
         self.samplers: dict[str, Sampler] = {}
@@ -153,7 +179,8 @@ class TinkerService:
 
     async def shutdown(self) -> None:
         self._abort_training()
-        await self.sampler.shutdown()
+        for base in self.bases.values():
+            await base.sampler.shutdown()
         self._trainer.shutdown()  # the call running ends at its next module (below); the queued never run
 
     def _abort_training(self) -> None:
@@ -203,10 +230,13 @@ class TinkerService:
                        key=lambda p: p.stat().st_mtime)
         return [f"tinker://{model_id}/weights/{p.name}" for p in found]
 
-    def _check_base(self, base_model: str | None) -> None:
-        if base_model is not None and base_model != self.name:
-            raise UserError(f"base_model {base_model!r} is not served here; this server serves {self.name!r} "
-                            "(tinker.base_model)")
+    def base(self, base_model: str | None) -> Base:
+        """The base model ``base_model`` names (None: the default); one not served is a UserError."""
+        name = self.default if base_model is None else base_model
+        if name not in self.bases:
+            raise UserError(f"base_model {base_model!r} is not served here; this server serves "
+                            f"{', '.join(map(repr, self.bases))} (tinker.base_model and tinker.models)")
+        return self.bases[name]
 
     def _directory(self, run_id: str, kind: str, name: str) -> Path:
         if not _NAME.match(run_id):
@@ -227,7 +257,9 @@ class TinkerService:
             directory = self._directory(run_id, kind, name)
             if kind != "weights" or not directory.is_dir():
                 raise NotFound(f"no checkpoint {path!r} on this server")
-            found = self.checkpoints[path] = Checkpoint(path, run_id, "training", directory, read_lora(directory))
+            lora, base = read_lora(directory)
+            found = self.checkpoints[path] = Checkpoint(path, run_id, "training", directory, lora,
+                                                        base or self.default)
         if found.deleted:
             raise NotFound(f"checkpoint {path!r} was deleted")
         return found
@@ -258,27 +290,31 @@ class TinkerService:
     def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora) -> dict[str, Any]:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id not in self.creating:
-            self._check_base(base_model)  # at the door, as the rank and the layers it trains
+            base = self.base(base_model)  # at the door, as the rank and the layers it trains
             if not 1 <= lora.rank <= self.run_options["max_rank"]:
                 raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to "
                                 f"{self.run_options['max_rank']} (tinker.max_lora_rank)")
-            lora_targets(self.base, lora)
+            lora_targets(base.model, lora)
 
             def build() -> Outcome:
-                self.runs[model_id] = TrainingRun(model_id, self.base, self.tokenizer, lora, **self.run_options)
+                self._add_run(TrainingRun(model_id, base.model, base.tokenizer, lora, **self.run_options), base.name)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
             self.creating[model_id] = self.futures.submit(self._on_trainer(model_id, build), prefix="create",
                                                           session=session_id)
         return {"request_id": self.creating[model_id], "model_id": model_id}
 
+    def _add_run(self, run: TrainingRun, base: str) -> None:
+        self.runs[run.model_id], self.run_base[run.model_id] = run, base
+
     def get_info(self, model_id: str) -> dict[str, Any]:
         run = self.run(model_id)
-        return {"type": "get_info", "model_id": model_id, "model_name": self.name, "is_lora": True,
+        base = self.bases[self.run_base[model_id]]
+        return {"type": "get_info", "model_id": model_id, "model_name": base.name, "is_lora": True,
                 "lora_rank": run.lora.rank,
                 # tokenizer_id: the model's own directory, so the SDK's get_tokenizer() loads it with no hub
-                "model_data": {"arch": type(self.base).__name__, "model_name": self.name,
-                               "tokenizer_id": str(self.model_dir)}}
+                "model_data": {"arch": type(base.model).__name__, "model_name": base.name,
+                               "tokenizer_id": str(base.model_dir)}}
 
     # ------------------------------------------------------------------ training calls
     def chunk_bytes(self) -> int:
@@ -333,8 +369,9 @@ class TinkerService:
         path, directory = f"tinker://{model_id}/weights/{name}", self._directory(model_id, "weights", name)
 
         def work() -> Outcome:
-            run.save_state(directory)
-            self.checkpoints[path] = Checkpoint(path, model_id, "training", directory, run.lora)
+            run.save_state(directory, base=self.run_base[model_id])
+            self.checkpoints[path] = Checkpoint(path, model_id, "training", directory, run.lora,
+                                                self.run_base[model_id])
             return Outcome({"path": path, "type": "save_weights"})
 
         return self._training_call(run, seq_id, work)
@@ -351,12 +388,13 @@ class TinkerService:
             if directory is None:
                 session = model_id.split(":", 1)[0]
                 sampler_id = f"{session}:sample:{sampling_session_seq_id}:{uuid.uuid4().hex[:8]}"
-                self.samplers[sampler_id] = Sampler(sampler_id, None, adapters)
+                self.samplers[sampler_id] = Sampler(sampler_id, None, adapters, self.run_base[model_id])
                 self._keep_unnamed(model_id, sampler_id)
                 return Outcome({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
             path = f"tinker://{model_id}/sampler_weights/{name}"
             run.save_adapters(directory)
-            self.checkpoints[path] = Checkpoint(path, model_id, "sampler", directory, run.lora, adapters)
+            self.checkpoints[path] = Checkpoint(path, model_id, "sampler", directory, run.lora,
+                                                self.run_base[model_id], adapters)
             return Outcome({"path": path, "type": "save_weights_for_sampler"})
 
         return self._training_call(run, seq_id, work)
@@ -372,7 +410,7 @@ class TinkerService:
             path = f"tinker://{model_id}/external_weights/{name}"
             run.save_adapters(directory)
             self.checkpoints[path] = Checkpoint(path, model_id, "external", directory, run.lora,
-                                                token=secrets.token_urlsafe(24))
+                                                self.run_base[model_id], token=secrets.token_urlsafe(24))
             return Outcome({"path": path, "type": "save_weights_external"})
 
         return self._training_call(run, seq_id, work)
@@ -404,7 +442,12 @@ class TinkerService:
             run = self.run(model_id)
 
             def load() -> Outcome:
-                run.load_state(self.checkpoint(path).directory, optimizer=optimizer)
+                saved = self.checkpoint(path)
+                if saved.base != self.run_base[model_id]:
+                    raise UserError(f"{path} adapts base model {saved.base!r}, this client "
+                                    f"{self.run_base[model_id]!r}; create a client from it instead "
+                                    "(create_training_client_from_state)")
+                run.load_state(saved.directory, optimizer=optimizer)
                 return Outcome({"path": path, "model_id": model_id, "type": "load_weights"})
 
             return self._training_call(run, seq_id, load)
@@ -412,9 +455,10 @@ class TinkerService:
         if new_id not in self.creating:
             def create() -> Outcome:
                 saved = self.checkpoint(path)
-                run = TrainingRun(new_id, self.base, self.tokenizer, saved.lora, **self.run_options)
+                base = self.base(saved.base)
+                run = TrainingRun(new_id, base.model, base.tokenizer, saved.lora, **self.run_options)
                 run.load_state(saved.directory, optimizer=optimizer)
-                self.runs[new_id] = run
+                self._add_run(run, base.name)
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
 
             self.creating[new_id] = self.futures.submit(self._on_trainer(new_id, create), prefix="create",
@@ -425,14 +469,13 @@ class TinkerService:
     def create_sampler(self, session_id: str, seq_id: int, model_path: str | None, base_model: str | None) -> str:
         sampler_id = f"{session_id}:sample:{seq_id}"
         if model_path is None:
-            self._check_base(base_model)
-            self.samplers[sampler_id] = Sampler(None, None, None)
+            self.samplers[sampler_id] = Sampler(None, None, None, self.base(base_model).name)
             return sampler_id
         saved = self.checkpoint(model_path)
         if saved.kind != "sampler":
             raise UserError(f"{model_path} is a training state; sample from a sampler checkpoint "
                             "(save_weights_for_sampler) of it")
-        self.samplers[sampler_id] = Sampler(model_path, model_path, saved.adapters, saved)
+        self.samplers[sampler_id] = Sampler(model_path, model_path, saved.adapters, saved.base, saved)
         return sampler_id
 
     def _keep_unnamed(self, model_id: str, sampler_id: str) -> None:
@@ -453,12 +496,13 @@ class TinkerService:
     def sample(self, sampler_id: str, call: SampleCall) -> dict[str, Any]:
         """``call`` checked here, at the door (a :class:`UserError`, 400), then queued on the engine."""
         sampler = self.get_sampler(sampler_id)
-        request = self.sampler.check(call)
+        engine = self.bases[sampler.base].sampler
+        request = engine.check(call)
 
         async def work() -> Outcome:
             if sampler.checkpoint is not None and sampler.checkpoint.deleted:
                 raise UserError(f"the sampler's checkpoint {sampler.model_path} was deleted; nothing samples it now")
-            rows, prompt_lps = await self.sampler.sample(sampler.key, sampler.adapters, request)
+            rows, prompt_lps = await engine.sample(sampler.key, sampler.adapters, request)
             return Outcome(sample_proto(rows, prompt_lps), PROTO)
 
         request_id = self.futures.submit(work(), prefix="sample", session=_session(sampler_id))
@@ -476,6 +520,7 @@ class TinkerService:
         shutil.rmtree(saved.directory, ignore_errors=True)
 
     def weights_info(self, path: str) -> dict[str, Any]:
-        lora = self.checkpoint(path).lora
-        return {"base_model": self.name, "is_lora": True, "lora_rank": lora.rank, "train_unembed": lora.train_unembed,
+        saved = self.checkpoint(path)
+        lora = saved.lora
+        return {"base_model": saved.base, "is_lora": True, "lora_rank": lora.rank, "train_unembed": lora.train_unembed,
                 "train_mlp": lora.train_mlp, "train_attn": lora.train_attn}

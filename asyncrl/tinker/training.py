@@ -26,26 +26,32 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from asyncrl.algorithms.finite import NonFiniteError
+from asyncrl.heap import HeapTrimmer
 from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
-from asyncrl.algorithms import token_logprobs
 from asyncrl.learner.core import TrainEngine, micro_batch_bounds
+from asyncrl.learner.head import position_logprobs, splits_head
 from asyncrl.learner.lora import adapter_update, linear_names, load_adapter_weights
 from asyncrl.learner.tinker_api import ATTENTION, LORA_ALPHA, UNEMBED
 from asyncrl.tinker.futures import UserError
-from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, tinker_loss
+from asyncrl.tinker.losses import LossInputError, TinkerLoss, as_floats, gradient_positions, tinker_loss
 from asyncrl.tinker.wire import WireDatum
 
 LORA_FILE = "tinker_lora.json"
 """A saved state's LoRA settings, beside its adapters: what a client created from it gets."""
+BASE_KEY = "base_model"
+"""The key in :data:`LORA_FILE` naming the base model the state adapts."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,20 @@ def tenant_model(base: PreTrainedModel) -> PreTrainedModel:
     by every client alike)."""
     memo = {id(t): t for t in itertools.chain(base.parameters(), base.buffers())}
     return copy.deepcopy(base, memo)
+
+
+def recompute_layers(model: torch.nn.Module) -> int:
+    """Each decoder layer of ``model`` (Hugging Face's ``GradientCheckpointingLayer``) keeps only
+    its input for the backward and computes the rest again there: a micro-batch's activations
+    are then one hidden state a layer (576 floats a token on SmolLM2-135M) instead of every
+    projection's and the MLP's (about twenty times that), for one more forward of the layers.
+    The layers' own ``training`` flag is what Hugging Face's checkpointing reads; their
+    sub-modules stay in eval mode (no dropout). The layers made so, counted."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer in layers:
+        layer.gradient_checkpointing, layer.training = True, True
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+    return len(layers)
 
 
 @dataclass(frozen=True)
@@ -158,7 +178,8 @@ class TrainingRun:
     server's one training thread, in the order the requests arrived."""
 
     def __init__(self, model_id: str, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, lora: TinkerLora,
-                 *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096) -> None:
+                 *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096,
+                 recompute: bool = True) -> None:
         if not 1 <= lora.rank <= max_rank:
             raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to {max_rank} "
                             "(tinker.max_lora_rank)")
@@ -168,6 +189,10 @@ class TrainingRun:
         self.vocab = int(base.get_output_embeddings().weight.shape[0])
         self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
         self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
+        self.split = splits_head(self.state.model)  # logits a chunk at a time (learner/head.py)
+        if recompute:  # tinker.recompute_layers: this client's copy of the layers, not the base's
+            recompute_layers(self.state.model)
+        self.heap = HeapTrimmer()  # a call frees its activations: hand them back (asyncrl/heap.py)
         self.requests: dict[int, str] = {}
         """seq id → the request id it was answered with: a retried call gets the same future back."""
 
@@ -190,7 +215,7 @@ class TrainingRun:
         logprobs: list[torch.Tensor] = []
 
         def loss_function(part: Rows) -> torch.Tensor:  # what the training engine is passed
-            loss, metrics = self._loss(part, loss_of, numbers, logprobs)
+            loss, metrics = self._loss(part, loss_fn, loss_of, numbers, logprobs)
             positions = sum(part.lengths)
             for key, value in metrics.items():  # loss:sum adds; a token mean is weighed by its positions
                 sums[key] = sums.get(key, 0) + (value if key.endswith(":sum") else value * positions)
@@ -205,17 +230,22 @@ class TrainingRun:
         total = sum(rows.lengths)
         metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
         outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
-        return outputs, as_floats(metrics)
+        result = outputs, as_floats(metrics)
+        self.heap.trim(force=True)  # calls of other sizes follow: without it resident memory only climbs
+        return result
 
-    def _loss(self, rows: Rows, loss_of: TinkerLoss, config: dict[str, float], logprobs: list[torch.Tensor]
-              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _loss(self, rows: Rows, loss_fn: str, loss_of: TinkerLoss, config: dict[str, float],
+              logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """One micro-batch's summed loss and its metrics (``loss:sum`` among them, detached);
-        each datum's target logprobs are added to ``logprobs``."""
+        each datum's target logprobs are added to ``logprobs``. The logits are made a chunk of
+        positions at a time, with a graph only where the loss has a gradient
+        (``gradient_positions``): memory is bounded by the micro-batch's hidden states and one
+        chunk of logits, not by positions × vocabulary."""
         device = next(self.state.model.parameters()).device
         ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
         inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
-        logits = self.state.model(input_ids=ids, attention_mask=mask.long()).logits  # (B, T, V)
-        token_lps = token_logprobs(logits, targets)  # (B, T)
+        token_lps = position_logprobs(self.state.model, ids, mask, targets, gradient_positions(loss_fn, inputs, mask),
+                                      split=self.split)  # (B, T)
         try:
             loss, metrics = loss_of(token_lps, inputs, mask, config)
         except LossInputError as exc:
@@ -246,9 +276,10 @@ class TrainingRun:
         """The adapters now (new tensors: training goes on while a sampler holds them)."""
         return adapter_update(self.state.module)
 
-    def save_state(self, path: Path) -> None:
-        """Adapters, optimizer, step and this client's LoRA settings, atomically."""
-        write_checkpoint(self.state, path, files={LORA_FILE: json.dumps(asdict(self.lora))})
+    def save_state(self, path: Path, *, base: str) -> None:
+        """Adapters, optimizer, step, this client's LoRA settings and its base model's name
+        (``base``), atomically."""
+        write_checkpoint(self.state, path, files={LORA_FILE: json.dumps({**asdict(self.lora), BASE_KEY: base})})
 
     def save_adapters(self, path: Path) -> None:
         """The adapters alone, as a PEFT directory (what a sampler checkpoint is on disk)."""
@@ -257,7 +288,7 @@ class TrainingRun:
     def load_state(self, path: Path, *, optimizer: bool) -> None:
         """A saved state's adapters into this client (and its optimizer and step with
         ``optimizer``); a state of another rank or other targets is refused."""
-        saved = read_lora(path)
+        saved, _ = read_lora(path)
         if (saved.rank, lora_targets_key(saved)) != (self.lora.rank, lora_targets_key(self.lora)):
             raise UserError(f"{path.name} holds rank-{saved.rank} adapters on other layers or of another rank than "
                             f"this client's rank {self.lora.rank}; create a client from it instead "
@@ -275,9 +306,12 @@ def lora_targets_key(lora: TinkerLora) -> tuple[bool, bool, bool]:
     return lora.train_attn, lora.train_mlp, lora.train_unembed
 
 
-def read_lora(path: Path) -> TinkerLora:
-    """The LoRA settings a saved state was trained with."""
+def read_lora(path: Path) -> tuple[TinkerLora, str | None]:
+    """The LoRA settings a saved state was trained with, and its base model's name (None in a
+    state saved before states named it)."""
     try:
-        return TinkerLora(**json.loads((path / LORA_FILE).read_text()))
+        saved = json.loads((path / LORA_FILE).read_text())
+        base = saved.pop(BASE_KEY, None)
+        return TinkerLora(**saved), base
     except FileNotFoundError:
         raise UserError(f"{path} is not a state saved by save_state (no {LORA_FILE})") from None
