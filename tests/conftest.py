@@ -27,18 +27,31 @@ os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(256 << 20
 def pytest_collection_modifyitems(config, items):
     """Every test that starts Ray runs in one test process (xdist's ``ray`` group), one
     after another: two local clusters at once would double Ray's memory and processes
-    for nothing, and a module-scoped cluster fixture would start once per process. A test
-    marked ``cuda`` is skipped where torch sees no CUDA device."""
+    for nothing, and a module-scoped cluster fixture would start once per process. The
+    tests of a module that share one of its module-scoped fixtures (a training run, a
+    server, SmolLM2 loaded) run in one test process too (a group named after the module),
+    so the fixture is built once, not once in each process (``--dist loadgroup`` hands out
+    every other test alone). A test marked ``cuda`` is skipped where torch sees no CUDA device."""
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (the `cuda` marker) and torch sees none")
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray" in item.nodeid.lower().replace("array", ""):
             item.add_marker(pytest.mark.xdist_group("ray"))
+        elif shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
     missing = sandbox_missing()
     for item in items:
         if missing and item.get_closest_marker("sandbox"):
             item.add_marker(pytest.mark.skip(reason=f"{SANDBOX_SKIP}: {missing}"))
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture of scope ``module`` (its own module's: conftest has
+    none). Read from the fixtures pytest resolved for the test (``_fixtureinfo``, private
+    but stable since pytest 3); an item without them (a doctest) shares none."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 SANDBOX_SKIP = "needs the sandbox's bubblewrap"
