@@ -24,6 +24,7 @@ os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(256 << 20))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which names a test's group from these marks
 def pytest_collection_modifyitems(config, items):
     """Every test that starts Ray runs in one test process (xdist's ``ray`` group), one
     after another: two local clusters at once would double Ray's memory and processes
@@ -37,13 +38,25 @@ def pytest_collection_modifyitems(config, items):
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray" in item.nodeid.lower().replace("array", ""):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            in_group(config, item, "ray")
         elif shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+            in_group(config, item, item.nodeid.split("::", 1)[0])
     missing = sandbox_missing()
     for item in items:
         if missing and item.get_closest_marker("sandbox"):
             item.add_marker(pytest.mark.skip(reason=f"{SANDBOX_SKIP}: {missing}"))
+
+
+def in_group(config, item, name: str) -> None:
+    """Mark ``item`` for xdist's group ``name``, and on pytest >= 9.2 name the group in its
+    node id as xdist's scheduler reads it (``<id>@<name>``): pytest-xdist 3.8 still writes the
+    old ``_nodeid`` field, which pytest 9.2's structured ids ignore, so every group was
+    silently handed out test by test (pytest-xdist issue 1386)."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    if config.getoption("loadgroup", False) and hasattr(item, "_id") and "@" not in item.nodeid:
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(f"{item.nodeid}@{name}")
 
 
 def shares_a_module_fixture(item) -> bool:
