@@ -24,21 +24,47 @@ os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 os.environ.setdefault("RAY_DEFAULT_OBJECT_STORE_MAX_MEMORY_BYTES", str(256 << 20))
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook, which names a test's group from these marks
 def pytest_collection_modifyitems(config, items):
     """Every test that starts Ray runs in one test process (xdist's ``ray`` group), one
     after another: two local clusters at once would double Ray's memory and processes
-    for nothing, and a module-scoped cluster fixture would start once per process. A test
-    marked ``cuda`` is skipped where torch sees no CUDA device."""
+    for nothing, and a module-scoped cluster fixture would start once per process. The
+    tests of a module that share one of its module-scoped fixtures (a training run, a
+    server, SmolLM2 loaded) run in one test process too (a group named after the module),
+    so the fixture is built once, not once in each process (``--dist loadgroup`` hands out
+    every other test alone). A test marked ``cuda`` is skipped where torch sees no CUDA device."""
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (the `cuda` marker) and torch sees none")
     for item in items:
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
         if "ray_cluster" in getattr(item, "fixturenames", ()) or "ray" in item.nodeid.lower().replace("array", ""):
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            in_group(config, item, "ray")
+        elif shares_a_module_fixture(item):
+            in_group(config, item, item.nodeid.split("::", 1)[0])
     missing = sandbox_missing()
     for item in items:
         if missing and item.get_closest_marker("sandbox"):
             item.add_marker(pytest.mark.skip(reason=f"{SANDBOX_SKIP}: {missing}"))
+
+
+def in_group(config, item, name: str) -> None:
+    """Mark ``item`` for xdist's group ``name``, and on pytest >= 9.2 name the group in its
+    node id as xdist's scheduler reads it (``<id>@<name>``): pytest-xdist 3.8 still writes the
+    old ``_nodeid`` field, which pytest 9.2's structured ids ignore, so every group was
+    silently handed out test by test (pytest-xdist issue 1386)."""
+    item.add_marker(pytest.mark.xdist_group(name))
+    if config.getoption("loadgroup", False) and hasattr(item, "_id") and "@" not in item.nodeid:
+        from _pytest.nodeid import coerce_node_id
+
+        item._id = coerce_node_id(f"{item.nodeid}@{name}")
+
+
+def shares_a_module_fixture(item) -> bool:
+    """Whether ``item`` uses a fixture of scope ``module`` (its own module's: conftest has
+    none). Read from the fixtures pytest resolved for the test (``_fixtureinfo``, private
+    but stable since pytest 3); an item without them (a doctest) shares none."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
 
 
 SANDBOX_SKIP = "needs the sandbox's bubblewrap"
