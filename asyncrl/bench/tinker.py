@@ -58,11 +58,13 @@ class TinkerBenchSettings(Section):
     run_steps: int = Field(0, ge=0)
     """Steps of the ``run`` phase (0: no run phase)."""
     run_config: str = "examples/addition/async.yaml"
+    server: list[str] = Field([], strict=False)
+    """The server's own settings, ``key=value`` as on its command line (``tinker.recompute_layers=false``)."""
     seed: int = 0
 
 
-def _config(s: TinkerBenchSettings, output_dir: Path, url: str | None = None) -> Config:
-    return load_config(None, [f"model.path={s.model_path}", "model.device=cpu", "model.lora=true",
+def _config(s: TinkerBenchSettings, output_dir: Path, url: str | None = None, server: list[str] = ()) -> Config:
+    return load_config(None, [*server, f"model.path={s.model_path}", "model.device=cpu", "model.lora=true",
                               f"model.lora.rank={s.lora_rank}", "algorithm.bypass=true", "total_steps=1000",
                               f"output_dir={output_dir}", f"tinker.base_model={s.base_model}", f"seed={s.seed}",
                               *([f"learner.url={url}"] if url else [])])
@@ -124,7 +126,7 @@ def step_phase(s: TinkerBenchSettings, directory: Path) -> dict[str, Any]:
                                              response_tokens=s.response_tokens, seed=s.seed),
                         shape.vocab_size, shape.max_position_embeddings)
     local_cfg = _config(s, directory / "local")
-    with ChildServer(_config(s, directory / "server"), directory) as server:
+    with ChildServer(_config(s, directory / "server", server=s.server), directory) as server:
         remote = TinkerLearnerWorker(_config(s, directory / "url", server.url))
         local = LearnerWorker(local_cfg, num_threads=os.cpu_count())
         local.join()
@@ -185,7 +187,7 @@ def run_phase(s: TinkerBenchSettings, directory: Path) -> dict[str, Any]:
             f"total_steps={s.run_steps}", "eval_every=0", f"seed={s.seed}", f"model.path={s.model_path}"]
     with phase("tinker", f"run: {s.run_config}, {s.run_steps} steps, in process then through the URL") as progress:
         local = _train(args, directory / "run-local")
-        with ChildServer(_config(s, directory / "run-server"), directory) as server:
+        with ChildServer(_config(s, directory / "run-server", server=s.server), directory) as server:
             url = _train([*args, f"learner.url={server.url}", f"tinker.base_model={s.base_model}"],
                          directory / "run-url")
         progress.figure = f"{url:.1f} s through the URL, {local:.1f} s in process: {url / local:.2f}x"
