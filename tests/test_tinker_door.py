@@ -18,7 +18,8 @@ from tinker import types  # noqa: E402
 from tinker.proto.request_conv import forward_backward_request_to_proto  # noqa: E402
 
 from asyncrl.tinker.futures import UserError  # noqa: E402
-from asyncrl.tinker.service import SESSION_EXPIRY_S, check_adam  # noqa: E402
+from asyncrl.tinker.service import SESSION_EXPIRY_S  # noqa: E402
+from asyncrl.tinker.training import check_adam  # noqa: E402
 import test_tinker_server as served  # noqa: E402
 from test_tinker_server import KEY, datum  # noqa: E402
 from tinker_server import NAME, TOKENS  # noqa: E402

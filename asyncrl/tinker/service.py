@@ -29,7 +29,6 @@ one request of each, round and round.
 from __future__ import annotations
 
 import asyncio
-import math
 import re
 import secrets
 import shutil
@@ -48,7 +47,7 @@ from asyncrl.engine.protocol import AdapterUpdate
 from asyncrl.tinker.futures import FutureStore, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
 from asyncrl.tinker.losses import LossInputError, tinker_loss
-from asyncrl.tinker.training import TinkerLora, TrainingRun, lora_targets, pack, read_lora
+from asyncrl.tinker.training import TinkerLora, TrainingRun, check_adam, lora_targets, pack, read_lora
 from asyncrl.tinker.turns import Turns
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
 
@@ -65,13 +64,6 @@ UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
 forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
-MAX_LEARNING_RATE = 1.0
-"""The largest Adam ``learning_rate`` served. Adam moves every parameter by about the learning
-rate each step whatever the gradient's scale (the first step by exactly lr·sign(g)), and a LoRA
-B starts at zero: one step at lr = 1 adds (α/r)·B·A to an adapted layer, entries of about
-32/√(3·r·d_in) (A drawn uniform in ±1/√d_in) — 0.14 on SmolLM2-135M at rank 32, more than the
-whole spread of its attention's value and output weights. Past this bound a step cannot be a
-learning step (docs/tinker.md, "Refused at the door")."""
 _NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
 """A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
 
@@ -79,30 +71,6 @@ _NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
 def _session(client_id: str) -> str:
     """The session a training client's or sampler's id names (``<session>:train:<k>``)."""
     return client_id.split(":", 1)[0]
-
-
-def check_adam(adam: dict[str, Any]) -> None:
-    """A :class:`UserError` naming each ``AdamParams`` value no step should take: a learning rate
-    outside [0, :data:`MAX_LEARNING_RATE`], betas outside [0, 1), eps not above 0, a negative
-    decay or one that with the rate would zero or flip every weight (decoupled decay scales each
-    by 1 − lr·decay), a negative clip norm; NaN and ±inf anywhere."""
-    values = {k: adam[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
-    lr, decay = values["learning_rate"], values["weight_decay"]
-    wrong = [f"{k}={v} is not a finite number" for k, v in values.items() if not math.isfinite(v)]
-    if not wrong:
-        wrong = [text for bad, text in (
-            (not 0 <= lr <= MAX_LEARNING_RATE, f"learning_rate={lr} is outside [0, {MAX_LEARNING_RATE}]: Adam moves "
-             "every weight by about the learning rate each step, and past 1 one step outweighs a layer's own weights"),
-            (not 0 <= values["beta1"] < 1, f"beta1={values['beta1']} is outside [0, 1)"),
-            (not 0 <= values["beta2"] < 1, f"beta2={values['beta2']} is outside [0, 1)"),
-            (not values["eps"] > 0, f"eps={values['eps']} is not above 0"),
-            (not 0 <= decay, f"weight_decay={decay} is negative"),
-            (lr * decay >= 1, f"learning_rate × weight_decay = {lr * decay:g} >= 1: decoupled decay scales every "
-             "weight by 1 − lr·weight_decay, which would zero or flip it"),
-            (values["grad_clip_norm"] < 0, f"grad_clip_norm={values['grad_clip_norm']} is negative (0: no clip)"),
-        ) if bad]
-    if wrong:
-        raise UserError("adam_params refused: " + "; ".join(wrong))
 
 
 class ServerStopping(RuntimeError):

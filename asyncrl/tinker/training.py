@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 from dataclasses import asdict, dataclass
+from typing import Any
 from functools import partial
 from pathlib import Path
 
@@ -52,6 +53,39 @@ LORA_FILE = "tinker_lora.json"
 """A saved state's LoRA settings, beside its adapters: what a client created from it gets."""
 BASE_KEY = "base_model"
 """The key in :data:`LORA_FILE` naming the base model the state adapts."""
+
+
+MAX_LEARNING_RATE = 1.0
+"""The largest Adam ``learning_rate`` served. Adam moves every parameter by about the learning
+rate each step whatever the gradient's scale (the first step by exactly lr·sign(g)), and a LoRA
+B starts at zero: one step at lr = 1 adds (α/r)·B·A to an adapted layer, entries of about
+32/√(3·r·d_in) (A drawn uniform in ±1/√d_in) — 0.14 on SmolLM2-135M at rank 32, more than the
+whole spread of its attention's value and output weights. Past this bound a step cannot be a
+learning step (docs/tinker.md, "Refused at the door")."""
+
+
+def check_adam(adam: dict[str, Any]) -> None:
+    """A :class:`UserError` naming each ``AdamParams`` value no step should take: a learning rate
+    outside [0, :data:`MAX_LEARNING_RATE`], betas outside [0, 1), eps not above 0, a negative
+    decay or one that with the rate would zero or flip every weight (decoupled decay scales each
+    by 1 − lr·decay), a negative clip norm; NaN and ±inf anywhere."""
+    values = {k: adam[k] for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")}
+    lr, decay = values["learning_rate"], values["weight_decay"]
+    wrong = [f"{k}={v} is not a finite number" for k, v in values.items() if not math.isfinite(v)]
+    if not wrong:
+        wrong = [text for bad, text in (
+            (not 0 <= lr <= MAX_LEARNING_RATE, f"learning_rate={lr} is outside [0, {MAX_LEARNING_RATE}]: Adam moves "
+             "every weight by about the learning rate each step, and past 1 one step outweighs a layer's own weights"),
+            (not 0 <= values["beta1"] < 1, f"beta1={values['beta1']} is outside [0, 1)"),
+            (not 0 <= values["beta2"] < 1, f"beta2={values['beta2']} is outside [0, 1)"),
+            (not values["eps"] > 0, f"eps={values['eps']} is not above 0"),
+            (not 0 <= decay, f"weight_decay={decay} is negative"),
+            (lr * decay >= 1, f"learning_rate × weight_decay = {lr * decay:g} >= 1: decoupled decay scales every "
+             "weight by 1 − lr·weight_decay, which would zero or flip it"),
+            (values["grad_clip_norm"] < 0, f"grad_clip_norm={values['grad_clip_norm']} is negative (0: no clip)"),
+        ) if bad]
+    if wrong:
+        raise UserError("adam_params refused: " + "; ".join(wrong))
 
 
 @dataclass(frozen=True)
