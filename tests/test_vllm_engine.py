@@ -28,10 +28,11 @@ T = TypeVar("T")
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14], [15]]
 
 
-def make_vllm_model(seed: int = 0, *, tied: bool = True) -> Qwen2ForCausalLM:
-    """conftest's model has head_dim 16, which vLLM's CPU attention does not support (>= 32)."""
+def make_vllm_model(seed: int = 0, *, tied: bool = True, vocab_size: int = 96) -> Qwen2ForCausalLM:
+    """conftest's model has head_dim 16, which vLLM's CPU attention does not support (>= 32).
+    ``vocab_size``: the char tokenizer's (261) where a run tokenizes text for it."""
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+    config = Qwen2Config(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                          num_key_value_heads=1, intermediate_size=128, max_position_embeddings=1024,
                          tie_word_embeddings=tied)
     return Qwen2ForCausalLM(config).eval()

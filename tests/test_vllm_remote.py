@@ -4,8 +4,10 @@
 Needs vLLM (skipped without it; the CI lane ``.ci/vllm`` installs its CPU build in an
 environment of its own). Two servers start once for the module, on free loopback ports, and
 are stopped in the fixture's ``finally``; the last but one test kills one. The model is a tiny
-Qwen2 with an *untied* LM head: vLLM's CPU build keeps a packed copy of a tied head that a
-reload over HTTP does not refresh (docs/vllm.md).
+Qwen2 whose LM head was tied, served from the copy ``asyncrl models untie`` makes of it: vLLM's
+CPU build keeps a packed copy of a tied head that a reload over HTTP does not refresh
+(docs/vllm.md). Two tests train on the servers (``asyncrl train``, evaluation beside training
+on ``eval.urls``) and leave the module's client fresh again, the servers on the base weights.
 
 vLLM samples from its own generator, so tokens are not compared with the built-in engine's;
 logprobs are compared with the Hugging Face model's own log-softmax on the tokens vLLM sampled.
@@ -29,11 +31,14 @@ pytest.importorskip("vllm")
 
 import torch
 from conftest import reference_logprobs
+from safetensors.torch import load_file
 from test_vllm_engine import make_vllm_model
 from transformers import Qwen2ForCausalLM
 
+from asyncrl.cli import main as cli_main
 from asyncrl.config import RemoteConfig
 from asyncrl.engine.remote import RemoteEngine
+from asyncrl.jsonl import read_jsonl
 from asyncrl.plan.fleet import vllm_serve
 from asyncrl.tiny import build_char_tokenizer
 from asyncrl.types import SamplingParams
@@ -41,11 +46,17 @@ from asyncrl.types import SamplingParams
 START_LIMIT_S = 600.0  # two CPU servers loading at once on a loaded 2-core machine
 CALL_LIMIT_S = 300.0
 MAX_MODEL_LEN = 1024  # room for the abort test's long request: 200 tokens could all come before the pause landed
+VOCAB = len(build_char_tokenizer())  # every text a run tokenizes (prompts, the delivery probe) is in the model's range
 
 
 def make_model(seed: int = 0) -> Qwen2ForCausalLM:
     """head_dim 32 (vLLM's CPU attention wants >= 32), untied LM head (see the module's note)."""
-    return make_vllm_model(seed, tied=False)
+    return make_vllm_model(seed, tied=False, vocab_size=VOCAB)
+
+
+def served_base(model_dir: Path) -> Qwen2ForCausalLM:
+    """The model the servers were started on: ``asyncrl models untie``'s copy of the tied one."""
+    return Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
 def free_port() -> int:
@@ -111,20 +122,33 @@ class Fleet:
     def __init__(self, model: Qwen2ForCausalLM, model_dir: Path, servers: list[VllmServer], tmp: Path) -> None:
         self.model, self.model_dir, self.servers, self.tmp = model, model_dir, servers, tmp
         self.loop = asyncio.new_event_loop()
-        self.engine = self.run(RemoteEngine.connect(  # with the servers' tokenizer: the model check passes
-            RemoteConfig(urls=[s.url for s in servers], weights_dir=str(tmp / "weights"), health_interval_s=0.5,
-                         control_timeout_s=120), tokenizer=build_char_tokenizer(), model_path=str(model_dir)))
+        self.engine = self.run(self._connect(fresh=False))
+
+    def _connect(self, *, fresh: bool):
+        return RemoteEngine.connect(  # with the servers' tokenizer: the model check passes
+            RemoteConfig(urls=[s.url for s in self.servers], weights_dir=str(self.tmp / "weights"),
+                         health_interval_s=0.5, control_timeout_s=120),
+            fresh=fresh, tokenizer=build_char_tokenizer(), model_path=str(self.model_dir))
 
     def run(self, coro):
         return self.loop.run_until_complete(asyncio.wait_for(coro, CALL_LIMIT_S))
+
+    def reconnect_fresh(self) -> None:
+        """After a training run moved the servers on: a new module client, fresh (each server
+        reloads the base weights, labelled 0), so the tests after it start where they would
+        have without the run."""
+        self.run(self.engine.shutdown())
+        self.engine = self.run(self._connect(fresh=True))
+        self.model = served_base(self.model_dir)
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vllm-remote")
-    model = make_model()
-    model.save_pretrained(tmp / "model")
-    build_char_tokenizer().save_pretrained(tmp / "model")  # vLLM's /tokenize: the model check at connect
+    make_vllm_model(0, tied=True, vocab_size=VOCAB).save_pretrained(tmp / "tied")
+    build_char_tokenizer().save_pretrained(tmp / "tied")  # vLLM's /tokenize: the model check at connect
+    assert cli_main(["models", "untie", str(tmp / "tied"), "--out", str(tmp / "model")]) == 0  # tokenizer copied
+    model = served_base(tmp / "model")
     servers: list[VllmServer] = []
     f: Fleet | None = None
     try:
@@ -194,6 +218,61 @@ def test_pause_abort_returns_partial_tokens_and_resume_serves_again(fleet):
     assert partial.versions == [engine.version] * len(partial.token_ids)
     assert_model_logprobs(fleet.model, [9, 10, 11], partial, 1.0)
     assert len(after.token_ids) == 5
+
+
+RUN = ["examples/countdown/async.yaml", "total_steps=2", "batch_size=2", "group_size=4", "sampling.max_tokens=8",
+       "eval_every=1", "eval.num_tasks=4", "eval.samples_per_task=2", "task.num_train=64", "task.num_validation=8",
+       "task.reward_fn=test_reproducible:parity"]  # a reward the random policy earns half the time: it trains
+"""A short ``async`` run on the module's model: three evaluations (steps 0, 1, 2), 4 × 2 samples each."""
+
+
+def assert_each_evaluation_on_its_own_version(out: Path) -> None:
+    """Every evaluation row names the version it scored, its step's (async: not whatever
+    training served then), and every token its samples scored was sampled at that version."""
+    rows = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/reward_mean" in r]
+    assert [(r["step"], r["eval/version"]) for r in rows] == [(0, 0), (1, 1), (2, 2)]
+    samples = read_jsonl(out / "eval_samples.jsonl")
+    assert len(samples) == 3 * 4 * 2
+    for s in samples:
+        tokens = [v for t in s["trajectories"] for v in t["versions"]]
+        assert s["version"] == s["step"] and tokens and set(tokens) == {s["step"]}, s
+
+
+def test_a_run_evaluates_beside_training_on_a_share_of_the_fleet_and_its_untied_head_passes_the_delivery_check(
+        fleet, tmp_path):
+    """``asyncrl train engine=remote`` on both servers with ``eval.urls`` the second: training
+    samples on the first alone, evaluation beside it on the share, each evaluation pinned to
+    its version. The servers serve ``asyncrl models untie``'s copy of a tied model: every sync
+    is checked (``weight_sync.check_every=1``) and delivered at the float32 bound while the
+    trained head moves apart from the embeddings (a tied head on this build would fail it)."""
+    train_url, eval_url = (s.url for s in fleet.servers)
+    out = tmp_path / "run"
+    try:
+        code = cli_main(["train", *RUN, f"model.path={fleet.model_dir}", f"output_dir={out}", "engine=remote",
+                         f"remote.urls=[{train_url},{eval_url}]", f"eval.urls=[{eval_url}]",
+                         "weight_sync.check_every=1"])
+    finally:
+        fleet.reconnect_fresh()
+    assert code == 0
+    assert_each_evaluation_on_its_own_version(out)
+    checked = [r["weight_sync/probe_max_abs_diff"] for r in read_jsonl(out / "metrics.jsonl")
+               if "weight_sync/probe_max_abs_diff" in r]
+    assert len(checked) == 2 and max(checked) <= 1e-4, checked  # the syncs of versions 1 and 2
+    trained = load_file(out / "checkpoints" / "step_2" / "model.safetensors")
+    assert not torch.equal(trained["lm_head.weight"], trained["model.embed_tokens.weight"])
+
+
+def test_engine_vllm_evaluates_beside_training_on_a_vllm_serve_server_of_its_own(fleet, tmp_path):
+    """``engine=vllm`` (vLLM's AsyncLLM in this process) trains, ``eval.urls`` a real ``vllm
+    serve`` of evaluation's own: each evaluation on that server, pinned to its version."""
+    out = tmp_path / "run"
+    try:
+        code = cli_main(["train", *RUN, f"model.path={fleet.model_dir}", f"output_dir={out}", "engine=vllm",
+                         f"eval.urls=[{fleet.servers[1].url}]"])
+    finally:
+        fleet.reconnect_fresh()
+    assert code == 0
+    assert_each_evaluation_on_its_own_version(out)
 
 
 def test_a_file_weight_update_reaches_every_server_with_its_version(fleet):
@@ -298,11 +377,11 @@ def test_a_tied_head_is_refused_at_connect_on_the_cpu_build_naming_the_untie(fle
     """A trainer whose model ties its LM head, on real CPU ``vllm serve``: refused before any
     weight is sent (the build's packed head is not refreshed by a reload over HTTP), in one
     line naming the head and ``asyncrl models untie`` — not, as on 83737f1, a delivery check
-    that advised a higher tolerance. The servers' own model is untied: they serve on."""
+    that advised a higher tolerance. The servers serve the copy ``asyncrl models untie`` made of
+    this very model (the fixture): they serve on."""
     from asyncrl.engine.remote_wire import ServersUnusable
 
     tied = fleet.tmp / "tied"
-    make_vllm_model(0, tied=True).save_pretrained(tied)
 
     async def main():
         with pytest.raises(ServersUnusable) as refused:
@@ -405,7 +484,7 @@ def test_a_fresh_run_on_servers_a_previous_run_left_serves_the_base_model(fleet)
     assert fleet.engine.version > 0, "an earlier test in this module updated the servers' weights"
     running = [s.url for s in fleet.servers if s.proc.poll() is None]
     assert running, "every server of the module has stopped"
-    base = make_model()  # the model the servers were started on (tmp/model)
+    base = served_base(fleet.model_dir)  # the model the servers were started on
 
     async def main():
         fresh = await RemoteEngine.connect(RemoteConfig(urls=running, control_timeout_s=120), fresh=True)
