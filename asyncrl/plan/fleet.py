@@ -116,6 +116,19 @@ def vllm_serve(model_dir: str, *, host: str, port: int, dtype: str, on_cpu: bool
     return env, words
 
 
+def vllm_serve_for(cfg: Config, *, host: str, port: int, loopback: bool,
+                   api_key: str | None) -> tuple[dict[str, str], list[str]]:
+    """:func:`vllm_serve` for a run of ``cfg``: its model's directory, its engines' dtype, the
+    build its ``model.device`` implies on the server's machine (``loopback``: this one), its
+    LoRA rank and its ``vllm`` section. ``asyncrl plan --server vllm`` prints this, and
+    ``examples/fleet/eval_beside.py --server vllm`` starts it."""
+    return vllm_serve(served_directory(cfg.model.path), host=host, port=port, dtype=cfg.engine_dtype,
+                      on_cpu=serves_on_cpu(cfg.model.device, loopback), api_key=api_key,
+                      lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
+                      tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                      max_model_len=cfg.vllm.max_model_len, kv_cache_gb=cfg.vllm.kv_cache_gb)
+
+
 def served_directory(model_path: str) -> str:
     """The directory ``vllm serve --model`` is given: ``model.path`` resolved as the trainer
     resolves it (a model ``asyncrl models get`` fetched is a directory in its cache; vLLM
@@ -148,11 +161,7 @@ def server_command(cfg: Config, config_path: str | None, overrides: list[str], u
     bind = "127.0.0.1" if is_loopback(host) else "0.0.0.0"
     key = f"${KEY_VARIABLE}"
     if kind == "vllm":
-        env, words = vllm_serve(served_directory(cfg.model.path), host=bind, port=port, dtype=cfg.engine_dtype,
-                                on_cpu=serves_on_cpu(cfg.model.device, is_loopback(host)), api_key=key,
-                                lora_rank=cfg.model.lora.rank if cfg.model.lora is not None else None,
-                                tensor_parallel_size=cfg.vllm.tensor_parallel_size,
-                                max_model_len=cfg.vllm.max_model_len, kv_cache_gb=cfg.vllm.kv_cache_gb)
+        env, words = vllm_serve_for(cfg, host=bind, port=port, loopback=is_loopback(host), api_key=key)
         return " ".join(f"{k}={v}" for k, v in env.items()) + " " + _args(words)
     words = ["asyncrl", "serve-engine", *([config_path] if config_path else []),
              *[o for o in overrides if not o.startswith(TRAINER_ONLY)], "engine=torch",
