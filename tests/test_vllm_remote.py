@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import os
-import signal
 import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +37,7 @@ from asyncrl.config import RemoteConfig
 from asyncrl.engine.remote import RemoteEngine
 from asyncrl.jsonl import read_jsonl
 from asyncrl.plan.fleet import vllm_serve
+from asyncrl.plan.vllm_process import VllmServeProcess
 from asyncrl.tiny import build_char_tokenizer
 from asyncrl.types import SamplingParams
 
@@ -65,61 +63,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class VllmServer:
-    """The CPU server command docs/vllm.md shows (``vllm_serve``), run by this Python."""
-
-    def __init__(self, model_dir: Path, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        # the command docs/vllm.md shows and `asyncrl plan` prints (asyncrl/plan/fleet.py), then this
-        # lane's own additions: a small batch for two servers on two cores
-        served_env, words = vllm_serve(str(model_dir), host="127.0.0.1", port=self.port, dtype="float32",
-                                       on_cpu=True, lora_rank=8, max_model_len=MAX_MODEL_LEN)
-        env = {**os.environ, **served_env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-        assert words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
-        self.log = log
-        self._log_file = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, *words[1:], "--enforce-eager", "--max-num-seqs", "16",
-             "--max-loras", "2"],
-            stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-    def wait_ready(self, deadline: float) -> None:
-        import urllib.request
-
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"vllm serve on {self.url} exited ({self.proc.returncode}):\n{self.tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)
-        raise AssertionError(f"vllm serve on {self.url} did not answer /health within {START_LIMIT_S:g} s:\n"
-                             f"{self.tail()}")
-
-    def tail(self) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-30:])
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(30)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._log_file.close()
+def start_server(model_dir: Path, log: Path) -> VllmServeProcess:
+    """The CPU server command docs/vllm.md shows and ``asyncrl plan`` prints (``vllm_serve``),
+    run by this Python, then this lane's own additions: a small batch for two servers on two
+    cores, their threads unbound, no compile at start."""
+    port = free_port()
+    env, words = vllm_serve(str(model_dir), host="127.0.0.1", port=port, dtype="float32", on_cpu=True, lora_rank=8,
+                            max_model_len=MAX_MODEL_LEN)
+    assert words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]
+    return VllmServeProcess({**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}, words, python=sys.executable, port=port,
+                            log=log, extra=["--enforce-eager", "--max-num-seqs", "16", "--max-loras", "2"])
 
 
 class Fleet:
-    def __init__(self, model: Qwen2ForCausalLM, model_dir: Path, servers: list[VllmServer], tmp: Path) -> None:
+    def __init__(self, model: Qwen2ForCausalLM, model_dir: Path, servers: list[VllmServeProcess], tmp: Path) -> None:
         self.model, self.model_dir, self.servers, self.tmp = model, model_dir, servers, tmp
         self.loop = asyncio.new_event_loop()
         self.engine = self.run(self._connect(fresh=False))
@@ -149,11 +106,11 @@ def fleet(tmp_path_factory):
     build_char_tokenizer().save_pretrained(tmp / "tied")  # vLLM's /tokenize: the model check at connect
     assert cli_main(["models", "untie", str(tmp / "tied"), "--out", str(tmp / "model")]) == 0  # tokenizer copied
     model = served_base(tmp / "model")
-    servers: list[VllmServer] = []
+    servers: list[VllmServeProcess] = []
     f: Fleet | None = None
     try:
         for i in range(2):
-            servers.append(VllmServer(tmp / "model", tmp / f"server{i}.log"))
+            servers.append(start_server(tmp / "model", tmp / f"server{i}.log"))
         deadline = time.monotonic() + START_LIMIT_S
         for server in servers:
             server.wait_ready(deadline)

@@ -41,9 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -51,8 +49,9 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
+
+from asyncrl.plan.vllm_process import VllmServeProcess
 
 READY_S = 600.0
 """How long a server may take to be ready (three vLLM servers loading at once on a loaded machine)."""
@@ -83,8 +82,8 @@ class Server:
                     self._ready.set()
         self._ready.set()  # exited: wait_ready says so
 
-    def wait_ready(self) -> str:
-        if not self._ready.wait(READY_S) or self.url is None:
+    def wait_ready(self, deadline: float) -> str:
+        if not self._ready.wait(max(0.0, deadline - time.monotonic())) or self.url is None:
             raise SystemExit(f"serve-engine did not print its URL within {READY_S:g} s (or exited); see {self.log}")
         return self.url
 
@@ -98,48 +97,17 @@ class Server:
                 self.proc.wait(30)
 
 
-class VllmServer:
-    """``vllm serve`` as ``asyncrl plan --server vllm`` prints it for ``cfg``, run by ``python``
-    in a process group of its own (stopped whole: the API server and its engine process)."""
+def vllm_server(cfg, python: str, log: Path) -> VllmServeProcess:
+    """``vllm serve`` as ``asyncrl plan --server vllm`` prints it for ``cfg`` (``vllm_serve_for``),
+    run by ``python``, with the lane's additions."""
+    from asyncrl.plan.fleet import vllm_serve_for
 
-    def __init__(self, cfg, python: str, log: Path) -> None:
-        from asyncrl.plan.fleet import vllm_serve_for
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-        env, words = vllm_serve_for(cfg, host="127.0.0.1", port=port, loopback=True, api_key=None)
-        program = [python] if words[0] == "python" else [str(Path(python).with_name(words[0]))]  # CPU / GPU build
-        self.log = log
-        self._log = open(log, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen([*program, *words[1:], "--enforce-eager"], stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True,
-                                     env={**os.environ, **env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"})
-
-    def wait_ready(self) -> str:
-        deadline = time.monotonic() + READY_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"vllm serve on {self.url} exited ({self.proc.returncode}); see {self.log}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return self.url
-            except OSError:
-                pass
-            time.sleep(2)
-        raise SystemExit(f"vllm serve on {self.url} did not answer /health within {READY_S:g} s; see {self.log}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(30)
-        self._log.close()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env, words = vllm_serve_for(cfg, host="127.0.0.1", port=port, loopback=True, api_key=None)
+    return VllmServeProcess({**env, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}, words, python=python, port=port, log=log,
+                            extra=["--enforce-eager"])
 
 
 def load_average() -> float:
@@ -213,17 +181,18 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="fleet-eval-"))
     out.mkdir(parents=True, exist_ok=True)
     extra = list(args.set)
-    servers: list[Server | VllmServer] = []
+    servers: list[Server | VllmServeProcess] = []
     try:
         if args.server == "vllm":
             from asyncrl.config import load_config
 
             extra = served_model(args.config, extra, out)
             cfg = load_config(args.config, extra)
-            servers = [VllmServer(cfg, args.vllm_python, out / f"server{i}.log") for i in range(args.servers)]
+            servers = [vllm_server(cfg, args.vllm_python, out / f"server{i}.log") for i in range(args.servers)]
         else:
             servers = [Server(args.config, out / f"server{i}.log") for i in range(args.servers)]
-        s1, s2, *s3 = (s.wait_ready() for s in servers)
+        deadline = time.monotonic() + READY_S
+        s1, s2, *s3 = (s.wait_ready(deadline) for s in servers)
         layouts = {"blocking": ([s1, s2], []), "own": ([s1, s2], s3), "share": ([s1, s2], [s2])}
         names = [name for name in LAYOUTS if layouts[name][1] or name == "blocking"]
         rows = []
