@@ -78,3 +78,36 @@ def test_a_token_outside_the_vocabulary_or_a_datum_past_the_context_is_refused(b
         run.forward_backward([rl_datum([6, 99999, 7], 1.0)], "importance_sampling", {}, forward_only=True)
     with pytest.raises(UserError, match=r"data\[0\] has 40 input tokens; this model takes 1 to 32"):
         run.forward_backward([rl_datum([6] * 41, 1.0)], "importance_sampling", {}, forward_only=True)
+
+
+def test_a_call_whose_every_advantage_is_0_trains_nothing_and_does_not_fail(base):
+    """tinker-cookbook keeps groups whose rewards are all equal (their advantages all 0): a
+    multi-turn recipe's first batch on a weak model is all such groups. The loss has no
+    gradient anywhere, so the call must answer a zero loss, the logprobs, and a step that
+    moves no weight (it failed with "does not require grad" on the server's backward)."""
+    model, tokenizer = base
+    run = TrainingRun("z", model, tokenizer, TinkerLora(4, seed=1), max_rank=8, micro_rows=1)
+    data = [rl_datum([6, 7, 16, 8, 9, 22, 9, 11], 1.0), rl_datum([6, 16, 7, 22, 13], 0.0)]
+    run.forward_backward(data, "importance_sampling", {}, forward_only=False)  # a first step: B no longer 0
+    run.optim_step(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0)
+    before = [p.clone() for p in run.state.model.parameters() if p.requires_grad]
+    zero = [rl_datum([6, 7, 16, 8, 9], 0.0), rl_datum([7, 22, 13], 0.0)]
+    outputs, metrics = run.forward_backward(zero, "importance_sampling", {}, forward_only=False)
+    scored, _ = run.forward_backward(zero, "importance_sampling", {}, forward_only=True)
+    assert metrics["loss:sum"] == 0.0
+    for got, want in zip(outputs, scored, strict=True):  # the logprobs still answered, as a forward's
+        np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-6)
+    # the step is Adam's on a zero gradient: its moments from step 1 still move the weights, as on
+    # a run whose step-2 advantages are 1e-30 (a gradient lost in float32 rounding beside the moments)
+    twin = TrainingRun("t", model, tokenizer, TinkerLora(4, seed=1), max_rank=8, micro_rows=1)
+    twin.forward_backward(data, "importance_sampling", {}, forward_only=False)
+    twin.optim_step(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0)
+    twin.forward_backward([rl_datum([6, 7, 16, 8, 9], 1e-30), rl_datum([7, 22, 13], 1e-30)], "importance_sampling", {},
+                          forward_only=False)
+    for run_ in (run, twin):
+        run_.optim_step(1e-2, 0.9, 0.95, 1e-12, 0.0, 0.0)
+    after = [p for p in run.state.model.parameters() if p.requires_grad]
+    expected = [p for p in twin.state.model.parameters() if p.requires_grad]
+    assert sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True)) > 0
+    for a, b in zip(after, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)

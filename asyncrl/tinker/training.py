@@ -250,6 +250,8 @@ class TrainingRun:
 
         def loss_function(part: Rows) -> torch.Tensor:  # what the training engine is passed
             loss, metrics = self._loss(part, loss_fn, loss_of, numbers, logprobs)
+            if not forward_only and not loss.requires_grad:  # every weight 0 (a tied group): no graph at all
+                loss = loss + zero_gradient(self.state.model)
             positions = sum(part.lengths)
             for key, value in metrics.items():  # loss:sum adds; a token mean is weighed by its positions
                 sums[key] = sums.get(key, 0) + (value if key.endswith(":sum") else value * positions)
@@ -334,6 +336,15 @@ class TrainingRun:
                 load_adapter_weights(self.state.module, path)
         except ConfigError as exc:
             raise UserError(str(exc)) from None
+
+
+def zero_gradient(model: torch.nn.Module) -> torch.Tensor:
+    """0, with a graph to every trained parameter: a micro-batch whose every loss weight is 0
+    (a group of tied rewards, which tinker-cookbook keeps) has a loss with no graph, and its
+    backward would fail. Its gradient is 0, and through this it is 0 rather than none, so the
+    next ``optim_step`` is Adam's step on a zero gradient, as the hosted service's."""
+    trained = [p for p in model.parameters() if p.requires_grad]
+    return sum((p.sum() * 0.0 for p in trained), torch.zeros((), device=trained[0].device if trained else None))
 
 
 def lora_targets_key(lora: TinkerLora) -> tuple[bool, bool, bool]:
