@@ -53,8 +53,11 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 @contextlib.contextmanager
 def mapped_above(nbytes: int) -> Iterator[None]:
-    """Within: every allocation of ``nbytes`` or more is its own mapping, unmapped (its pages
-    back to the OS) when freed, so resident memory follows the live tensors; on leaving, the
+    """Within: an allocation of ``nbytes`` or more that the heap's free chunks cannot serve is
+    its own mapping, unmapped (its pages back to the OS) when freed, so resident memory
+    follows the live tensors past what the heap already held (glibc serves from its free
+    chunks before it asks the threshold: ``tests/test_memory.py`` starts a fresh process to
+    show the difference); on leaving, the
     threshold is set to :data:`DYNAMIC_MMAP_CEILING` (what glibc's rule reaches anyway once a
     process has freed a large block: the engine's heap behaves as before) and the heap
     trimmed. The setting is the process's: the sampling engine's thread allocates under it
