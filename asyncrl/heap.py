@@ -10,14 +10,29 @@ instead, but then each larger tensor is a fresh mapping whose pages fault in aga
 the engine reallocates its KV cache every decode step. Trimming now and then is cheap when
 there is nothing to give back. The figures: docs/design.md, "Measurements behind choices
 in the code".
+
+Trimming between calls does not bound the peak *within* one: glibc raises its mmap threshold
+to the size of each mapped block freed (up to 32 MiB), after which every activation below it
+comes from the heap, and a training call's heap grew to several times its live tensors
+before any trim could run (serve-tinker: a 948-token micro-batch's forward and backward held
++1.5 GB resident for ~0.2 GB live; ``docs/tinker.md``, "Memory"). :func:`mapped_above` fixes
+the threshold for the length of such a call, so its large tensors are mappings the kernel
+takes back at each free.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+M_MMAP_THRESHOLD = -3
+"""``mallopt``'s parameter number for the mmap threshold (glibc's ``malloc.h``)."""
+DYNAMIC_MMAP_CEILING = 32 << 20
+"""The highest mmap threshold glibc's own rule climbs to on 64-bit (``DEFAULT_MMAP_THRESHOLD_MAX``):
+where :func:`mapped_above` leaves it, since a threshold set once is never dynamic again."""
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -26,6 +41,40 @@ def _malloc_trim() -> Callable[[int], int] | None:
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def _mallopt() -> Callable[[int, int], int] | None:
+    """glibc's ``mallopt``, or ``None`` where the C library has none."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+
+
+@contextlib.contextmanager
+def mapped_above(nbytes: int) -> Iterator[None]:
+    """Within: an allocation of ``nbytes`` or more that the heap's free chunks cannot serve is
+    its own mapping, unmapped (its pages back to the OS) when freed, so resident memory
+    follows the live tensors past what the heap already held (glibc serves from its free
+    chunks before it asks the threshold: ``tests/test_memory.py`` starts a fresh process to
+    show the difference); on leaving, the
+    threshold is set to :data:`DYNAMIC_MMAP_CEILING` (what glibc's rule reaches anyway once a
+    process has freed a large block: the engine's heap behaves as before) and the heap
+    trimmed. The setting is the process's: the sampling engine's thread allocates under it
+    too while it lasts (each decode step's larger tensors then fault their pages in afresh,
+    the slowdown ``docs/design.md`` measured), so it is for the span of one training call,
+    not for good. A no-op where the C library has no ``mallopt``."""
+    mallopt, trim = _mallopt(), _malloc_trim()
+    if mallopt is None:
+        yield
+        return
+    mallopt(M_MMAP_THRESHOLD, nbytes)
+    try:
+        yield
+    finally:
+        mallopt(M_MMAP_THRESHOLD, DYNAMIC_MMAP_CEILING)
+        if trim is not None:
+            trim(0)
 
 
 class HeapTrimmer:

@@ -3,6 +3,8 @@ its bound (asyncrl/heap.py says what grew without them)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 import time
 
@@ -49,6 +51,41 @@ def test_trim_returns_freed_memory_that_glibc_keeps():
     # a trim is cheap: 0.04-0.19 s measured with other jobs on both cores (load ≈ 5); the bound
     # is generous for a loaded machine
     assert took < 3.0 and len(kept) == 500
+
+
+MAPPED_CHILD = """
+import sys
+from asyncrl.heap import mapped_above
+
+def rss_mb():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+def freed_mb():
+    pairs = [(b"x" * (2 << 20), b"y" * (64 << 10)) for _ in range(64)]  # 2 MiB + a 64 KiB survivor each
+    kept = [small for _, small in pairs]
+    before = rss_mb()
+    del pairs
+    return before - rss_mb() + 0 * len(kept)
+
+with mapped_above(1 << 20):
+    inside = freed_mb()
+print(inside, freed_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, read back from /proc")
+def test_within_mapped_above_large_blocks_go_back_at_free_and_after_it_the_heap_keeps_them():
+    """2 MiB blocks, each followed by a 64 KiB survivor, then the blocks freed, in a fresh
+    process (a heap's free chunks serve an allocation before any threshold is asked, so it
+    must start without any). Within ``mapped_above(1 MiB)`` each block is its own mapping,
+    unmapped when freed: the 128 MiB leave at once. After it (threshold back at 32 MiB) the
+    same blocks come from the heap, and the survivors keep the freed holes resident."""
+    out = subprocess.run([sys.executable, "-c", MAPPED_CHILD], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout
+    inside, outside = map(float, out.split())
+    assert inside > 120, f"only {inside:.0f} of 128 MiB of mapped blocks went back at free"
+    assert outside < 40, f"{outside:.0f} MiB went back at free with the heap's threshold: nothing to show"
 
 
 @pytest.mark.slow

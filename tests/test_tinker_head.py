@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa
 
 from asyncrl.learner import head as head_module  # noqa: E402
 from asyncrl.tinker.losses import gradient_positions  # noqa: E402
-from asyncrl.tinker.training import TinkerLora, TrainingRun  # noqa: E402
+from asyncrl.tinker.training import TinkerLora, TrainingRun, layers_to_recompute  # noqa: E402
 from asyncrl.tinker.wire import WireDatum  # noqa: E402
 
 POLICY = Path(__file__).resolve().parents[1] / "models" / "addition-tiny"
@@ -53,7 +53,7 @@ def test_logits_in_chunks_where_the_loss_weighs_and_layers_recomputed_equal_the_
     model, tokenizer = untied
     vocab = model.config.vocab_size
     monkeypatch.setattr(head_module, "LOGITS_CHUNK_FLOATS", ROWS * vocab)
-    chunked = TrainingRun("a", model, tokenizer, TinkerLora(4, seed=3), max_rank=8)
+    chunked = TrainingRun("a", model, tokenizer, TinkerLora(4, seed=3), max_rank=8, recompute=True)
     whole = TrainingRun("b", model, tokenizer, TinkerLora(4, seed=3), max_rank=8, recompute=False)
     assert chunked.split and any("lm_head" in n for n, p in chunked.state.model.named_parameters() if p.requires_grad)
     whole.split = False  # the whole forward's logits: (B, T, V), and every layer's activations kept, as before
@@ -103,3 +103,35 @@ def test_the_positions_with_a_gradient_are_where_the_losss_weight_is_not_zero():
     assert gradient_positions("ppo", inputs, mask).tolist() == [[False, True, True, False]]
     assert gradient_positions("cross_entropy", inputs, mask).tolist() == [[True, False, True, False]]
     assert gradient_positions("dro", inputs, mask).tolist() == [[True, True, True, False]]  # its pull weighs every one
+
+
+def test_auto_recomputes_the_fewest_layers_that_keep_a_micro_batch_within_the_budget(untied):
+    """``recompute_layers: auto``: a micro-batch of P padded positions keeps P·hidden·4 bytes
+    (float32) × 18 a layer it does not recompute and × 1 a layer it does. The tiny policy: 2
+    layers, hidden 64, so 256 bytes a position a hidden state; budget 10 · 256 · 19 = 48,640 B.
+    Kept with k layers recomputed: P·256·(k + 18·(2 − k)) — P ≤ 5 keeps 9,216·P ≤ 46,080 with
+    none; 6 ≤ P ≤ 10 keeps 4,864·P ≤ 48,640 with one; P = 11 needs both (53,504 with one)."""
+    model, tokenizer = untied
+    budget = 10 * 256 * 19
+    assert [layers_to_recompute(p, layers=2, hidden=64, element_size=4, budget=budget)
+            for p in (0, 1, 5, 6, 10, 11, 40)] == [0, 0, 0, 1, 1, 2, 2]
+    # SmolLM2-135M (30 layers, hidden 576, float32) at the default 768 MiB: the bench's 8 × 127
+    # positions recompute 12 layers (1,016 · 2,304 B · (12 + 18 · 18) = 787 MB); a 4096-token
+    # micro-batch 27 (4,096 · 2,304 · (27 + 54) = 764 MB).
+    smol = {"layers": 30, "hidden": 576, "element_size": 4, "budget": 768 << 20}
+    assert [layers_to_recompute(p, **smol) for p in (600, 1016, 4096, 100_000)] == [0, 12, 27, 30]
+
+    run = TrainingRun("auto", model, tokenizer, TinkerLora(4, seed=3), max_rank=8, micro_rows=1,
+                      activation_budget=budget)
+    calls: list[tuple[int, int]] = []  # (layer, positions) each time a layer runs forward, recompute included
+    for i, layer in enumerate(run.layers):  # its first norm's hook: the layer's own hooks sit outside its checkpoint
+        layer.input_layernorm.register_forward_pre_hook(
+            lambda module, args, i=i: calls.append((i, int(np.prod(args[0].shape[:2])))))
+    data = [datum(list(range(6, 6 + n + 1)), [1.0] * n) for n in (5, 8, 11)]  # one micro-batch each (micro_rows=1)
+    run.forward_backward(data, "importance_sampling", {}, forward_only=False)
+    runs = {(layer, p): calls.count((layer, p)) for layer, p in set(calls)}
+    # a recomputed layer runs twice (forward, then again in the backward), a kept one once
+    assert runs == {(0, 5): 1, (1, 5): 1, (0, 8): 2, (1, 8): 1, (0, 11): 2, (1, 11): 2}
+    calls.clear()
+    run.forward_backward(data, "importance_sampling", {}, forward_only=True)  # no backward: nothing recomputed
+    assert sorted(calls) == sorted((layer, p) for p in (5, 8, 11) for layer in (0, 1))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from asyncrl.config.base import Section
@@ -34,11 +36,18 @@ class TinkerConfig(Section):
     path or ``asyncrl models`` name (loaded with ``model``'s other settings). Each has its own
     sampling engine (memory: its weights twice, as the default's); a training client trains on
     the base its create names, and a state it saves records that base."""
-    recompute_layers: bool = True
-    """A training call keeps only each decoder layer's input for the backward and computes the
-    layer again there (activation checkpointing): a micro-batch's memory is then about one
-    hidden state a layer a token, for one more forward of the layers (``docs/tinker.md``,
-    "Memory"). ``false``: every activation kept, faster where memory is plenty."""
+    recompute_layers: bool | Literal["auto"] = "auto"
+    """Whether a training call keeps only each decoder layer's input for the backward and
+    computes the layer again there (activation checkpointing: about one hidden state a layer a
+    position instead of ~18, for one more forward of the layers). ``auto``: per micro-batch,
+    the fewest layers whose recompute keeps the estimated activations (layers × hidden ×
+    padded positions × bytes × 18) within ``activation_budget_mib`` — none for a small
+    micro-batch, nearly all for a 4096-token one (``docs/tinker.md``, "Memory"). ``true``:
+    every layer, always; ``false``: none (every activation kept)."""
+    activation_budget_mib: int = Field(768, ge=1)
+    """``recompute_layers: auto``'s bound on the activations a micro-batch keeps for its
+    backward, MiB (the default keeps SmolLM2-135M's server under 3 GB at the 4096-token
+    micro-batch)."""
     max_lora_rank: int = Field(128, ge=1)
     """The largest LoRA rank a training client may ask for (a larger one is refused)."""
     checkpoint_dir: str | None = None

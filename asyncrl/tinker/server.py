@@ -373,6 +373,7 @@ def build_service(cfg: Config) -> TinkerService:
     checkpoints = Path(cfg.tinker.checkpoint_dir or Path(cfg.output_dir) / "tinker")
     return TinkerService(models, checkpoint_dir=checkpoints, max_rank=cfg.tinker.max_lora_rank, seed=cfg.seed,
                          recompute=cfg.tinker.recompute_layers,
+                         activation_budget=cfg.tinker.activation_budget_mib << 20,
                          micro_rows=cfg.optim.micro_batch_size, micro_tokens=cfg.optim.micro_batch_tokens,
                          rollout=cfg.rollout, engine_dtype=cfg.engine_dtype)
 

@@ -122,7 +122,8 @@ class TinkerService:
     def __init__(self, models: list[tuple[str, Path, PreTrainedModel, PreTrainedTokenizerBase]], *,
                  checkpoint_dir: Path, max_rank: int, seed: int = 0, micro_rows: int = 64,
                  micro_tokens: int | None = 4096, rollout: RolloutConfig | None = None,
-                 engine_dtype: str | None = None, recompute: bool = True) -> None:
+                 engine_dtype: str | None = None, recompute: bool | str = "auto",
+                 activation_budget: int = 768 << 20) -> None:
         """``models``: each served base model as (name, directory, weights, tokenizer), the
         first the default (a sampler or client that names none gets it)."""
         self.bases = {name: Base(name, directory, model, tokenizer, EngineSampler(
@@ -131,7 +132,7 @@ class TinkerService:
         self.default = models[0][0]
         self.checkpoint_dir = checkpoint_dir
         self.run_options = {"max_rank": max_rank, "micro_rows": micro_rows, "micro_tokens": micro_tokens,
-                            "recompute": recompute}
+                            "recompute": recompute, "activation_budget": activation_budget}
         self.max_request_tokens = micro_tokens or REQUEST_TOKENS
         self.futures = FutureStore()
         self.sessions: dict[str, float] = {}  # session id -> its last heartbeat (time.monotonic())

@@ -37,7 +37,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from asyncrl.algorithms.finite import NonFiniteError
-from asyncrl.heap import HeapTrimmer
+from asyncrl.heap import mapped_above
 from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
@@ -139,18 +139,49 @@ def tenant_model(base: PreTrainedModel) -> PreTrainedModel:
     return copy.deepcopy(base, memo)
 
 
-def recompute_layers(model: torch.nn.Module) -> int:
-    """Each decoder layer of ``model`` (Hugging Face's ``GradientCheckpointingLayer``) keeps only
-    its input for the backward and computes the rest again there: a micro-batch's activations
-    are then one hidden state a layer (576 floats a token on SmolLM2-135M) instead of every
-    projection's and the MLP's (about twenty times that), for one more forward of the layers.
-    The layers' own ``training`` flag is what Hugging Face's checkpointing reads; their
-    sub-modules stay in eval mode (no dropout). The layers made so, counted."""
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-    for layer in layers:
-        layer.gradient_checkpointing, layer.training = True, True
+ACTIVATION_FACTOR = 18
+"""Bytes a decoder layer keeps for the backward per padded position, in units of its hidden
+state's (hidden × element size), when it is not recomputed. Counted with
+``torch.autograd.graph.saved_tensors_hooks`` on SmolLM2-135M-Instruct (float32, sdpa attention,
+LoRA rank 32 on every linear layer): 17.8 — the MLP's four intermediate-wide tensors (4 × 1536),
+six hidden-wide ones, keys and values, the adapters' rank-wide inputs — against exactly 1 (the
+layer's input) when it is recomputed. Linear in the positions (the same per position at 300
+and 900)."""
+MAPPED_ABOVE = 1 << 20
+"""A training call's allocations from this size on are mappings of their own (``asyncrl/heap.py``,
+:func:`~asyncrl.heap.mapped_above`): with glibc's own threshold a 948-token micro-batch's
+heap grew 1.5 GB past its live tensors; from 1 MiB on, 0.3 GB (4 MiB: 1.3 GB, the hidden-sized
+activations are 1–4 MiB there)."""
+
+
+def decoder_layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
+    """``model``'s decoder layers (Hugging Face's ``GradientCheckpointingLayer``), in order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def layers_to_recompute(positions: int, *, layers: int, hidden: int, element_size: int, budget: int) -> int:
+    """How many of ``layers`` decoder layers a micro-batch of ``positions`` padded positions
+    recomputes to keep its activations within ``budget`` bytes: the fewest k with
+    positions·hidden·element_size·(k + (layers − k)·:data:`ACTIVATION_FACTOR`) ≤ budget, at
+    most every layer (all of them is the least memory there is: the budget is then exceeded
+    by the layers' inputs alone)."""
+    unit = positions * hidden * element_size  # one hidden state a position
+    if unit == 0 or layers * ACTIVATION_FACTOR * unit <= budget:
+        return 0
+    saved = (ACTIVATION_FACTOR - 1) * unit  # what recomputing one layer saves
+    return min(layers, math.ceil((layers * ACTIVATION_FACTOR * unit - budget) / saved))
+
+
+def recompute_layers(layers: list[GradientCheckpointingLayer], count: int) -> None:
+    """The first ``count`` of ``layers`` keep only their input for the backward and compute the
+    rest again there (activation checkpointing: one hidden state a layer a position instead
+    of :data:`ACTIVATION_FACTOR`, for one more forward of those layers); the others keep every
+    activation. Read when a layer runs forward, so set before each micro-batch. The layers'
+    own ``training`` flag is what Hugging Face's checkpointing reads; their sub-modules stay
+    in eval mode (no dropout)."""
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing, layer.training = i < count, i < count
         layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
-    return len(layers)
 
 
 @dataclass(frozen=True)
@@ -213,7 +244,7 @@ class TrainingRun:
 
     def __init__(self, model_id: str, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, lora: TinkerLora,
                  *, max_rank: int, micro_rows: int = 64, micro_tokens: int | None = 4096,
-                 recompute: bool = True) -> None:
+                 recompute: bool | str = "auto", activation_budget: int = 768 << 20) -> None:
         if not 1 <= lora.rank <= max_rank:
             raise UserError(f"lora_config.rank={lora.rank} is refused: this server trains ranks 1 to {max_rank} "
                             "(tinker.max_lora_rank)")
@@ -224,9 +255,9 @@ class TrainingRun:
         self.max_positions = int(getattr(base.config, "max_position_embeddings", None) or 1 << 30)
         self.micro_rows, self.micro_tokens = micro_rows, micro_tokens  # optim.micro_batch_size / _tokens
         self.split = splits_head(self.state.model)  # logits a chunk at a time (learner/head.py)
-        if recompute:  # tinker.recompute_layers: this client's copy of the layers, not the base's
-            recompute_layers(self.state.model)
-        self.heap = HeapTrimmer()  # a call frees its activations: hand them back (asyncrl/heap.py)
+        self.layers = decoder_layers(self.state.model)  # this client's copy of the layers, not the base's
+        self.recompute, self.activation_budget = recompute, activation_budget  # tinker.recompute_layers, _budget_mib
+        self.hidden = int(getattr(base.config, "hidden_size", 0) or 0)
         self.requests: dict[int, str] = {}
         """seq id → the request id it was answered with: a retried call gets the same future back."""
 
@@ -259,16 +290,15 @@ class TrainingRun:
 
         bounds = micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens)
         parts = [rows.part(start, stop) for start, stop in bounds]
-        if forward_only:
-            self.state.forward(parts, loss_function)
-        else:
-            self.state.accumulate(parts, loss_function)
+        with mapped_above(MAPPED_ABOVE):  # the call's peak follows its live tensors (asyncrl/heap.py)
+            if forward_only:
+                self.state.forward(parts, loss_function)
+            else:
+                self.state.accumulate(parts, loss_function)
         total = sum(rows.lengths)
         metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
         outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
-        result = outputs, as_floats(metrics)
-        self.heap.trim(force=True)  # calls of other sizes follow: without it resident memory only climbs
-        return result
+        return outputs, as_floats(metrics)
 
     def _loss(self, rows: Rows, loss_fn: str, loss_of: TinkerLoss, config: dict[str, float],
               logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -278,6 +308,7 @@ class TrainingRun:
         (``gradient_positions``): memory is bounded by the micro-batch's hidden states and one
         chunk of logits, not by positions × vocabulary."""
         device = next(self.state.model.parameters()).device
+        recompute_layers(self.layers, self.recomputed(rows.ids.numel()) if torch.is_grad_enabled() else 0)
         ids, mask, targets = rows.ids.to(device), rows.mask.to(device), rows.targets.to(device)
         inputs = {name: tensor.to(device) for name, tensor in rows.inputs.items()}
         token_lps = position_logprobs(self.state.model, ids, mask, targets, gradient_positions(loss_fn, inputs, mask),
@@ -289,6 +320,17 @@ class TrainingRun:
         detached = token_lps.detach()
         logprobs.extend(detached[i, :n] for i, n in enumerate(rows.lengths))
         return loss, {"loss:sum": loss.detach(), **{k: v.detach() for k, v in metrics.items()}}
+
+    def recomputed(self, positions: int) -> int:
+        """How many decoder layers a micro-batch of ``positions`` padded positions recomputes in
+        its backward: every one (``tinker.recompute_layers: true``), none (``false``), or with
+        ``auto`` as many as keep its activations within ``tinker.activation_budget_mib``
+        (:func:`layers_to_recompute`, at the element size of the weights)."""
+        if self.recompute != "auto":
+            return len(self.layers) if self.recompute else 0
+        element = next(self.state.model.parameters()).element_size()
+        return layers_to_recompute(positions, layers=len(self.layers), hidden=self.hidden, element_size=element,
+                                   budget=self.activation_budget)
 
     def optim_step(self, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
                    grad_clip_norm: float) -> dict[str, float]:
