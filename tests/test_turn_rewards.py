@@ -25,6 +25,7 @@ from asyncrl.orchestrator.task_stream import Draw
 from asyncrl.orchestrator.watchdog import Watchdog
 from asyncrl.rollout.client import LLMClient, stop_token_ids
 from asyncrl.rollout.gateway import Gateway, get_format, set_turn_reward
+from asyncrl.rollout.workflows import MultiTurnWorkflow
 from asyncrl.tasks.base import Task
 from asyncrl.types import Completion, Episode, SamplingParams, Step, Trajectory
 
@@ -83,6 +84,31 @@ def test_turn_rewards_land_on_each_calls_last_token_and_gae_crosses_the_users_tu
     turn2 = slice(p - 1 + len(mask) - 4, p - 1 + len(mask))
     assert advantages[0, turn1].tolist() == [1.75] * 3 and advantages[0, turn2].tolist() == [1.25] * 4
     assert float(advantages.sum()) == 1.75 * 3 + 1.25 * 4
+
+
+class GradedTurns(MultiTurnWorkflow):
+    """The user answers each reply; the first reply's answer is worth 0.5, the second's 0."""
+
+    def initial_messages(self, task):
+        return [{"role": "user", "content": task.prompt}]
+
+    async def env_step(self, task, messages, response):
+        return [{"role": "user", "content": "more"}], len(messages) >= 4
+
+    async def turn_reward(self, task, messages, new_messages, done):
+        return 0.0 if done else 0.5
+
+    async def reward(self, task, messages):
+        return 1.0
+
+
+def test_a_multi_turn_workflow_gives_its_turns_rewards_through_its_hook(char_tokenizer):
+    llm = client(char_tokenizer)
+    episode = asyncio.run(GradedTurns(max_turns=4).run(Task(id="t", prompt="q"), llm))
+    [trajectory] = episode.trajectories
+    assert episode.metadata["turns"] == 2 and episode.reward == 1.0
+    assert [s.reward for s in trajectory.steps] == [0.5, 0.0]  # the second turn ended it: no turn reward
+    assert episode.total_reward == 1.5
 
 
 @pytest.mark.parametrize("reward, turn, says", [

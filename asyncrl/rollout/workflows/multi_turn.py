@@ -31,6 +31,16 @@ class MultiTurnWorkflow(ABC):
     @abstractmethod
     async def reward(self, task: Task, messages: list[Message]) -> float: ...
 
+    async def turn_reward(self, task: Task, messages: list[Message], new_messages: list[Message],
+                          done: bool) -> float:
+        """The reward of the model's latest reply (``messages[-1]``) once the environment has
+        answered it (``new_messages``; ``done``: the episode ends there), beside the episode's
+        outcome (:meth:`reward`): a per-turn reward (``Step.reward``: on that call's last
+        sampled token under a critic's GAE, in the episode's total under a group-relative
+        estimator; docs/critic.md). Override to give one; 0, the default, gives none. A reply
+        cut at ``max_tokens`` gets no environment answer, so this is not asked for it."""
+        return 0.0
+
     async def run(self, task: Task, llm: LLMClient) -> Episode:
         """``metadata["agent"]``: :class:`~asyncrl.types.AgentDiagnostics`, where a tool call
         is an environment answer the conversation went on with (not the one that ended
@@ -49,6 +59,9 @@ class MultiTurnWorkflow(ABC):
             started = time.monotonic()
             new_messages, done = await self.env_step(task, messages, response)
             env_seconds += time.monotonic() - started
+            turn_reward = await self.turn_reward(task, messages, new_messages, done)
+            if turn_reward:
+                llm.set_turn_reward(turn_reward)
             if done:
                 ended = True
                 break
