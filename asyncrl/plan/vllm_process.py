@@ -42,7 +42,7 @@ class VllmServeProcess:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
                     if response.status == 200:
                         return self.url
-            except OSError:
+            except OSError:  # not listening yet (refused, reset while it starts): poll again until the deadline
                 pass
             time.sleep(1)
         raise TimeoutError(f"vllm serve on {self.url} did not answer /health in time (see {self.log}):\n"
