@@ -4,9 +4,11 @@
 
 One JSON line a training step, from ``LOG_PATH/iteration_*/train_rollout_summaries.jsonl`` (every
 episode's turns, tool calls and end metrics, as the cookbook writes them) and
-``LOG_PATH/metrics.jsonl`` (the step's times, entropy). An episode's last turn says how it ended:
+``LOG_PATH/metrics.jsonl`` (the step's sampler-vs-trainer logprob gap ``kl_sample_train_v1``,
+what the recipe exists to check; gradient norm, entropy, times). An episode's last turn says how it ended:
 ``stop/completed`` (a reply without a tool call: the env grades its ``Answer:``) or
-``stop/max_tokens`` (the reply ran past ``max_tokens`` and did not parse: −0.1). Invariant: every
+``stop/max_tokens`` (the reply ran past ``max_tokens`` and did not parse: −0.1) or ``stop/parse_error``
+(a ``<tool_call>`` block that does not parse, e.g. one never closed: −0.1). Invariant: every
 count is over all the step's episodes, so the fractions here add up where the recipe's own
 ``env/all/*`` means (each over the episodes that report that metric) do not.
 """
@@ -27,6 +29,7 @@ def step_figures(episodes: list[dict]) -> dict[str, float | int]:
             "turns": sum(len(e["steps"]) for e in episodes),
             "read_page_calls": calls,
             "cut_at_max_tokens": sum(1 for m in ends if m.get("stop/max_tokens")),
+            "unparsed_tool_call": sum(1 for m in ends if m.get("stop/parse_error")),
             "answered": sum(1 for m in ends if m.get("answer_parsed")),
             "read_all_pages": sum(1 for m in ends if m.get("read_all_pages")),
             "exact": sum(1 for m in ends if m.get("exact_match")),
@@ -40,10 +43,12 @@ def main(log_path: Path, run: str) -> None:
         episodes = [json.loads(line) for line in (folder / "train_rollout_summaries.jsonl").read_text().splitlines()]
         row = {"run": run, "step": step, **step_figures(episodes)}
         m = metrics.get(step, {})
-        for key, name in (("optim/entropy", "entropy"), ("time/sampling", "time_sampling_s"),
-                          ("time/train_step", "time_train_step_s"), ("time/total", "time_step_s")):
+        for key, name, digits in (("optim/kl_sample_train_v1", "kl_sample_train_v1", 10),
+                                  ("grad_norm:mean", "grad_norm", 3), ("optim/entropy", "entropy", 4),
+                                  ("time/sampling", "time_sampling_s", 1), ("time/train_step", "time_train_step_s", 1),
+                                  ("time/total", "time_step_s", 1)):
             if key in m:
-                row[name] = round(m[key], 4 if name == "entropy" else 1)
+                row[name] = round(m[key], digits)
         print(json.dumps(row))
 
 
