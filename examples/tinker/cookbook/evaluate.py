@@ -1,8 +1,10 @@
-"""Held-out figures for the two cookbook recipes, with the cookbook's own evaluators, against
+"""Held-out figures for the cookbook recipes, with the cookbook's own evaluators, against
 any sampler of the server (the base model, or a run's final ``sampler_path``):
 
     python evaluate.py arithmetic URL MODEL [SAMPLER_PATH]    # math_rl's arithmetic env
     python evaluate.py nll URL MODEL [SAMPLER_PATH]           # sl_basic's held-out conversations
+    python evaluate.py counting URL MODEL [SAMPLER_PATH] --max-tokens 40 --task page_chars=1500 ...
+                                                              # rl_numerics_check's tool-use env
 
 ``arithmetic``: ``RLTestSetEvaluator`` over the recipe's own ``ArithmeticDataset`` (few-shot
 prefix, reward 1 for the right sum minus 0.1 without the stop token), on the batch drawn with
@@ -11,7 +13,12 @@ problems are fresh draws (x, y uniform in 0..100), ``--groups`` of them × ``--g
 samples at T = 1, ``--max-tokens`` as the recipe's 5.
 ``nll``: ``SamplerNLLEvaluator`` on the test split ``FromConversationFileBuilder`` makes of the
 cookbook's ``example_data/conversations.jsonl`` (``--test-size`` 16, shuffle seed 0), as the
-supervised trainer does at its eval steps. A pure Tinker user: ``tinker`` and
+supervised trainer does at its eval steps.
+``counting``: ``RLTestSetEvaluator`` over ``rl_numerics_check``'s own ``CountingDatasetBuilder``
+(whole episodes: ``read_page`` calls, then ``Answer: N``), on the batch of seed 1000 — the recipe
+trains on seed 0's batches, ``make_counting_sft.py`` on ``sft-<i>`` — with the RL run's ``task.*``
+settings (``--task FIELD=VALUE ...``); run it in the directory ``make_counting_corpus.py`` wrote
+(the pages come from there). A pure Tinker user: ``tinker`` and
 ``tinker_cookbook`` only.
 """
 
@@ -24,11 +31,13 @@ import os
 import time
 from pathlib import Path
 
+import chz
 import tinker
 
 import run_recipe  # noqa: F401  (SmolLM2 in the cookbook's model table)
 from tinker_cookbook import renderers
 from tinker_cookbook.recipes.math_rl.arithmetic_env import ArithmeticDataset
+from tinker_cookbook.recipes.rl_numerics_check.env import CountingDatasetBuilder, CountingTaskConfig
 from tinker_cookbook.rl.metric_util import RLTestSetEvaluator
 from tinker_cookbook.supervised.data import FromConversationFileBuilder
 from tinker_cookbook.supervised.nll_evaluator import SamplerNLLEvaluator
@@ -53,7 +62,7 @@ class HeldOut(ArithmeticDataset):
 
 async def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("what", choices=["arithmetic", "nll"])
+    p.add_argument("what", choices=["arithmetic", "nll", "counting"])
     p.add_argument("url")
     p.add_argument("model")
     p.add_argument("sampler_path", nargs="?")
@@ -63,6 +72,7 @@ async def main() -> None:
     p.add_argument("--max-tokens", type=int, default=5)
     p.add_argument("--seed", type=int, default=1000)
     p.add_argument("--test-size", type=int, default=16)
+    p.add_argument("--task", nargs="*", default=[], help="counting: the RL run's task.* settings, FIELD=VALUE")
     a = p.parse_args()
     os.environ.setdefault("TINKER_API_KEY", "tml-local")
     service = tinker.ServiceClient(base_url=a.url)
@@ -74,6 +84,13 @@ async def main() -> None:
     if a.what == "arithmetic":
         data = HeldOut(a.seed, batch_size=a.groups, renderer=renderer, group_size=a.group_size)
         metrics = await RLTestSetEvaluator(data, max_tokens=a.max_tokens, num_groups_to_log=0)(sampler)
+    elif a.what == "counting":
+        task = chz.entrypoint(CountingTaskConfig, argv=[t.removeprefix("task.") for t in a.task])
+        counting, _ = await CountingDatasetBuilder(
+            batch_size=a.groups, group_size=a.group_size, model_name_for_tokenizer=a.model,
+            renderer_name=a.renderer, task=task, seed=a.seed, n_batches=1,
+            max_generation_tokens=a.max_tokens)()
+        metrics = await RLTestSetEvaluator(counting, max_tokens=a.max_tokens, num_groups_to_log=0)(sampler)
     else:
         common = ChatDatasetBuilderCommonConfig(model_name_for_tokenizer=a.model, renderer_name=a.renderer,
                                                 max_length=32768, batch_size=8,
