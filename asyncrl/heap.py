@@ -16,8 +16,11 @@ to the size of each mapped block freed (up to 32 MiB), after which every activat
 comes from the heap, and a training call's heap grew to several times its live tensors
 before any trim could run (serve-tinker: a 948-token micro-batch's forward and backward held
 +1.5 GB resident for ~0.2 GB live; ``docs/tinker.md``, "Memory"). :func:`mapped_above` fixes
-the threshold for the length of such a call, so its large tensors are mappings the kernel
-takes back at each free.
+the threshold for the length of a forward pass (serve-tinker: each micro-batch's forward,
+and each recomputed layer's in the backward), so the activations, which pile up there, are
+mappings the kernel takes back at each free. Not for the backward: its tensors are freed
+about as fast as they are made, so the heap reuses its chunks, where a mapping each would
+fault every page in afresh (``docs/tinker.md``, "Memory").
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ def _mallopt() -> Callable[[int, int], int] | None:
 
 
 @contextlib.contextmanager
-def mapped_above(nbytes: int) -> Iterator[None]:
+def mapped_above(nbytes: int, *, trim: bool = True) -> Iterator[None]:
     """Within: an allocation of ``nbytes`` or more that the heap's free chunks cannot serve is
     its own mapping, unmapped (its pages back to the OS) when freed, so resident memory
     follows the live tensors past what the heap already held (glibc serves from its free
@@ -62,9 +65,11 @@ def mapped_above(nbytes: int) -> Iterator[None]:
     process has freed a large block: the engine's heap behaves as before) and the heap
     trimmed. The setting is the process's: the sampling engine's thread allocates under it
     too while it lasts (each decode step's larger tensors then fault their pages in afresh,
-    the slowdown ``docs/design.md`` measured), so it is for the span of one training call,
-    not for good. A no-op where the C library has no ``mallopt``."""
-    mallopt, trim = _mallopt(), _malloc_trim()
+    the slowdown ``docs/design.md`` measured), so it is for the span of a forward pass,
+    not for good. ``trim=False`` skips the trim on leaving (a span entered once a layer,
+    where a trim's pages would only fault in again at the next). A no-op where the C
+    library has no ``mallopt``."""
+    mallopt, malloc_trim = _mallopt(), _malloc_trim()
     if mallopt is None:
         yield
         return
@@ -73,8 +78,15 @@ def mapped_above(nbytes: int) -> Iterator[None]:
         yield
     finally:
         mallopt(M_MMAP_THRESHOLD, DYNAMIC_MMAP_CEILING)
-        if trim is not None:
-            trim(0)
+        if trim and malloc_trim is not None:
+            malloc_trim(0)
+
+
+def trim_heap() -> None:
+    """Every arena's free pages back to the OS now (a no-op where there is no ``malloc_trim``)."""
+    malloc_trim = _malloc_trim()
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 class HeapTrimmer:

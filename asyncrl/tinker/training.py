@@ -21,6 +21,7 @@ refused naming it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import json
@@ -37,7 +38,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from asyncrl.algorithms.finite import NonFiniteError
-from asyncrl.heap import mapped_above
+from asyncrl.heap import mapped_above, trim_heap
 from asyncrl.config import ConfigError, LoraConfig
 from asyncrl.weight_updates import AdapterUpdate
 from asyncrl.learner.checkpoint_io import restore_checkpoint, write_checkpoint
@@ -148,10 +149,19 @@ six hidden-wide ones, keys and values, the adapters' rank-wide inputs — agains
 layer's input) when it is recomputed. Linear in the positions (the same per position at 300
 and 900)."""
 MAPPED_ABOVE = 1 << 20
-"""A training call's allocations from this size on are mappings of their own (``asyncrl/heap.py``,
+"""A training call's forward allocations (each micro-batch's forward, each recomputed layer's)
+from this size on are mappings of their own (``asyncrl/heap.py``,
 :func:`~asyncrl.heap.mapped_above`): with glibc's own threshold a 948-token micro-batch's
 heap grew 1.5 GB past its live tensors; from 1 MiB on, 0.3 GB (4 MiB: 1.3 GB, the hidden-sized
-activations are 1–4 MiB there)."""
+activations are 1–4 MiB there). The backward allocates from the heap (``docs/tinker.md``, "Memory")."""
+
+
+def _recompute_mapped() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
+    """``checkpoint``'s ``context_fn``: the first forward as it is (already within its
+    micro-batch's :func:`~asyncrl.heap.mapped_above`), the recompute in the backward within
+    one of its own, as a recomputed layer's activations pile up as the forward's did; no
+    trim on leaving, as it is entered once a layer."""
+    return contextlib.nullcontext(), mapped_above(MAPPED_ABOVE, trim=False)
 
 
 def decoder_layers(model: torch.nn.Module) -> list[GradientCheckpointingLayer]:
@@ -181,7 +191,7 @@ def recompute_layers(layers: list[GradientCheckpointingLayer], count: int) -> No
     in eval mode (no dropout)."""
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing, layer.training = i < count, i < count
-        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False)
+        layer._gradient_checkpointing_func = partial(checkpoint, use_reentrant=False, context_fn=_recompute_mapped)
 
 
 @dataclass(frozen=True)
@@ -280,7 +290,8 @@ class TrainingRun:
         logprobs: list[torch.Tensor] = []
 
         def loss_function(part: Rows) -> torch.Tensor:  # what the training engine is passed
-            loss, metrics = self._loss(part, loss_fn, loss_of, numbers, logprobs)
+            with mapped_above(MAPPED_ABOVE):  # the forward's peak follows its live tensors (asyncrl/heap.py)
+                loss, metrics = self._loss(part, loss_fn, loss_of, numbers, logprobs)
             if not forward_only and not loss.requires_grad:  # every weight 0 (a tied group): no graph at all
                 loss = loss + zero_gradient(self.state.model)
             positions = sum(part.lengths)
@@ -290,11 +301,13 @@ class TrainingRun:
 
         bounds = micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens)
         parts = [rows.part(start, stop) for start, stop in bounds]
-        with mapped_above(MAPPED_ABOVE):  # the call's peak follows its live tensors (asyncrl/heap.py)
+        try:
             if forward_only:
                 self.state.forward(parts, loss_function)
             else:
                 self.state.accumulate(parts, loss_function)
+        finally:
+            trim_heap()  # what the backward's heap kept goes back between calls
         total = sum(rows.lengths)
         metrics = {key: value if key.endswith(":sum") else value / total for key, value in sums.items()}
         outputs = [{"logprobs": lp.cpu().numpy()} for lp in logprobs]  # a CPU-GPU sync point per datum
