@@ -49,8 +49,12 @@ class RunRecord:
 
 def checkpoint_entry(saved: Checkpoint) -> dict[str, Any]:
     """A checkpoint in the SDK's ``types.Checkpoint`` shape."""
-    return {"checkpoint_id": saved.path.split("/", 3)[3], "checkpoint_type": saved.kind,
-            "time": saved.created.isoformat(), "tinker_path": saved.path}
+    return _entry(saved.path, saved.kind, saved.created)
+
+
+def _entry(path: str, kind: str, time: datetime) -> dict[str, Any]:
+    return {"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": kind, "time": time.isoformat(),
+            "tinker_path": path}
 
 
 class RunRecords:
@@ -102,16 +106,16 @@ class RunRecords:
         An id no life of this server created here is :class:`NotFound`, naming it."""
         run = self.read(run_id)
         if run is None:
-            raise NotFound(f"no training run {run_id!r} on this server: its training_run_id is a training "
-                              "client's model_id (tinker://<model_id>/...) created on this server (tinker.checkpoint_dir)")
+            raise NotFound(f"no training run {run_id!r} on this server: a training_run_id is the model_id of a "
+                           "training client created on this server's tinker.checkpoint_dir "
+                           "(list_training_runs lists them)")
         mine = [c for c in checkpoints.values() if c.run_id == run_id and not c.deleted]
         states = [checkpoint_entry(c) for c in mine if c.kind == "training"]
         known = {entry["tinker_path"] for entry in states}
-        states += [{"checkpoint_id": path.split("/", 3)[3], "checkpoint_type": "training", "time": time.isoformat(),
-                    "tinker_path": path} for path, time in self._states_on_disk(run_id) if path not in known]
+        states += [_entry(path, "training", time) for path, time in self._states_on_disk(run_id) if path not in known]
         samplers = [checkpoint_entry(c) for c in mine if c.kind == "sampler"]
-        latest = [max(entries, key=lambda entry: entry["time"], default=None) for entries in (states, samplers)]
-        last = self.last_request.get(run_id) or max([run.created, *(datetime.fromisoformat(s["time"]) for s in states)])
+        latest = [max(entries, key=_time, default=None) for entries in (states, samplers)]
+        last = self.last_request.get(run_id) or max([run.created, *map(_time, states)])
         return {"training_run_id": run_id, "base_model": run.base, "model_owner": OWNER, "is_lora": True,
                 "corrupted": False, "lora_rank": run.rank, "last_request_time": last.isoformat(),
                 "last_checkpoint": latest[0], "last_sampler_checkpoint": latest[1], "user_metadata": run.user_metadata}
@@ -129,3 +133,8 @@ def _load(path: Path) -> RunRecord:
     saved = json.loads(path.read_text())
     return RunRecord(saved["run_id"], saved["base"], saved["rank"], saved["user_metadata"],
                      datetime.fromisoformat(saved["created"]))
+
+
+def _time(entry: dict[str, Any]) -> datetime:
+    """A checkpoint entry's time, to compare (its ISO text may lack the microseconds)."""
+    return datetime.fromisoformat(entry["time"])
