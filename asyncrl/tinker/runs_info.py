@@ -19,21 +19,29 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from asyncrl.tinker.futures import NotFound
-
-if TYPE_CHECKING:
-    from asyncrl.tinker.service import Checkpoint
 
 NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
 """A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
 RUN_FILE = "run.json"
 OWNER = "asyncrl serve-tinker"
 """``model_owner``: the hosted service names an account; this server has none."""
+
+
+class Checkpoint(Protocol):
+    """What is read here of the server's checkpoint table's entries (``service.Checkpoint``)."""
+
+    path: str
+    run_id: str
+    kind: str
+    created: datetime
+    deleted: bool
 
 
 @dataclass(frozen=True)
@@ -101,7 +109,7 @@ class RunRecords:
         return [(f"tinker://{run_id}/weights/{p.name}", datetime.fromtimestamp(mtime, timezone.utc))
                 for p, mtime in sorted(found, key=lambda found: found[1])]
 
-    def training_run(self, run_id: str, checkpoints: dict[str, Checkpoint]) -> dict[str, Any]:
+    def training_run(self, run_id: str, checkpoints: Mapping[str, Checkpoint]) -> dict[str, Any]:
         """The run in the SDK's ``types.TrainingRun`` shape; ``checkpoints``: the server's table.
         An id no life of this server created here is :class:`NotFound`, naming it."""
         run = self.read(run_id)
@@ -120,7 +128,7 @@ class RunRecords:
                 "corrupted": False, "lora_rank": run.rank, "last_request_time": last.isoformat(),
                 "last_checkpoint": latest[0], "last_sampler_checkpoint": latest[1], "user_metadata": run.user_metadata}
 
-    def training_runs(self, checkpoints: dict[str, Checkpoint], limit: int, offset: int) -> dict[str, Any]:
+    def training_runs(self, checkpoints: Mapping[str, Checkpoint], limit: int, offset: int) -> dict[str, Any]:
         """Every run recorded here, oldest first, ``limit`` of them from ``offset`` (the SDK's
         ``types.TrainingRunsResponse``)."""
         records = sorted((_load(path) for path in self.checkpoint_dir.glob(f"*/{RUN_FILE}")), key=lambda r: r.created)
