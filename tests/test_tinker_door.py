@@ -197,3 +197,19 @@ def test_a_training_client_the_server_cannot_make_is_refused_before_it_queues(se
         service_client.create_lora_training_client(base_model=NAME, rank=4, train_mlp=False, train_attn=False).result()
     with pytest.raises(tinker.BadRequestError, match="rank=0 is refused"):
         service_client.create_lora_training_client(base_model=NAME, rank=0).result()
+
+
+def test_run_metadata_that_get_training_run_could_not_read_and_a_bad_page_are_refused_naming_them(server):
+    """``types.TrainingRun`` reads ``user_metadata`` as strings: a create sending other values
+    is refused at the door (nothing is created), as is a ``list_training_runs`` page that is no count."""
+    headers = {"X-API-Key": KEY}
+    session = httpx.post(f"{server.url}/api/v1/create_session", headers=headers, timeout=60, json={
+        "tags": [], "user_metadata": None, "sdk_version": tinker.__version__}).json()["session_id"]
+    create = types.CreateModelRequest(session_id=session, model_seq_id=0, base_model=NAME,
+                                      lora_config=types.LoraConfig(rank=2), user_metadata={"steps": 3})
+    refused = httpx.post(f"{server.url}/api/v1/create_model", headers=headers, timeout=60,
+                         json=create.model_dump(mode="json"))
+    assert refused.status_code == 400 and "user_metadata: its values must be strings" in refused.text
+    assert f"{session}:train:0" not in server.service.creating
+    page = httpx.get(f"{server.url}/api/v1/training_runs", headers=headers, params={"limit": "-1"}, timeout=60)
+    assert page.status_code == 400 and "limit='-1': a whole number from 0 is needed" in page.text

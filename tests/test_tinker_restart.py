@@ -141,3 +141,43 @@ def _result(url: str, request_id: str) -> httpx.Response:
            ).status_code == 200 and answer.json().get("type") == "try_again":
         pass
     return answer
+
+
+def test_a_training_run_is_read_back_with_its_metadata_and_checkpoints_also_after_a_restart(tmp_path):
+    """``RestClient.get_training_run`` (what tinker-cookbook reads a checkpoint's renderer from):
+    the create's ``user_metadata``, base, rank and latest saved state and sampler checkpoint;
+    after a restart the record and the saved state still (sampler checkpoints live in memory)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg, metadata = tiny_config(tmp_path, port=port), {"renderer_name": "role_colon", "note": "sft"}
+    with ServerThread(cfg) as first:
+        service = tinker.ServiceClient(base_url=first.url, api_key="tml-test")
+        client = service.create_lora_training_client(base_model=NAME, rank=4, user_metadata=metadata).result()
+        plain = service.create_lora_training_client(base_model=NAME, rank=2).result()
+        state = client.save_state("first").result().path
+        sampler = client.save_weights_for_sampler("for-sampling").result().path
+        rest = tinker.RestClient(base_url=first.url, api_key="tml-test")
+        run = rest.get_training_run_by_tinker_path(sampler).result()
+        assert (run.training_run_id, run.base_model, run.is_lora, run.lora_rank, run.user_metadata) == (
+            client.model_id, NAME, True, 4, metadata)
+        assert (run.last_checkpoint.tinker_path, run.last_checkpoint.checkpoint_type) == (state, "training")
+        assert (run.last_sampler_checkpoint.tinker_path, run.last_sampler_checkpoint.checkpoint_id) == (
+            sampler, "sampler_weights/for-sampling")
+        other = rest.get_training_run(plain.model_id).result()
+        assert (other.lora_rank, other.user_metadata, other.last_checkpoint) == (2, None, None)
+        listed = rest.list_training_runs(limit=1, offset=1).result()
+        assert [r.training_run_id for r in listed.training_runs] == [plain.model_id]
+        assert listed.cursor.total_count == 2
+        service.close("success").result()
+    with ServerThread(cfg) as second:
+        rest = tinker.RestClient(base_url=second.url, api_key="tml-test")
+        run = rest.get_training_run(client.model_id).result()
+        assert (run.base_model, run.lora_rank, run.user_metadata) == (NAME, 4, metadata)
+        assert (run.last_checkpoint.tinker_path, run.last_sampler_checkpoint) == (state, None)
+        service = tinker.ServiceClient(base_url=second.url, api_key="tml-test")
+        resumed = service.create_training_client_from_state(state, user_metadata={"from": "first"}).result()
+        assert rest.get_training_run(resumed.model_id).result().user_metadata == {"from": "first"}
+        with pytest.raises(tinker.NotFoundError, match="no training run 'sess-gone:train:0' on this server"):
+            rest.get_training_run("sess-gone:train:0").result()
+        service.close("success").result()

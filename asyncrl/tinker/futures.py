@@ -40,6 +40,10 @@ class UserError(ValueError):
     """A request the client got wrong: its future fails with category ``user``."""
 
 
+class NotFound(LookupError):
+    """Something the request names does not exist here (a 404 in the SDK's shape)."""
+
+
 @dataclass(frozen=True)
 class Outcome:
     """A finished request: ``body`` (bytes of ``content_type``) or ``error``."""

@@ -49,9 +49,9 @@ from asyncrl.config import Config, ConfigError, TinkerConfig
 from asyncrl.json_api import Refused, error_response, listen, read_json, validate
 from asyncrl.rollout.gateway.access import is_loopback
 from asyncrl.tinker.answers import HEADER, Answer, Answers
-from asyncrl.tinker.futures import UserError, failed, try_again
+from asyncrl.tinker.futures import NotFound, UserError, failed, try_again
 from asyncrl.tinker.sampling import SampleCall
-from asyncrl.tinker.service import NotFound, TinkerService
+from asyncrl.tinker.service import TinkerService
 from asyncrl.tinker.training import TinkerLora
 from asyncrl.tinker.wire import WireError, decode_forward_backward
 
@@ -111,6 +111,24 @@ async def _body(request: web.Request, model: type[BaseModel]) -> Any:
     return validate(await read_json(request), model)
 
 
+def _metadata(user_metadata: dict[str, Any] | None) -> dict[str, str] | None:
+    """A create's ``user_metadata`` as the SDK's ``TrainingRun`` reads it back (string values)."""
+    if user_metadata is None:
+        return None
+    if not all(isinstance(value, str) for value in user_metadata.values()):
+        raise UserError("user_metadata: its values must be strings (types.TrainingRun reads dict[str, str]); "
+                        "json.dumps the others")
+    return dict(user_metadata)
+
+
+def _count(request: web.Request, name: str, default: int) -> int:
+    """A query parameter that counts (``limit``, ``offset``): a whole number from 0."""
+    text = request.query.get(name, str(default))
+    if not text.isdigit():
+        raise UserError(f"{name}={text!r}: a whole number from 0 is needed")
+    return int(text)
+
+
 class TinkerServer:
     """:class:`TinkerService` behind the SDK's routes. :meth:`start`, then :meth:`stop`."""
 
@@ -147,6 +165,8 @@ class TinkerServer:
         post("/api/v1/retrieve_future", self._retrieve_future)
         post("/api/v1/weights_info", self._weights_info)
         get("/api/v1/samplers/{sampler_id}", self._get_sampler)
+        get("/api/v1/training_runs", self._training_runs)
+        get("/api/v1/training_runs/{run_id}", self._training_run)
         get("/api/v1/training_runs/{run_id}/checkpoints", self._list_checkpoints)
         get("/api/v1/training_runs/{run_id}/checkpoints/{checkpoint_id:.+}/external_weights_urls",
             self._external_urls)
@@ -243,7 +263,7 @@ class TinkerServer:
         lora = body.lora_config or types.LoraConfig(rank=32)
         tinker_lora = TinkerLora(lora.rank, lora.seed, lora.train_mlp, lora.train_attn, lora.train_unembed)
         return web.json_response(self.service.create_model(body.session_id, body.model_seq_id, body.base_model,
-                                                           tinker_lora))
+                                                           tinker_lora, _metadata(body.user_metadata)))
 
     async def _get_info(self, request: web.Request) -> web.Response:
         body = await _body(request, types.GetInfoRequest)
@@ -294,7 +314,8 @@ class TinkerServer:
             raise UserError("load_weights needs model_id, or session_id with model_seq_id")
         return web.json_response(self.service.load_state(body.path, body.optimizer, model_id=body.model_id,
                                                          seq_id=body.seq_id, session_id=body.session_id,
-                                                         model_seq_id=body.model_seq_id))
+                                                         model_seq_id=body.model_seq_id,
+                                                         user_metadata=_metadata(body.user_metadata)))
 
     async def _create_sampling_session(self, request: web.Request) -> web.Response:
         body = await _body(request, types.CreateSamplingSessionRequest)
@@ -343,6 +364,15 @@ class TinkerServer:
         sampler = self.service.get_sampler(sampler_id)
         return web.json_response({"sampler_id": sampler_id, "base_model": sampler.base,
                                   "model_path": sampler.model_path})
+
+    async def _training_run(self, request: web.Request) -> web.Response:
+        return web.json_response(self.service.records.training_run(request.match_info["run_id"],
+                                                                   self.service.checkpoints))
+
+    async def _training_runs(self, request: web.Request) -> web.Response:
+        """Every run created on this server's checkpoint directory (``project_id``: no projects here, ignored)."""
+        limit, offset = (_count(request, name, default) for name, default in (("limit", 20), ("offset", 0)))
+        return web.json_response(self.service.records.training_runs(self.service.checkpoints, limit, offset))
 
     async def _list_checkpoints(self, request: web.Request) -> web.Response:
         return web.json_response({"checkpoints": self.service.list_checkpoints(request.match_info["run_id"])})

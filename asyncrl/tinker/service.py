@@ -44,9 +44,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import RolloutConfig
 from asyncrl.engine.protocol import AdapterUpdate
-from asyncrl.tinker.futures import FutureStore, Outcome, UserError
+from asyncrl.tinker.futures import FutureStore, NotFound, Outcome, UserError
 from asyncrl.tinker.sampling import EngineSampler, SampleCall
 from asyncrl.tinker.losses import LossInputError, tinker_loss
+from asyncrl.tinker.runs_info import NAME, RunRecords, checkpoint_entry
 from asyncrl.tinker.training import TinkerLora, TrainingRun, check_adam, lora_targets, pack, read_lora
 from asyncrl.tinker.turns import Turns
 from asyncrl.tinker.wire import PROTO, ForwardBackwardCall, forward_backward_proto, sample_proto
@@ -64,8 +65,6 @@ UNNAMED_KEPT = 16
 """Unnamed samplers (``save_weights_and_get_sampling_client()``) kept per training client: an RL
 loop makes one a step and never says when it is done with one, so the oldest past this many is
 forgotten (its samples are refused naming why). A named checkpoint stays until deleted."""
-_NAME = re.compile(r"^(?!\.+$)[A-Za-z0-9._:-]+$")
-"""A checkpoint's name or its client's id as a directory name: no separator, not ``.`` or ``..``."""
 
 
 def _session(client_id: str) -> str:
@@ -75,10 +74,6 @@ def _session(client_id: str) -> str:
 
 class ServerStopping(RuntimeError):
     """Raised inside a training call's forward when the server stops (``_abort_training``)."""
-
-
-class NotFound(LookupError):
-    """Something the request names does not exist here (a 404 in the SDK's shape)."""
 
 
 @dataclass
@@ -144,6 +139,7 @@ class TinkerService:
         self.unnamed: dict[str, list[str]] = {}  # training client -> its unnamed samplers, oldest first
         self.unnamed_kept = UNNAMED_KEPT
         self.forgotten: dict[str, str] = {}  # sampler id -> why it is gone
+        self.records = RunRecords(checkpoint_dir)  # what get_training_run answers (runs_info.py)
         self._trainer = Turns("asyncrl-tinker-train")  # one thread, the clients in turns (turns.py)
 
     async def shutdown(self) -> None:
@@ -173,7 +169,7 @@ class TinkerService:
 
     def run(self, model_id: str) -> TrainingRun:
         if model_id not in self.runs:
-            saved = self._saved_states(model_id)
+            saved = self.records.saved_states(model_id)
             raise NotFound(f"no training client {model_id!r} on this server: training clients live in the server's "
                            "memory, and this one was created by another server or before this one restarted; "
                            + (f"its saved states here: {', '.join(saved)} — create_training_client_from_state_with_"
@@ -184,20 +180,12 @@ class TinkerService:
         """Queue ``fn`` as ``run``'s call ``seq_id``, once (a repeat answers the first's id)."""
         if seq_id is not None and seq_id in run.requests:
             return {"request_id": run.requests[seq_id], "model_id": run.model_id}
+        self.records.touch(run.model_id)
         request_id = self.futures.submit(self._on_trainer(run.model_id, fn), prefix="train",
                                          session=_session(run.model_id))
         if seq_id is not None:
             run.requests[seq_id] = request_id
         return {"request_id": request_id, "model_id": run.model_id}
-
-    def _saved_states(self, model_id: str) -> list[str]:
-        """The ``tinker://`` paths of the states ``model_id`` saved on this server's disk, oldest first."""
-        if not _NAME.match(model_id):
-            return []
-        states = self.checkpoint_dir / model_id.replace(":", "_") / "weights"
-        found = sorted((p for p in states.glob("*") if p.is_dir() and not p.name.endswith(".tmp")),
-                       key=lambda p: p.stat().st_mtime)
-        return [f"tinker://{model_id}/weights/{p.name}" for p in found]
 
     def base(self, base_model: str | None) -> Base:
         """The base model ``base_model`` names (None: the default); one not served is a UserError."""
@@ -208,9 +196,9 @@ class TinkerService:
         return self.bases[name]
 
     def _directory(self, run_id: str, kind: str, name: str) -> Path:
-        if not _NAME.match(run_id):
+        if not NAME.match(run_id):
             raise UserError(f"{run_id!r} is not a training client's id")
-        if not _NAME.match(name) or ":" in name:
+        if not NAME.match(name) or ":" in name:
             raise UserError(f"checkpoint name {name!r}: use letters, digits, '.', '_' and '-' only")
         return self.checkpoint_dir / run_id.replace(":", "_") / kind / name
 
@@ -256,7 +244,8 @@ class TinkerService:
         return [request_id for session in gone for request_id in self.futures.cancel_session(
             session, f"cancelled: its session sent no heartbeat for {SESSION_EXPIRY_S:.0f} s (the client went away)")]
 
-    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora) -> dict[str, Any]:
+    def create_model(self, session_id: str, model_seq_id: int, base_model: str, lora: TinkerLora,
+                     user_metadata: dict[str, str] | None = None) -> dict[str, Any]:
         model_id = f"{session_id}:train:{model_seq_id}"
         if model_id not in self.creating:
             base = self.base(base_model)  # at the door, as the rank and the layers it trains
@@ -266,15 +255,17 @@ class TinkerService:
             lora_targets(base.model, lora)
 
             def build() -> Outcome:
-                self._add_run(TrainingRun(model_id, base.model, base.tokenizer, lora, **self.run_options), base.name)
+                run = TrainingRun(model_id, base.model, base.tokenizer, lora, **self.run_options)
+                self._add_run(run, base.name, user_metadata)
                 return Outcome({"model_id": model_id, "type": "create_model"})
 
             self.creating[model_id] = self.futures.submit(self._on_trainer(model_id, build), prefix="create",
                                                           session=session_id)
         return {"request_id": self.creating[model_id], "model_id": model_id}
 
-    def _add_run(self, run: TrainingRun, base: str) -> None:
+    def _add_run(self, run: TrainingRun, base: str, user_metadata: dict[str, str] | None) -> None:
         self.runs[run.model_id], self.run_base[run.model_id] = run, base
+        self.records.record(run.model_id, base, run.lora.rank, user_metadata)
 
     def get_info(self, model_id: str) -> dict[str, Any]:
         run = self.run(model_id)
@@ -404,9 +395,10 @@ class TinkerService:
         raise NotFound("no such file: the URL's checkpoint was deleted, or the URL was not issued by this server")
 
     def load_state(self, path: str, optimizer: bool, *, model_id: str | None = None, seq_id: int | None = None,
-                   session_id: str | None = None, model_seq_id: int | None = None) -> dict[str, Any]:
+                   session_id: str | None = None, model_seq_id: int | None = None,
+                   user_metadata: dict[str, str] | None = None) -> dict[str, Any]:
         """A saved state into an existing client (``model_id``), or into a new one (``session_id``
-        and ``model_seq_id``: the SDK's create-from-state)."""
+        and ``model_seq_id``: the SDK's create-from-state, recording ``user_metadata``)."""
         if model_id is not None:
             run = self.run(model_id)
 
@@ -427,7 +419,7 @@ class TinkerService:
                 base = self.base(saved.base)
                 run = TrainingRun(new_id, base.model, base.tokenizer, saved.lora, **self.run_options)
                 run.load_state(saved.directory, optimizer=optimizer)
-                self._add_run(run, base.name)
+                self._add_run(run, base.name, user_metadata)
                 return Outcome({"path": path, "model_id": new_id, "type": "load_weights"})
 
             self.creating[new_id] = self.futures.submit(self._on_trainer(new_id, create), prefix="create",
@@ -479,8 +471,7 @@ class TinkerService:
 
     # ------------------------------------------------------------------ checkpoints
     def list_checkpoints(self, run_id: str) -> list[dict[str, Any]]:
-        return [{"checkpoint_id": c.path.split("/", 3)[3], "checkpoint_type": c.kind, "time": c.created.isoformat(),
-                 "tinker_path": c.path} for c in self.checkpoints.values() if c.run_id == run_id and not c.deleted]
+        return [checkpoint_entry(c) for c in self.checkpoints.values() if c.run_id == run_id and not c.deleted]
 
     def delete_checkpoint(self, run_id: str, checkpoint_id: str) -> None:
         """Forgets the checkpoint and removes its directory; samplers of it fail from then on."""
