@@ -18,9 +18,11 @@ before any trim could run (serve-tinker: a 948-token micro-batch's forward and b
 +1.5 GB resident for ~0.2 GB live; ``docs/tinker.md``, "Memory"). :func:`mapped_above` fixes
 the threshold for the length of a forward pass (serve-tinker: each micro-batch's forward,
 and each recomputed layer's in the backward), so the activations, which pile up there, are
-mappings the kernel takes back at each free. Not for the backward: its tensors are freed
-about as fast as they are made, so the heap reuses its chunks, where a mapping each would
-fault every page in afresh (``docs/tinker.md``, "Memory").
+mappings the kernel takes back at each free. The backward of a small micro-batch runs from
+the heap: its tensors are freed about as fast as they are made, so the heap reuses its
+chunks, where a mapping each would fault every page in afresh; a large one's heap still
+outgrew its live tensors by hundreds of MB, so its backward is mapped too
+(``docs/tinker.md``, "Memory").
 """
 
 from __future__ import annotations
@@ -54,31 +56,38 @@ def _mallopt() -> Callable[[int, int], int] | None:
         return None
 
 
+_SPANS: list[int] = []
+"""The thresholds of the :func:`mapped_above` spans now entered, innermost last (a span within
+another puts the outer one's back when it ends, not glibc's)."""
+
+
 @contextlib.contextmanager
 def mapped_above(nbytes: int, *, trim: bool = True) -> Iterator[None]:
-    """Within: an allocation of ``nbytes`` or more that the heap's free chunks cannot serve is
-    its own mapping, unmapped (its pages back to the OS) when freed, so resident memory
+    """Within: an allocation of ``nbytes`` or more that the heap's free chunks cannot serve
+    is its own mapping, unmapped (its pages back to the OS) when freed, so resident memory
     follows the live tensors past what the heap already held (glibc serves from its free
     chunks before it asks the threshold: ``tests/test_memory.py`` starts a fresh process to
-    show the difference); on leaving, the
-    threshold is set to :data:`DYNAMIC_MMAP_CEILING` (what glibc's rule reaches anyway once a
-    process has freed a large block: the engine's heap behaves as before) and the heap
-    trimmed. The setting is the process's: the sampling engine's thread allocates under it
-    too while it lasts (each decode step's larger tensors then fault their pages in afresh,
-    the slowdown ``docs/design.md`` measured), so it is for the span of a forward pass,
-    not for good. ``trim=False`` skips the trim on leaving (a span entered once a layer,
-    where a trim's pages would only fault in again at the next). A no-op where the C
-    library has no ``mallopt``."""
+    show the difference); on leaving, the threshold is the enclosing span's, or outside
+    every span :data:`DYNAMIC_MMAP_CEILING` (what glibc's rule reaches anyway once a process
+    has freed a large block: the engine's heap behaves as before) and the heap is trimmed.
+    The setting is the process's: the sampling engine's thread allocates under it too while
+    it lasts (each decode step's larger tensors then fault their pages in afresh, the
+    slowdown ``docs/design.md`` measured), so it is for the span of a forward pass, not for
+    good. ``trim=False`` skips the trim on leaving (a span entered once a layer, where a
+    trim's pages would only fault in again at the next); within another span it never trims.
+    A no-op where the C library has no ``mallopt``."""
     mallopt, malloc_trim = _mallopt(), _malloc_trim()
     if mallopt is None:
         yield
         return
+    _SPANS.append(nbytes)
     mallopt(M_MMAP_THRESHOLD, nbytes)
     try:
         yield
     finally:
-        mallopt(M_MMAP_THRESHOLD, DYNAMIC_MMAP_CEILING)
-        if trim and malloc_trim is not None:
+        _SPANS.pop()
+        mallopt(M_MMAP_THRESHOLD, _SPANS[-1] if _SPANS else DYNAMIC_MMAP_CEILING)
+        if trim and not _SPANS and malloc_trim is not None:
             malloc_trim(0)
 
 

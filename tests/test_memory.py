@@ -70,7 +70,10 @@ def freed_mb():
 
 with mapped_above(1 << 20):
     inside = freed_mb()
-print(inside, freed_mb())
+    with mapped_above(1 << 20, trim=False):  # a span within a span: a recomputed layer's within a backward's
+        pass
+    nested = freed_mb()
+print(inside, nested, freed_mb())
 """
 
 
@@ -79,12 +82,14 @@ def test_within_mapped_above_large_blocks_go_back_at_free_and_after_it_the_heap_
     """2 MiB blocks, each followed by a 64 KiB survivor, then the blocks freed, in a fresh
     process (a heap's free chunks serve an allocation before any threshold is asked, so it
     must start without any). Within ``mapped_above(1 MiB)`` each block is its own mapping,
-    unmapped when freed: the 128 MiB leave at once. After it (threshold back at 32 MiB) the
-    same blocks come from the heap, and the survivors keep the freed holes resident."""
+    unmapped when freed: the 128 MiB leave at once, also after a span within it has ended
+    (it puts the outer span's threshold back, not glibc's). After it (threshold back at 32
+    MiB) the same blocks come from the heap, and the survivors keep the freed holes resident."""
     out = subprocess.run([sys.executable, "-c", MAPPED_CHILD], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}).stdout
-    inside, outside = map(float, out.split())
+    inside, nested, outside = map(float, out.split())
     assert inside > 120, f"only {inside:.0f} of 128 MiB of mapped blocks went back at free"
+    assert nested > 120, f"only {nested:.0f} of 128 MiB went back after an inner span ended: it reset the threshold"
     assert outside < 40, f"{outside:.0f} MiB went back at free with the heap's threshold: nothing to show"
 
 

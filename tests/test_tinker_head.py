@@ -7,6 +7,7 @@ forward's logits with every activation kept."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +19,9 @@ pytest.importorskip("tinker")
 pytest.importorskip("peft")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from asyncrl import heap  # noqa: E402
 from asyncrl.learner import head as head_module  # noqa: E402
+from asyncrl.tinker import training  # noqa: E402
 from asyncrl.tinker.losses import gradient_positions  # noqa: E402
 from asyncrl.tinker.training import TinkerLora, TrainingRun, layers_to_recompute  # noqa: E402
 from asyncrl.tinker.wire import WireDatum  # noqa: E402
@@ -135,3 +138,25 @@ def test_auto_recomputes_the_fewest_layers_that_keep_a_micro_batch_within_the_bu
     calls.clear()
     run.forward_backward(data, "importance_sampling", {}, forward_only=True)  # no backward: nothing recomputed
     assert sorted(calls) == sorted((layer, p) for p in (5, 8, 11) for layer in (0, 1))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: elsewhere mapped_above is a no-op")
+def test_a_large_micro_batch_maps_its_backward_too_and_a_small_one_runs_it_from_the_heap(untied, monkeypatch):
+    """Every forward runs within a ``mapped_above`` span; the backward only where the
+    micro-batch's hidden state (padded positions × hidden × 4 bytes, 256 a position here)
+    reaches ``HEAP_BACKWARD_BELOW``, set to 8 positions' worth: a 5-position call's gradient
+    is made outside every span, an 11-position call's within one (``asyncrl/heap.py``)."""
+    model, tokenizer = untied
+    monkeypatch.setattr(training, "HEAP_BACKWARD_BELOW", 8 * 256)
+    run = TrainingRun("spans", model, tokenizer, TinkerLora(4, seed=3), max_rank=8, recompute=False)
+    forward: list[int] = []
+    backward: list[int] = []
+    run.layers[0].input_layernorm.register_forward_pre_hook(lambda module, args: forward.append(len(heap._SPANS)))
+    trained = next(p for p in run.state.model.parameters() if p.requires_grad)
+    trained.register_hook(lambda grad: backward.append(len(heap._SPANS)))
+    for n in (5, 11):
+        run.forward_backward([datum(list(range(6, 6 + n + 1)), [1.0] * n)], "importance_sampling", {},
+                             forward_only=False)
+    assert forward == [1, 2]  # the forward's own span, within the backward's for the large call
+    assert backward == [0, 1]
+    assert heap._SPANS == []  # every span ended: glibc's threshold is back

@@ -153,7 +153,16 @@ MAPPED_ABOVE = 1 << 20
 from this size on are mappings of their own (``asyncrl/heap.py``,
 :func:`~asyncrl.heap.mapped_above`): with glibc's own threshold a 948-token micro-batch's
 heap grew 1.5 GB past its live tensors; from 1 MiB on, 0.3 GB (4 MiB: 1.3 GB, the hidden-sized
-activations are 1–4 MiB there). The backward allocates from the heap (``docs/tinker.md``, "Memory")."""
+activations are 1–4 MiB there). A micro-batch's backward too when its hidden state reaches
+:data:`HEAP_BACKWARD_BELOW`; a smaller one's backward allocates from the heap."""
+HEAP_BACKWARD_BELOW = 4 << 20
+"""A micro-batch whose hidden state (padded positions × hidden × element size) is smaller
+runs its backward from glibc's heap, whose chunks it reuses; a larger one's backward maps
+its allocations as its forward does. Mapping costs page faults on every byte allocated:
+with the backward mapped too, the bench's 1,016-position micro-batch on SmolLM2 (2.3 MiB a
+hidden state) took 1.49× the learner's step in process, with it from the heap 1.23×; but
+with every backward from the heap the recipe-sized batch's server (chunks of about 2,900
+padded positions, 6.7 MiB) passed 3.1 GB (stopped there) against 2.5 GB mapped (``docs/tinker.md``, "Memory")."""
 
 
 def _recompute_mapped() -> tuple[contextlib.AbstractContextManager[None], contextlib.AbstractContextManager[None]]:
@@ -301,11 +310,14 @@ class TrainingRun:
 
         bounds = micro_batch_bounds(rows.lengths, max_rows=self.micro_rows, max_tokens=self.micro_tokens)
         parts = [rows.part(start, stop) for start, stop in bounds]
+        unit = self.hidden * next(self.state.model.parameters()).element_size()
+        large = any(part.ids.numel() * unit >= HEAP_BACKWARD_BELOW for part in parts)
         try:
-            if forward_only:
-                self.state.forward(parts, loss_function)
-            else:
-                self.state.accumulate(parts, loss_function)
+            with mapped_above(MAPPED_ABOVE) if large and not forward_only else contextlib.nullcontext():
+                if forward_only:
+                    self.state.forward(parts, loss_function)
+                else:
+                    self.state.accumulate(parts, loss_function)
         finally:
             trim_heap()  # what the backward's heap kept goes back between calls
         total = sum(rows.lengths)
