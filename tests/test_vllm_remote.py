@@ -409,6 +409,11 @@ def test_rounds_of_128_requests_after_gaps_near_the_keep_alive_with_pauses_that_
           f"fresh connection, {engine.stats.suspected} failed on a server that answered /health")
 
 
+KILLED_TOKENS = 900
+"""The killed server's requests' length: 150 could all be generated (and wait in the socket)
+before the kill landed, on a lane beside the second tier (CI, 2026-11-29: nothing lost)."""
+
+
 def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(fleet, capsys):
     """Kills the second server: only the fresh-run test, which needs one server, comes after it."""
     engine = fleet.engine
@@ -416,8 +421,8 @@ def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(f
 
     async def main():
         start = engine.stats.received
-        tasks = [asyncio.create_task(engine.generate([30 + i, 31, 32], SamplingParams(max_tokens=150, temperature=1.0,
-                                                                                       seed=i)))
+        tasks = [asyncio.create_task(engine.generate([30 + i, 31, 32], SamplingParams(max_tokens=KILLED_TOKENS,
+                                                                                       temperature=1.0, seed=i)))
                  for i in range(8)]
         deadline = time.monotonic() + CALL_LIMIT_S
         while not (engine.servers[1].in_flight > 0 and engine.stats.received > start + 8):
@@ -431,7 +436,7 @@ def test_a_server_killed_mid_run_is_named_and_its_requests_finish_on_the_other(f
     assert engine.stats.servers_lost >= 1 and engine.stats.reissued_requests > before
     assert not engine.servers[1].usable and engine.servers[0].usable
     for i, completion in enumerate(done):  # carried over from what had arrived, finished on the survivor
-        assert len(completion.token_ids) == 150 and completion.finish_reason == "length"
+        assert len(completion.token_ids) == KILLED_TOKENS and completion.finish_reason == "length"
         assert_model_logprobs(fleet.model, [30 + i, 31, 32], completion, 1.0)
     assert f"engine server {victim.url} lost" in capsys.readouterr().err
 
